@@ -1,0 +1,1 @@
+"""One small app per Lambda function; the logic lives in the shared layer (`kiln`)."""

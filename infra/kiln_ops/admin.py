@@ -1,0 +1,251 @@
+"""`kiln admin`: orgs, keys, credits and the maintenance switch.
+
+It reaches the same state as the gateway through the same settings: a shell that
+evaluated `kiln dev`'s exports talks to the local stack; with AWS credentials and the
+stack's KILN_* table and parameter names it talks to a deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable
+
+__all__ = ["AdminError", "add_admin_parser", "run_admin"]
+
+
+class AdminError(Exception):
+    """A one-line reason for a non-zero exit."""
+
+
+@dataclass
+class Context:
+    settings: Any
+    _tables: Any = None
+    _ssm: Any = None
+
+    @property
+    def tables(self) -> Any:
+        if self._tables is None:
+            from kiln.store import bind
+
+            self._tables = bind(self.settings)
+        return self._tables
+
+    @property
+    def ssm(self) -> Any:
+        if self._ssm is None:
+            from .provision import aws_clients
+
+            self._ssm = aws_clients(self.settings)[1]
+        return self._ssm
+
+
+def _usd(text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}") from None
+    if not value.is_finite():
+        raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def add_admin_parser(subparsers: Any) -> None:
+    admin = subparsers.add_parser("admin", help="manage orgs, keys, credits and maintenance")
+    groups = admin.add_subparsers(dest="group", required=True, metavar="{orgs,keys,credits,maintenance}")
+
+    orgs = groups.add_parser("orgs", help="organisations").add_subparsers(dest="action", required=True)
+    create = orgs.add_parser("create", help="create an org")
+    create.add_argument("org")
+    create.add_argument("--concurrency", type=_positive, default=None, help="requests in flight at most (default 8)")
+    create.add_argument("--credits", type=_usd, default=Decimal(0), help="initial prepaid credits, USD (default 0)")
+    create.set_defaults(run=_orgs_create)
+    show = orgs.add_parser("show", help="an org's status, limit, credits and requests in flight")
+    show.add_argument("org")
+    show.set_defaults(run=_orgs_show)
+    for name, status in (("disable", "disabled"), ("enable", "active")):
+        toggle = orgs.add_parser(name, help=f"{name} an org")
+        toggle.add_argument("org")
+        toggle.set_defaults(run=lambda ctx, args, out, status=status: _orgs_status(ctx, args, out, status))
+    limit = orgs.add_parser("set-limit", help="change an org's concurrency limit")
+    limit.add_argument("org")
+    limit.add_argument("concurrency", type=_positive)
+    limit.set_defaults(run=_orgs_set_limit)
+
+    keys = groups.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
+    key_create = keys.add_parser("create", help="issue a key (the secret is printed once)")
+    key_create.add_argument("org")
+    key_create.set_defaults(run=_keys_create)
+    revoke = keys.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(run=_keys_revoke)
+    key_list = keys.add_parser("list", help="an org's keys (ids and prefixes, never secrets)")
+    key_list.add_argument("org")
+    key_list.set_defaults(run=_keys_list)
+
+    credits = groups.add_parser("credits", help="prepaid credits").add_subparsers(dest="action", required=True)
+    add = credits.add_parser("add", help="add USD to an org's credits (negative to correct)")
+    add.add_argument("org")
+    add.add_argument("usd", type=_usd)
+    add.set_defaults(run=_credits_add)
+
+    maintenance = groups.add_parser("maintenance", help="the maintenance switch").add_subparsers(
+        dest="action", required=True
+    )
+    on = maintenance.add_parser("on", help="answer 503 maintenance on every endpoint")
+    on.add_argument("--until", help="ISO 8601 end time, sent as Retry-After")
+    on.add_argument("--message", help="the message clients see")
+    on.set_defaults(run=_maintenance_on)
+    maintenance.add_parser("off", help="serve again").set_defaults(run=_maintenance_off)
+    maintenance.add_parser("status", help="show the switch").set_defaults(run=_maintenance_status)
+
+
+def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str], None] = print) -> int:
+    from kiln.settings import Settings, SettingsError
+
+    try:
+        context = Context(settings or Settings.from_env())
+        args.run(context, args, out)
+        return 0
+    except (AdminError, SettingsError, ValueError) as exc:
+        print(f"kiln admin: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        print(f"kiln admin: {_describe(exc)}", file=sys.stderr)
+        return 1
+
+
+def _describe(exc: BaseException) -> str:
+    from kiln.store import RecordExists, RecordNotFound
+    from kiln.store.errors import translate_storage_error
+
+    if isinstance(exc, (RecordExists, RecordNotFound)):
+        return str(exc)
+    name = type(exc).__name__
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return "no AWS credentials: configure them (or evaluate kiln dev's exports)"
+    if name in ("EndpointConnectionError", "ConnectionRefusedError"):
+        return f"cannot reach AWS: {exc}"
+    return str(translate_storage_error(exc))
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def _orgs_create(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import create_org
+
+    concurrency = args.concurrency or ctx.settings.default_concurrency
+    org = create_org(ctx.tables, args.org, concurrency=concurrency, credits=args.credits)
+    out(f"created org {org.org_id}: concurrency {org.concurrency_limit}, credits ${org.credits}")
+
+
+def _orgs_show(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import get_org
+
+    org = get_org(ctx.tables, args.org)
+    out(f"org {org.org_id}")
+    out(f"  status       {org.status}")
+    out(f"  concurrency  {org.concurrency_limit}")
+    out(f"  credits      ${org.credits}")
+    out(f"  in flight    {org.in_flight}")
+    out(f"  created      {org.created_at}")
+
+
+def _orgs_status(ctx: Context, args: argparse.Namespace, out, status: str) -> None:
+    from kiln.store.orgs import set_status
+
+    set_status(ctx.tables, args.org, status)
+    out(f"org {args.org} is now {status}")
+
+
+def _orgs_set_limit(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import set_limit
+
+    set_limit(ctx.tables, args.org, args.concurrency)
+    out(f"org {args.org}: concurrency limit {args.concurrency}")
+
+
+def _keys_create(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.keys import create_key
+
+    key = create_key(ctx.tables, args.org)
+    out(f"created key {key.key_id} for org {key.org_id}")
+    out(f"secret (shown once, store it now): {key.secret}")
+
+
+def _keys_revoke(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.keys import revoke_key
+
+    key = revoke_key(ctx.tables, args.key_id)
+    out(f"revoked key {key.key_id} ({key.prefix}…) of org {key.org_id}")
+
+
+def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.keys import list_keys
+    from kiln.store.orgs import get_org
+
+    get_org(ctx.tables, args.org)
+    keys = list_keys(ctx.tables, args.org)
+    out(f"{'KEY ID':<22} {'PREFIX':<14} {'STATUS':<8} CREATED")
+    for key in keys:
+        out(f"{key.key_id:<22} {key.prefix + '…':<14} {key.status:<8} {key.created_at}")
+
+
+def _credits_add(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import add_credits
+
+    from kiln.store.orgs import get_org
+
+    add_credits(ctx.tables, args.org, args.usd)
+    out(f"org {args.org}: added ${args.usd}, balance ${get_org(ctx.tables, args.org).credits}")
+
+
+def _maintenance_on(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.maintenance import MaintenanceFlag, parse_until
+
+    until = None
+    if args.until:
+        try:
+            until = parse_until(args.until)
+        except ValueError:
+            raise AdminError(f"--until is not an ISO 8601 time: {args.until!r}") from None
+    flag = MaintenanceFlag(enabled=True, until=until, message=args.message)
+    _write_flag(ctx, flag)
+    out(f"maintenance on: {flag.to_json()}")
+
+
+def _maintenance_off(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.maintenance import MaintenanceFlag
+
+    _write_flag(ctx, MaintenanceFlag(enabled=False))
+    out("maintenance off")
+
+
+def _maintenance_status(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.maintenance import parse_flag
+
+    try:
+        raw = ctx.ssm.get_parameter(Name=ctx.settings.maintenance_parameter)["Parameter"]["Value"]
+    except ctx.ssm.exceptions.ParameterNotFound:
+        raw = None
+    flag = parse_flag(raw)
+    out(f"maintenance {'on' if flag.enabled else 'off'}: {flag.to_json()}")
+
+
+def _write_flag(ctx: Context, flag: Any) -> None:
+    ctx.ssm.put_parameter(Name=ctx.settings.maintenance_parameter, Value=flag.to_json(), Type="String", Overwrite=True)
+

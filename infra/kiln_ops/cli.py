@@ -1,0 +1,97 @@
+"""The `kiln` command: the local stack, its parts, and the admin tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .admin import add_admin_parser, run_admin
+
+__all__ = ["main"]
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError("a port is 0-65535")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="Kiln gateway: local stack and operator tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    dev = commands.add_parser("dev", help="run the whole stack locally (gateway + embedded AWS + mock model server)")
+    dev.add_argument("--host", default="127.0.0.1", help="address to serve the gateway on (default 127.0.0.1)")
+    dev.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000)")
+    dev.add_argument("--upstream-url", help="serve every model from this OpenAI-compatible server (…/v1) instead of the mock")
+    dev.add_argument("--mock-token-delay-ms", type=_non_negative, default=20.0, help="the mock's delay between tokens (default 20)")
+    dev.add_argument("--aws-endpoint-url", help="use this DynamoDB/SSM endpoint instead of starting the embedded AWS")
+
+    mock = commands.add_parser("mock-upstream", help="an OpenAI-compatible model server with fault injection")
+    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--port", type=_port, default=8001)
+    mock.add_argument("--token-delay-ms", type=_non_negative, default=0.0, help="delay between tokens")
+    mock.add_argument("--ttft-ms", type=_non_negative, default=0.0, help="delay before the first token")
+
+    emulator = commands.add_parser("emulator", help="the embedded AWS alone (serialized moto: DynamoDB, SSM)")
+    emulator.add_argument("--host", default="127.0.0.1")
+    emulator.add_argument("--port", type=_port, default=4566)
+
+    add_admin_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "admin":
+        return run_admin(args)
+    if args.command == "dev":
+        from .dev import run_dev
+
+        return run_dev(
+            host=args.host,
+            port=args.port,
+            upstream_url=args.upstream_url,
+            mock_token_delay_ms=args.mock_token_delay_ms,
+            aws_endpoint_url=args.aws_endpoint_url,
+        )
+    if args.command == "mock-upstream":
+        from .mock_upstream import MockUpstream
+        from .serve import serve
+
+        print(f"kiln mock-upstream: serving on http://{args.host}:{args.port}/v1", flush=True)
+        serve(MockUpstream(token_delay_ms=args.token_delay_ms, ttft_ms=args.ttft_ms), args.host, args.port)
+        return 0
+    if args.command == "emulator":
+        import threading
+
+        from .emulator import EmbeddedAws
+
+        aws = EmbeddedAws(args.host, args.port).start()
+        print(f"kiln emulator: embedded AWS on {aws.url}", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            aws.stop()
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

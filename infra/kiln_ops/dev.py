@@ -1,0 +1,171 @@
+"""`kiln dev`: the whole stack on this machine, in one process tree, with no AWS account.
+
+    embedded AWS (serialized moto)  ─ child process, unless --aws-endpoint-url is given
+    mock model server               ─ child process, unless --upstream-url is given
+    the gateway (all endpoints)     ─ this process, uvicorn
+
+It creates what is missing (tables and parameters from template.yaml, the catalog from
+infra/catalog.json pointed at the model server), a demo org with a fresh key, then prints
+`export NAME=value` lines (also written to .kiln/dev.env) and a line containing `ready`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kiln.catalog import Catalog
+
+__all__ = ["local_catalog", "run_dev"]
+
+DEMO_ORG = "demo"
+DEMO_CREDITS = Decimal("10")
+DEMO_CONCURRENCY = 8
+FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
+def _child(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", *args], start_new_session=False)
+
+
+def _wait_until_up(url: str, what: str, child: subprocess.Popen | None, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and child.poll() is not None:
+            raise SystemExit(f"kiln dev: the {what} exited with status {child.returncode}")
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise SystemExit(f"kiln dev: the {what} did not answer at {url} within {timeout:.0f}s")
+
+
+def run_dev(
+    *,
+    host: str,
+    port: int,
+    upstream_url: str | None,
+    mock_token_delay_ms: float,
+    aws_endpoint_url: str | None,
+) -> int:
+    from kiln.settings import Settings
+
+    from .provision import aws_clients, provision
+    from .serve import free_port, serve
+    from .template import repo_root
+
+    children: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the children on the way out
+
+    def stop_children(*_: Any) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+    try:
+        if aws_endpoint_url is None:
+            aws_port = free_port()
+            children.append(_child(["emulator", "--host", "127.0.0.1", "--port", str(aws_port)]))
+            aws_endpoint_url = f"http://127.0.0.1:{aws_port}"
+            _wait_until_up(aws_endpoint_url, "embedded AWS", children[-1])
+        if upstream_url is None:
+            mock_port = free_port()
+            children.append(
+                _child(["mock-upstream", "--port", str(mock_port), "--token-delay-ms", str(mock_token_delay_ms)])
+            )
+            upstream_url = f"http://127.0.0.1:{mock_port}/v1"
+            _wait_until_up(f"http://127.0.0.1:{mock_port}/mock/stats", "mock model server", children[-1])
+
+        os.environ.update({key: os.environ.get(key, value) for key, value in FAKE_CREDENTIALS.items()})
+        settings = replace(Settings.from_env(), aws_endpoint_url=aws_endpoint_url)
+        catalog_json = local_catalog(repo_root() / "infra" / "catalog.json", upstream_url)
+        dynamodb, ssm = aws_clients(settings)
+        created = provision(settings, catalog_json=catalog_json, dynamodb=dynamodb, ssm=ssm, replace_catalog=True)
+        for line in created:
+            print(f"kiln dev: created {line}", file=sys.stderr)
+        secret = _demo_key(settings)
+
+        exports = {
+            **settings.to_env(),
+            "AWS_ENDPOINT_URL": aws_endpoint_url,
+            "AWS_DEFAULT_REGION": settings.region,
+            "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
+            "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"],
+            "KILN_API_KEY": secret,
+            "KILN_BASE_URL": f"http://{_display_host(host)}:{port}/v1",
+            "KILN_UPSTREAM_URL": upstream_url,
+        }
+        os.environ.update(exports)
+        _print_exports(exports)
+
+        from .app import combined_app
+
+        print(
+            f"kiln dev: ready on {exports['KILN_BASE_URL']} (org {DEMO_ORG}, {DEMO_CONCURRENCY} in flight, "
+            f"${DEMO_CREDITS} credits); Ctrl-C stops everything",
+            flush=True,
+        )
+        serve(combined_app(), host, port)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_children()
+
+
+def local_catalog(path: Path, upstream_url: str) -> str:
+    """The catalog file with every model served by one local OpenAI-compatible server."""
+    document = json.loads(path.read_text())
+    for model in document["models"]:
+        model["backends"] = [{"name": "local", "url": upstream_url.rstrip("/")}]
+    Catalog.from_document(document)  # fail here, loudly, rather than on the first request
+    return json.dumps(document)
+
+
+def _demo_key(settings: Any) -> str:
+    from kiln.store import RecordExists, bind
+    from kiln.store.keys import create_key
+    from kiln.store.orgs import create_org
+
+    tables = bind(settings)
+    try:
+        create_org(tables, DEMO_ORG, concurrency=DEMO_CONCURRENCY, credits=DEMO_CREDITS)
+    except RecordExists:
+        pass
+    return create_key(tables, DEMO_ORG).secret
+
+
+def _display_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
+def _print_exports(exports: dict[str, str]) -> None:
+    lines = [f"export {name}={_quote(value)}" for name, value in exports.items()]
+    env_dir = Path(".kiln")
+    try:
+        env_dir.mkdir(exist_ok=True)
+        (env_dir / "dev.env").write_text("\n".join(lines) + "\n")
+    except OSError:
+        pass
+    print("\n".join(lines), flush=True)
+
+
+def _quote(value: str) -> str:
+    import shlex
+
+    return shlex.quote(value)

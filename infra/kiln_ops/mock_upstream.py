@@ -1,0 +1,379 @@
+"""A model server that answers like vLLM, with faults on request, for tests and the local stack.
+
+Chat and text completions, buffered and streamed: a role chunk first (chat), one token per
+chunk, a finish chunk, a usage chunk only when `stream_options.include_usage` is true,
+then `data: [DONE]`. `n` choices, tool calls when tools are given, cached tokens on request.
+
+Token counts are deterministic: a prompt costs one token per whitespace-separated word
+(plus 3 per chat message); the reply is a fixed sentence (12 tokens for chat, 7 for text
+completions), cut at `max_tokens`. So the reference pages' examples come out exactly:
+"The capital of France is" → 5 prompt tokens; system "Answer briefly." + user "Hello!" → 9.
+
+Per-request behaviour comes from a `mock` object in the request body (the gateway forwards
+unknown fields), from a `/x/<k=v,k=v>/v1/...` path prefix (a whole backend that misbehaves),
+or from the server's own defaults:
+
+    status=N          answer HTTP N with a vLLM-style JSON error
+    plain_text=true   …with a plain-text body instead ("Internal Server Error")
+    headers_delay_ms  wait before answering at all (a backend that never gets to the first byte)
+    ttft_ms           wait before the first token (streams: after the 200 and headers)
+    token_delay_ms    wait between tokens
+    tokens=N          reply with N tokens (cut at max_tokens)
+    cut_after=N       drop the connection after N content chunks (mid-stream failure)
+    no_done=true      end the stream cleanly but without [DONE]
+    no_usage=true     never report usage, as llama.cpp's server does
+    cached_tokens=N   report N prompt tokens as served from the prefix cache
+    tool_calls=N      call N tools (default 1 when tools are given)
+
+GET /mock/stats reports requests, in-flight (now and at most), disconnects and the last
+bodies received; POST /mock/reset clears them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+__all__ = ["MockOptions", "MockUpstream"]
+
+CHAT_REPLY = ["Hello", "!", " How", " can", " I", " help", " you", " today", "?", " Ask", " me", " anything."]
+TEXT_REPLY = [" Paris", ",", " a", " city", " on", " the", " Seine."]
+
+
+@dataclass
+class MockOptions:
+    status: int | None = None
+    plain_text: bool = False
+    message: str | None = None
+    headers_delay_ms: float = 0
+    ttft_ms: float = 0
+    token_delay_ms: float = 0
+    tokens: int | None = None
+    cut_after: int | None = None
+    no_done: bool = False
+    no_usage: bool = False
+    cached_tokens: int | None = None
+    tool_calls: int | None = None
+
+    def merged(self, overrides: dict[str, Any]) -> "MockOptions":
+        values = dict(self.__dict__)
+        for key, value in overrides.items():
+            if key in values:
+                values[key] = _coerce(values[key], value, key)
+        return MockOptions(**values)
+
+
+def _coerce(default: Any, value: Any, key: str) -> Any:
+    if isinstance(value, str):
+        if key in ("plain_text", "no_done", "no_usage"):
+            return value.lower() in ("1", "true", "yes")
+        if key == "message":
+            return value
+        return float(value) if "." in value else int(value)
+    return value
+
+
+@dataclass
+class MockStats:
+    requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    completed: int = 0
+    disconnects: int = 0
+    bodies: deque = field(default_factory=lambda: deque(maxlen=50))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "completed": self.completed,
+            "disconnects": self.disconnects,
+            "bodies": list(self.bodies),
+        }
+
+
+class MockUpstream:
+    """A raw ASGI app (fast, and in full control of when bytes go out and connections drop)."""
+
+    def __init__(self, *, token_delay_ms: float = 0, ttft_ms: float = 0) -> None:
+        self.defaults = MockOptions(token_delay_ms=token_delay_ms, ttft_ms=ttft_ms)
+        self.stats = MockStats()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        options = self.defaults
+        if path.startswith("/x/"):
+            _, _, spec, rest = path.split("/", 3)
+            options = options.merged(dict(pair.split("=", 1) for pair in unquote(spec).split(",") if "=" in pair))
+            path = "/" + rest
+        if method == "GET" and path == "/mock/stats":
+            return await _send_json(send, 200, self.stats.as_dict())
+        if method == "POST" and path == "/mock/reset":
+            self.stats = MockStats()
+            return await _send_json(send, 200, {"reset": True})
+        if method == "GET" and path == "/v1/models":
+            return await _send_json(send, 200, {"object": "list", "data": []})
+        if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
+            return await _send_json(send, 404, _error(f"no route {method} {path}", 404))
+        raw = await _read_body(receive)
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return await _send_json(send, 400, _error("Invalid JSON body", 400))
+        self.stats.requests += 1
+        self.stats.bodies.append(body)
+        if isinstance(body.get("mock"), dict):
+            options = options.merged(body["mock"])
+        self.stats.in_flight += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+        try:
+            await self._answer(path == "/v1/chat/completions", body, options, receive, send)
+        finally:
+            self.stats.in_flight -= 1
+
+    async def _answer(self, chat: bool, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
+        if options.headers_delay_ms:
+            await asyncio.sleep(options.headers_delay_ms / 1000)
+        if options.status is not None and options.status >= 400:
+            if options.plain_text:
+                return await _send_text(send, options.status, options.message or "Internal Server Error")
+            return await _send_json(send, options.status, _error(options.message or "mock failure", options.status))
+        reply = Reply.plan(chat, body, options)
+        if body.get("stream") is True:
+            return await self._stream(reply, body, options, receive, send)
+        if options.ttft_ms:
+            await asyncio.sleep(options.ttft_ms / 1000)
+        if options.token_delay_ms:
+            await asyncio.sleep(options.token_delay_ms * reply.length / 1000)
+        answer = reply.buffered()
+        if options.no_usage:
+            answer.pop("usage")
+        if options.cut_after is not None:
+            # a body that stops half-way: the declared length is never reached
+            data = json.dumps(answer).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data[: len(data) // 2], "more_body": True})
+            return
+        self.stats.completed += 1
+        await _send_json(send, 200, answer)
+
+    async def _stream(self, reply: "Reply", body: dict, options: MockOptions, receive: Any, send: Any) -> None:
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            await send({"type": "http.response.body", "body": b"", "more_body": True})
+            include_usage = (body.get("stream_options") or {}).get("include_usage") is True and not options.no_usage
+            sent = 0
+            for index, chunk in enumerate(reply.chunks()):
+                delay = options.ttft_ms if index == 0 else options.token_delay_ms
+                if delay:
+                    try:
+                        await asyncio.wait_for(gone.wait(), delay / 1000)
+                    except asyncio.TimeoutError:
+                        pass
+                if gone.is_set():
+                    self.stats.disconnects += 1
+                    return
+                if options.cut_after is not None and sent >= options.cut_after:
+                    return  # returning without finishing the body drops the connection
+                await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+                sent += 1
+            tail = b""
+            if include_usage:
+                tail += _event(reply.usage_chunk())
+            if not options.no_done:
+                tail += b"data: [DONE]\n\n"
+            self.stats.completed += 1
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        finally:
+            watcher.cancel()
+
+
+@dataclass
+class Reply:
+    chat: bool
+    model: str
+    n: int
+    prompt_tokens: int
+    tokens: list[str]
+    finish_reason: str
+    tools: list[dict]
+    tool_calls: int
+    cached_tokens: int | None
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def plan(cls, chat: bool, body: dict, options: MockOptions) -> "Reply":
+        base = CHAT_REPLY if chat else TEXT_REPLY
+        wanted = options.tokens if options.tokens is not None else len(base)
+        tokens = [base[i % len(base)] for i in range(wanted)]
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        finish = "stop"
+        if isinstance(max_tokens, int) and max_tokens < len(tokens):
+            tokens, finish = tokens[:max_tokens], "length"
+        tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+        calls = 0
+        if chat and tools and body.get("tool_choice") != "none":
+            calls = options.tool_calls if options.tool_calls is not None else 1
+            finish = "tool_calls" if calls else finish
+        prompt = _prompt_tokens(body, chat)
+        cached = min(options.cached_tokens, prompt) if options.cached_tokens is not None else None
+        n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
+        return cls(chat, str(body.get("model")), n, prompt, tokens, finish, tools, calls, cached)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def _call(self, index: int) -> dict:
+        tool = self.tools[index % len(self.tools)]["function"]
+        return {"id": f"call_{self.id[:8]}{index}", "type": "function",
+                "function": {"name": tool.get("name", "tool"), "arguments": json.dumps({"city": "Paris", "n": index})}}
+
+    def _arguments_pieces(self, index: int) -> list[str]:
+        text = self._call(index)["function"]["arguments"]
+        return [text[i : i + 6] for i in range(0, len(text), 6)]
+
+    def completion_tokens(self) -> int:
+        if self.tool_calls:
+            return self.n * sum(len(self._arguments_pieces(i)) for i in range(self.tool_calls))
+        return self.n * len(self.tokens)
+
+    def usage(self) -> dict:
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens(),
+            "total_tokens": self.prompt_tokens + self.completion_tokens(),
+        }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
+    def _header(self) -> dict:
+        if self.chat:
+            return {"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        return {"id": f"cmpl-{self.id}", "object": "text_completion", "created": self.created, "model": self.model}
+
+    def buffered(self) -> dict:
+        text = "".join(self.tokens)
+        choices = []
+        for index in range(self.n):
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tool_calls:
+                    message = {"role": "assistant", "content": None,
+                               "tool_calls": [self._call(i) for i in range(self.tool_calls)]}
+                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": self.finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": self.finish_reason})
+        header = self._header()
+        header["object"] = "chat.completion" if self.chat else "text_completion"
+        return {**header, "choices": choices, "usage": self.usage()}
+
+    def chunks(self):
+        header = self._header()
+        for index in range(self.n):
+            if self.chat:
+                yield {**header, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+            if self.tool_calls:
+                for call in range(self.tool_calls):
+                    first = self._call(call)
+                    first["function"]["arguments"] = ""
+                    yield {**header, "choices": [{"index": index, "delta": {"tool_calls": [{"index": call, **first}]},
+                                                  "logprobs": None, "finish_reason": None}]}
+                    for piece in self._arguments_pieces(call):
+                        delta = {"tool_calls": [{"index": call, "function": {"arguments": piece}}]}
+                        yield {**header, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                      "finish_reason": None}]}
+            else:
+                for token in self.tokens:
+                    if self.chat:
+                        choice = {"index": index, "delta": {"content": token}, "logprobs": None, "finish_reason": None}
+                    else:
+                        choice = {"index": index, "text": token, "logprobs": None, "finish_reason": None}
+                    yield {**header, "choices": [choice]}
+            final = {"index": index, "delta": {}} if self.chat else {"index": index, "text": ""}
+            yield {**header, "choices": [{**final, "logprobs": None, "finish_reason": self.finish_reason}]}
+
+    def usage_chunk(self) -> dict:
+        return {**self._header(), "choices": [], "usage": self.usage()}
+
+
+def _words(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        return sum(_words(item) if not isinstance(item, int) else 1 for item in value)
+    if isinstance(value, dict):
+        return _words(value.get("text", "")) + _words(value.get("content", ""))
+    return 0
+
+
+def _prompt_tokens(body: dict, chat: bool) -> int:
+    if chat:
+        messages = body.get("messages") or []
+        return sum(3 + _words(m.get("content")) for m in messages if isinstance(m, dict))
+    return _words(body.get("prompt"))
+
+
+def _error(message: str, status: int) -> dict:
+    return {"object": "error", "message": message, "type": "BadRequestError" if status < 500 else "InternalServerError",
+            "param": None, "code": status}
+
+
+def _event(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _send_json(send: Any, status: int, payload: Any) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _send_text(send: Any, status: int, text: str) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
+    await send({"type": "http.response.body", "body": text.encode()})

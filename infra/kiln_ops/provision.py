@@ -1,0 +1,56 @@
+"""Creates what a stack needs and does not have yet: tables, parameters, the catalog.
+
+Used by the local stack and the tests (against the emulator); idempotent, so running it
+twice against the same endpoint changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.settings import Settings
+
+from .template import PARAMETERS, TABLES, create_table_kwargs
+
+__all__ = ["aws_clients", "provision"]
+
+
+def aws_clients(settings: Settings) -> tuple[Any, Any]:
+    """DynamoDB and SSM clients for these settings (the emulator when an endpoint is set)."""
+    import botocore.session
+
+    session = botocore.session.get_session()
+    make = lambda service: session.create_client(  # noqa: E731
+        service, region_name=settings.region, endpoint_url=settings.aws_endpoint_url
+    )
+    return make("dynamodb"), make("ssm")
+
+
+def provision(settings: Settings, *, catalog_json: str, dynamodb: Any, ssm: Any, replace_catalog: bool = False) -> list[str]:
+    """Create missing tables and parameters; returns what was created."""
+    created: list[str] = []
+    existing = set()
+    for page in dynamodb.get_paginator("list_tables").paginate():
+        existing.update(page.get("TableNames", []))
+    for logical_id, field in TABLES.items():
+        name = getattr(settings, field)
+        if name not in existing:
+            dynamodb.create_table(**create_table_kwargs(logical_id, name))
+            dynamodb.get_waiter("table_exists").wait(TableName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 60})
+            created.append(f"table {name}")
+    initial = {"MaintenanceParameter": '{"enabled": false}', "CatalogParameter": catalog_json}
+    for logical_id, field in PARAMETERS.items():
+        name = getattr(settings, field)
+        overwrite = replace_catalog and logical_id == "CatalogParameter"
+        if overwrite or not _parameter_exists(ssm, name):
+            ssm.put_parameter(Name=name, Value=initial[logical_id], Type="String", Overwrite=True, Tier="Advanced")
+            created.append(f"parameter {name}")
+    return created
+
+
+def _parameter_exists(ssm: Any, name: str) -> bool:
+    try:
+        ssm.get_parameter(Name=name)
+        return True
+    except ssm.exceptions.ParameterNotFound:
+        return False

@@ -1,0 +1,112 @@
+"""Bearer-key authentication with a short in-memory cache (contract §2 step 3).
+
+A hit costs no I/O. A miss reads the key (by the SHA-256 of the secret) and its org, off
+the event loop; concurrent misses for the same key share one read. Revocation and org
+status changes take effect within `auth_cache_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from pynamodb.exceptions import DoesNotExist
+
+from .errors import InvalidApiKey, OrganizationDisabled
+from .store.keys import hash_secret, looks_like_key
+from .store.records import Tables
+
+__all__ = ["Authenticator", "Principal"]
+
+INVALID_KEY = "Incorrect API key provided. You can find your API key in your Kiln console."
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: str
+    org_id: str
+    key_active: bool
+    org_active: bool
+
+
+class Authenticator:
+    def __init__(
+        self,
+        tables: Tables,
+        *,
+        cache_seconds: float,
+        run_blocking: Callable[..., Awaitable],
+        max_entries: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._tables = tables
+        self._ttl = cache_seconds
+        self._run_blocking = run_blocking
+        self._max_entries = max_entries
+        self._clock = clock
+        self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
+        self._pending: dict[str, asyncio.Future] = {}
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        secret = _bearer(authorization)
+        if secret is None or not looks_like_key(secret):
+            raise InvalidApiKey(INVALID_KEY)
+        principal = await self._principal(hash_secret(secret))
+        if principal is None or not principal.key_active:
+            raise InvalidApiKey(INVALID_KEY)
+        if not principal.org_active:
+            raise OrganizationDisabled("Your organization is disabled. Contact support.")
+        return principal
+
+    async def _principal(self, key_hash: str) -> Principal | None:
+        cached = self._cache.get(key_hash)
+        if cached is not None and cached[0] > self._clock():
+            return cached[1]
+        pending = self._pending.get(key_hash)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key_hash] = future
+        try:
+            principal = await self._run_blocking(self._load, key_hash)
+            future.set_result(principal)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: the waiters, if any, re-raise it
+            raise
+        finally:
+            del self._pending[key_hash]
+        self._remember(key_hash, principal)
+        return principal
+
+    def _remember(self, key_hash: str, principal: Principal | None) -> None:
+        if principal is None:
+            return  # unknown keys are not cached: a key created a moment ago must work at once
+        self._cache[key_hash] = (self._clock() + self._ttl, principal)
+        self._cache.move_to_end(key_hash)
+        while len(self._cache) > self._max_entries:
+            self._cache.popitem(last=False)
+
+    def _load(self, key_hash: str) -> Principal | None:
+        try:
+            key = self._tables.keys.get(key_hash)
+        except DoesNotExist:
+            return None
+        try:
+            org = self._tables.orgs.get(key.org_id, attributes_to_get=["org_id", "status"])
+            org_active = org.status == "active"
+        except DoesNotExist:
+            return None
+        return Principal(key.key_id, key.org_id, key.status == "active", org_active)
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None

@@ -1,0 +1,213 @@
+"""The model catalog: what can be called, what it costs, what it can do, where it runs.
+
+The catalog is data (a JSON document in an SSM parameter, or a file locally); request
+handling asks it about capabilities and never tests model names itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any, Iterable, Mapping
+
+from .jsonio import decimal_text, loads_strict
+
+__all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "ModelEntry", "Pricing", "Timeouts"]
+
+PER_MILLION = Decimal(1_000_000)
+
+
+class CatalogError(ValueError):
+    """The catalog document is malformed; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """USD per million tokens, as operators write prices."""
+
+    input: Decimal
+    output: Decimal
+    cached_input: Decimal | None = None
+
+    def per_token(self) -> dict[str, str]:
+        prices = {
+            "prompt": decimal_text(self.input / PER_MILLION),
+            "completion": decimal_text(self.output / PER_MILLION),
+        }
+        if self.cached_input is not None:
+            prices["cached"] = decimal_text(self.cached_input / PER_MILLION)
+        return prices
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    # tool_choice "required" or a named function
+    forced_tool_choice: bool = False
+    # response_format json_object / json_schema
+    json_response_format: bool = False
+    # ignore_eos on chat requests
+    ignore_eos: bool = True
+
+    def as_dict(self) -> dict[str, bool]:
+        return {
+            "forced_tool_choice": self.forced_tool_choice,
+            "json_response_format": self.json_response_format,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. All of them stay under the function timeout."""
+
+    connect: float = 5.0
+    # until the response headers arrive (buffered: until the whole body)
+    first_byte: float = 120.0
+    # longest silence between two reads of a stream
+    idle: float = 300.0
+    # the whole exchange with one backend
+    total: float = 840.0
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    url: str
+    upstream_model: str | None = None
+    api_key_env: str | None = None
+    enabled: bool = True
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    id: str
+    owned_by: str
+    created: int
+    context_length: int
+    pricing: Pricing
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    backends: tuple[Backend, ...] = ()
+
+    def available_backends(self) -> tuple[Backend, ...]:
+        return tuple(backend for backend in self.backends if backend.enabled)
+
+    def public(self) -> dict[str, Any]:
+        """The /v1/models object: never backends, URLs or keys."""
+        return {
+            "id": self.id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": self.owned_by,
+            "context_length": self.context_length,
+            "pricing": self.pricing.per_token(),
+            "capabilities": self.capabilities.as_dict(),
+        }
+
+
+class Catalog:
+    def __init__(self, models: Iterable[ModelEntry]) -> None:
+        self._models: dict[str, ModelEntry] = {}
+        for model in models:
+            if model.id in self._models:
+                raise CatalogError(f"model {model.id!r} appears twice")
+            self._models[model.id] = model
+
+    def get(self, model_id: str) -> ModelEntry | None:
+        return self._models.get(model_id)
+
+    def __iter__(self):
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "Catalog":
+        try:
+            document = loads_strict(raw.encode() if isinstance(raw, str) else raw)
+        except ValueError as exc:
+            raise CatalogError(f"catalog is not valid JSON: {exc}") from None
+        return cls.from_document(document)
+
+    @classmethod
+    def from_document(cls, document: Any) -> "Catalog":
+        if not isinstance(document, Mapping) or not isinstance(document.get("models"), list):
+            raise CatalogError('catalog must be an object with a "models" array')
+        return cls(_parse_model(entry, index) for index, entry in enumerate(document["models"]))
+
+    def with_backend_url(self, url: str) -> "Catalog":
+        """Every model served by one OpenAI-compatible server (the local stack's --upstream-url)."""
+        from dataclasses import replace
+
+        return Catalog(replace(model, backends=(Backend(name="local", url=url),)) for model in self)
+
+
+def _parse_model(entry: Any, index: int) -> ModelEntry:
+    where = f"models[{index}]"
+    if not isinstance(entry, Mapping):
+        raise CatalogError(f"{where} must be an object")
+    model_id = _require(entry, "id", str, where)
+    where = f"model {model_id!r}"
+    pricing = _require(entry, "pricing", Mapping, where)
+    capabilities = entry.get("capabilities", {})
+    timeouts = entry.get("timeouts", {})
+    backends = entry.get("backends", [])
+    if not isinstance(capabilities, Mapping) or not isinstance(timeouts, Mapping) or not isinstance(backends, list):
+        raise CatalogError(f"{where}: capabilities and timeouts must be objects, backends an array")
+    try:
+        return ModelEntry(
+            id=model_id,
+            owned_by=str(entry.get("owned_by", "kiln")),
+            created=int(entry.get("created", 0)),
+            context_length=int(_require(entry, "context_length", int, where)),
+            pricing=Pricing(
+                input=_price(pricing, "input", where),
+                output=_price(pricing, "output", where),
+                cached_input=_price(pricing, "cached_input", where) if "cached_input" in pricing else None,
+            ),
+            capabilities=Capabilities(**{k: bool(v) for k, v in capabilities.items()}),
+            timeouts=Timeouts(**{k: float(v) for k, v in timeouts.items()}),
+            backends=tuple(_parse_backend(backend, i, where) for i, backend in enumerate(backends)),
+        )
+    except TypeError as exc:  # unknown capability or timeout name
+        raise CatalogError(f"{where}: {exc}") from None
+
+
+def _parse_backend(entry: Any, index: int, where: str) -> Backend:
+    where = f"{where} backends[{index}]"
+    if not isinstance(entry, Mapping):
+        raise CatalogError(f"{where} must be an object")
+    url = _require(entry, "url", str, where).rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise CatalogError(f"{where}: url must start with http:// or https://")
+    return Backend(
+        name=str(entry.get("name", f"backend-{index}")),
+        url=url,
+        upstream_model=entry.get("model"),
+        api_key_env=entry.get("api_key_env"),
+        enabled=bool(entry.get("enabled", True)),
+    )
+
+
+def _require(entry: Mapping, key: str, kind: type, where: str) -> Any:
+    value = entry.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise CatalogError(f"{where}: {key!r} is required ({kind.__name__})")
+    return value
+
+
+def _price(pricing: Mapping, key: str, where: str) -> Decimal:
+    raw = pricing.get(key)
+    try:
+        # Prices are written as strings ("0.035") so that no float ever touches them.
+        value = Decimal(str(raw)) if isinstance(raw, (str, int)) and not isinstance(raw, bool) else None
+    except InvalidOperation:
+        value = None
+    if value is None or not value.is_finite() or value < 0:
+        raise CatalogError(f"{where}: pricing.{key} must be a non-negative decimal string (USD per 1M tokens)")
+    return value

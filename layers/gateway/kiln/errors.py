@@ -1,0 +1,215 @@
+"""One error tree for everything the gateway answers with an error.
+
+    GatewayError                      JSON body {"error": {message, type, param, code}}
+    ├── InvalidJson                   400 invalid_json
+    ├── RequestTooLarge               413 request_too_large
+    ├── InvalidApiKey                 401 invalid_api_key
+    ├── OrganizationDisabled          403 organization_disabled
+    ├── MissingParameter              400 missing_required_parameter
+    ├── EmptyArray                    400 empty_array
+    ├── InvalidType                   400 invalid_type
+    ├── UnsupportedParameter          400 unsupported_parameter
+    ├── ModelNotFound                 404 model_not_found
+    ├── UnknownUrl / MethodNotAllowed 404 / 405
+    ├── InsufficientCredits           402 insufficient_credits
+    ├── RateLimitExceeded             429 rate_limit_exceeded
+    ├── Maintenance                   503 maintenance (+ Retry-After)
+    ├── NoBackendAvailable            503 no_backend_available
+    ├── StorageUnavailable            503 storage_unavailable
+    ├── UpstreamRejected              the upstream's 4xx, re-shaped
+    ├── UpstreamFailed                502, plain text (contract §5)
+    └── InternalError                 500 internal_error
+
+Clients branch on status and ``error.code``: both are stable API. Messages may change.
+Foreign exceptions (httpx, botocore) are translated into this tree in one place each
+(`kiln.upstream.translate_transport_error`, `kiln.store.errors.translate_storage_error`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = [
+    "GatewayError",
+    "InvalidJson",
+    "RequestTooLarge",
+    "InvalidApiKey",
+    "OrganizationDisabled",
+    "MissingParameter",
+    "EmptyArray",
+    "InvalidType",
+    "UnsupportedParameter",
+    "ModelNotFound",
+    "UnknownUrl",
+    "MethodNotAllowed",
+    "InsufficientCredits",
+    "RateLimitExceeded",
+    "Maintenance",
+    "NoBackendAvailable",
+    "StorageUnavailable",
+    "UpstreamRejected",
+    "UpstreamFailed",
+    "InternalError",
+    "error_body",
+]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
+    """The contract's error shape, serialized."""
+    payload = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    media_type: str = "application/json"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, detail: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        # for logs and usage events only, never sent to the client
+        self.detail = detail
+        if param is not None:
+            self.param = param
+        if code is not None:
+            self.code = code
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidJson(GatewayError):
+    status, type, code = 400, "invalid_request_error", "invalid_json"
+
+
+class RequestTooLarge(GatewayError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class InvalidApiKey(GatewayError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class OrganizationDisabled(GatewayError):
+    status, type, code = 403, "permission_error", "organization_disabled"
+
+
+class MissingParameter(GatewayError):
+    status, type, code = 400, "invalid_request_error", "missing_required_parameter"
+
+
+class EmptyArray(GatewayError):
+    status, type, code = 400, "invalid_request_error", "empty_array"
+
+
+class InvalidType(GatewayError):
+    status, type, code = 400, "invalid_request_error", "invalid_type"
+
+
+class UnsupportedParameter(GatewayError):
+    status, type, code = 400, "invalid_request_error", "unsupported_parameter"
+
+
+class ModelNotFound(GatewayError):
+    status, type, code, param = 404, "invalid_request_error", "model_not_found", "model"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist or you do not have access to it.")
+
+
+class UnknownUrl(GatewayError):
+    status, type, code = 404, "invalid_request_error", "unknown_url"
+
+
+class MethodNotAllowed(GatewayError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class InsufficientCredits(GatewayError):
+    status, type, code = 402, "billing_error", "insufficient_credits"
+
+
+class RateLimitExceeded(GatewayError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class Maintenance(GatewayError):
+    status, type, code = 503, "service_unavailable", "maintenance"
+
+    def __init__(self, message: str, retry_after: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": self.retry_after}
+
+
+class NoBackendAvailable(GatewayError):
+    status, type, code = 503, "service_unavailable", "no_backend_available"
+
+
+class StorageUnavailable(GatewayError):
+    status, type, code = 503, "service_unavailable", "storage_unavailable"
+
+
+class UpstreamRejected(GatewayError):
+    """The model server answered 4xx: same status, its message in the contract's shape."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status = status
+
+    @classmethod
+    def from_upstream(cls, status: int, raw: bytes) -> "UpstreamRejected":
+        """Re-shape whatever error body a model server sent (OpenAI, vLLM or plain text)."""
+        message, param, code = _describe_upstream_error(raw)
+        if not message:
+            message = f"The model server rejected the request (HTTP {status})."
+        return cls(status, message, param=param, code=code)
+
+
+class UpstreamFailed(GatewayError):
+    """No backend produced a response: 502 with a short plain-text body (contract §5)."""
+
+    status, type, code = 502, "server_error", "upstream_unavailable"
+    media_type = "text/plain; charset=utf-8"
+
+    def body(self) -> bytes:
+        return (self.message.rstrip("\n") + "\n").encode()
+
+
+class InternalError(GatewayError):
+    status, type, code = 500, "server_error", "internal_error"
+
+
+def _describe_upstream_error(raw: bytes) -> tuple[str, str | None, str | None]:
+    text = raw.decode("utf-8", errors="replace").strip()
+    try:
+        payload: Any = json.loads(text)
+    except ValueError:
+        return text[:2000], None, None
+    if isinstance(payload, dict):
+        inner = payload.get("error", payload)
+        if isinstance(inner, str):
+            return inner[:2000], None, None
+        if isinstance(inner, dict):
+            message = inner.get("message") or inner.get("detail") or ""
+            if not isinstance(message, str):
+                message = json.dumps(message)
+            param = inner.get("param") if isinstance(inner.get("param"), str) else None
+            code = inner.get("code") if isinstance(inner.get("code"), str) else None
+            return message[:2000], param, code
+    return text[:2000], None, None

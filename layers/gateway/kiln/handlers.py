@@ -1,0 +1,93 @@
+"""The endpoints, each the contract's order of checks (§2) over the layer's services."""
+
+from __future__ import annotations
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from .errors import GatewayError, InvalidJson, ModelNotFound, RequestTooLarge
+from .exchange import Exchange
+from .gateway import Gateway
+from .jsonio import dumps, loads_strict
+from .normalize import Endpoint, normalize
+from .responses import error_response, json_response
+
+__all__ = ["complete", "get_gateway", "list_models", "retrieve_model"]
+
+
+def get_gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+async def complete(request: Request, endpoint: Endpoint) -> Response:
+    """POST /v1/chat/completions and /v1/completions."""
+    gateway = get_gateway(request)
+    try:
+        await gateway.check_maintenance()  # 1
+        body = await read_json(request, gateway.settings.max_body_bytes)  # 2
+        principal = await gateway.auth.authenticate(request.headers.get("authorization"))  # 3
+        call = normalize(endpoint, body, await gateway.catalog())  # 4
+        lease = await gateway.storage(  # 5
+            gateway.ledger.admit,
+            org_id=principal.org_id,
+            key_id=principal.key_id,
+            model=call.model.id,
+            endpoint=endpoint.name,
+            streamed=call.stream,
+        )
+    except GatewayError as error:
+        return error_response(error)
+    return await Exchange(gateway, principal, call, lease).respond()  # 6
+
+
+async def list_models(request: Request) -> Response:
+    """GET /v1/models: the catalog with prices and capabilities."""
+    gateway = get_gateway(request)
+    try:
+        await gateway.check_maintenance()
+        await gateway.auth.authenticate(request.headers.get("authorization"))
+        catalog = await gateway.catalog()
+    except GatewayError as error:
+        return error_response(error)
+    return json_response(dumps({"object": "list", "data": [model.public() for model in catalog]}))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{model_id}."""
+    gateway = get_gateway(request)
+    model_id = request.path_params["model_id"]
+    try:
+        await gateway.check_maintenance()
+        await gateway.auth.authenticate(request.headers.get("authorization"))
+        model = (await gateway.catalog()).get(model_id)
+        if model is None:
+            raise ModelNotFound(model_id)
+    except GatewayError as error:
+        return error_response(error)
+    return json_response(dumps(model.public()))
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The body as JSON: 413 beyond `limit` bytes (checked before reading when declared), 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise InvalidJson("The request body was not received completely.") from None
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise InvalidJson("The request body is empty; send a JSON object.")
+    try:
+        body = loads_strict(raw)
+    except ValueError as exc:
+        raise InvalidJson(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidJson("The request body must be a JSON object.")
+    return body

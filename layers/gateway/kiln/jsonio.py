@@ -1,0 +1,76 @@
+"""JSON in and out: strict parsing of client bodies, exact Decimal numbers on the way out."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from decimal import Decimal
+from typing import Any
+
+__all__ = ["loads_strict", "dumps", "decimal_text"]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+_decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def loads_strict(raw: bytes) -> Any:
+    """Parse RFC 8259 JSON; raises ValueError (never anything else) on any bad input.
+
+    Rejects invalid UTF-8, NaN/Infinity, numbers that overflow a float, integers too long
+    to convert, and nesting deep enough to exhaust the recursion limit.
+    """
+    try:
+        text = raw.decode("utf-8")
+        value, end = _decoder.raw_decode(text, _skip_ws(text, 0))
+        if _skip_ws(text, end) != len(text):
+            raise ValueError("extra data after the JSON value")
+        return value
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _skip_ws(text: str, index: int) -> int:
+    length = len(text)
+    while index < length and text[index] in " \t\n\r":
+        index += 1
+    return index
+
+
+def decimal_text(value: Decimal) -> str:
+    """A Decimal as a plain JSON number: no exponent, no trailing zeros (0.000000665)."""
+    if value == 0:
+        return "0"
+    text = format(value.normalize(), "f")
+    return text
+
+
+def dumps(value: Any) -> bytes:
+    """Compact JSON bytes; Decimals are written exactly, as plain numbers."""
+    decimals: list[str] = []
+    # A fresh marker per call, so no string in the payload can pass for a placeholder.
+    mark = f"\u0000{secrets.token_hex(8)}:"
+
+    def encode_decimal(obj: Any) -> str:
+        if isinstance(obj, Decimal):
+            decimals.append(decimal_text(obj))
+            return f"{mark}{len(decimals) - 1}"
+        raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=encode_decimal)
+    for index, number in enumerate(decimals):
+        text = text.replace(json.dumps(f"{mark}{index}"), number, 1)
+    return text.encode()

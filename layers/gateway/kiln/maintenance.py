@@ -1,0 +1,64 @@
+"""The maintenance switch (contract §6): a JSON flag in SSM, e.g.
+
+    {"enabled": true, "until": "2026-12-01T03:00:00Z", "message": "Upgrading model servers."}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import format_datetime
+
+from .errors import Maintenance
+
+__all__ = ["MaintenanceFlag", "parse_flag"]
+
+DEFAULT_MESSAGE = "The service is down for maintenance. Retry after the time in the Retry-After header."
+
+
+@dataclass(frozen=True)
+class MaintenanceFlag:
+    enabled: bool = False
+    until: datetime | None = None
+    message: str | None = None
+
+    def to_json(self) -> str:
+        document: dict = {"enabled": self.enabled}
+        if self.until is not None:
+            document["until"] = self.until.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if self.message:
+            document["message"] = self.message
+        return json.dumps(document)
+
+    def error(self, default_retry_after: int, now: datetime | None = None) -> Maintenance:
+        """The 503 to answer while enabled. Retry-After is the HTTP-date of `until`; once
+        `until` has passed (or without one) it is a number of seconds."""
+        now = now or datetime.now(timezone.utc)
+        if self.until is not None and self.until > now:
+            retry_after = format_datetime(self.until.astimezone(timezone.utc), usegmt=True)
+        else:
+            retry_after = str(default_retry_after)
+        return Maintenance(self.message or DEFAULT_MESSAGE, retry_after)
+
+
+def parse_until(text: str) -> datetime:
+    """ISO 8601; a time without a zone is taken as UTC."""
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def parse_flag(raw: str | None) -> MaintenanceFlag:
+    """A missing parameter means no maintenance; a malformed one is an error (keeps the last value)."""
+    if raw is None or not raw.strip():
+        return MaintenanceFlag()
+    document = json.loads(raw)
+    if not isinstance(document, dict):
+        raise ValueError("the maintenance parameter must be a JSON object")
+    until = document.get("until")
+    message = document.get("message")
+    return MaintenanceFlag(
+        enabled=document.get("enabled") is True,
+        until=parse_until(until) if isinstance(until, str) and until else None,
+        message=message if isinstance(message, str) and message else None,
+    )

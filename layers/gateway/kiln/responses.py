@@ -1,0 +1,77 @@
+"""HTTP responses: errors in the contract's shape, JSON, and the SSE relay response."""
+
+from __future__ import annotations
+
+from typing import AsyncGenerator, Mapping
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from .errors import GatewayError
+
+__all__ = ["GENERATION_HEADER", "RelayResponse", "error_response", "json_response"]
+
+GENERATION_HEADER = "X-Neocloud-Generation-Id"
+
+
+def _generation_headers(gen_id: str | None) -> dict[str, str]:
+    return {GENERATION_HEADER: gen_id} if gen_id else {}
+
+
+def error_response(error: GatewayError, gen_id: str | None = None) -> Response:
+    headers = {**error.headers, **_generation_headers(gen_id)}
+    return Response(error.body(), status_code=error.status, headers=headers, media_type=error.media_type)
+
+
+def json_response(body: bytes, gen_id: str | None = None, status: int = 200) -> Response:
+    return Response(body, status_code=status, headers=_generation_headers(gen_id), media_type="application/json")
+
+
+class RelayResponse(Response):
+    """An SSE response whose body generator is always closed, and told when the client leaves.
+
+    While it streams, it also listens for `http.disconnect`: a client that goes away while
+    the upstream is silent is noticed at once (the generator is cancelled, so it can close
+    the upstream request and settle). A failed write closes the generator the same way.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncGenerator[bytes, None], gen_id: str, headers: Mapping[str, str] | None = None):
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.init_headers(
+            {
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                **_generation_headers(gen_id),
+                **(headers or {}),
+            }
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                        async for chunk in self.body_iterator:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    except OSError:
+                        pass  # the client went away mid-write; the generator is closed below
+                    finally:
+                        group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        group.cancel_scope.cancel()
+                        break
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()

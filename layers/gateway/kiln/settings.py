@@ -1,0 +1,120 @@
+"""Typed settings, read once from the environment; a bad value fails loudly at start-up."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+__all__ = ["Settings", "SettingsError"]
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the gateway cannot use."""
+
+
+def _text(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, default).strip()
+    if not value:
+        raise SettingsError(f"{name} must not be empty")
+    return value
+
+
+def _optional_text(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    return value or None
+
+
+def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if not value >= minimum:
+        raise SettingsError(f"{name} must be >= {minimum}, got {raw!r}")
+    return value
+
+
+def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise SettingsError(f"{name} must be >= {minimum}, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the gateway reads from its environment.
+
+    Names mirror the environment variables (``KILN_`` + upper case) so that
+    `template.yaml`, the local stack and the docs all speak of the same thing.
+    """
+
+    keys_table: str = "kiln-keys"
+    orgs_table: str = "kiln-orgs"
+    usage_table: str = "kiln-usage"
+    maintenance_parameter: str = "/kiln/maintenance"
+    catalog_parameter: str = "/kiln/catalog"
+    # A catalog file replaces the SSM catalog parameter (tests, the local stack).
+    catalog_file: str | None = None
+    region: str = "us-east-1"
+    # Points DynamoDB and SSM at an emulator; None means real AWS.
+    aws_endpoint_url: str | None = None
+
+    maintenance_cache_seconds: float = 5.0
+    catalog_cache_seconds: float = 60.0
+    auth_cache_seconds: float = 10.0
+    # Longer than the Lambda timeout (15 min at most), so a live request never loses its lease.
+    lease_ttl_seconds: float = 960.0
+    keepalive_seconds: float = 5.0
+    max_body_bytes: int = 6 * 1024 * 1024
+    maintenance_retry_after_seconds: int = 60
+    settle_attempts: int = 4
+    default_concurrency: int = 8
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        defaults = cls()
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or defaults.region
+        return cls(
+            keys_table=_text(env, "KILN_KEYS_TABLE", defaults.keys_table),
+            orgs_table=_text(env, "KILN_ORGS_TABLE", defaults.orgs_table),
+            usage_table=_text(env, "KILN_USAGE_TABLE", defaults.usage_table),
+            maintenance_parameter=_text(env, "KILN_MAINTENANCE_PARAMETER", defaults.maintenance_parameter),
+            catalog_parameter=_text(env, "KILN_CATALOG_PARAMETER", defaults.catalog_parameter),
+            catalog_file=_optional_text(env, "KILN_CATALOG_FILE"),
+            region=region,
+            aws_endpoint_url=_optional_text(env, "KILN_AWS_ENDPOINT_URL") or _optional_text(env, "AWS_ENDPOINT_URL"),
+            maintenance_cache_seconds=_number(env, "KILN_MAINTENANCE_CACHE_SECONDS", defaults.maintenance_cache_seconds),
+            catalog_cache_seconds=_number(env, "KILN_CATALOG_CACHE_SECONDS", defaults.catalog_cache_seconds),
+            auth_cache_seconds=_number(env, "KILN_AUTH_CACHE_SECONDS", defaults.auth_cache_seconds),
+            lease_ttl_seconds=_number(env, "KILN_LEASE_TTL_SECONDS", defaults.lease_ttl_seconds, minimum=0.001),
+            keepalive_seconds=_number(env, "KILN_KEEPALIVE_SECONDS", defaults.keepalive_seconds, minimum=0.001),
+            max_body_bytes=_integer(env, "KILN_MAX_BODY_BYTES", defaults.max_body_bytes, minimum=1),
+            maintenance_retry_after_seconds=_integer(
+                env, "KILN_MAINTENANCE_RETRY_AFTER_SECONDS", defaults.maintenance_retry_after_seconds
+            ),
+            settle_attempts=_integer(env, "KILN_SETTLE_ATTEMPTS", defaults.settle_attempts, minimum=1),
+            default_concurrency=_integer(env, "KILN_DEFAULT_CONCURRENCY", defaults.default_concurrency, minimum=1),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces these settings (for child processes and exports)."""
+        env: dict[str, str] = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            name = "AWS_REGION" if field.name == "region" else f"KILN_{field.name.upper()}"
+            env[name] = str(value)
+        return env

@@ -1,0 +1,133 @@
+"""The SSE rewriter (contract §7).
+
+Content events go out as the bytes the upstream sent; only the usage chunk is parsed, and
+it is held back: the gateway settles first, then sends it (with `usage.cost`) if the client
+asked for it, then exactly one `data: [DONE]`. The upstream's own `[DONE]` is swallowed.
+While relaying, the completion tokens are counted from the bytes (one per non-empty text
+delta), so that an upstream that never reports usage is still billed (contract §4).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .jsonio import dumps
+from .metering import TokenUsage
+
+__all__ = ["DONE", "KEEPALIVE", "SseRelay", "error_event", "usage_event"]
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keepalive\n\n"
+
+_USAGE_PRESENT = re.compile(rb'"usage"\s*:\s*(?!null)')
+_TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")')
+_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
+
+
+def error_event(message: str) -> bytes:
+    payload = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_error"}}
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+def usage_event(template: dict[str, Any], usage: dict[str, Any]) -> bytes:
+    """The final usage chunk: the upstream's own (or a copy of its first chunk's header) with `usage`."""
+    chunk = {key: value for key, value in template.items() if key not in ("choices", "usage")}
+    chunk["choices"] = []
+    chunk["usage"] = usage
+    return b"data: " + dumps(chunk) + b"\n\n"
+
+
+class SseRelay:
+    """Feed it the upstream's bytes; it returns what to send on now."""
+
+    def __init__(self, *, client_wants_usage: bool) -> None:
+        self._client_wants_usage = client_wants_usage
+        self._pending = b""
+        self.done = False  # the upstream sent [DONE]
+        self.usage_chunk: dict[str, Any] | None = None  # the upstream's usage chunk, held back
+        self.usage: TokenUsage | None = None
+        self.first_chunk: dict[str, Any] | None = None
+        self.relayed_tokens = 0
+        self.finish_reason: str | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        if b"\r" in data or self._pending.endswith(b"\r"):
+            data = (self._pending + data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            self._pending = b""
+        buffer = self._pending + data if self._pending else data
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            self._pending = buffer
+            return b""
+        self._pending = buffer[end + 2 :]
+        out = []
+        for event in buffer[: end + 2].split(b"\n\n"):
+            if event.strip(b"\n"):
+                forwarded = self._event(event.strip(b"\n"))
+                if forwarded:
+                    out.append(forwarded)
+                    out.append(b"\n\n")
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes | None:
+        if self.done:
+            return None  # nothing after [DONE] is relayed
+        if event.startswith(b":"):
+            return event  # an upstream comment (its own keepalive): harmless, pass it on
+        payload = _data_of(event)
+        if payload is None:
+            return event
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        if self.first_chunk is None:
+            self.first_chunk = _parse(payload) or {}
+        if _USAGE_PRESENT.search(payload):
+            return self._usage(event, payload)
+        self.relayed_tokens += len(_TEXT_DELTA.findall(payload))
+        finish = _FINISH_REASON.findall(payload)
+        if finish:
+            self.finish_reason = finish[-1].decode()
+        return event
+
+    def _usage(self, event: bytes, payload: bytes) -> bytes | None:
+        chunk = _parse(payload)
+        if not isinstance(chunk, dict):
+            return event
+        usage = TokenUsage.from_upstream(chunk.get("usage"))
+        if usage is not None:
+            self.usage = usage
+        choices = chunk.get("choices")
+        if not choices:
+            self.usage_chunk = chunk
+            return None
+        # usage riding on a content chunk (continuous usage stats): keep the content
+        self.relayed_tokens += len(_TEXT_DELTA.findall(payload))
+        for choice in choices:
+            if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+                self.finish_reason = choice["finish_reason"]
+        if self._client_wants_usage:
+            return event
+        chunk.pop("usage", None)
+        return b"data: " + dumps(chunk)
+
+    def leftover(self) -> bytes:
+        """Bytes of an event the upstream never finished (a cut stream)."""
+        return self._pending
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The data of an SSE event (several data lines are joined with newlines)."""
+    if event.startswith(b"data:") and b"\n" not in event:
+        return event[5:].lstrip(b" ")
+    lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+def _parse(payload: bytes) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        return None

@@ -1,0 +1,96 @@
+"""Organisations: status, concurrency limit and prepaid credits (Decimal USD)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from pynamodb.exceptions import DoesNotExist, PutError, UpdateError
+
+from .clock import iso_ms, now
+from .errors import RecordExists, RecordNotFound, condition_failure
+from .records import Tables
+
+__all__ = ["OrgInfo", "add_credits", "create_org", "get_org", "set_limit", "set_status", "valid_org_id"]
+
+_ORG_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+
+
+def valid_org_id(org_id: str) -> bool:
+    return _ORG_ID.fullmatch(org_id) is not None
+
+
+@dataclass(frozen=True)
+class OrgInfo:
+    org_id: str
+    status: str
+    concurrency_limit: int
+    credits: Decimal
+    created_at: str
+    leases: dict = field(default_factory=dict)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.leases)
+
+
+def _info(record) -> OrgInfo:
+    leases = record.leases.as_dict() if hasattr(record.leases, "as_dict") else dict(record.leases or {})
+    return OrgInfo(record.org_id, record.status, int(record.concurrency_limit), record.credits, record.created_at, leases)
+
+
+def create_org(tables: Tables, org_id: str, *, concurrency: int, credits: Decimal) -> OrgInfo:
+    if not valid_org_id(org_id):
+        raise ValueError("org ids are 1-63 characters: lower-case letters, digits, '-' and '_'")
+    if concurrency < 1:
+        raise ValueError("the concurrency limit must be at least 1")
+    if not credits.is_finite() or credits < 0:
+        raise ValueError("credits must be a non-negative amount of USD")
+    record = tables.orgs(
+        org_id=org_id, status="active", concurrency_limit=concurrency, credits=credits, leases={}, created_at=iso_ms(now())
+    )
+    try:
+        record.save(condition=tables.orgs.org_id.does_not_exist())
+    except PutError as exc:
+        if condition_failure(exc) is not None:
+            raise RecordExists("org", org_id) from None
+        raise
+    return _info(record)
+
+
+def get_org(tables: Tables, org_id: str) -> OrgInfo:
+    try:
+        return _info(tables.orgs.get(org_id, consistent_read=True))
+    except DoesNotExist:
+        raise RecordNotFound("org", org_id) from None
+
+
+def _update(tables: Tables, org_id: str, actions) -> OrgInfo:
+    record = tables.orgs(org_id=org_id)
+    try:
+        record.update(actions=actions, condition=tables.orgs.org_id.exists())
+    except UpdateError as exc:
+        if condition_failure(exc) is not None:
+            raise RecordNotFound("org", org_id) from None
+        raise
+    return _info(record)
+
+
+def set_status(tables: Tables, org_id: str, status: str) -> OrgInfo:
+    if status not in ("active", "disabled"):
+        raise ValueError("status is active or disabled")
+    return _update(tables, org_id, [tables.orgs.status.set(status)])
+
+
+def set_limit(tables: Tables, org_id: str, concurrency: int) -> OrgInfo:
+    if concurrency < 1:
+        raise ValueError("the concurrency limit must be at least 1")
+    return _update(tables, org_id, [tables.orgs.concurrency_limit.set(concurrency)])
+
+
+def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
+    """Atomic top-up (ADD), safe while requests of the org are settling."""
+    if not amount.is_finite() or amount == 0:
+        raise ValueError("the amount must be a non-zero number of USD")
+    return _update(tables, org_id, [tables.orgs.credits.add(amount)])

@@ -1,0 +1,89 @@
+"""Usage events: one per admitted request, keyed by generation id, queryable by org and time."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from decimal import Decimal
+from typing import Any, Iterator
+
+from pynamodb.exceptions import DoesNotExist
+
+from .errors import RecordNotFound
+from .records import Tables
+
+__all__ = ["UsageEvent", "STATUSES", "get_event", "query_events"]
+
+# What became of an admitted request.
+STATUSES = (
+    "success",  # answered 200 and finished
+    "upstream_rejected",  # the model server answered 4xx, passed on
+    "upstream_error",  # every backend failed before answering (502)
+    "no_backend_available",  # 503: the model has no backend in service
+    "stream_interrupted",  # the upstream failed after the stream started (error event)
+    "client_disconnected",  # the client went away; tokens seen so far are billed
+    "gateway_error",  # a fault inside the gateway (500)
+    "abandoned",  # the lease expired without a settle (crash); reclaimed by the next admission
+)
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    gen_id: str
+    org_id: str
+    created_at: str
+    key_id: str
+    model: str
+    endpoint: str
+    streamed: bool
+    status: str
+    cost: Decimal
+    http_status: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    usage_source: str | None = None
+    finish_reason: str | None = None
+    ttfb_ms: int | None = None
+    duration_ms: int | None = None
+    upstream: str | None = None
+    error: str | None = None
+
+    def to_item(self, tables: Tables) -> dict[str, Any]:
+        """The event in DynamoDB's attribute-value form, through the pynamodb schema."""
+        fields = {name: value for name, value in asdict(self).items() if value is not None}
+        return tables.usage(**fields).serialize()
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record) -> "UsageEvent":
+        values = record.attribute_values
+        ints = ("http_status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttfb_ms", "duration_ms")
+        kwargs = {name: values.get(name) for name in cls.__dataclass_fields__}
+        for name in ints:
+            if kwargs[name] is not None:
+                kwargs[name] = int(kwargs[name])
+        return cls(**kwargs)
+
+
+def get_event(tables: Tables, gen_id: str) -> UsageEvent:
+    try:
+        return UsageEvent.from_record(tables.usage.get(gen_id))
+    except DoesNotExist:
+        raise RecordNotFound("generation", gen_id) from None
+
+
+def query_events(tables: Tables, org_id: str, since: str | None = None, until: str | None = None) -> Iterator[UsageEvent]:
+    """The org's events in time order; `since`/`until` are ISO 8601 UTC bounds (inclusive)."""
+    index = tables.usage.by_org_time
+    condition = None
+    created = tables.usage.created_at
+    if since and until:
+        condition = created.between(since, until)
+    elif since:
+        condition = created >= since
+    elif until:
+        condition = created <= until
+    for record in index.query(org_id, range_key_condition=condition):
+        yield UsageEvent.from_record(record)

@@ -1,0 +1,154 @@
+"""The model-server client: pooled httpx, per-model timeouts, failover before the first byte.
+
+A backend that refuses the connection, times out before answering, or answers 5xx is
+skipped for the model's next one; when none is left the client gets 502 (contract §5).
+A 4xx is the request's own fault: it is passed on at once, never retried elsewhere.
+Once a backend has answered 2xx the exchange is committed to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+
+from .catalog import Backend, ModelEntry
+from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
+
+__all__ = ["UpstreamClient", "UpstreamExchange", "UpstreamStreamError", "describe_transport_error"]
+
+log = logging.getLogger("kiln.upstream")
+
+# Error bodies are read up to this size; more is never useful and could be hostile.
+MAX_ERROR_BODY = 64 * 1024
+BAD_GATEWAY = "Bad gateway: the model backend returned an error or could not be reached. Retry with exponential backoff."
+
+
+class UpstreamStreamError(Exception):
+    """The upstream failed after it had answered 200: cut, reset, silent for too long."""
+
+
+def describe_transport_error(exc: BaseException) -> str:
+    """One short, stable description per kind of transport failure (for logs and usage events)."""
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return "connection failed"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException)):
+        return "timed out"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "connection closed mid-response"
+    if isinstance(exc, httpx.HTTPError):
+        return f"transport error ({type(exc).__name__})"
+    return f"{type(exc).__name__}"
+
+
+@dataclass
+class UpstreamExchange:
+    """A committed (2xx) answer of one backend, body not read yet."""
+
+    backend: Backend
+    response: httpx.Response
+    # backends tried before this one, and why they failed
+    failures: list[str] = field(default_factory=list)
+    sent_at: float = 0.0
+
+    async def read_body(self, deadline: float) -> bytes:
+        """The whole body (buffered requests), within the model's total time."""
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await self.response.aread()
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise UpstreamFailed(BAD_GATEWAY, detail=f"{self.backend.name}: {describe_transport_error(exc)}") from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; transport failures become UpstreamStreamError."""
+        try:
+            async for chunk in self.response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise UpstreamStreamError(describe_transport_error(exc)) from exc
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+class UpstreamClient:
+    def __init__(self, *, transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 256) -> None:
+        self._client = httpx.AsyncClient(
+            transport=transport,
+            timeout=None,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64, keepalive_expiry=30),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def open(self, model: ModelEntry, path: str, body: dict[str, Any], *, stream: bool) -> UpstreamExchange:
+        backends = model.available_backends()
+        if not backends:
+            raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
+        timeouts = model.timeouts
+        # A stream's headers come at once (then keepalives cover the wait); a buffered answer
+        # only arrives when generation is done, so it may take the whole budget.
+        header_budget = timeouts.first_byte if stream else timeouts.total
+        shared = _encode(body)
+        failures: list[str] = []
+        for backend in backends:
+            content = _encode({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
+            headers = {
+                "content-type": "application/json",
+                "accept": "text/event-stream" if stream else "application/json",
+                # raw bytes are relayed as they come: no compression in between
+                "accept-encoding": "identity",
+            }
+            api_key = backend.api_key()
+            if api_key:
+                headers["authorization"] = f"Bearer {api_key}"
+            request = self._client.build_request(
+                "POST",
+                backend.url + path,
+                content=content,
+                headers=headers,
+                timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.idle, write=timeouts.connect, pool=timeouts.connect),
+            )
+            sent_at = time.monotonic()
+            try:
+                async with asyncio.timeout(header_budget):
+                    response = await self._client.send(request, stream=True)
+            except (httpx.HTTPError, TimeoutError) as exc:
+                failures.append(f"{backend.name}: {describe_transport_error(exc)}")
+                continue
+            status = response.status_code
+            if 200 <= status < 300:
+                return UpstreamExchange(backend, response, failures, sent_at)
+            raw = await _read_error_body(response)
+            if 400 <= status < 500:
+                raise UpstreamRejected.from_upstream(status, raw)
+            failures.append(f"{backend.name}: HTTP {status}")
+        log.warning(json.dumps({"event": "upstream_failed", "model": model.id, "failures": failures}))
+        raise UpstreamFailed(BAD_GATEWAY, detail="; ".join(failures))
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _read_error_body(response: httpx.Response) -> bytes:
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(5):
+            async for chunk in response.aiter_raw():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size >= MAX_ERROR_BODY:
+                    break
+    except (httpx.HTTPError, TimeoutError):
+        pass
+    finally:
+        await response.aclose()
+    return b"".join(chunks)[:MAX_ERROR_BODY]

@@ -1,0 +1,131 @@
+"""The ASGI app every function serves: its routes, the gateway's services, errors in one shape."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .errors import GatewayError, InternalError, MethodNotAllowed, UnknownUrl
+from .gateway import Gateway
+from .handlers import complete, list_models, retrieve_model
+from .normalize import Endpoint
+from .responses import error_response
+
+__all__ = ["RouteSpec", "completion_routes", "create_app", "lambda_handler", "model_routes"]
+
+log = logging.getLogger("kiln.web")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    path: str
+    endpoint: Handler
+    methods: tuple[str, ...]
+    name: str
+    summary: str
+    openapi_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def completion_routes(path: str, endpoint: Endpoint, summary: str) -> list[RouteSpec]:
+    async def handle(request: Request) -> Response:
+        return await complete(request, endpoint)
+
+    body = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}}
+    return [RouteSpec(path, handle, ("POST",), endpoint.name, summary, body)]
+
+
+def model_routes() -> list[RouteSpec]:
+    return [
+        RouteSpec("/v1/models", list_models, ("GET",), "models.list", "List the models in the catalog"),
+        RouteSpec("/v1/models/{model_id}", retrieve_model, ("GET",), "models.retrieve", "One model of the catalog"),
+    ]
+
+
+def create_app(routes: Sequence[RouteSpec], gateway: Gateway | Callable[[], Gateway] | None = None) -> FastAPI:
+    """An app serving `routes`. The gateway is made on first use (or given, for tests)."""
+    factory = gateway if callable(gateway) and not isinstance(gateway, Gateway) else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        made = app.state._state.get("gateway")
+        if made is not None and not isinstance(gateway, Gateway):  # ours to close
+            await made.aclose()
+
+    app = FastAPI(title="Kiln gateway", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
+    if isinstance(gateway, Gateway):
+        app.state.gateway = gateway
+    else:
+        app.add_middleware(_LazyGateway, factory=factory or Gateway.from_env)
+    for route in routes:
+        app.add_api_route(
+            route.path,
+            route.endpoint,
+            methods=list(route.methods),
+            name=route.name,
+            summary=route.summary,
+            openapi_extra=route.openapi_extra or None,
+            response_class=Response,
+        )
+    app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    return app
+
+
+class _LazyGateway:
+    """Builds the gateway on the first request (a Lambda init must not touch the network)."""
+
+    def __init__(self, app, factory: Callable[[], Gateway]) -> None:
+        self.app = app
+        self.factory = factory
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            state = scope["app"].state
+            if state._state.get("gateway") is None:
+                state.gateway = self.factory()
+        await self.app(scope, receive, send)
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}."))
+    if exc.status_code == 404:
+        return error_response(UnknownUrl(f"Unknown request URL: {request.method} {request.url.path}."))
+    return error_response(InternalError(str(exc.detail)))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(InternalError("The gateway failed to process the request."))
+
+
+def lambda_handler(app: FastAPI) -> Callable[[dict, Any], dict]:
+    """The buffered Lambda entry point (API Gateway REST / Function URL events) via Mangum."""
+    adapter: list[Any] = []
+
+    def handler(event: dict, context: Any) -> dict:
+        if not adapter:
+            from mangum import Mangum
+
+            adapter.append(Mangum(app, lifespan="off"))
+        return adapter[0](event, context)
+
+    return handler
+
