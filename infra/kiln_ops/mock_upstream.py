@@ -157,6 +157,8 @@ class MockUpstream:
             if options.plain_text:
                 return await _send_text(send, options.status, options.message or "Internal Server Error")
             return await _send_json(send, options.status, _error(options.message or "mock failure", options.status))
+        if not chat and "prompt" not in body:
+            return await _send_json(send, 400, _error("'prompt' is a required property", 400))
         reply = Reply.plan(chat, body, options)
         if body.get("stream") is True:
             return await self._stream(reply, body, options, receive, send)

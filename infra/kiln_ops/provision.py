@@ -15,11 +15,11 @@ from .template import PARAMETERS, TABLES, create_table_kwargs
 __all__ = ["aws_clients", "provision"]
 
 
-def aws_clients(settings: Settings) -> tuple[Any, Any]:
+def aws_clients(settings: Settings, session: Any = None) -> tuple[Any, Any]:
     """DynamoDB and SSM clients for these settings (the emulator when an endpoint is set)."""
     import botocore.session
 
-    session = botocore.session.get_session()
+    session = session or botocore.session.get_session()
     make = lambda service: session.create_client(  # noqa: E731
         service, region_name=settings.region, endpoint_url=settings.aws_endpoint_url
     )

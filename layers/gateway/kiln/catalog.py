@@ -159,23 +159,32 @@ def _parse_model(entry: Any, index: int) -> ModelEntry:
     backends = entry.get("backends", [])
     if not isinstance(capabilities, Mapping) or not isinstance(timeouts, Mapping) or not isinstance(backends, list):
         raise CatalogError(f"{where}: capabilities and timeouts must be objects, backends an array")
+    for name, value in capabilities.items():
+        if not isinstance(value, bool):
+            raise CatalogError(f"{where}: capabilities.{name} must be true or false")
     try:
         return ModelEntry(
             id=model_id,
             owned_by=str(entry.get("owned_by", "kiln")),
-            created=int(entry.get("created", 0)),
+            created=int(_number(entry.get("created", 0), "created", where)),
             context_length=int(_require(entry, "context_length", int, where)),
             pricing=Pricing(
                 input=_price(pricing, "input", where),
                 output=_price(pricing, "output", where),
                 cached_input=_price(pricing, "cached_input", where) if "cached_input" in pricing else None,
             ),
-            capabilities=Capabilities(**{k: bool(v) for k, v in capabilities.items()}),
-            timeouts=Timeouts(**{k: float(v) for k, v in timeouts.items()}),
+            capabilities=Capabilities(**capabilities),
+            timeouts=Timeouts(**{k: _number(v, f"timeouts.{k}", where) for k, v in timeouts.items()}),
             backends=tuple(_parse_backend(backend, i, where) for i, backend in enumerate(backends)),
         )
-    except TypeError as exc:  # unknown capability or timeout name
+    except TypeError as exc:  # an unknown capability or timeout name
         raise CatalogError(f"{where}: {exc}") from None
+
+
+def _number(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise CatalogError(f"{where}: {name} must be a non-negative number")
+    return float(value)
 
 
 def _parse_backend(entry: Any, index: int, where: str) -> Backend:

@@ -107,9 +107,7 @@ class Gateway:
     @property
     def ssm(self) -> Any:
         if self._ssm_client is None:
-            import botocore.session
-
-            self._ssm_client = botocore.session.get_session().create_client(
+            self._ssm_client = self.tables.session.create_client(
                 "ssm", region_name=self.settings.region, endpoint_url=self.settings.aws_endpoint_url
             )
         return self._ssm_client

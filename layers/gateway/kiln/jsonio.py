@@ -54,7 +54,9 @@ def decimal_text(value: Decimal) -> str:
     """A Decimal as a plain JSON number: no exponent, no trailing zeros (0.000000665)."""
     if value == 0:
         return "0"
-    text = format(value.normalize(), "f")
+    text = format(value, "f")  # exact: no rounding to the context's precision
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
     return text
 
 

@@ -21,7 +21,7 @@ __all__ = ["DONE", "KEEPALIVE", "SseRelay", "error_event", "usage_event"]
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
 
-_USAGE_PRESENT = re.compile(rb'"usage"\s*:\s*(?!null)')
+_USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")')
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 
@@ -45,6 +45,7 @@ class SseRelay:
     def __init__(self, *, client_wants_usage: bool) -> None:
         self._client_wants_usage = client_wants_usage
         self._pending = b""
+        self._after_cr = False
         self.done = False  # the upstream sent [DONE]
         self.usage_chunk: dict[str, Any] | None = None  # the upstream's usage chunk, held back
         self.usage: TokenUsage | None = None
@@ -53,9 +54,15 @@ class SseRelay:
         self.finish_reason: str | None = None
 
     def feed(self, data: bytes) -> bytes:
-        if b"\r" in data or self._pending.endswith(b"\r"):
-            data = (self._pending + data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            self._pending = b""
+        if not data:
+            return b""
+        if b"\r" in data or self._after_cr:
+            # CRLF and CR line ends become LF. A CR that ends a chunk becomes LF at once; if
+            # the next chunk starts with the LF of that CRLF, that LF is dropped.
+            if self._after_cr and data.startswith(b"\n"):
+                data = data[1:]
+            self._after_cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buffer = self._pending + data if self._pending else data
         end = buffer.rfind(b"\n\n")
         if end < 0:

@@ -54,6 +54,11 @@ class Tables:
         return self.orgs._get_connection().connection.client
 
     @property
+    def session(self) -> Any:
+        """The botocore session behind the client (to make other AWS clients cheaply)."""
+        return self.orgs._get_connection().connection.session
+
+    @property
     def orgs_table(self) -> str:
         return self.orgs.Meta.table_name
 
@@ -150,4 +155,15 @@ def bind(settings: Settings) -> Tables:
         error = UnicodeAttribute(null=True)
         by_org_time = UsageByOrg()
 
+    _share_one_client(KeyRecord, OrgRecord, UsageRecord)
     return Tables(keys=KeyRecord, orgs=OrgRecord, usage=UsageRecord)
+
+
+def _share_one_client(*models: type[Model]) -> None:
+    """pynamodb gives every model its own botocore session and client (~80 ms each to make,
+    paid at every cold start); all tables of a stack share one here."""
+    shared = models[0]._get_connection().connection
+    for model in models[1:]:
+        table = model._get_connection()
+        shared.add_meta_table(table.get_meta_table())
+        table.connection = shared

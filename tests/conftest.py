@@ -1,0 +1,71 @@
+"""Session-wide embedded AWS and mock model server; a fresh stack (own tables) per test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# The embedded AWS accepts any credentials; never let a test reach a real account.
+os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+    os.environ.pop(name, None)
+
+from kiln_ops.emulator import EmbeddedAws  # noqa: E402
+from kiln_ops.mock_upstream import MockUpstream  # noqa: E402
+from kiln_ops.serve import ServerThread  # noqa: E402
+from support import MockHandle, Stack, make_stack  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def aws():
+    emulator = EmbeddedAws().start()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture(scope="session")
+def mock():
+    app = MockUpstream()
+    server = ServerThread(app).start()
+    yield MockHandle(f"{server.url}/v1", app)
+    server.stop()
+
+
+@pytest.fixture
+def stack_factory(aws, mock):
+    """make(**settings overrides) → a running Stack; all are torn down after the test."""
+    made: list[Stack] = []
+
+    def make(**overrides) -> Stack:
+        stack = make_stack(aws.url, mock, **overrides)
+        made.append(stack)
+        return stack
+
+    mock.reset()
+    yield make
+    for stack in made:
+        stack.close()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(aws, mock):
+    stack = make_stack(aws.url, mock)
+    yield stack
+    stack.close()
+
+
+@pytest.fixture
+def stack(shared_stack, mock) -> Stack:
+    """A stack with the default settings, shared by a module's tests (each makes its own orgs)."""
+    mock.reset()
+    yield shared_stack
+    if shared_stack.maintenance_changed:
+        shared_stack.set_maintenance({"enabled": False})
+        shared_stack.maintenance_changed = False
+
+
+@pytest.fixture
+def org(stack) -> tuple[str, str]:
+    """A default org (limit 8, $10) and its key."""
+    return stack.org()

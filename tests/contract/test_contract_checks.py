@@ -1,0 +1,159 @@
+"""Contract §2: every status of the order of checks, and that order, through HTTP."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kiln.store.keys import list_keys, revoke_key
+from kiln.store.orgs import set_status
+
+CHAT = "/v1/chat/completions"
+GOOD = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def error_of(response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_maintenance_answers_503_before_anything_else(stack, org):
+    _, key = org
+    stack.set_maintenance({"enabled": True, "message": "Back soon."})
+    # not even a body or a key is looked at
+    response = stack.post(CHAT, b"not json", None)
+    assert response.status_code == 503
+    assert error_of(response)["code"] == "maintenance"
+    assert response.headers["Retry-After"].isdigit()
+    assert "X-Neocloud-Generation-Id" not in response.headers
+
+
+def test_body_that_is_not_json_is_400_invalid_json(stack, org):
+    _, key = org
+    for raw in (b"{not json", b"[1, 2]", b'"text"', b"", b"\xff\xfe{}", b'{"a": NaN}', b"[" * 5000 + b"]" * 5000):
+        response = stack.post(CHAT, raw, key, headers={"content-type": "application/json"})
+        assert response.status_code == 400, raw[:20]
+        assert error_of(response)["code"] == "invalid_json"
+
+
+def test_body_is_checked_before_the_key(stack):
+    response = stack.post(CHAT, b"{oops", "sk-kiln-not-a-key")
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "invalid_json"
+
+
+def test_oversize_body_is_413(stack_factory):
+    stack = stack_factory(max_body_bytes=1024)
+    _, key = stack.org()
+    big = {**GOOD, "messages": [{"role": "user", "content": "x" * 2000}]}
+    response = stack.post(CHAT, big, key)
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "request_too_large"
+
+    # also when the client does not declare a length (chunked upload)
+    def chunks():
+        yield b'{"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "'
+        yield b"y" * 4000
+        yield b'"}]}'
+
+    response = stack.http.post(CHAT, content=chunks(), headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 413
+
+
+def test_missing_malformed_and_unknown_keys_are_401(stack, org):
+    for headers in (
+        {},
+        {"Authorization": "sk-kiln-abc"},
+        {"Authorization": "Basic Zm9vOmJhcg=="},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer sk-kiln-" + "A" * 43},  # well-formed, unknown
+        {"Authorization": "Bearer sk-other-" + "A" * 43},
+    ):
+        response = stack.http.post(CHAT, json=GOOD, headers=headers)
+        assert response.status_code == 401, headers
+        error = error_of(response)
+        assert error["code"] == "invalid_api_key"
+        assert "sk-kiln-AAAA" not in response.text  # the key is never echoed
+
+
+def test_revoked_key_is_401(stack, org):
+    org_id, key = org
+    assert stack.post(CHAT, GOOD, key).status_code == 200
+    (key_info,) = list_keys(stack.tables, org_id)
+    revoke_key(stack.tables, key_info.key_id)
+    response = stack.post(CHAT, GOOD, key)
+    assert response.status_code == 401
+    assert error_of(response)["code"] == "invalid_api_key"
+
+
+def test_disabled_org_is_403_before_validation(stack, org):
+    org_id, key = org
+    set_status(stack.tables, org_id, "disabled")
+    response = stack.post(CHAT, {"model": "not-a-model", "messages": []}, key)
+    assert response.status_code == 403
+    assert error_of(response)["code"] == "organization_disabled"
+    set_status(stack.tables, org_id, "active")
+    assert stack.post(CHAT, GOOD, key).status_code == 200
+
+
+def test_validation_comes_before_admission(stack):
+    org_id, key = stack.org(credits="0")
+    # out of credits, but the invalid request is answered by validation and costs no write
+    response = stack.post(CHAT, {"model": "not-a-model", "messages": [{"role": "user", "content": "x"}]}, key)
+    assert response.status_code == 404
+    assert stack.post(CHAT, {"model": "gpt-oss-120b", "messages": []}, key).status_code == 400
+    assert stack.events(org_id) == []
+
+
+def test_out_of_credits_is_402(stack):
+    org_id, key = stack.org(credits="0")
+    response = stack.post(CHAT, GOOD, key)
+    assert response.status_code == 402
+    assert error_of(response)["code"] == "insufficient_credits"
+    assert "X-Neocloud-Generation-Id" not in response.headers
+    assert stack.events(org_id) == []
+
+
+def test_credits_run_out_then_402(stack):
+    org_id, key = stack.org(credits="0.000001")  # less than two small requests cost
+    assert stack.post(CHAT, GOOD, key).status_code == 200
+    statuses = [stack.post(CHAT, GOOD, key).status_code for _ in range(3)]
+    assert 402 in statuses
+    assert stack.org_info(org_id).credits <= 0
+
+
+def test_limit_reached_is_429_without_rate_limit_headers(stack):
+    org_id, key = stack.org(concurrency=1)
+    slow = {**GOOD, "stream": True, "mock": {"ttft_ms": 800}}
+    first: dict = {}
+    thread = threading.Thread(target=lambda: first.setdefault("r", stack.post(CHAT, slow, key)))
+    thread.start()
+    stack.mock.wait_for(lambda s: s["in_flight"] >= 1)
+    response = stack.post(CHAT, GOOD, key)
+    thread.join()
+    assert first["r"].status_code == 200
+    assert response.status_code == 429
+    assert error_of(response)["code"] == "rate_limit_exceeded"
+    assert not [h for h in response.headers if h.lower().startswith(("x-ratelimit", "retry-after"))]
+    assert "X-Neocloud-Generation-Id" not in response.headers
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape(stack, org):
+    _, key = org
+    response = stack.http.get("/v1/nope", headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 404
+    assert error_of(response)["code"] == "unknown_url"
+    response = stack.http.get(CHAT)
+    assert response.status_code == 405
+    assert error_of(response)["code"] == "method_not_allowed"
+
+
+def test_a_revoked_key_stays_valid_no_longer_than_the_cache(stack_factory):
+    stack = stack_factory(auth_cache_seconds=0.5)
+    org_id, key = stack.org()
+    assert stack.post(CHAT, GOOD, key).status_code == 200
+    revoke_key(stack.tables, list_keys(stack.tables, org_id)[0].key_id)
+    time.sleep(0.6)
+    assert stack.post(CHAT, GOOD, key).status_code == 401

@@ -1,0 +1,139 @@
+"""Contract §4 (and the generation id of §1): cost, usage events, credits, estimated usage."""
+
+from __future__ import annotations
+
+import json
+import threading
+from decimal import Decimal
+
+from support import data_events
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+PAGE_CHAT = {
+    "model": "gpt-oss-120b",
+    "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hello!"}],
+    "max_tokens": 800,
+}
+PAGE_COMPLETION = {"model": "gpt-oss-120b", "prompt": "The capital of France is", "max_tokens": 32}
+
+
+def test_worked_example_5_plus_7_costs_0_000000665(stack, org):
+    response = stack.post(COMPLETIONS, PAGE_COMPLETION, org[1])
+    usage = response.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (5, 7)
+    # the number as written, and as parsed exactly
+    assert '"cost":0.000000665' in response.text
+    assert json.loads(response.text, parse_float=Decimal)["usage"]["cost"] == Decimal("0.000000665")
+
+
+def test_worked_example_9_plus_12_costs_0_000001155(stack, org):
+    response = stack.post(CHAT, PAGE_CHAT, org[1])
+    usage = json.loads(response.text, parse_float=Decimal)["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (9, 12, 21)
+    assert usage["cost"] == Decimal("0.000001155")
+
+
+def test_streamed_usage_chunk_has_the_same_cost(stack, org):
+    body = {**PAGE_COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+    response = stack.post(COMPLETIONS, body, org[1])
+    assert '"cost":0.000000665' in response.text
+    usage_chunk = data_events(response.text)[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["total_tokens"] == 12
+
+
+def test_cached_tokens_are_kept_and_priced_at_the_cached_price(stack, org):
+    body = {**PAGE_CHAT, "mock": {"cached_tokens": 4}}
+    usage = json.loads(stack.post(CHAT, body, org[1]).text, parse_float=Decimal)["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+    # 5 uncached × 0.035 + 4 cached × 0.0175 + 12 × 0.07, per million
+    assert usage["cost"] == (5 * Decimal("0.035") + 4 * Decimal("0.0175") + 12 * Decimal("0.07")) / 1_000_000
+
+
+def test_every_admitted_request_writes_one_event_that_the_header_finds(stack, org):
+    org_id, key = org
+    ids = set()
+    for body, path in ((PAGE_CHAT, CHAT), ({**PAGE_CHAT, "stream": True}, CHAT), (PAGE_COMPLETION, COMPLETIONS)):
+        response = stack.post(path, body, key)
+        ids.add(response.headers["X-Neocloud-Generation-Id"])
+    assert len(ids) == 3
+    events = {event.gen_id: event for event in stack.events(org_id)}
+    assert set(events) == ids
+    chat = events[min(ids)]  # generation ids sort by time: the first request
+    assert chat.status == "success" and chat.http_status == 200
+    assert (chat.model, chat.endpoint, chat.streamed) == ("gpt-oss-120b", "chat.completions", False)
+    assert (chat.prompt_tokens, chat.completion_tokens, chat.cost) == (9, 12, Decimal("0.000001155"))
+    assert chat.finish_reason == "stop" and chat.usage_source == "upstream" and chat.upstream == "local"
+    assert chat.ttfb_ms is not None and chat.duration_ms >= chat.ttfb_ms
+    assert {e.endpoint for e in events.values()} == {"chat.completions", "completions"}
+
+
+def test_credits_are_debited_by_exactly_the_cost(stack):
+    org_id, key = stack.org(credits="1")
+    for _ in range(3):
+        stack.post(CHAT, PAGE_CHAT, key)
+    assert stack.org_info(org_id).credits == Decimal("1") - 3 * Decimal("0.000001155")
+    assert sum(e.cost for e in stack.events(org_id)) == 3 * Decimal("0.000001155")
+
+
+def test_the_slot_is_released_before_the_last_byte(stack):
+    """With a limit of 1, back-to-back requests never see a 429."""
+    org_id, key = stack.org(concurrency=1)
+    statuses = []
+    for index in range(12):
+        body = {**PAGE_CHAT, "stream": index % 2 == 0}
+        statuses.append(stack.post(CHAT, body, key).status_code)
+    assert statuses == [200] * 12
+    assert stack.org_info(org_id).in_flight == 0
+
+
+def test_usage_not_reported_upstream_is_estimated_and_still_billed(stack, org):
+    org_id, key = org
+    silent = {"no_usage": True}
+    buffered = stack.post(CHAT, {**PAGE_CHAT, "mock": silent}, key)
+    usage = buffered.json()["usage"]
+    assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 0 and usage["cost"] > 0
+
+    streamed = stack.post(CHAT, {**PAGE_CHAT, "stream": True, "mock": silent}, key)
+    assert all("usage" not in c for c in data_events(streamed.text)[:-1])
+
+    asked = stack.post(
+        COMPLETIONS, {**PAGE_COMPLETION, "stream": True, "stream_options": {"include_usage": True}, "mock": silent}, key
+    )
+    chunks = data_events(asked.text)
+    assert chunks[-1] == "[DONE]"
+    usage_chunk = chunks[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["id"] == chunks[0]["id"]
+    assert usage_chunk["usage"]["completion_tokens"] == 7  # one per token relayed
+    assert usage_chunk["usage"]["cost"] > 0
+
+    events = stack.events(org_id)
+    assert len(events) == 3
+    assert {e.usage_source for e in events} == {"estimated"}
+    assert all(e.cost > 0 for e in events)
+    streamed_event = next(e for e in events if e.endpoint == "chat.completions" and e.streamed)
+    assert streamed_event.completion_tokens == 12
+
+
+def test_reasoning_tokens_are_billed_as_reported(stack, org):
+    """completion_tokens is billed as the upstream reports it (reasoning included there)."""
+    org_id, key = org
+    response = stack.post(CHAT, {**PAGE_CHAT, "mock": {"tokens": 30}}, key)
+    assert response.json()["usage"]["completion_tokens"] == 30
+    assert stack.events(org_id)[0].completion_tokens == 30
+
+
+def test_generation_ids_are_unique_under_concurrency(stack):
+    org_id, key = stack.org(concurrency=16)
+    seen: list[str] = []
+
+    def call():
+        seen.append(stack.post(CHAT, PAGE_CHAT, key).headers["X-Neocloud-Generation-Id"])
+
+    threads = [threading.Thread(target=call) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(seen)) == 16
+    assert {e.gen_id for e in stack.events(org_id)} == set(seen)

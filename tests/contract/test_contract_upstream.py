@@ -1,0 +1,139 @@
+"""Contract §5: what the client gets when the model server fails; failover; nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from support import data_events
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hello!"}]
+
+
+def chat(model: str = "qwen3-32b", **fields):
+    return {"model": model, "messages": MESSAGES, **fields}
+
+
+def assert_settled(stack, org_id: str, status: str, http_status: int) -> None:
+    (event,) = stack.events(org_id)
+    assert (event.status, event.http_status) == (status, http_status)
+    assert stack.org_info(org_id).in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_400_is_passed_on_in_the_openai_shape_without_retry(stack, org, stream):
+    org_id, key = org
+    body = chat(stream=stream, mock={"status": 400, "message": "This model's maximum context length is 40960 tokens."})
+    response = stack.post(CHAT, body, key)
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": "This model's maximum context length is 40960 tokens.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert response.headers["X-Neocloud-Generation-Id"]
+    assert stack.mock.stats["requests"] == 1
+    assert_settled(stack, org_id, "upstream_rejected", 400)
+
+
+@pytest.mark.parametrize("status", [404, 409, 422, 429])
+def test_other_upstream_4xx_keep_their_status(stack, org, status):
+    org_id, key = org
+    response = stack.post(CHAT, chat(mock={"status": status, "message": "nope"}), key)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] == "nope" and set(error) == {"message", "type", "param", "code"}
+    assert_settled(stack, org_id, "upstream_rejected", status)
+
+
+@pytest.mark.parametrize("fault", [{"status": 500}, {"status": 503}, {"status": 500, "plain_text": True}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_5xx_with_no_other_backend_is_502_plain_text(stack, org, fault, stream):
+    org_id, key = org
+    response = stack.post(CHAT, chat(stream=stream, mock=fault), key)
+    assert response.status_code == 502
+    assert response.headers["content-type"].startswith("text/plain")
+    assert response.text.strip() and "{" not in response.text
+    assert response.headers["X-Neocloud-Generation-Id"]
+    assert_settled(stack, org_id, "upstream_error", 502)
+
+
+def test_connection_refused_on_every_backend_is_502(stack, org):
+    org_id, key = org
+    response = stack.post(CHAT, chat("all-down-model"), key)
+    assert response.status_code == 502
+    assert response.headers["content-type"].startswith("text/plain")
+    (event,) = stack.events(org_id)
+    assert "dead: connection failed" in event.error and "sick: HTTP 500" in event.error
+
+
+@pytest.mark.parametrize("model", ["failover-model", "failover-5xx-model", "hung-then-ok-model"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_failover_to_the_next_backend_before_the_first_byte(stack, org, model, stream):
+    org_id, key = org
+    response = stack.post(CHAT, chat(model, stream=stream), key)
+    assert response.status_code == 200
+    if stream:
+        assert data_events(response.text)[-1] == "[DONE]"
+    (event,) = stack.events(org_id)
+    assert (event.status, event.upstream) == ("success", "b")
+
+
+def test_timeout_before_the_first_byte_with_no_other_backend_is_502(stack, org):
+    org_id, key = org
+    response = stack.post(CHAT, chat("hung-model", stream=True), key)
+    assert response.status_code == 502
+    assert_settled(stack, org_id, "upstream_error", 502)
+
+
+@pytest.mark.parametrize("model", ["no-backend-model", "disabled-backend-model"])
+def test_no_backend_is_503_no_backend_available_without_retry_after(stack, org, model):
+    org_id, key = org
+    response = stack.post(CHAT, chat(model), key)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_backend_available"
+    assert "Retry-After" not in response.headers
+    assert response.headers["X-Neocloud-Generation-Id"]
+    assert_settled(stack, org_id, "no_backend_available", 503)
+
+
+@pytest.mark.parametrize("fault", [{"cut_after": 3}, {"no_done": True}])
+def test_failure_after_the_stream_started_is_one_error_event_and_no_done(stack, org, fault):
+    org_id, key = org
+    response = stack.post(CHAT, chat(stream=True, stream_options={"include_usage": True}, mock=fault), key)
+    assert response.status_code == 200
+    chunks = data_events(response.text)
+    assert "[DONE]" not in chunks
+    assert chunks[-1] == {
+        "error": {
+            "message": "The model backend failed while streaming the response.",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_error",
+        }
+    }
+    assert sum(1 for c in chunks if "error" in c) == 1
+    (event,) = stack.events(org_id)
+    assert event.status == "stream_interrupted"
+    assert stack.org_info(org_id).in_flight == 0
+    if "cut_after" in fault:
+        # the role chunk and two tokens were relayed: the two tokens are billed
+        assert event.completion_tokens == 2 and event.cost > 0
+
+
+def test_an_upstream_silent_for_longer_than_its_idle_timeout_is_cut(stack, org):
+    org_id, key = org
+    response = stack.post(CHAT, chat("idle-model", stream=True, mock={"token_delay_ms": 1000}), key)
+    assert response.status_code == 200
+    assert data_events(response.text)[-1]["error"]["code"] == "upstream_error"
+    assert stack.events(org_id)[0].status == "stream_interrupted"
+
+
+def test_a_buffered_body_cut_half_way_is_502(stack, org):
+    org_id, key = org
+    response = stack.post(CHAT, chat(mock={"cut_after": 1}), key)
+    assert response.status_code == 502
+    assert_settled(stack, org_id, "upstream_error", 502)

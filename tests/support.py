@@ -1,0 +1,215 @@
+"""What the tests share: a whole gateway stack on real ports, built like the local stack."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from typing import Any, Callable, Iterator
+
+import botocore.session
+import httpx
+
+from kiln.gateway import Gateway
+from kiln.settings import Settings
+from kiln.store import Tables, UsageEvent, bind
+from kiln.store.keys import create_key
+from kiln.store.orgs import OrgInfo, create_org, get_org
+from kiln.store.usage import query_events
+from kiln_ops.app import combined_app
+from kiln_ops.dev import local_catalog
+from kiln_ops.provision import aws_clients, provision
+from kiln_ops.serve import ServerThread, free_port
+from kiln_ops.template import TABLES, repo_root
+
+DEAD_URL_TEMPLATE = "http://127.0.0.1:{port}/v1"
+
+
+def dead_url() -> str:
+    """A loopback URL where nothing listens: connection refused."""
+    return DEAD_URL_TEMPLATE.format(port=free_port())
+
+
+def catalog_for_tests(mock_url: str) -> dict[str, Any]:
+    """The default catalog served by the mock, plus models whose backends misbehave."""
+    document = json.loads(local_catalog(repo_root() / "infra" / "catalog.json", mock_url))
+    base = mock_url.rsplit("/v1", 1)[0]
+
+    def model(model_id: str, backends: list[dict], **extra: Any) -> dict[str, Any]:
+        entry = {
+            "id": model_id,
+            "owned_by": "kiln-tests",
+            "created": 1,
+            "context_length": 4096,
+            "pricing": {"input": "1", "output": "2"},
+            "backends": backends,
+        }
+        entry.update(extra)
+        return entry
+
+    document["models"] += [
+        model("failover-model", [{"name": "dead", "url": dead_url()}, {"name": "b", "url": mock_url}]),
+        model("failover-5xx-model", [{"name": "sick", "url": f"{base}/x/status=503/v1"}, {"name": "b", "url": mock_url}]),
+        model(
+            "all-down-model",
+            [{"name": "dead", "url": dead_url()}, {"name": "sick", "url": f"{base}/x/status=500,plain_text=1/v1"}],
+        ),
+        model("no-backend-model", []),
+        model("disabled-backend-model", [{"name": "off", "url": mock_url, "enabled": False}]),
+        model(
+            "hung-model",
+            [{"name": "hung", "url": f"{base}/x/headers_delay_ms=3000/v1"}],
+            timeouts={"first_byte": 0.3, "total": 0.3},
+        ),
+        model(
+            "hung-then-ok-model",
+            [{"name": "hung", "url": f"{base}/x/headers_delay_ms=3000/v1"}, {"name": "b", "url": mock_url}],
+            timeouts={"first_byte": 0.3, "total": 1.0},
+        ),
+        model("idle-model", [{"name": "b", "url": mock_url}], timeouts={"idle": 0.3}),
+        model("renamed-model", [{"name": "b", "url": mock_url, "model": "served-name"}]),
+    ]
+    return document
+
+
+@dataclass
+class Stack:
+    """A running gateway (all endpoints, one port) over the embedded AWS and the mock."""
+
+    settings: Settings
+    tables: Tables
+    gateway: Gateway
+    server: ServerThread
+    mock: "MockHandle"
+    ssm: Any
+    dynamodb: Any
+    http: httpx.Client = field(init=False)
+    maintenance_changed: bool = False
+
+    def __post_init__(self) -> None:
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.server.url}/v1"
+
+    def org(self, org_id: str | None = None, *, credits: str = "10", concurrency: int = 8) -> tuple[str, str]:
+        """A new org with one key: (org id, secret)."""
+        org_id = org_id or f"org-{secrets.token_hex(4)}"
+        create_org(self.tables, org_id, concurrency=concurrency, credits=Decimal(credits))
+        return org_id, create_key(self.tables, org_id).secret
+
+    def org_info(self, org_id: str) -> OrgInfo:
+        return get_org(self.tables, org_id)
+
+    def events(self, org_id: str) -> list[UsageEvent]:
+        return list(query_events(self.tables, org_id))
+
+    def post(self, path: str, body: Any, key: str | None, **kwargs: Any) -> httpx.Response:
+        headers = kwargs.pop("headers", {})
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        if isinstance(body, (bytes, str)):
+            return self.http.post(path, content=body, headers=headers, **kwargs)
+        return self.http.post(path, json=body, headers=headers, **kwargs)
+
+    def stream(self, path: str, body: Any, key: str) -> httpx.Response:
+        """POST and read the whole streamed body (as the client sees it)."""
+        return self.post(path, body, key)
+
+    def set_maintenance(self, value: dict[str, Any]) -> None:
+        self.maintenance_changed = True
+        self.ssm.put_parameter(
+            Name=self.settings.maintenance_parameter, Value=json.dumps(value), Type="String", Overwrite=True
+        )
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
+        self.gateway._executor.shutdown(wait=False)
+        for field_name in TABLES.values():
+            try:
+                self.dynamodb.delete_table(TableName=getattr(self.settings, field_name))
+            except Exception:  # noqa: BLE001 - best effort cleanup of the emulator
+                pass
+
+
+@dataclass
+class MockHandle:
+    url: str  # ends in /v1
+    app: Any
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.app.stats.as_dict()
+
+    def reset(self) -> None:
+        from kiln_ops.mock_upstream import MockStats
+
+        self.app.stats = MockStats()
+
+    def last_body(self) -> dict[str, Any]:
+        return self.app.stats.bodies[-1]
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.stats
+            if predicate(stats):
+                return stats
+            time.sleep(0.02)
+        raise AssertionError(f"mock never reached the expected state: {self.stats}")
+
+
+def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
+    prefix = f"t{secrets.token_hex(5)}"
+    settings = Settings(
+        keys_table=f"{prefix}-keys",
+        orgs_table=f"{prefix}-orgs",
+        usage_table=f"{prefix}-usage",
+        maintenance_parameter=f"/{prefix}/maintenance",
+        catalog_parameter=f"/{prefix}/catalog",
+        aws_endpoint_url=aws_url,
+        maintenance_cache_seconds=0.0,
+        catalog_cache_seconds=60.0,
+        auth_cache_seconds=0.0,
+        keepalive_seconds=5.0,
+    )
+    catalog = overrides.pop("catalog", None) or catalog_for_tests(mock.url)
+    settings = replace(settings, **overrides)
+    tables = bind(settings)
+    dynamodb, ssm = aws_clients(settings, _SESSION)
+    provision(settings, catalog_json=json.dumps(catalog), dynamodb=dynamodb, ssm=ssm)
+    gateway = Gateway(settings, tables=tables)
+    server = ServerThread(combined_app(gateway)).start()
+    return Stack(settings, tables, gateway, server, mock, ssm, dynamodb)
+
+
+# One botocore session for the tests' own clients (making one costs ~80 ms).
+_SESSION = botocore.session.get_session()
+
+
+def sse_events(text: str) -> Iterator[str]:
+    """The raw events of an SSE body, in order (comments included)."""
+    for block in text.split("\n\n"):
+        if block.strip():
+            yield block
+
+
+def data_events(text: str) -> list[Any]:
+    """The parsed `data:` payloads of an SSE body; [DONE] as the string "[DONE]"."""
+    out = []
+    for block in sse_events(text):
+        if block.startswith("data: "):
+            payload = block[len("data: ") :]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+__all__ = ["MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events"]

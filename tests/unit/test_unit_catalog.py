@@ -1,0 +1,156 @@
+"""kiln.catalog: parsing infra/catalog.json, loud CatalogErrors, the public model object."""
+
+import copy
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from kiln.catalog import Catalog, CatalogError
+
+CATALOG_FILE = Path(__file__).resolve().parents[2] / "infra" / "catalog.json"
+
+MODEL = {
+    "id": "m",
+    "owned_by": "acme",
+    "created": 1700000000,
+    "context_length": 8192,
+    "pricing": {"input": "1.5", "output": "3"},
+    "backends": [
+        {"name": "a", "url": "http://a.internal/v1/", "model": "m-upstream", "api_key_env": "M_KEY"},
+        {"name": "b", "url": "https://b.internal/v1", "enabled": False},
+        {"name": "c", "url": "http://c.internal/v1"},
+    ],
+}
+
+
+def one(**changes):
+    entry = copy.deepcopy(MODEL)
+    entry.update(changes)
+    return {"models": [entry]}
+
+
+def test_repository_catalog_parses():
+    catalog = Catalog.from_json(CATALOG_FILE.read_bytes())
+    assert [model.id for model in catalog] == ["qwen3-32b", "gpt-oss-120b"]
+    oss = catalog.get("gpt-oss-120b")
+    assert (oss.pricing.input, oss.pricing.output, oss.pricing.cached_input) == (
+        Decimal("0.035"), Decimal("0.07"), Decimal("0.0175"),
+    )
+    assert oss.capabilities.ignore_eos is False and oss.capabilities.forced_tool_choice is True
+    assert oss.context_length == 131072
+    assert oss.backends[0].upstream_model == "gpt-oss-120b"
+    assert catalog.get("qwen3-32b").capabilities.forced_tool_choice is False
+
+
+def test_public_object_has_per_token_prices_and_no_backends():
+    catalog = Catalog.from_json(CATALOG_FILE.read_text())
+    public = catalog.get("gpt-oss-120b").public()
+    assert public["id"] == "gpt-oss-120b" and public["object"] == "model"
+    assert public["owned_by"] == "openai" and public["created"] == 1754352000
+    assert public["pricing"] == {"prompt": "0.000000035", "completion": "0.00000007", "cached": "0.0000000175"}
+    text = json.dumps(public)
+    assert "127.0.0.1" not in text and "backends" not in text and "url" not in text
+
+
+def test_price_without_cached_input_has_no_cached_key():
+    public = Catalog.from_document(one()).get("m").public()
+    assert public["pricing"] == {"prompt": "0.0000015", "completion": "0.000003"}
+
+
+def test_backends_parsed_and_disabled_ones_skipped(monkeypatch):
+    model = Catalog.from_document(one()).get("m")
+    assert [b.name for b in model.backends] == ["a", "b", "c"]
+    assert [b.name for b in model.available_backends()] == ["a", "c"]
+    assert model.backends[0].url == "http://a.internal/v1"  # trailing slash dropped
+    monkeypatch.setenv("M_KEY", "sk-upstream")
+    assert model.backends[0].api_key() == "sk-upstream"
+    assert model.backends[2].api_key() is None
+
+
+def test_with_backend_url_points_every_model_at_one_server():
+    catalog = Catalog.from_json(CATALOG_FILE.read_bytes())
+    local = catalog.with_backend_url("http://127.0.0.1:9999/v1")
+    assert len(local) == len(catalog)
+    for model in local:
+        assert [b.url for b in model.available_backends()] == ["http://127.0.0.1:9999/v1"]
+        assert model.pricing == catalog.get(model.id).pricing
+        assert model.capabilities == catalog.get(model.id).capabilities
+    assert catalog.get("qwen3-32b").backends[0].url == "http://127.0.0.1:8001/v1"  # original untouched
+
+
+def test_unknown_model_and_defaults():
+    catalog = Catalog.from_document({"models": [{"id": "x", "context_length": 1, "pricing": {"input": 0, "output": "0"}}]})
+    assert catalog.get("nope") is None
+    model = catalog.get("x")
+    assert model.backends == () and model.available_backends() == ()
+    assert model.pricing.input == 0
+
+
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        ('{"models": [', "not valid JSON"),
+        ("[]", '"models" array'),
+        ('{"models": {}}', '"models" array'),
+        ('{"models": ["m"]}', r"models\[0\] must be an object"),
+        ('{"models": [{"context_length": 1, "pricing": {}}]}', "'id' is required"),
+    ],
+)
+def test_bad_document_raises_catalog_error(document, message):
+    with pytest.raises(CatalogError, match=message):
+        Catalog.from_json(document)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"pricing": "cheap"}, "'pricing' is required"),
+        ({"pricing": {"input": 0.035, "output": "3"}}, "pricing.input"),  # floats never touch money
+        ({"pricing": {"input": "1", "output": "-1"}}, "pricing.output"),
+        ({"pricing": {"input": "NaN", "output": "1"}}, "pricing.input"),
+        ({"pricing": {"input": "Infinity", "output": "1"}}, "pricing.input"),
+        ({"pricing": {"input": "free", "output": "1"}}, "pricing.input"),
+        ({"pricing": {"input": True, "output": "1"}}, "pricing.input"),
+        ({"pricing": {"input": "1", "output": "1", "cached_input": None}}, "pricing.cached_input"),
+        ({"pricing": {"input": "1"}}, "pricing.output"),
+        ({"context_length": True}, "'context_length' is required"),
+        ({"context_length": "8192"}, "'context_length' is required"),
+        ({"capabilities": ["json"]}, "capabilities and timeouts must be objects"),
+        ({"capabilities": {"vision": True}}, "vision"),
+        ({"timeouts": {"forever": 1}}, "forever"),
+        ({"backends": {"url": "http://x"}}, "backends an array"),
+        ({"backends": ["http://x"]}, r"backends\[0\] must be an object"),
+        ({"backends": [{"name": "n"}]}, "'url' is required"),
+        ({"backends": [{"url": "ftp://x"}]}, "http:// or https://"),
+    ],
+)
+def test_bad_model_raises_catalog_error_naming_the_field(changes, message):
+    with pytest.raises(CatalogError, match=message) as info:
+        Catalog.from_document(one(**changes))
+    assert "'m'" in str(info.value)  # names the model
+
+
+def test_duplicate_model_id_rejected():
+    document = one()
+    document["models"].append(copy.deepcopy(document["models"][0]))
+    with pytest.raises(CatalogError, match="twice"):
+        Catalog.from_document(document)
+
+
+# Regression: at dff3098, capabilities went through bool(), so "false" granted the capability.
+def test_capability_written_as_string_false_does_not_grant_it():
+    try:
+        model = Catalog.from_document(one(capabilities={"forced_tool_choice": "false"})).get("m")
+    except CatalogError:
+        return  # rejecting the document is fine too
+    assert model.capabilities.forced_tool_choice is False
+
+
+# Regression: at dff3098, int()/float() on 'created' and 'timeouts' raised bare ValueErrors
+# that were not CatalogErrors and did not name the field.
+@pytest.mark.parametrize("changes", [{"created": "yesterday"}, {"timeouts": {"idle": "long"}}])
+def test_non_numeric_created_or_timeout_raises_catalog_error(changes):
+    with pytest.raises(CatalogError, match="created|idle"):
+        Catalog.from_document(one(**changes))

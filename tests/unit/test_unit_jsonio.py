@@ -1,0 +1,81 @@
+"""kiln.jsonio: strict parsing of client bodies and exact Decimal output."""
+
+import json
+from decimal import Decimal
+
+import pytest
+
+from kiln.jsonio import decimal_text, dumps, loads_strict
+
+
+def test_accepts_rfc8259_json_with_surrounding_whitespace():
+    assert loads_strict(b' \r\n{"a": [1, 2.5, "\xc3\xa9", null, true]}\t\n') == {"a": [1, 2.5, "é", None, True]}
+    assert loads_strict(b"1e308") == 1e308
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b'{"a": "\xff"}', id="invalid-utf8"),
+        pytest.param(b'{"a": "\xc3"}', id="truncated-utf8"),
+        pytest.param(b"NaN", id="nan"),
+        pytest.param(b'{"t": Infinity}', id="infinity"),
+        pytest.param(b"[-Infinity]", id="minus-infinity"),
+        pytest.param(b'{"t": 1e400}', id="float-overflow"),
+        pytest.param(b"-1e400", id="negative-overflow"),
+        pytest.param(b"1" * 10_000, id="huge-integer"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep-arrays"),
+        pytest.param(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, id="deep-objects"),
+        pytest.param(b'{"a": 1} x', id="trailing-garbage"),
+        pytest.param(b'{"a": 1}{"b": 2}', id="two-values"),
+        pytest.param(b"", id="empty"),
+        pytest.param(b"   ", id="whitespace-only"),
+        pytest.param(b"{'a': 1}", id="single-quotes"),
+    ],
+)
+def test_rejects_bad_input_with_value_error(raw):
+    with pytest.raises(ValueError):
+        loads_strict(raw)
+
+
+def exact(raw: bytes):
+    return json.loads(raw, parse_float=Decimal)
+
+
+def test_decimal_written_exactly_without_exponent():
+    assert dumps({"cost": Decimal("0.000000665")}) == b'{"cost":0.000000665}'
+    out = dumps({"a": Decimal("0.000001155"), "b": Decimal("1E+3"), "c": Decimal("0E-12"), "d": Decimal("2.50")})
+    assert b"e" not in out.lower()
+    assert exact(out) == {"a": Decimal("0.000001155"), "b": 1000, "c": 0, "d": Decimal("2.5")}
+
+
+def test_many_decimals_keep_their_positions():
+    values = [Decimal(n) / Decimal(10**9) for n in range(1, 25)]
+    assert exact(dumps({"values": values, "tail": "x"})) == {"values": values, "tail": "x"}
+
+
+@pytest.mark.parametrize(
+    "text", ["\u00000:0", "\u0000deadbeefdeadbeef:0", "0.000000665", "__decimal_0__", "{0}", "%s"]
+)
+def test_placeholder_looking_strings_are_not_corrupted(text):
+    payload = {"cost": Decimal("0.000000665"), "content": text, "list": [text, Decimal("7")]}
+    assert exact(dumps(payload)) == payload
+
+
+def test_dumps_is_compact_utf8_and_refuses_unknown_types():
+    assert dumps({"a": [1, "é"], "b": None}) == '{"a":[1,"é"],"b":null}'.encode()
+    with pytest.raises(TypeError):
+        dumps({"a": object()})
+
+
+def test_decimal_text_is_a_plain_number():
+    assert decimal_text(Decimal("6.65E-7")) == "0.000000665"
+    assert decimal_text(Decimal("-0.00")) == "0"
+    assert decimal_text(Decimal("1.2300")) == "1.23"
+
+
+# Regression: at dff3098, decimal_text() used Decimal.normalize(), which rounds to the context
+# precision (28 digits), so longer Decimals were not written exactly.
+def test_long_decimal_written_exactly():
+    value = Decimal("12345678901234567890.123456789012")
+    assert exact(dumps({"v": value})) == {"v": value}

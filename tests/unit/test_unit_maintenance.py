@@ -1,0 +1,70 @@
+"""kiln.maintenance: the SSM flag and the 503 it produces (contract §6)."""
+
+from datetime import datetime, timedelta, timezone
+from email.utils import parsedate_to_datetime
+
+import pytest
+
+from kiln.maintenance import MaintenanceFlag, parse_flag
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize("raw", [None, "", "   \n"])
+def test_missing_parameter_means_no_maintenance(raw):
+    assert parse_flag(raw) == MaintenanceFlag()
+    assert parse_flag(raw).enabled is False
+
+
+@pytest.mark.parametrize(
+    "raw", ["{not json", "[1, 2]", '"enabled"', '{"enabled": true, "until": "tomorrow"}']
+)
+def test_malformed_flag_is_an_error(raw):
+    with pytest.raises(ValueError):
+        parse_flag(raw)
+
+
+def test_valid_flag_is_parsed():
+    flag = parse_flag('{"enabled": true, "until": "2026-12-01T03:00:00Z", "message": "Upgrading."}')
+    assert flag.enabled is True
+    assert flag.until == datetime(2026, 12, 1, 3, 0, tzinfo=timezone.utc)
+    assert flag.message == "Upgrading."
+
+
+def test_disabled_flag_and_zone_less_until_is_utc():
+    flag = parse_flag('{"enabled": false, "until": "2026-12-01T03:00:00"}')
+    assert flag.enabled is False
+    assert flag.until == datetime(2026, 12, 1, 3, 0, tzinfo=timezone.utc)
+
+
+def test_to_json_round_trips_through_parse_flag():
+    flag = MaintenanceFlag(True, datetime(2026, 12, 1, 3, 0, tzinfo=timezone.utc), "Back soon")
+    assert parse_flag(flag.to_json()) == flag
+
+
+def test_future_until_gives_http_date_retry_after():
+    error = parse_flag('{"enabled": true, "until": "2026-12-01T03:00:00Z", "message": "Upgrading."}').error(60, now=NOW)
+    assert error.status == 503 and error.code == "maintenance"
+    assert error.headers == {"Retry-After": "Tue, 01 Dec 2026 03:00:00 GMT"}
+    assert error.message == "Upgrading."
+
+
+def test_until_with_offset_is_converted_to_gmt():
+    error = parse_flag('{"enabled": true, "until": "2026-12-01T12:00:00+09:00"}').error(60, now=NOW)
+    retry_after = error.headers["Retry-After"]
+    assert retry_after.endswith(" GMT")
+    assert parsedate_to_datetime(retry_after) == datetime(2026, 12, 1, 3, 0, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize("until", [None, NOW - timedelta(minutes=1), NOW])
+def test_absent_or_past_until_gives_default_seconds(until):
+    error = MaintenanceFlag(True, until).error(120, now=NOW)
+    assert error.headers == {"Retry-After": "120"}
+    assert error.message  # a default message, never empty
+
+
+def test_error_uses_the_current_time_by_default():
+    far = MaintenanceFlag(True, datetime(2999, 1, 1, tzinfo=timezone.utc)).error(30)
+    assert parsedate_to_datetime(far.headers["Retry-After"]).year == 2999
+    past = MaintenanceFlag(True, datetime(2000, 1, 1, tzinfo=timezone.utc)).error(30)
+    assert past.headers["Retry-After"] == "30"

@@ -1,0 +1,168 @@
+"""kiln.sse: the SSE relay (contract §3 stream_options, §4 relayed tokens, §5 error event, §7)."""
+
+import json
+from decimal import Decimal
+
+import pytest
+
+from kiln.metering import TokenUsage
+from kiln.sse import SseRelay, error_event, usage_event
+
+ROLE = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+HELLO = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+THINK = b'data: {"id":"c1","choices":[{"index":0,"delta":{"reasoning_content":"hmm"},"finish_reason":null}]}\n\n'
+STOP = b'data: {"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+USAGE = b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}\n\n'
+DONE = b"data: [DONE]\n\n"
+COMMENT = b": keepalive\n\n"
+STREAM = ROLE + COMMENT + THINK + HELLO + STOP + USAGE + DONE
+CONTENT = ROLE + COMMENT + THINK + HELLO + STOP  # what a client that did not ask for usage gets
+
+
+def relay_all(chunks, wants_usage=False):
+    relay = SseRelay(client_wants_usage=wants_usage)
+    out = b"".join(relay.feed(chunk) for chunk in chunks)
+    return out, relay
+
+
+def state(relay):
+    # leftover is compared without whitespace: stray blank-line bytes after the last event are harmless
+    return relay.done, relay.usage, relay.usage_chunk, relay.relayed_tokens, relay.finish_reason, relay.leftover().strip()
+
+
+@pytest.mark.parametrize("wants_usage", [False, True])
+def test_full_stream(wants_usage):
+    out, relay = relay_all([STREAM], wants_usage)
+    assert out == CONTENT  # usage chunk held back, [DONE] swallowed, the rest byte-identical
+    assert relay.done is True
+    assert relay.usage == TokenUsage(5, 7)
+    assert relay.usage_chunk == json.loads(USAGE[6:])
+    assert relay.finish_reason == "stop"
+    assert relay.relayed_tokens == 2  # "hmm" and "Hel"; the empty role delta does not count
+    assert relay.first_chunk["id"] == "c1"
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'data:{"choices":[{"delta":{"content":"x"}}]}\n\n',
+        b'data:    {"choices":[{"delta":{"content":"x"}}]}\n\n',
+        b'data: { "choices" : [ { "delta" : { "content" : "x" } , "finish_reason" : null } ] }\n\n',
+        b'data: {"choices":[{"delta":{"content":"caf\xc3\xa9 \\u00e9 \\"usage\\": 1"}}]}\n\n',
+        b'id: 7\nevent: chunk\ndata: {"choices":[{"delta":{"content":"x"}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n',
+    ],
+)
+def test_content_event_passes_byte_identical(event):
+    out, relay = relay_all([event])
+    assert out == event
+    assert relay.relayed_tokens == 1
+
+
+# Regression: at dff3098, '"usage": null' (with a space) let \s* backtrack past (?!null) in
+# _USAGE_PRESENT, and the content chunk was re-serialized with its usage key removed.
+def test_content_event_with_spaced_null_usage_passes_byte_identical():
+    event = b'data: {"choices": [{"delta": {"content": "x"}, "finish_reason": null}], "usage": null}\n\n'
+    assert relay_all([event])[0] == event
+
+
+def test_events_after_done_are_dropped():
+    out, relay = relay_all([HELLO + DONE + HELLO])
+    assert out == HELLO and relay.done
+
+
+@pytest.mark.parametrize("wants_usage", [False, True])
+def test_usage_chunk_without_choices_key_is_held_back(wants_usage):
+    chunk = b'data: {"id":"c1","usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    out, relay = relay_all([HELLO + chunk], wants_usage)
+    assert out == HELLO
+    assert relay.usage == TokenUsage(3, 4)
+
+
+def test_usage_on_content_chunk_stripped_when_client_did_not_ask():
+    event = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"length"}],"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\n'
+    out, relay = relay_all([event], wants_usage=False)
+    assert out.startswith(b"data: ") and out.endswith(b"\n\n")
+    forwarded = json.loads(out[6:])
+    expected = json.loads(event[6:])
+    del expected["usage"]
+    assert forwarded == expected
+    assert relay.usage == TokenUsage(2, 1)
+    assert relay.relayed_tokens == 1 and relay.finish_reason == "length"
+    assert relay_all([event], wants_usage=True)[0] == event
+
+
+def test_crlf_and_cr_line_endings_give_the_lf_output():
+    expected, lf = relay_all([STREAM])
+    for ending in (b"\r\n", b"\r"):
+        out, relay = relay_all([STREAM.replace(b"\n", ending)])
+        assert out == expected
+        assert state(relay) == state(lf)
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+def test_every_split_point_gives_the_same_output(ending):
+    stream = STREAM.replace(b"\n", ending)
+    whole, reference = relay_all([stream])
+    for cut in range(1, len(stream)):
+        out, relay = relay_all([stream[:cut], stream[cut:]])
+        assert out == whole, cut
+        assert state(relay) == state(reference), cut
+    assert relay_all([stream[i : i + 1] for i in range(len(stream))])[0] == whole
+
+
+# Regression: at dff3098, feed() turned a chunk-final \r into \n before the \n of the same CRLF
+# arrived, so an event split between \r and \n became two events.
+def test_multi_line_crlf_event_split_between_cr_and_lf():
+    stream = b'event: message\r\ndata: {"choices":[{"delta":{"content":"a"}}]}\r\n\r\n'
+    whole = relay_all([stream])[0]
+    cut = stream.index(b"\r\n") + 1
+    assert relay_all([stream[:cut], stream[cut:]])[0] == whole
+
+
+def test_relayed_tokens_count_each_non_empty_text_delta():
+    events = [
+        b'data: {"choices":[{"delta":{"content":null,"tool_calls":[{"function":{"arguments":"{\\"a\\""}}]}}]}\n\n',
+        b'data: {"choices":[{"text":"once","finish_reason":null}]}\n\n',  # /v1/completions
+        b'data: {"choices":[{"delta":{"reasoning":"r"}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content":""}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content":null}}]}\n\n',
+    ]
+    assert relay_all(events)[1].relayed_tokens == 3
+
+
+def test_finish_reason_is_the_last_one_seen():
+    first = b'data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}\n\n'
+    assert relay_all([HELLO, first])[1].finish_reason == "tool_calls"
+    assert relay_all([HELLO])[1].finish_reason is None
+
+
+def test_comments_and_unparsable_data_pass_through():
+    events = COMMENT + b": upstream ping\n\n" + b"data: not json\n\n"
+    assert relay_all([events])[0] == events
+
+
+def test_unfinished_event_is_kept_as_leftover():
+    out, relay = relay_all([HELLO + b'data: {"choices":[{"delta":{"con'])
+    assert out == HELLO
+    assert relay.leftover() == b'data: {"choices":[{"delta":{"con'
+
+
+def test_error_event_shape():
+    event = error_event('upstream "died"\nmid-stream')
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert b"\n" not in event[:-2]  # one data line, whatever the message
+    assert json.loads(event[6:]) == {
+        "error": {"message": 'upstream "died"\nmid-stream', "type": "server_error", "param": None, "code": "upstream_error"}
+    }
+
+
+def test_usage_event_has_no_choices_and_exact_cost():
+    template = {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [{"delta": {"content": "x"}}]}
+    event = usage_event(template, {"prompt_tokens": 5, "completion_tokens": 7, "cost": Decimal("0.000000665")})
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert b'"cost":0.000000665' in event
+    chunk = json.loads(event[6:], parse_float=Decimal)
+    assert chunk["choices"] == [] and chunk["id"] == "c1" and chunk["model"] == "m"
+    assert chunk["usage"]["cost"] == Decimal("0.000000665")
+    assert template["choices"]  # the template is not modified
