@@ -195,6 +195,16 @@ def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
 _SESSION = botocore.session.get_session()
 
 
+def wait_for_events(stack: Stack, org_id: str, count: int, timeout: float = 5.0) -> list[UsageEvent]:
+    """The org's usage events once there are `count` of them (settles after a disconnect run on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = stack.events(org_id)
+        if len(events) >= count or time.monotonic() > deadline:
+            return events
+        time.sleep(0.02)
+
+
 def sse_events(text: str) -> Iterator[str]:
     """The raw events of an SSE body, in order (comments included)."""
     for block in text.split("\n\n"):
@@ -212,4 +222,4 @@ def data_events(text: str) -> list[Any]:
     return out
 
 
-__all__ = ["MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events"]
+__all__ = ["MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]

@@ -115,12 +115,21 @@ def run_dev(
 
         from .app import combined_app
 
-        print(
-            f"kiln dev: ready on {exports['KILN_BASE_URL']} (org {DEMO_ORG}, {DEMO_CONCURRENCY} in flight, "
-            f"${DEMO_CREDITS} credits); Ctrl-C stops everything",
-            flush=True,
-        )
-        serve(combined_app(), host, port)
+        def announce() -> None:
+            print(
+                f"kiln dev: ready on {exports['KILN_BASE_URL']} (org {DEMO_ORG}, {DEMO_CONCURRENCY} in flight, "
+                f"${DEMO_CREDITS} credits); Ctrl-C stops everything",
+                flush=True,
+            )
+            print(
+                f"kiln dev: try  curl $KILN_BASE_URL/chat/completions -H \"Authorization: Bearer $KILN_API_KEY\" "
+                "-H 'Content-Type: application/json' "
+                "-d '{\"model\": \"qwen3-32b\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        serve(combined_app(), host, port, on_ready=announce)
         return 0
     except KeyboardInterrupt:
         return 0

@@ -24,6 +24,8 @@ or from the server's own defaults:
     no_usage=true     never report usage, as llama.cpp's server does
     cached_tokens=N   report N prompt tokens as served from the prefix cache
     tool_calls=N      call N tools (default 1 when tools are given)
+    spaced=true       write JSON with spaces after separators (byte-exact relaying shows)
+    id=TEXT           use this completion id (and a fixed `created`), for comparing outputs
 
 GET /mock/stats reports requests, in-flight (now and at most), disconnects and the last
 bodies received; POST /mock/reset clears them.
@@ -60,6 +62,8 @@ class MockOptions:
     no_usage: bool = False
     cached_tokens: int | None = None
     tool_calls: int | None = None
+    spaced: bool = False
+    id: str | None = None
 
     def merged(self, overrides: dict[str, Any]) -> "MockOptions":
         values = dict(self.__dict__)
@@ -71,9 +75,9 @@ class MockOptions:
 
 def _coerce(default: Any, value: Any, key: str) -> Any:
     if isinstance(value, str):
-        if key in ("plain_text", "no_done", "no_usage"):
+        if key in ("plain_text", "no_done", "no_usage", "spaced"):
             return value.lower() in ("1", "true", "yes")
-        if key == "message":
+        if key in ("message", "id"):
             return value
         return float(value) if "." in value else int(value)
     return value
@@ -206,11 +210,11 @@ class MockUpstream:
                     return
                 if options.cut_after is not None and sent >= options.cut_after:
                     return  # returning without finishing the body drops the connection
-                await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+                await send({"type": "http.response.body", "body": _event(chunk, options.spaced), "more_body": True})
                 sent += 1
             tail = b""
             if include_usage:
-                tail += _event(reply.usage_chunk())
+                tail += _event(reply.usage_chunk(), options.spaced)
             if not options.no_done:
                 tail += b"data: [DONE]\n\n"
             self.stats.completed += 1
@@ -250,7 +254,10 @@ class Reply:
         prompt = _prompt_tokens(body, chat)
         cached = min(options.cached_tokens, prompt) if options.cached_tokens is not None else None
         n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
-        return cls(chat, str(body.get("model")), n, prompt, tokens, finish, tools, calls, cached)
+        reply = cls(chat, str(body.get("model")), n, prompt, tokens, finish, tools, calls, cached)
+        if options.id:
+            reply.id, reply.created = options.id, 1700000000
+        return reply
 
     @property
     def length(self) -> int:
@@ -353,8 +360,8 @@ def _error(message: str, status: int) -> dict:
             "param": None, "code": status}
 
 
-def _event(chunk: dict) -> bytes:
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+def _event(chunk: dict, spaced: bool = False) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(", ", ": ") if spaced else (",", ":")).encode() + b"\n\n"
 
 
 async def _read_body(receive: Any) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 
@@ -30,8 +30,21 @@ def _config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
     )
 
 
-def serve(app: Any, host: str, port: int, **options: Any) -> None:
-    uvicorn.Server(_config(app, host, port, **options)).run()
+class _AnnouncingServer(uvicorn.Server):
+    """Calls `on_ready` once the socket is listening, not before."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_ready is not None:
+            self._on_ready()
+
+
+def serve(app: Any, host: str, port: int, on_ready: Callable[[], None] | None = None, **options: Any) -> None:
+    _AnnouncingServer(_config(app, host, port, **options), on_ready).run()
 
 
 class ServerThread:

@@ -1,0 +1,122 @@
+"""`kiln dev`, as a user runs it: one command, exports, `ready`, a working stack, a clean exit."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kiln_ops.serve import free_port
+
+
+@pytest.fixture
+def dev_stack(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(port), "--mock-token-delay-ms", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    exports: dict[str, str] = {}
+    lines = []
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("export "):
+                name, _, value = line[len("export ") :].strip().partition("=")
+                exports[name] = shlex.split(value)[0]
+            if "ready" in line:
+                break
+        else:
+            raise AssertionError("kiln dev printed no ready line within 60 s")
+        assert "ready" in lines[-1], "".join(lines) + process.stderr.read()
+        yield process, exports, tmp_path, port
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _port_open(url: str) -> bool:
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, int(port))) == 0
+
+
+def test_kiln_dev_serves_a_working_stack_and_prints_how_to_call_it(dev_stack):
+    process, exports, cwd, port = dev_stack
+    assert exports["KILN_BASE_URL"] == f"http://127.0.0.1:{port}/v1"
+    assert exports["KILN_API_KEY"].startswith("sk-kiln-")
+    assert (Path(cwd) / ".kiln" / "dev.env").read_text().count("export ") == len(exports)
+
+    client = openai.OpenAI(base_url=exports["KILN_BASE_URL"], api_key=exports["KILN_API_KEY"], max_retries=0)
+    response = client.completions.create(model="gpt-oss-120b", prompt="The capital of France is", max_tokens=32)
+    assert response.usage.model_extra["cost"] == pytest.approx(0.000000665)
+    assert [m.id for m in client.models.list()] == ["qwen3-32b", "gpt-oss-120b"]
+
+    # kiln admin reaches the same state from a shell that evaluated the exports
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}, **exports}
+    shown = subprocess.run(
+        [sys.executable, "-m", "kiln_ops.cli", "admin", "orgs", "show", "demo"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "concurrency  8" in shown.stdout and "credits      $9.999999335" in shown.stdout
+
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=20) == 0
+    time.sleep(0.5)
+    assert not _port_open(exports["AWS_ENDPOINT_URL"])  # the embedded AWS went with it
+    assert not _port_open(exports["KILN_UPSTREAM_URL"])  # and the mock model server
+
+
+def test_kiln_dev_against_an_existing_aws_endpoint_and_upstream(aws, mock, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(port), "--aws-endpoint-url", aws.url,
+         "--upstream-url", mock.url],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env,
+    )
+    try:
+        exports = {}
+        for line in process.stdout:
+            if line.startswith("export "):
+                name, _, value = line[len("export ") :].strip().partition("=")
+                exports[name] = shlex.split(value)[0]
+            if "ready" in line:
+                break
+        mock.reset()
+        response = httpx.post(
+            f"{exports['KILN_BASE_URL']}/chat/completions",
+            json={"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {exports['KILN_API_KEY']}"},
+            timeout=30,
+        )
+        assert response.status_code == 200
+        assert mock.stats["requests"] == 1  # served by the given upstream
+        assert exports["AWS_ENDPOINT_URL"] == aws.url
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=20)

@@ -1,0 +1,96 @@
+"""Admission and settlement on DynamoDB: one write in, one transaction out, never twice."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+import pytest
+
+from kiln.errors import InsufficientCredits, OrganizationDisabled, RateLimitExceeded
+from kiln.store import UsageEvent
+from kiln.store.orgs import set_status
+from kiln.store.usage import get_event
+
+
+def _event(lease, cost: str = "0.25", status: str = "success") -> UsageEvent:
+    return UsageEvent(
+        gen_id=lease.gen_id, org_id=lease.org_id, created_at="2026-11-30T00:00:00.000Z", key_id=lease.key_id,
+        model=lease.model, endpoint=lease.endpoint, streamed=lease.streamed, status=status, cost=Decimal(cost),
+        prompt_tokens=3, completion_tokens=4,
+    )
+
+
+def _admit(stack, org_id):
+    return stack.gateway.ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions", streamed=False)
+
+
+def _count_calls(stack, operation: str) -> list:
+    calls = []
+    stack.tables.client.meta.events.register(f"before-call.dynamodb.{operation}", lambda **_: calls.append(1))
+    return calls
+
+
+def test_admission_is_one_write_and_refusals_need_no_read(stack):
+    org_id, _ = stack.org(concurrency=1)
+    updates, gets = _count_calls(stack, "UpdateItem"), _count_calls(stack, "GetItem")
+    _admit(stack, org_id)
+    assert (len(updates), len(gets)) == (1, 0)
+    with pytest.raises(RateLimitExceeded):
+        _admit(stack, org_id)
+    assert (len(updates), len(gets)) == (2, 0)
+
+
+def test_refusals_tell_402_from_403_from_429(stack):
+    org_id, _ = stack.org(credits="0")
+    with pytest.raises(InsufficientCredits):
+        _admit(stack, org_id)
+    org_id, _ = stack.org()
+    set_status(stack.tables, org_id, "disabled")
+    with pytest.raises(OrganizationDisabled):
+        _admit(stack, org_id)
+
+
+def test_settle_releases_debits_and_records_in_one_go(stack):
+    org_id, _ = stack.org(credits="1")
+    lease = _admit(stack, org_id)
+    assert stack.org_info(org_id).in_flight == 1
+    transactions = _count_calls(stack, "TransactWriteItems")
+    assert stack.gateway.ledger.settle(lease, _event(lease)) == "settled"
+    assert len(transactions) == 1
+    assert stack.org_info(org_id).in_flight == 0
+    assert stack.org_info(org_id).credits == Decimal("0.75")
+    stored = get_event(stack.tables, lease.gen_id)
+    assert (stored.cost, stored.prompt_tokens, stored.status) == (Decimal("0.25"), 3, "success")
+
+
+def test_a_retried_settle_never_charges_twice(stack):
+    org_id, _ = stack.org(credits="1")
+    lease = _admit(stack, org_id)
+    assert stack.gateway.ledger.settle(lease, _event(lease)) == "settled"
+    assert stack.gateway.ledger.settle(lease, _event(lease)) == "already_settled"
+    assert stack.org_info(org_id).credits == Decimal("0.75")
+    assert len(stack.events(org_id)) == 1
+
+
+def test_a_late_settle_replaces_the_abandoned_event_and_bills(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=0.2)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    slow = _admit(stack, org_id)
+    time.sleep(0.3)
+    other = _admit(stack, org_id)  # reclaims the expired lease
+    assert get_event(stack.tables, slow.gen_id).status == "abandoned"
+    assert stack.gateway.ledger.settle(slow, _event(slow)) == "replaced_abandoned"
+    assert get_event(stack.tables, slow.gen_id).status == "success"
+    assert stack.gateway.ledger.settle(other, _event(other)) == "settled"
+    assert stack.org_info(org_id).credits == Decimal("0.5")
+    assert len(stack.events(org_id)) == 2
+
+
+def test_only_expired_leases_are_reclaimed(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=30)
+    org_id, _ = stack.org(concurrency=1)
+    _admit(stack, org_id)
+    with pytest.raises(RateLimitExceeded):
+        _admit(stack, org_id)
+    assert stack.events(org_id) == []
