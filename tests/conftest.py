@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -14,7 +15,21 @@ for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
 from kiln_ops.emulator import EmbeddedAws  # noqa: E402
 from kiln_ops.mock_upstream import MockUpstream  # noqa: E402
 from kiln_ops.serve import ServerThread  # noqa: E402
-from support import MockHandle, Stack, make_stack  # noqa: E402
+from support import TELEMETRY, MockHandle, Stack, make_stack  # noqa: E402
+
+KEY_SHAPE = re.compile(r"sk-kiln-[A-Za-z0-9_-]{20,}")
+# Text that tests send as prompts, or that the mock sends back as completions.
+PROMPT_AND_COMPLETION_TEXT = ("Answer briefly.", "The capital of France is", "What is this?", "Paris, a city", "How can I help")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_secret_or_prompt_in_telemetry():
+    """Logs and metrics written during the whole suite hold no API key and no prompt text."""
+    yield
+    text = TELEMETRY.text()
+    assert not KEY_SHAPE.search(text), "an API key was logged"
+    for phrase in PROMPT_AND_COMPLETION_TEXT:
+        assert phrase not in text, f"prompt or completion text was logged: {phrase!r}"
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +57,7 @@ def stack_factory(aws, mock):
         made.append(stack)
         return stack
 
+    mock.wait_for(lambda stats: stats["in_flight"] <= 0, timeout=10)
     mock.reset()
     yield make
     for stack in made:
@@ -58,6 +74,7 @@ def shared_stack(aws, mock):
 @pytest.fixture
 def stack(shared_stack, mock) -> Stack:
     """A stack with the default settings, shared by a module's tests (each makes its own orgs)."""
+    mock.wait_for(lambda stats: stats["in_flight"] <= 0, timeout=10)  # the last test's requests are over
     mock.reset()
     yield shared_stack
     if shared_stack.maintenance_changed:

@@ -19,7 +19,7 @@ or from the server's own defaults:
     ttft_ms           wait before the first token (streams: after the 200 and headers)
     token_delay_ms    wait between tokens
     tokens=N          reply with N tokens (cut at max_tokens)
-    cut_after=N       drop the connection after N content chunks (mid-stream failure)
+    cut_after=N       drop the connection after N chunks, the role chunk included (mid-stream failure)
     no_done=true      end the stream cleanly but without [DONE]
     no_usage=true     never report usage, as llama.cpp's server does
     cached_tokens=N   report N prompt tokens as served from the prefix cache
@@ -110,6 +110,11 @@ class MockUpstream:
         self.defaults = MockOptions(token_delay_ms=token_delay_ms, ttft_ms=ttft_ms)
         self.stats = MockStats()
 
+    def reset(self) -> None:
+        """Zero the counters; requests still in flight stay counted (they will end later)."""
+        in_flight = self.stats.in_flight
+        self.stats = MockStats(in_flight=in_flight, max_in_flight=in_flight)
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
@@ -130,7 +135,7 @@ class MockUpstream:
         if method == "GET" and path == "/mock/stats":
             return await _send_json(send, 200, self.stats.as_dict())
         if method == "POST" and path == "/mock/reset":
-            self.stats = MockStats()
+            self.reset()
             return await _send_json(send, 200, {"reset": True})
         if method == "GET" and path == "/v1/models":
             return await _send_json(send, 200, {"object": "list", "data": []})

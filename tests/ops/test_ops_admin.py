@@ -1,0 +1,655 @@
+"""`kiln admin`: orgs, keys, credits and the maintenance switch, against a running stack.
+
+Most tests drive the CLI in-process (`build_parser()` + `run_admin`, what `kiln` itself
+does); one runs the installed `kiln` script in a shell that holds only the exports, and
+checks that the gateway sees what it did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from decimal import Decimal
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+
+import pytest
+
+from kiln.store.keys import hash_secret, looks_like_key
+from kiln_ops.admin import run_admin
+from kiln_ops.cli import build_parser
+from support import dead_url
+
+CHAT = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
+KILN = Path(sys.executable).parent / "kiln"
+SECRET_LINE = re.compile(r"secret \(shown once, store it now\): (sk-kiln-\S+)$")
+KEY_LINE = re.compile(r"created key (key_[0-9a-f]{16}) for org (\S+)$")
+
+
+@dataclass
+class Result:
+    code: int
+    lines: list[str]
+    err: str
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def clients_by_settings():
+    cache: dict = {}
+    yield cache
+    cache.clear()
+
+
+def _reuse_clients(monkeypatch, cache: dict) -> None:
+    """Each `kiln admin` process makes its own AWS clients (~60-250 ms in the emulator); the
+    in-process calls here reuse them per settings. The subprocess test runs the real path."""
+    import kiln.store
+    import kiln_ops.provision
+
+    real_bind, real_clients = kiln.store.bind, kiln_ops.provision.aws_clients
+
+    def bind(settings):
+        if ("tables", settings) not in cache:
+            cache[("tables", settings)] = real_bind(settings)
+        return cache[("tables", settings)]
+
+    def aws_clients(settings, session=None):
+        if ("aws", settings) not in cache:
+            cache[("aws", settings)] = real_clients(settings, session)
+        return cache[("aws", settings)]
+
+    monkeypatch.setattr(kiln.store, "bind", bind)
+    monkeypatch.setattr(kiln_ops.provision, "aws_clients", aws_clients)
+
+
+@pytest.fixture
+def admin(stack, capsys, monkeypatch, clients_by_settings):
+    """admin("orgs", "show", "x") → Result; parse errors are returned the same way (exit 2)."""
+    _reuse_clients(monkeypatch, clients_by_settings)
+
+    def run(*argv: str) -> Result:
+        capsys.readouterr()
+        lines: list[str] = []
+        if argv and argv[0] == "maintenance":
+            stack.maintenance_changed = True  # the stack fixture switches it off afterwards
+        try:
+            args = build_parser().parse_args(["admin", *argv])
+            code = run_admin(args, settings=stack.settings, out=lines.append)
+        except SystemExit as exc:
+            code = exc.code
+        # (stdout is not checked here: the in-process gateway writes its metrics there)
+        return Result(code, lines, capsys.readouterr().err)
+
+    return run
+
+
+def new_org_id() -> str:
+    return f"adm-{secrets.token_hex(4)}"
+
+
+def created_key(result: Result) -> tuple[str, str]:
+    """(key id, secret) from the output of `keys create`."""
+    assert result.code == 0, result.err
+    key_id = KEY_LINE.fullmatch(result.lines[0]).group(1)
+    secret = SECRET_LINE.search(result.lines[1]).group(1)
+    return key_id, secret
+
+
+def assert_fails(result: Result, *fragments: str, code: int = 1) -> str:
+    """A non-zero exit with the reason on the last line of stderr and no traceback."""
+    assert result.code == code, (result.code, result.lines, result.err)
+    assert result.lines == []
+    assert "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert lines, "a failure must say why"
+    if code == 1:
+        assert len(lines) == 1, result.err  # exactly one line from the command itself
+        assert lines[0].startswith("kiln admin: ")
+    else:
+        # argparse: its usage block, then the one-line reason
+        assert lines[0].startswith("usage: kiln admin ")
+        assert all(line.startswith(" ") for line in lines[1:-1]), result.err
+    reason = lines[-1]
+    for fragment in fragments:
+        assert fragment in reason, reason
+    return reason
+
+
+# -- orgs ---------------------------------------------------------------------------------------
+
+
+def test_orgs_create_then_show_reports_the_settings(admin, stack):
+    org_id = new_org_id()
+    result = admin("orgs", "create", org_id, "--concurrency", "3", "--credits", "12.50")
+    assert result.code == 0, result.err
+    assert result.lines == [f"created org {org_id}: concurrency 3, credits $12.5"]
+    info = stack.org_info(org_id)
+    assert (info.status, info.concurrency_limit, info.credits) == ("active", 3, Decimal("12.5"))
+
+    shown = admin("orgs", "show", org_id)
+    assert shown.code == 0, shown.err
+    assert shown.lines == [
+        f"org {org_id}",
+        "  status       active",
+        "  concurrency  3",
+        "  credits      $12.5",
+        "  in flight    0",
+        f"  created      {info.created_at}",
+    ]
+
+
+def test_orgs_create_defaults_to_the_default_limit_and_no_credits(admin, stack):
+    org_id = new_org_id()
+    result = admin("orgs", "create", org_id)
+    assert result.code == 0, result.err
+    info = stack.org_info(org_id)
+    assert info.concurrency_limit == stack.settings.default_concurrency
+    assert info.credits == 0
+
+
+@contextmanager
+def one_request_in_flight(stack, secret: str, hold_ms: int = 500):
+    """A chat request of the key's org held open upstream (the mock waits before the first token)."""
+    done: list[int] = []
+    slow = {**CHAT, "stream": True, "mock": {"ttft_ms": hold_ms}}
+    before = stack.mock.stats["requests"]
+    thread = threading.Thread(target=lambda: done.append(stack.post("/v1/chat/completions", slow, secret).status_code))
+    thread.start()
+    try:
+        # the mock has it (its in_flight count is not used: requests of earlier tests may still end)
+        stack.mock.wait_for(lambda stats: stats["requests"] == before + 1)
+        yield done
+    finally:
+        thread.join(10)
+
+
+def poll(predicate, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_orgs_show_counts_requests_in_flight(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    with one_request_in_flight(stack, secret) as done:
+        assert "  in flight    1" in admin("orgs", "show", org_id).lines
+    assert done == [200]
+    poll(lambda: "  in flight    0" in admin("orgs", "show", org_id).lines)
+
+
+def test_disable_turns_the_orgs_keys_away_with_403_and_enable_lets_them_in(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
+
+    result = admin("orgs", "disable", org_id)
+    assert result.code == 0, result.err
+    assert result.lines == [f"org {org_id} is now disabled"]
+    assert stack.org_info(org_id).status == "disabled"
+    assert "  status       disabled" in admin("orgs", "show", org_id).lines
+    requests_before = stack.mock.stats["requests"]
+    denied = stack.post("/v1/chat/completions", CHAT, secret)
+    assert denied.status_code == 403, denied.text
+    assert "disabled" in denied.json()["error"]["message"]
+    assert stack.mock.stats["requests"] == requests_before  # never reached a model
+
+    result = admin("orgs", "enable", org_id)
+    assert result.code == 0, result.err
+    assert result.lines == [f"org {org_id} is now active"]
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
+
+
+def test_set_limit_changes_the_concurrency_limit(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--concurrency", "2").code == 0
+    result = admin("orgs", "set-limit", org_id, "17")
+    assert result.code == 0, result.err
+    assert result.lines == [f"org {org_id}: concurrency limit 17"]
+    assert stack.org_info(org_id).concurrency_limit == 17
+    assert "  concurrency  17" in admin("orgs", "show", org_id).lines
+
+
+def test_set_limit_is_enforced_by_the_gateway(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--concurrency", "5", "--credits", "5").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    assert admin("orgs", "set-limit", org_id, "1").code == 0
+    with one_request_in_flight(stack, secret) as done:
+        second = stack.post("/v1/chat/completions", CHAT, secret)
+        assert second.status_code == 429, second.text
+    assert done == [200]
+
+
+# -- keys ---------------------------------------------------------------------------------------
+
+
+def test_keys_create_prints_a_working_secret_that_is_stored_only_as_its_hash(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
+    result = admin("keys", "create", org_id)
+    key_id, secret = created_key(result)
+    assert KEY_LINE.fullmatch(result.lines[0]).group(2) == org_id
+    assert looks_like_key(secret)
+
+    response = stack.post("/v1/chat/completions", CHAT, secret)
+    assert response.status_code == 200, response.text
+
+    items = stack.dynamodb.scan(TableName=stack.settings.keys_table)["Items"]
+    dump = json.dumps(items)
+    assert secret not in dump
+    assert secret[len("sk-kiln-") :] not in dump
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    assert digest == hash_secret(secret)
+    assert digest in dump
+    mine = [item for item in items if item["key_id"]["S"] == key_id]
+    assert len(mine) == 1 and mine[0]["key_hash"]["S"] == digest and mine[0]["org_id"]["S"] == org_id
+
+
+def test_each_key_create_issues_a_new_independent_key(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
+    first_id, first = created_key(admin("keys", "create", org_id))
+    second_id, second = created_key(admin("keys", "create", org_id))
+    assert first_id != second_id and first != second
+    assert admin("keys", "revoke", first_id).code == 0
+    assert stack.post("/v1/chat/completions", CHAT, first).status_code == 401
+    assert stack.post("/v1/chat/completions", CHAT, second).status_code == 200
+
+
+def test_keys_list_shows_ids_prefixes_and_status_but_never_the_secret(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    issued = [created_key(admin("keys", "create", org_id)) for _ in range(2)]
+    assert admin("keys", "revoke", issued[0][0]).code == 0
+
+    listing = admin("keys", "list", org_id)
+    assert listing.code == 0, listing.err
+    assert listing.lines[0].split() == ["KEY", "ID", "PREFIX", "STATUS", "CREATED"]
+    rows = {line.split()[0]: line.split() for line in listing.lines[1:]}
+    assert set(rows) == {key_id for key_id, _ in issued}
+    for key_id, secret in issued:
+        assert secret not in listing.text
+        assert secret[len("sk-kiln-") :][:12] not in listing.text
+        prefix = rows[key_id][1]
+        assert prefix.endswith("…") and secret.startswith(prefix[:-1]) and len(prefix[:-1]) < len(secret) // 2
+    assert rows[issued[0][0]][2] == "revoked"
+    assert rows[issued[1][0]][2] == "active"
+
+
+def test_keys_list_of_an_org_without_keys_is_just_the_header(admin):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    listing = admin("keys", "list", org_id)
+    assert listing.code == 0 and len(listing.lines) == 1
+
+
+def test_keys_list_does_not_show_another_orgs_keys(admin):
+    mine, theirs = new_org_id(), new_org_id()
+    assert admin("orgs", "create", mine).code == 0
+    assert admin("orgs", "create", theirs).code == 0
+    their_key, _ = created_key(admin("keys", "create", theirs))
+    assert their_key not in admin("keys", "list", mine).text
+
+
+def test_revoked_key_gets_401_and_revoking_twice_is_harmless(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
+    key_id, secret = created_key(admin("keys", "create", org_id))
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
+
+    result = admin("keys", "revoke", key_id)
+    assert result.code == 0, result.err
+    assert result.lines == [f"revoked key {key_id} ({secret[:12]}…) of org {org_id}"]
+    denied = stack.post("/v1/chat/completions", CHAT, secret)
+    assert denied.status_code == 401, denied.text
+    assert denied.json()["error"]["code"] == "invalid_api_key"
+
+    again = admin("keys", "revoke", key_id)
+    assert again.code == 0, again.err
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 401
+
+
+# -- credits ------------------------------------------------------------------------------------
+
+
+def test_credits_add_is_exact_decimal(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    outputs = []
+    for _ in range(3):
+        result = admin("credits", "add", org_id, "0.1")
+        assert result.code == 0, result.err
+        outputs.append(result.lines)
+    assert stack.org_info(org_id).credits == Decimal("0.3")
+    assert outputs[-1] == [f"org {org_id}: added $0.1, balance $0.3"]
+    assert "  credits      $0.3" in admin("orgs", "show", org_id).lines
+
+
+def test_credits_add_keeps_tiny_amounts_and_corrects_with_negative(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "10").code == 0
+    assert admin("credits", "add", org_id, "0.000000665").code == 0
+    assert stack.org_info(org_id).credits == Decimal("10.000000665")
+    result = admin("credits", "add", org_id, "-2.5")
+    assert result.code == 0, result.err
+    assert stack.org_info(org_id).credits == Decimal("7.500000665")
+    assert result.lines == [f"org {org_id}: added $-2.5, balance $7.500000665"]
+
+
+def test_credits_added_to_an_empty_org_let_its_key_in(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    broke = stack.post("/v1/chat/completions", CHAT, secret)
+    assert broke.status_code == 402, broke.text
+    assert admin("credits", "add", org_id, "1").code == 0
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
+
+
+# -- maintenance --------------------------------------------------------------------------------
+
+
+def test_maintenance_on_with_until_and_message_then_off(admin, stack):
+    result = admin("maintenance", "on", "--until", "2099-12-01T03:00:00Z", "--message", "Upgrading model servers.")
+    assert result.code == 0, result.err
+    assert result.lines[0].startswith("maintenance on: ")
+    written = json.loads(stack.ssm.get_parameter(Name=stack.settings.maintenance_parameter)["Parameter"]["Value"])
+    assert written == {"enabled": True, "until": "2099-12-01T03:00:00Z", "message": "Upgrading model servers."}
+
+    _, secret = stack.org()
+    response = stack.post("/v1/chat/completions", CHAT, secret)
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "Tue, 01 Dec 2099 03:00:00 GMT"
+    assert response.json()["error"]["message"] == "Upgrading model servers."
+    assert stack.http.get("/v1/models", headers={"Authorization": f"Bearer {secret}"}).status_code == 503
+
+    status = admin("maintenance", "status")
+    assert status.code == 0, status.err
+    assert status.lines[0].startswith("maintenance on: ")
+    assert json.loads(status.lines[0].split(": ", 1)[1]) == written
+
+    off = admin("maintenance", "off")
+    assert off.code == 0 and off.lines == ["maintenance off"]
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
+    status = admin("maintenance", "status")
+    assert status.lines == ['maintenance off: {"enabled": false}']
+
+
+def test_maintenance_on_without_until_retries_after_seconds_with_a_default_message(admin, stack):
+    assert admin("maintenance", "on").code == 0
+    _, secret = stack.org()
+    response = stack.post("/v1/completions", {"model": "qwen3-32b", "prompt": "x"}, secret)
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == str(stack.settings.maintenance_retry_after_seconds)
+    assert response.json()["error"]["message"]
+
+
+def test_maintenance_until_with_an_offset_is_stored_and_sent_in_utc(admin, stack):
+    assert admin("maintenance", "on", "--until", "2099-06-01T05:30:00+02:00").code == 0
+    status = admin("maintenance", "status")
+    assert json.loads(status.lines[0].split(": ", 1)[1])["until"] == "2099-06-01T03:30:00Z"
+    _, secret = stack.org()
+    response = stack.post("/v1/chat/completions", CHAT, secret)
+    assert response.status_code == 503
+    assert parsedate_to_datetime(response.headers["Retry-After"]).isoformat() == "2099-06-01T03:30:00+00:00"
+
+
+def test_maintenance_status_without_a_parameter_is_off(admin, stack):
+    stack.ssm.delete_parameter(Name=stack.settings.maintenance_parameter)
+    stack.maintenance_changed = True  # put it back afterwards
+    status = admin("maintenance", "status")
+    assert status.code == 0, status.err
+    assert status.lines == ['maintenance off: {"enabled": false}']
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("orgs", "show", "no-such-org"),
+        ("orgs", "disable", "no-such-org"),
+        ("orgs", "enable", "no-such-org"),
+        ("orgs", "set-limit", "no-such-org", "4"),
+        ("keys", "create", "no-such-org"),
+        ("keys", "list", "no-such-org"),
+        ("credits", "add", "no-such-org", "5"),
+    ],
+    ids=lambda argv: "-".join(argv[:2]),
+)
+def test_unknown_org_fails_with_one_line(admin, stack, argv):
+    reason = assert_fails(admin(*argv), "no-such-org", "not found")
+    assert reason == "kiln admin: org 'no-such-org' not found"
+    with pytest.raises(Exception):
+        stack.org_info("no-such-org")  # nothing was created on the way
+
+
+def test_unknown_key_id_fails_with_one_line(admin):
+    assert_fails(admin("keys", "revoke", "key_0000000000000000"), "key 'key_0000000000000000' not found")
+
+
+def test_duplicate_org_fails_and_leaves_the_first_untouched(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "5", "--concurrency", "2").code == 0
+    assert_fails(admin("orgs", "create", org_id, "--credits", "99"), org_id, "already exists")
+    info = stack.org_info(org_id)
+    assert (info.credits, info.concurrency_limit) == (Decimal("5"), 2)
+
+
+@pytest.mark.parametrize("org_id", ["Upper", "has space", "_leading-underscore", "a" * 64, "dot.ted", ""])
+def test_invalid_org_id_fails(admin, org_id):
+    assert_fails(admin("orgs", "create", org_id), "org ids are")
+
+
+@pytest.mark.parametrize("until", ["tomorrow", "2099-13-01T00:00:00Z", "12/01/2099"])
+def test_bad_until_fails_and_leaves_the_switch_alone(admin, stack, until):
+    assert_fails(admin("maintenance", "on", "--until", until), "--until", repr(until))
+    assert admin("maintenance", "status").lines == ['maintenance off: {"enabled": false}']
+    _, secret = stack.org()
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
+
+
+def test_negative_initial_credits_are_rejected(admin, stack):
+    org_id = new_org_id()
+    assert_fails(admin("orgs", "create", org_id, "--credits", "-5"), "credits must be a non-negative")
+    with pytest.raises(Exception):
+        stack.org_info(org_id)
+
+
+def test_adding_zero_credits_is_rejected(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
+    assert_fails(admin("credits", "add", org_id, "0"), "non-zero")
+    assert_fails(admin("credits", "add", org_id, "-0.00"), "non-zero")
+    assert stack.org_info(org_id).credits == Decimal("1")
+
+
+@pytest.mark.parametrize(
+    "argv,reason",
+    [
+        (("credits", "add", "{org}", "ten"), "not an amount of USD: 'ten'"),
+        (("credits", "add", "{org}", "NaN"), "not an amount of USD: 'NaN'"),
+        (("credits", "add", "{org}", "Infinity"), "not an amount of USD: 'Infinity'"),
+        (("credits", "add", "{org}", "$5"), "not an amount of USD: '$5'"),
+        (("orgs", "create", "{new}", "--credits", "lots"), "not an amount of USD: 'lots'"),
+        (("orgs", "create", "{new}", "--concurrency", "0"), "must be at least 1"),
+        (("orgs", "create", "{new}", "--concurrency", "two"), "not a whole number: 'two'"),
+        (("orgs", "set-limit", "{org}", "0"), "must be at least 1"),
+        (("orgs", "set-limit", "{org}", "-3"), "must be at least 1"),
+    ],
+    ids=["usd-word", "usd-nan", "usd-inf", "usd-dollar", "create-credits", "create-zero-limit", "create-word-limit",
+         "limit-zero", "limit-negative"],
+)
+def test_bad_arguments_exit_2_with_the_reason(admin, stack, argv, reason):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "1", "--concurrency", "3").code == 0
+    fresh = new_org_id()
+    argv = tuple(part.format(org=org_id, new=fresh) for part in argv)
+    last = assert_fails(admin(*argv), reason, code=2)
+    assert last.startswith("kiln admin ") and ": error: " in last
+    info = stack.org_info(org_id)
+    assert (info.credits, info.concurrency_limit) == (Decimal("1"), 3)
+    with pytest.raises(Exception):
+        stack.org_info(fresh)
+
+
+def _run_elsewhere(capsys, settings, *argv: str) -> Result:
+    """run_admin with other settings and its own fresh clients (no reuse)."""
+    capsys.readouterr()
+    lines: list[str] = []
+    code = run_admin(build_parser().parse_args(["admin", *argv]), settings=settings, out=lines.append)
+    return Result(code, lines, capsys.readouterr().err)
+
+
+def _unreachable(stack):
+    return replace(stack.settings, aws_endpoint_url=dead_url().rsplit("/v1", 1)[0])
+
+
+TABLE_COMMANDS = [
+    ("orgs", "show", "some-org"),
+    ("keys", "revoke", "key_0000000000000000"),
+    ("credits", "add", "some-org", "1"),
+]
+
+
+@pytest.mark.parametrize("argv", TABLE_COMMANDS + [("maintenance", "status")], ids=lambda argv: "-".join(argv[:2]))
+def test_unreachable_storage_fails_with_one_line(capsys, stack, argv):
+    result = _run_elsewhere(capsys, _unreachable(stack), *argv)
+    assert_fails(result, "Could not connect to the endpoint URL")
+
+
+def test_unreachable_ssm_says_aws_cannot_be_reached(capsys, stack):
+    result = _run_elsewhere(capsys, _unreachable(stack), "maintenance", "status")
+    assert_fails(result, "kiln admin: cannot reach AWS: ")
+
+
+@pytest.mark.parametrize("argv", TABLE_COMMANDS, ids=lambda argv: "-".join(argv[:2]))
+def test_unreachable_dynamodb_says_aws_cannot_be_reached(capsys, stack, argv):
+    result = _run_elsewhere(capsys, _unreachable(stack), *argv)
+    assert_fails(result, "kiln admin: cannot reach AWS: ")
+
+
+@pytest.fixture
+def no_credentials(monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask an instance metadata service
+    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", raising=False)
+    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", raising=False)
+
+
+def test_without_credentials_the_maintenance_commands_say_how_to_get_them(capsys, stack, no_credentials):
+    result = _run_elsewhere(capsys, _unreachable(stack), "maintenance", "status")
+    assert_fails(result, "no AWS credentials", "kiln dev")
+
+
+@pytest.mark.parametrize("argv", TABLE_COMMANDS[:2], ids=lambda argv: "-".join(argv[:2]))
+def test_without_credentials_the_table_commands_say_how_to_get_them(capsys, stack, no_credentials, argv):
+    result = _run_elsewhere(capsys, _unreachable(stack), *argv)
+    assert_fails(result, "no AWS credentials", "kiln dev")
+
+
+@pytest.mark.parametrize("command", ["create", "add"])
+def test_amounts_are_printed_as_plain_numbers(admin, command):
+    org_id = new_org_id()
+    if command == "create":
+        result = admin("orgs", "create", org_id, "--credits", "1e3")
+        assert result.lines == [f"created org {org_id}: concurrency 8, credits $1000"]
+    else:
+        assert admin("orgs", "create", org_id).code == 0
+        result = admin("credits", "add", org_id, "1e3")
+        assert result.lines == [f"org {org_id}: added $1000, balance $1000"]
+
+
+# -- the installed command, in a shell with the exports -------------------------------------------
+
+
+def _shell_env(stack) -> tuple[dict[str, str], str]:
+    exports = {
+        **stack.settings.to_env(),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    # A clean environment: only what a shell needs plus the exports (no AWS profile, no venv vars).
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR") if name in os.environ}
+    env["PATH"] = f"{KILN.parent}{os.pathsep}{env.get('PATH', '')}"
+    script = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in exports.items())
+    return env, script
+
+
+def test_the_kiln_command_in_a_shell_with_the_exports(stack):
+    assert KILN.exists(), f"the kiln script is not installed at {KILN}"
+    env, exports = _shell_env(stack)
+    org_id = new_org_id()
+    script = exports + (
+        "set -e\n"
+        f"kiln admin orgs create {org_id} --concurrency 2 --credits 1.25\n"
+        f"kiln admin credits add {org_id} 0.1\n"
+        f"kiln admin keys create {org_id}\n"
+    )
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"created org {org_id}: concurrency 2, credits $1.25"
+    assert lines[1] == f"org {org_id}: added $0.1, balance $1.35"
+    secret = SECRET_LINE.search(lines[3]).group(1)
+    info = stack.org_info(org_id)
+    assert (info.concurrency_limit, info.credits) == (2, Decimal("1.35"))
+    response = stack.post("/v1/chat/completions", CHAT, secret)
+    assert response.status_code == 200, response.text
+
+    # A failure is one line on stderr and a non-zero exit status, never a traceback.
+    failed = subprocess.run(
+        ["bash", "-c", exports + "kiln admin orgs show no-such-org"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert failed.returncode == 1
+    assert failed.stdout == ""
+    assert failed.stderr == "kiln admin: org 'no-such-org' not found\n"
+
+
+def test_catalog_set_validates_and_replaces_the_catalog(admin, stack, tmp_path):
+    import json as _json
+
+    from support import catalog_for_tests
+
+    original = admin("catalog", "show").lines[0]
+    document = catalog_for_tests(stack.mock.url)
+    document["models"] = [m for m in document["models"] if m["id"] == "qwen3-32b"]
+    good = tmp_path / "catalog.json"
+    good.write_text(_json.dumps(document))
+    try:
+        result = admin("catalog", "set", str(good))
+        assert result.code == 0 and "1 models (qwen3-32b)" in result.lines[0]
+        shown = admin("catalog", "show")
+        assert _json.loads(shown.lines[0])["models"][0]["id"] == "qwen3-32b"
+
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"models": [{"id": "x"}]}')
+        result = admin("catalog", "set", str(bad))
+        assert result.code == 1 and "pricing" in result.err
+        assert _json.loads(admin("catalog", "show").lines[0])["models"][0]["id"] == "qwen3-32b"  # unchanged
+    finally:
+        (tmp_path / "original.json").write_text(original)
+        assert admin("catalog", "set", str(tmp_path / "original.json")).code == 0
