@@ -1,12 +1,19 @@
 # The two commands of the README, and what they need. Each sets itself up on a fresh machine.
-#   make dev    the local stack: gateway + embedded AWS + mock model server
-#   make test   the test suite
+#   make dev       the local stack: gateway + embedded AWS + mock model server
+#   make test      the test suite
+# For deploying (docs/deploy.md):
+#   make validate  sam validate --lint
+#   make build     sam build (python3.13, arm64, precompiled), then checks the artifacts
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# SAM CLI pins its own boto3, pydantic and cfn-lint: it lives in its own tool environment.
+SAM_HOME ?= .tools/sam
+SAM      := $(SAM_HOME)/bin/sam
+SAM_ENV  := SAM_CLI_TELEMETRY=0 AWS_DEFAULT_REGION=$${AWS_DEFAULT_REGION:-us-east-1}
 
-.PHONY: dev test setup clean
+.PHONY: dev test setup validate build clean
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is needed (found " + sys.version.split()[0] + ")")'
@@ -23,5 +30,16 @@ dev: setup
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
 
+$(SAM): | $(BIN)/.installed
+	$(PYTHON) -m venv $(SAM_HOME)
+	$(BIN)/uv pip install --quiet --python $(SAM_HOME)/bin/python aws-sam-cli
+
+validate: $(SAM)
+	$(SAM_ENV) $(SAM) validate --lint --template template.yaml
+
+build: $(SAM) setup
+	$(SAM_ENV) $(SAM) build --template template.yaml
+	$(BIN)/kiln verify-build .aws-sam/build
+
 clean:
-	rm -rf $(VENV) .kiln .pytest_cache
+	rm -rf $(VENV) .tools .aws-sam .kiln .pytest_cache

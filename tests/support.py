@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
@@ -13,6 +15,7 @@ import botocore.session
 import httpx
 
 from kiln.gateway import Gateway
+from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind
 from kiln.store.keys import create_key
@@ -150,9 +153,7 @@ class MockHandle:
         return self.app.stats.as_dict()
 
     def reset(self) -> None:
-        from kiln_ops.mock_upstream import MockStats
-
-        self.app.stats = MockStats()
+        self.app.reset()
 
     def last_body(self) -> dict[str, Any]:
         return self.app.stats.bodies[-1]
@@ -165,6 +166,37 @@ class MockHandle:
                 return stats
             time.sleep(0.02)
         raise AssertionError(f"mock never reached the expected state: {self.stats}")
+
+
+class Telemetry(io.TextIOBase):
+    """Everything the gateway logs or emits as metrics during the tests (one stream)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._parts.append(text)
+        return len(text)
+
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self._parts)
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text().splitlines() if line.startswith("{")]
+
+
+TELEMETRY = Telemetry()
+_OBSERVER: Observer | None = None
+
+
+def observer() -> Observer:
+    global _OBSERVER
+    if _OBSERVER is None:
+        _OBSERVER = Observer(stream=TELEMETRY, metrics_enabled=True)
+    return _OBSERVER
 
 
 def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
@@ -187,7 +219,7 @@ def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
     dynamodb, ssm = aws_clients(settings, _SESSION)
     provision(settings, catalog_json=json.dumps(catalog), dynamodb=dynamodb, ssm=ssm)
     gateway = Gateway(settings, tables=tables)
-    server = ServerThread(combined_app(gateway)).start()
+    server = ServerThread(combined_app(gateway, observer())).start()
     return Stack(settings, tables, gateway, server, mock, ssm, dynamodb)
 
 
@@ -222,4 +254,4 @@ def data_events(text: str) -> list[Any]:
     return out
 
 
-__all__ = ["MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
+__all__ = ["TELEMETRY", "MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable
 
+from kiln.jsonio import decimal_text
+
 __all__ = ["AdminError", "add_admin_parser", "run_admin"]
 
 
@@ -65,7 +67,7 @@ def _positive(text: str) -> int:
 
 def add_admin_parser(subparsers: Any) -> None:
     admin = subparsers.add_parser("admin", help="manage orgs, keys, credits and maintenance")
-    groups = admin.add_subparsers(dest="group", required=True, metavar="{orgs,keys,credits,maintenance}")
+    groups = admin.add_subparsers(dest="group", required=True, metavar="{orgs,keys,credits,catalog,maintenance}")
 
     orgs = groups.add_parser("orgs", help="organisations").add_subparsers(dest="action", required=True)
     create = orgs.add_parser("create", help="create an org")
@@ -102,6 +104,14 @@ def add_admin_parser(subparsers: Any) -> None:
     add.add_argument("usd", type=_usd)
     add.set_defaults(run=_credits_add)
 
+    catalog = groups.add_parser("catalog", help="the model catalog (SSM parameter)").add_subparsers(
+        dest="action", required=True
+    )
+    put = catalog.add_parser("set", help="validate a catalog file and make it the stack's catalog")
+    put.add_argument("file", help="a JSON catalog, in the format of infra/catalog.json")
+    put.set_defaults(run=_catalog_set)
+    catalog.add_parser("show", help="print the stack's catalog").set_defaults(run=_catalog_show)
+
     maintenance = groups.add_parser("maintenance", help="the maintenance switch").add_subparsers(
         dest="action", required=True
     )
@@ -134,12 +144,21 @@ def _describe(exc: BaseException) -> str:
 
     if isinstance(exc, (RecordExists, RecordNotFound)):
         return str(exc)
-    name = type(exc).__name__
-    if name in ("NoCredentialsError", "PartialCredentialsError"):
-        return "no AWS credentials: configure them (or evaluate kiln dev's exports)"
-    if name in ("EndpointConnectionError", "ConnectionRefusedError"):
-        return f"cannot reach AWS: {exc}"
+    for cause in _causes(exc):  # pynamodb wraps botocore's errors
+        name = type(cause).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError"):
+            return "no AWS credentials: configure them (or evaluate kiln dev's exports)"
+        if name in ("EndpointConnectionError", "ConnectionRefusedError", "ConnectTimeoutError"):
+            return f"cannot reach AWS: {cause}"
     return str(translate_storage_error(exc))
+
+
+def _causes(exc: BaseException | None):
+    seen = 0
+    while exc is not None and seen < 6:
+        yield exc
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+        seen += 1
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -150,7 +169,7 @@ def _orgs_create(ctx: Context, args: argparse.Namespace, out) -> None:
 
     concurrency = args.concurrency or ctx.settings.default_concurrency
     org = create_org(ctx.tables, args.org, concurrency=concurrency, credits=args.credits)
-    out(f"created org {org.org_id}: concurrency {org.concurrency_limit}, credits ${org.credits}")
+    out(f"created org {org.org_id}: concurrency {org.concurrency_limit}, credits ${decimal_text(org.credits)}")
 
 
 def _orgs_show(ctx: Context, args: argparse.Namespace, out) -> None:
@@ -160,7 +179,7 @@ def _orgs_show(ctx: Context, args: argparse.Namespace, out) -> None:
     out(f"org {org.org_id}")
     out(f"  status       {org.status}")
     out(f"  concurrency  {org.concurrency_limit}")
-    out(f"  credits      ${org.credits}")
+    out(f"  credits      ${decimal_text(org.credits)}")
     out(f"  in flight    {org.in_flight}")
     out(f"  created      {org.created_at}")
 
@@ -211,7 +230,34 @@ def _credits_add(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store.orgs import get_org
 
     add_credits(ctx.tables, args.org, args.usd)
-    out(f"org {args.org}: added ${args.usd}, balance ${get_org(ctx.tables, args.org).credits}")
+    balance = get_org(ctx.tables, args.org).credits
+    out(f"org {args.org}: added ${decimal_text(args.usd)}, balance ${decimal_text(balance)}")
+
+
+def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.catalog import Catalog, CatalogError
+
+    try:
+        raw = open(args.file, encoding="utf-8").read()
+    except OSError as exc:
+        raise AdminError(f"cannot read {args.file}: {exc.strerror}") from None
+    try:
+        catalog = Catalog.from_json(raw)
+    except CatalogError as exc:
+        raise AdminError(f"{args.file}: {exc}") from None
+    ctx.ssm.put_parameter(
+        Name=ctx.settings.catalog_parameter, Value=raw, Type="String", Overwrite=True, Tier="Advanced"
+    )
+    models = ", ".join(model.id for model in catalog)
+    out(f"catalog set: {len(catalog)} models ({models}); functions pick it up within their catalog cache time")
+
+
+def _catalog_show(ctx: Context, args: argparse.Namespace, out) -> None:
+    try:
+        raw = ctx.ssm.get_parameter(Name=ctx.settings.catalog_parameter)["Parameter"]["Value"]
+    except ctx.ssm.exceptions.ParameterNotFound:
+        raise AdminError(f"no catalog parameter {ctx.settings.catalog_parameter}") from None
+    out(raw)
 
 
 def _maintenance_on(ctx: Context, args: argparse.Namespace, out) -> None:

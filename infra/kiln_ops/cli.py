@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     emulator.add_argument("--host", default="127.0.0.1")
     emulator.add_argument("--port", type=_port, default=4566)
 
+    verify = commands.add_parser("verify-build", help="check a sam build: aarch64 binaries, python3.13 pycs")
+    verify.add_argument("build_dir", nargs="?", default=".aws-sam/build")
+
     add_admin_parser(commands)
     return parser
 
@@ -69,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             mock_token_delay_ms=args.mock_token_delay_ms,
             aws_endpoint_url=args.aws_endpoint_url,
         )
+    if args.command == "verify-build":
+        from .build_check import main as verify_build
+
+        return verify_build(args.build_dir)
     if args.command == "mock-upstream":
         from .mock_upstream import MockUpstream
         from .serve import serve

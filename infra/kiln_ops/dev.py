@@ -111,6 +111,8 @@ def run_dev(
             "KILN_UPSTREAM_URL": upstream_url,
         }
         os.environ.update(exports)
+        # request logs on the console; EMF metrics only mean something in CloudWatch
+        os.environ.setdefault("POWERTOOLS_METRICS_DISABLED", "true")
         _print_exports(exports)
 
         from .app import combined_app

@@ -24,6 +24,7 @@ from .gateway import Gateway
 from .jsonio import dumps
 from .metering import TokenUsage, cost_of, estimate_prompt_tokens, estimate_text_tokens
 from .normalize import ModelCall
+from .observability import RequestRecord
 from .responses import RelayResponse, error_response, json_response
 from .sse import DONE, KEEPALIVE, SseRelay, error_event, usage_event
 from .store import Lease, UsageEvent
@@ -39,8 +40,11 @@ _END = object()
 
 
 class Exchange:
-    def __init__(self, gateway: Gateway, principal: Principal, call: ModelCall, lease: Lease) -> None:
+    def __init__(
+        self, gateway: Gateway, principal: Principal, call: ModelCall, lease: Lease, record: RequestRecord
+    ) -> None:
         self.gateway = gateway
+        self.record = record
         self.principal = principal
         self.call = call
         self.lease = lease
@@ -63,6 +67,7 @@ class Exchange:
         except BaseException as exc:
             return await self._crashed(exc)
         self.upstream_name = upstream.backend.name
+        self.record.backend_failures = len(upstream.failures)
         if self.call.stream:
             return RelayResponse(self._relay(upstream), self.gen_id)
         try:
@@ -82,12 +87,14 @@ class Exchange:
             UpstreamFailed: "upstream_error",
             NoBackendAvailable: "no_backend_available",
         }.get(type(error), "gateway_error")
+        self.record.error_code = error.code
         await self._settle(status, http_status=error.status, error=error.detail or error.message)
         return error_response(error, self.gen_id)
 
     async def _crashed(self, exc: BaseException) -> Response:
         log.exception("request %s failed inside the gateway", self.gen_id, exc_info=exc)
         await self._settle("gateway_error", http_status=500, error=type(exc).__name__)
+        self.record.error_code = InternalError.code
         if not isinstance(exc, Exception):
             raise exc
         return error_response(InternalError("The gateway failed to process the request."), self.gen_id)
@@ -126,6 +133,7 @@ class Exchange:
             upstream=self.upstream_name,
             error=error[:500] if error else None,
         )
+        self.record.usage = event
         # A settle must finish even when the client's disconnect cancels this task.
         with anyio.CancelScope(shield=True):
             await self.gateway.settle(self.lease, event)

@@ -50,14 +50,19 @@ class Gateway:
         # botocore is blocking: storage and SSM calls run here, never on the event loop.
         self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kiln-io")
         self._ssm_client = ssm_client
+        self._parameters: Any = None
         self.upstream = upstream or UpstreamClient()
         self.ledger = Ledger(
-            self.tables, lease_ttl=settings.lease_ttl_seconds, settle_attempts=settings.settle_attempts, clock=clock
+            self.tables,
+            lease_ttl=settings.lease_ttl_seconds,
+            settle_attempts=settings.settle_attempts,
+            retention_days=settings.usage_retention_days,
+            clock=clock,
         )
         self.auth = Authenticator(self.tables, cache_seconds=settings.auth_cache_seconds, run_blocking=self.storage)
         self._maintenance = CachedParameter(
             settings.maintenance_parameter,
-            partial(self._read_parameter, settings.maintenance_parameter),
+            partial(self._read_parameter, settings.maintenance_parameter, settings.maintenance_cache_seconds),
             parse_flag,
             max_age=settings.maintenance_cache_seconds,
         )
@@ -68,7 +73,7 @@ class Gateway:
             fetch_catalog = partial(_read_file, settings.catalog_file)
             parse_catalog = _parse_catalog
         else:
-            fetch_catalog = partial(self._read_parameter, settings.catalog_parameter)
+            fetch_catalog = partial(self._read_parameter, settings.catalog_parameter, settings.catalog_cache_seconds)
             parse_catalog = _parse_catalog
         self._catalog = CachedParameter(
             settings.catalog_file or settings.catalog_parameter,
@@ -107,16 +112,25 @@ class Gateway:
     @property
     def ssm(self) -> Any:
         if self._ssm_client is None:
-            self._ssm_client = self.tables.session.create_client(
+            import boto3
+
+            # made from the tables' botocore session: no second session to load
+            session = boto3.session.Session(botocore_session=self.tables.session)
+            self._ssm_client = session.client(
                 "ssm", region_name=self.settings.region, endpoint_url=self.settings.aws_endpoint_url
             )
         return self._ssm_client
 
-    def _read_parameter(self, name: str) -> str | None:
+    def _read_parameter(self, name: str, max_age: float) -> str | None:
+        """One SSM parameter through Powertools Parameters (its cache agrees with ours); None if absent."""
+        from aws_lambda_powertools.utilities.parameters import GetParameterError, SSMProvider
+
+        if self._parameters is None:
+            self._parameters = SSMProvider(boto3_client=self.ssm)
         try:
-            return self.ssm.get_parameter(Name=name)["Parameter"]["Value"]
-        except Exception as exc:  # noqa: BLE001
-            if type(exc).__name__ == "ParameterNotFound":
+            return self._parameters.get(name, max_age=int(max_age))
+        except GetParameterError as exc:
+            if "ParameterNotFound" in str(exc):
                 return None
             raise
 

@@ -10,6 +10,7 @@ from .exchange import Exchange
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
 from .normalize import Endpoint, normalize
+from .observability import record_of
 from .responses import error_response, json_response
 
 __all__ = ["complete", "get_gateway", "list_models", "retrieve_model"]
@@ -22,11 +23,15 @@ def get_gateway(request: Request) -> Gateway:
 async def complete(request: Request, endpoint: Endpoint) -> Response:
     """POST /v1/chat/completions and /v1/completions."""
     gateway = get_gateway(request)
+    record = record_of(request)
+    record.endpoint = endpoint.name
     try:
         await gateway.check_maintenance()  # 1
         body = await read_json(request, gateway.settings.max_body_bytes)  # 2
         principal = await gateway.auth.authenticate(request.headers.get("authorization"))  # 3
+        record.org_id = principal.org_id
         call = normalize(endpoint, body, await gateway.catalog())  # 4
+        record.model = call.model.id
         lease = await gateway.storage(  # 5
             gateway.ledger.admit,
             org_id=principal.org_id,
@@ -36,18 +41,22 @@ async def complete(request: Request, endpoint: Endpoint) -> Response:
             streamed=call.stream,
         )
     except GatewayError as error:
+        record.error_code = error.code
         return error_response(error)
-    return await Exchange(gateway, principal, call, lease).respond()  # 6
+    return await Exchange(gateway, principal, call, lease, record).respond()  # 6
 
 
 async def list_models(request: Request) -> Response:
     """GET /v1/models: the catalog with prices and capabilities."""
     gateway = get_gateway(request)
+    record = record_of(request)
+    record.endpoint = "models"
     try:
         await gateway.check_maintenance()
-        await gateway.auth.authenticate(request.headers.get("authorization"))
+        record.org_id = (await gateway.auth.authenticate(request.headers.get("authorization"))).org_id
         catalog = await gateway.catalog()
     except GatewayError as error:
+        record.error_code = error.code
         return error_response(error)
     return json_response(dumps({"object": "list", "data": [model.public() for model in catalog]}))
 
@@ -55,14 +64,17 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request) -> Response:
     """GET /v1/models/{model_id}."""
     gateway = get_gateway(request)
+    record = record_of(request)
+    record.endpoint = "models"
     model_id = request.path_params["model_id"]
     try:
         await gateway.check_maintenance()
-        await gateway.auth.authenticate(request.headers.get("authorization"))
+        record.org_id = (await gateway.auth.authenticate(request.headers.get("authorization"))).org_id
         model = (await gateway.catalog()).get(model_id)
         if model is None:
             raise ModelNotFound(model_id)
     except GatewayError as error:
+        record.error_code = error.code
         return error_response(error)
     return json_response(dumps(model.public()))
 

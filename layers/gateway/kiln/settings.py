@@ -80,6 +80,8 @@ class Settings:
     maintenance_retry_after_seconds: int = 60
     settle_attempts: int = 4
     default_concurrency: int = 8
+    # usage events expire (DynamoDB TTL) this many days after the request; 0 keeps them
+    usage_retention_days: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -106,6 +108,7 @@ class Settings:
             ),
             settle_attempts=_integer(env, "KILN_SETTLE_ATTEMPTS", defaults.settle_attempts, minimum=1),
             default_concurrency=_integer(env, "KILN_DEFAULT_CONCURRENCY", defaults.default_concurrency, minimum=1),
+            usage_retention_days=_integer(env, "KILN_USAGE_RETENTION_DAYS", defaults.usage_retention_days),
         )
 
     def to_env(self) -> dict[str, str]:

@@ -16,6 +16,7 @@ from .errors import GatewayError, InternalError, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
 from .handlers import complete, list_models, retrieve_model
 from .normalize import Endpoint
+from .observability import ObservabilityMiddleware, Observer, record_of
 from .responses import error_response
 
 __all__ = ["RouteSpec", "completion_routes", "create_app", "lambda_handler", "model_routes"]
@@ -50,7 +51,11 @@ def model_routes() -> list[RouteSpec]:
     ]
 
 
-def create_app(routes: Sequence[RouteSpec], gateway: Gateway | Callable[[], Gateway] | None = None) -> FastAPI:
+def create_app(
+    routes: Sequence[RouteSpec],
+    gateway: Gateway | Callable[[], Gateway] | None = None,
+    observer: Observer | None = None,
+) -> FastAPI:
     """An app serving `routes`. The gateway is made on first use (or given, for tests)."""
     factory = gateway if callable(gateway) and not isinstance(gateway, Gateway) else None
 
@@ -66,6 +71,7 @@ def create_app(routes: Sequence[RouteSpec], gateway: Gateway | Callable[[], Gate
         app.state.gateway = gateway
     else:
         app.add_middleware(_LazyGateway, factory=factory or Gateway.from_env)
+    app.add_api_route("/healthz", _healthz, methods=["GET"], include_in_schema=False, response_class=Response)
     for route in routes:
         app.add_api_route(
             route.path,
@@ -76,6 +82,8 @@ def create_app(routes: Sequence[RouteSpec], gateway: Gateway | Callable[[], Gate
             openapi_extra=route.openapi_extra or None,
             response_class=Response,
         )
+    # outermost: it sees every response, the error handlers' included
+    app.add_middleware(ObservabilityMiddleware, observer=observer)
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -97,23 +105,33 @@ class _LazyGateway:
         await self.app(scope, receive, send)
 
 
+async def _healthz(request: Request) -> Response:
+    """The Web Adapter's readiness check: the process serves; no I/O."""
+    return Response(b'{"status":"ok"}', media_type="application/json")
+
+
+def _answer(request: Request, error: GatewayError) -> Response:
+    record_of(request).error_code = error.code
+    return error_response(error)
+
+
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
-    return error_response(exc)
+    return _answer(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 405:
-        return error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}."))
+        return _answer(request, MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}."))
     if exc.status_code == 404:
-        return error_response(UnknownUrl(f"Unknown request URL: {request.method} {request.url.path}."))
-    return error_response(InternalError(str(exc.detail)))
+        return _answer(request, UnknownUrl(f"Unknown request URL: {request.method} {request.url.path}."))
+    return _answer(request, InternalError(str(exc.detail)))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(InternalError("The gateway failed to process the request."))
+    return _answer(request, InternalError("The gateway failed to process the request."))
 
 
 def lambda_handler(app: FastAPI) -> Callable[[dict, Any], dict]:

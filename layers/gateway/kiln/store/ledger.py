@@ -19,7 +19,7 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Callable
 
@@ -96,10 +96,19 @@ class Lease:
 
 
 class Ledger:
-    def __init__(self, tables: Tables, *, lease_ttl: float, settle_attempts: int = 4, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        tables: Tables,
+        *,
+        lease_ttl: float,
+        settle_attempts: int = 4,
+        retention_days: int = 0,
+        clock: Callable[[], float] = time.time,
+    ):
         self._tables = tables
         self._lease_ttl = lease_ttl
         self._settle_attempts = settle_attempts
+        self._retention_seconds = retention_days * 86400
         self._clock = clock
 
     # -- admission -------------------------------------------------------------------------
@@ -260,6 +269,8 @@ class Ledger:
             raise StorageError(f"settle cancelled: {conflict.reasons}") from None
 
     def _put_event(self, event: UsageEvent, condition: str) -> dict[str, Any]:
+        if self._retention_seconds and event.expires_at is None:
+            event = replace(event, expires_at=int(self._clock() + self._retention_seconds))
         put: dict[str, Any] = {
             "TableName": self._tables.usage_table,
             "Item": event.to_item(self._tables),

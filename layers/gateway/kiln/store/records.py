@@ -153,6 +153,7 @@ def bind(settings: Settings) -> Tables:
         duration_ms = NumberAttribute(null=True)
         upstream = UnicodeAttribute(null=True)
         error = UnicodeAttribute(null=True)
+        expires_at = NumberAttribute(null=True)  # epoch seconds, DynamoDB's TTL attribute
         by_org_time = UsageByOrg()
 
     _share_one_client(KeyRecord, OrgRecord, UsageRecord)

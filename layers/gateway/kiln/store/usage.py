@@ -47,6 +47,7 @@ class UsageEvent:
     duration_ms: int | None = None
     upstream: str | None = None
     error: str | None = None
+    expires_at: int | None = None
 
     def to_item(self, tables: Tables) -> dict[str, Any]:
         """The event in DynamoDB's attribute-value form, through the pynamodb schema."""
@@ -59,7 +60,7 @@ class UsageEvent:
     @classmethod
     def from_record(cls, record) -> "UsageEvent":
         values = record.attribute_values
-        ints = ("http_status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttfb_ms", "duration_ms")
+        ints = ("http_status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttfb_ms", "duration_ms", "expires_at")
         kwargs = {name: values.get(name) for name in cls.__dataclass_fields__}
         for name in ints:
             if kwargs[name] is not None:

@@ -1,0 +1,156 @@
+"""One structured log line and one set of EMF metrics per request, from ASGI middleware.
+
+Under the Lambda Web Adapter there is no handler to decorate, so this wraps the app: it
+times the request, sees the status and the first body byte go out, and when the response
+is done writes what the handlers noted on the request's `RequestRecord`. It never logs
+keys, prompts or completions: only ids, names, numbers and error codes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from .store.usage import UsageEvent
+
+__all__ = ["ObservabilityMiddleware", "Observer", "RequestRecord", "record_of"]
+
+NAMESPACE = os.environ.get("POWERTOOLS_METRICS_NAMESPACE", "Kiln")
+SERVICE = os.environ.get("POWERTOOLS_SERVICE_NAME", "kiln")
+_UPSTREAM_FAILURES = ("upstream_error", "stream_interrupted")
+
+
+@dataclass
+class RequestRecord:
+    """What the handlers learn about a request, for its log line and metrics."""
+
+    method: str
+    path: str
+    started: float = field(default_factory=time.monotonic)
+    status: int | None = None
+    first_byte_ms: int | None = None
+    org_id: str | None = None
+    model: str | None = None
+    endpoint: str | None = None
+    error_code: str | None = None
+    usage: UsageEvent | None = None
+    backend_failures: int = 0
+
+    def as_log(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "latency_ms": int((time.monotonic() - self.started) * 1000),
+            "org_id": self.org_id,
+            "model": self.model,
+            "error_code": self.error_code,
+        }
+        if self.usage is not None:
+            usage = self.usage
+            entry.update(
+                generation_id=usage.gen_id,
+                usage_status=usage.status,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cost=str(usage.cost),
+                usage_source=usage.usage_source,
+                ttfb_ms=usage.ttfb_ms,
+                upstream=usage.upstream,
+                streamed=usage.streamed,
+            )
+        return {key: value for key, value in entry.items() if value is not None}
+
+
+def record_of(scope_or_request: Any) -> RequestRecord:
+    """The request's record (a throwaway one when the app runs without the middleware)."""
+    scope = getattr(scope_or_request, "scope", scope_or_request)
+    return scope.get("state", {}).get("kiln_record") or RequestRecord("-", "-")
+
+
+class Observer:
+    """Powertools' JSON logger and EMF metrics, made once per process, written to one stream
+    (stdout: Lambda sends it to CloudWatch Logs, which reads the EMF records as metrics)."""
+
+    def __init__(self, *, stream: TextIO | None = None, metrics_enabled: bool | None = None) -> None:
+        from aws_lambda_powertools import Logger
+
+        self._stream = stream or sys.stdout
+        self.logger = Logger(service=SERVICE, logger_handler=logging.StreamHandler(self._stream))
+        disabled = os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() in ("1", "true")
+        self.metrics_enabled = (not disabled) if metrics_enabled is None else metrics_enabled
+
+    def emit(self, record: RequestRecord) -> None:
+        entry = record.as_log()
+        level = logging.ERROR if (record.status or 0) >= 500 else logging.INFO
+        self.logger.log(level, "request", extra=entry)
+        if self.metrics_enabled:
+            self._metrics(record, entry["latency_ms"])
+
+    def _metrics(self, record: RequestRecord, latency_ms: int) -> None:
+        from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
+
+        metrics = EphemeralMetrics(namespace=NAMESPACE, service=SERVICE)
+        # published twice: per service (what the alarms watch) and per service and endpoint
+        metrics.add_dimensions(service=SERVICE, endpoint=record.endpoint or record.path)
+        metrics.add_metric(name="Requests", unit=MetricUnit.Count, value=1)
+        metrics.add_metric(name="Latency", unit=MetricUnit.Milliseconds, value=latency_ms)
+        status = record.status or 500
+        metrics.add_metric(name="Errors5xx", unit=MetricUnit.Count, value=1 if status >= 500 else 0)
+        metrics.add_metric(name="RateLimited", unit=MetricUnit.Count, value=1 if status == 429 else 0)
+        usage = record.usage
+        failures = record.backend_failures + (1 if usage is not None and usage.status in _UPSTREAM_FAILURES else 0)
+        metrics.add_metric(name="UpstreamFailures", unit=MetricUnit.Count, value=failures)
+        if usage is not None:
+            if usage.ttfb_ms is not None:
+                metrics.add_metric(name="TimeToFirstByte", unit=MetricUnit.Milliseconds, value=usage.ttfb_ms)
+            metrics.add_metric(name="PromptTokens", unit=MetricUnit.Count, value=usage.prompt_tokens or 0)
+            metrics.add_metric(name="CompletionTokens", unit=MetricUnit.Count, value=usage.completion_tokens or 0)
+            metrics.add_metric(name="CostUSD", unit=MetricUnit.NoUnit, value=float(usage.cost))
+            metrics.add_metric(
+                name="UsageEstimated", unit=MetricUnit.Count, value=1 if usage.usage_source == "estimated" else 0
+            )
+        self._flush(metrics)
+        if record.error_code:
+            errors = EphemeralMetrics(namespace=NAMESPACE, service=SERVICE)
+            errors.add_dimensions(service=SERVICE, code=record.error_code)
+            errors.add_metric(name="Errors", unit=MetricUnit.Count, value=1)
+            self._flush(errors)
+
+    def _flush(self, metrics: Any) -> None:
+        self._stream.write(json.dumps(metrics.serialize_metric_set(), separators=(",", ":")) + "\n")
+        self._stream.flush()
+
+
+class ObservabilityMiddleware:
+    def __init__(self, app: Any, observer: Observer | None = None) -> None:
+        self.app = app
+        self.observer = observer  # made on the first request when not given
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.observer is None:
+            self.observer = Observer()
+        record = RequestRecord(scope.get("method", "-"), scope.get("path", "-"))
+        scope.setdefault("state", {})["kiln_record"] = record
+
+        async def observed_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            elif message["type"] == "http.response.body" and record.first_byte_ms is None and message.get("body"):
+                record.first_byte_ms = int((time.monotonic() - record.started) * 1000)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            try:
+                self.observer.emit(record)
+            except Exception:  # noqa: BLE001 - telemetry must never fail a request
+                logging.getLogger("kiln.observability").exception("could not emit request telemetry")

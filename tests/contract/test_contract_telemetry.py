@@ -1,0 +1,50 @@
+"""One JSON log line and EMF metrics per request, with ids and numbers only (kiln/observability.py)."""
+
+from __future__ import annotations
+
+from support import TELEMETRY
+
+CHAT = "/v1/chat/completions"
+
+
+def _records_since(mark: int) -> list[dict]:
+    import json
+
+    text = TELEMETRY.text()[mark:]
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_a_request_logs_its_generation_org_model_status_and_latency(stack, org):
+    org_id, key = org
+    mark = len(TELEMETRY.text())
+    response = stack.post(CHAT, {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "secret plans"}]}, key)
+    gen_id = response.headers["X-Neocloud-Generation-Id"]
+    records = _records_since(mark)
+    (log,) = [r for r in records if r.get("message") == "request"]
+    assert log["generation_id"] == gen_id
+    assert (log["org_id"], log["model"], log["status"], log["usage_status"]) == (org_id, "gpt-oss-120b", 200, "success")
+    assert log["latency_ms"] >= 0 and log["completion_tokens"] == 12 and log["cost"]
+    assert "secret plans" not in TELEMETRY.text() and key not in TELEMETRY.text()
+
+    (metrics,) = [r for r in records if "_aws" in r and "Requests" in r]
+    names = {m["Name"] for m in metrics["_aws"]["CloudWatchMetrics"][0]["Metrics"]}
+    assert {"Requests", "Latency", "TimeToFirstByte", "PromptTokens", "CompletionTokens", "CostUSD"} <= names
+    assert metrics["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["service"], ["service", "endpoint"]]
+    assert metrics["endpoint"] == "chat.completions" and metrics["CompletionTokens"] == [12.0]
+
+
+def test_errors_are_counted_by_code_and_429s_and_upstream_failures_have_their_own_metrics(stack):
+    org_id, key = stack.org(credits="0")
+    mark = len(TELEMETRY.text())
+    assert stack.post(CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}]}, key).status_code == 402
+    records = _records_since(mark)
+    (errors,) = [r for r in records if "Errors" in r]
+    assert errors["code"] == "insufficient_credits"
+
+    _, key = stack.org()
+    mark = len(TELEMETRY.text())
+    stack.post(CHAT, {"model": "failover-model", "messages": [{"role": "user", "content": "x"}]}, key)
+    stack.post(CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "mock": {"no_usage": True}}, key)
+    requests = [r for r in _records_since(mark) if "Requests" in r]
+    assert requests[0]["UpstreamFailures"] == [1.0]  # the dead backend, before failing over
+    assert requests[1]["UsageEstimated"] == [1.0]

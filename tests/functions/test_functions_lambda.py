@@ -1,0 +1,165 @@
+"""The function apps as Lambda runs them: Mangum handlers (buffered mode) fed real API Gateway
+REST and Function URL events, and the Web Adapter's run script (streaming mode)."""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kiln_ops.serve import free_port
+from kiln_ops.template import repo_root
+
+EVENTS = Path(__file__).resolve().parents[1] / "events"
+CONTEXT = SimpleNamespace(
+    function_name="kiln-chat", aws_request_id="2f1c9e3a-1111-4c2b-9d8e-5a6b7c8d9e0f", memory_limit_in_mb=1024,
+    invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:kiln-chat", get_remaining_time_in_millis=lambda: 29000,
+)
+
+
+@pytest.fixture
+def lambda_env(stack, monkeypatch):
+    """The function's environment pointed at the test stack; a fresh gateway per test."""
+    for name, value in stack.settings.to_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("POWERTOOLS_METRICS_DISABLED", "true")
+    org_id, key = stack.org()
+    yield SimpleNamespace(stack=stack, org_id=org_id, key=key)
+    for module in ("chat_completions", "completions", "models"):
+        app = importlib.import_module(f"kiln_functions.{module}.app").app
+        gateway = app.state._state.pop("gateway", None)
+        if gateway is not None:
+            gateway._executor.shutdown(wait=False)
+
+
+def invoke(module: str, event_file: str, key: str) -> dict:
+    event = json.loads((EVENTS / event_file).read_text().replace("${KILN_API_KEY}", key))
+    handler = importlib.import_module(f"kiln_functions.{module}.app").handler
+    return handler(event, CONTEXT)
+
+
+def body_of(response: dict) -> str:
+    raw = response["body"]
+    return base64.b64decode(raw).decode() if response.get("isBase64Encoded") else raw
+
+
+def header(response: dict, name: str) -> str | None:
+    headers = {k.lower(): v for k, v in (response.get("headers") or {}).items()}
+    for k, values in (response.get("multiValueHeaders") or {}).items():
+        headers.setdefault(k.lower(), values[0])
+    return headers.get(name.lower())
+
+
+def test_rest_event_buffered_chat_completion(lambda_env, capsys):
+    response = invoke("chat_completions", "rest-chat-completions.json", lambda_env.key)
+    assert response["statusCode"] == 200
+    answer = json.loads(body_of(response))
+    assert answer["usage"]["total_tokens"] == 21 and '"cost":0.000001155' in body_of(response)
+    gen_id = header(response, "x-neocloud-generation-id")
+    assert gen_id and gen_id in {e.gen_id for e in lambda_env.stack.events(lambda_env.org_id)}
+    assert lambda_env.key not in capsys.readouterr().out  # the request log holds no key
+
+
+def test_rest_event_stream_request_is_answered_whole_in_buffered_mode(lambda_env):
+    response = invoke("chat_completions", "rest-chat-completions-stream.json", lambda_env.key)
+    assert response["statusCode"] == 200
+    assert header(response, "content-type").startswith("text/event-stream")
+    text = body_of(response)
+    assert text.endswith("data: [DONE]\n\n") and text.count("data: [DONE]") == 1
+    assert '"cost":0.000001155' in text
+
+
+def test_rest_event_with_a_base64_body_completion(lambda_env):
+    response = invoke("completions", "rest-completions.json", lambda_env.key)
+    assert response["statusCode"] == 200
+    assert json.loads(body_of(response))["choices"][0]["text"] == " Paris, a city on the Seine."
+
+
+def test_rest_events_for_the_models(lambda_env):
+    listing = invoke("models", "rest-models.json", lambda_env.key)
+    assert listing["statusCode"] == 200
+    assert {"qwen3-32b", "gpt-oss-120b"} <= {m["id"] for m in json.loads(body_of(listing))["data"]}
+    one = invoke("models", "rest-model.json", lambda_env.key)
+    assert one["statusCode"] == 200 and json.loads(body_of(one))["id"] == "qwen3-32b"
+
+
+def test_function_url_events(lambda_env):
+    chat = invoke("chat_completions", "url-chat-completions.json", lambda_env.key)
+    assert chat["statusCode"] == 200 and json.loads(body_of(chat))["usage"]["completion_tokens"] == 12
+    completion = invoke("completions", "url-completions.json", lambda_env.key)
+    assert completion["statusCode"] == 200
+    models = invoke("models", "url-models.json", lambda_env.key)
+    assert models["statusCode"] == 200
+
+
+def test_errors_keep_their_status_and_shape_through_mangum(lambda_env):
+    response = invoke("chat_completions", "rest-chat-completions.json", "sk-kiln-" + "x" * 43)
+    assert response["statusCode"] == 401
+    assert json.loads(body_of(response))["error"]["code"] == "invalid_api_key"
+
+
+def test_the_run_script_serves_as_the_web_adapter_starts_it_and_streams_chunk_by_chunk(stack, tmp_path):
+    """run.sh in a function's artifact layout: ready on /healthz, then a stream, token by token."""
+    task_root = tmp_path / "task"
+    task_root.mkdir()
+    shutil.copy(repo_root() / "functions" / "chat_completions" / "app.py", task_root / "app.py")
+    shutil.copy(repo_root() / "functions" / "run.sh", task_root / "run.sh")
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KILN_")},
+        **stack.settings.to_env(),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "LAMBDA_TASK_ROOT": str(task_root),
+        "AWS_LWA_PORT": str(port),
+        "POWERTOOLS_METRICS_DISABLED": "true",
+    }
+    log = (tmp_path / "run.log").open("w")
+    process = subprocess.Popen([str(task_root / "run.sh")], cwd=task_root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:  # the adapter's readiness check: poll until 2xx
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None, (tmp_path / "run.log").read_text()
+            assert time.monotonic() < deadline, "run.sh never became ready"
+            time.sleep(0.01)
+
+        _, key = stack.org()
+        body = {
+            "model": "qwen3-32b",
+            "messages": [{"role": "user", "content": "Hello!"}],
+            "stream": True,
+            "mock": {"token_delay_ms": 100},
+        }
+        stack.mock.reset()
+        arrivals, states = [], []  # per data line: when, and how many streams the mock had finished
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+                    states.append(stack.mock.stats["completed"])
+        assert len(arrivals) == 15  # role, 12 tokens, finish, [DONE]
+        # each token reached the client while the model was still generating: not buffered
+        assert states[:-2] == [0] * 13
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        log.close()
+    assert key not in (tmp_path / "run.log").read_text()
