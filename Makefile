@@ -3,7 +3,8 @@
 #   make test      the test suite
 # For deploying (docs/deploy.md):
 #   make validate  sam validate --lint
-#   make build     sam build (python3.13, arm64, precompiled), then checks the artifacts
+#   make build     sam build (python3.13, arm64, precompiled), then checks the artifacts and
+#                  what `sam local start-api` would serve in buffered mode
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -40,6 +41,9 @@ validate: $(SAM)
 build: $(SAM) setup
 	$(SAM_ENV) $(SAM) build --template template.yaml
 	$(BIN)/kiln verify-build .aws-sam/build
+	env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u AWS_SESSION_TOKEN -u AWS_PROFILE \
+	    AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null $(SAM_ENV) \
+	    $(SAM_HOME)/bin/python infra/sam_local_check.py .aws-sam/build/template.yaml
 
 clean:
 	rm -rf $(VENV) .tools .aws-sam .kiln .pytest_cache

@@ -6,6 +6,7 @@ twice against the same endpoint changes nothing.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kiln.settings import Settings
@@ -20,6 +21,8 @@ def aws_clients(settings: Settings, session: Any = None) -> tuple[Any, Any]:
     import botocore.session
 
     session = session or botocore.session.get_session()
+    if settings.aws_endpoint_url and not os.environ.get("AWS_ACCESS_KEY_ID"):
+        session.set_credentials("emulator", "emulator")  # an emulator checks no signature
     make = lambda service: session.create_client(  # noqa: E731
         service, region_name=settings.region, endpoint_url=settings.aws_endpoint_url
     )
