@@ -14,7 +14,7 @@ SAM_HOME ?= .tools/sam
 SAM      := $(SAM_HOME)/bin/sam
 SAM_ENV  := SAM_CLI_TELEMETRY=0 AWS_DEFAULT_REGION=$${AWS_DEFAULT_REGION:-us-east-1}
 
-.PHONY: dev test setup validate build clean
+.PHONY: dev test lint setup validate build clean
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is needed (found " + sys.version.split()[0] + ")")'
@@ -30,6 +30,9 @@ dev: setup
 
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check layers infra functions tests
 
 $(SAM): | $(BIN)/.installed
 	$(PYTHON) -m venv $(SAM_HOME)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, Callable
 
 from kiln.jsonio import decimal_text
+
+from .argtypes import bounded_int, usd
 
 __all__ = ["AdminError", "add_admin_parser", "run_admin"]
 
@@ -45,24 +47,7 @@ class Context:
         return self._ssm
 
 
-def _usd(text: str) -> Decimal:
-    try:
-        value = Decimal(text)
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}") from None
-    if not value.is_finite():
-        raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+_positive = bounded_int("a whole number", 1)
 
 
 def add_admin_parser(subparsers: Any) -> None:
@@ -73,7 +58,7 @@ def add_admin_parser(subparsers: Any) -> None:
     create = orgs.add_parser("create", help="create an org")
     create.add_argument("org")
     create.add_argument("--concurrency", type=_positive, default=None, help="requests in flight at most (default 8)")
-    create.add_argument("--credits", type=_usd, default=Decimal(0), help="initial prepaid credits, USD (default 0)")
+    create.add_argument("--credits", type=usd, default=Decimal(0), help="initial prepaid credits, USD (default 0)")
     create.set_defaults(run=_orgs_create)
     show = orgs.add_parser("show", help="an org's status, limit, credits and requests in flight")
     show.add_argument("org")
@@ -101,7 +86,7 @@ def add_admin_parser(subparsers: Any) -> None:
     credits = groups.add_parser("credits", help="prepaid credits").add_subparsers(dest="action", required=True)
     add = credits.add_parser("add", help="add USD to an org's credits (negative to correct)")
     add.add_argument("org")
-    add.add_argument("usd", type=_usd)
+    add.add_argument("usd", type=usd)
     add.set_defaults(run=_credits_add)
 
     catalog = groups.add_parser("catalog", help="the model catalog (SSM parameter)").add_subparsers(
@@ -225,9 +210,7 @@ def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
 
 
 def _credits_add(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.store.orgs import add_credits
-
-    from kiln.store.orgs import get_org
+    from kiln.store.orgs import add_credits, get_org
 
     add_credits(ctx.tables, args.org, args.usd)
     balance = get_org(ctx.tables, args.org).credits

@@ -6,28 +6,12 @@ import argparse
 import sys
 
 from .admin import add_admin_parser, run_admin
+from .argtypes import bounded_int, non_negative
 
 __all__ = ["main"]
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must not be negative")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError("a port is 0-65535")
-    return value
+_port = bounded_int("a port number", 0, 65535)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,14 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--host", default="127.0.0.1", help="address to serve the gateway on (default 127.0.0.1)")
     dev.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000)")
     dev.add_argument("--upstream-url", help="serve every model from this OpenAI-compatible server (…/v1) instead of the mock")
-    dev.add_argument("--mock-token-delay-ms", type=_non_negative, default=20.0, help="the mock's delay between tokens (default 20)")
+    dev.add_argument("--mock-token-delay-ms", type=non_negative, default=20.0, help="the mock's delay between tokens (default 20)")
     dev.add_argument("--aws-endpoint-url", help="use this DynamoDB/SSM endpoint instead of starting the embedded AWS")
 
     mock = commands.add_parser("mock-upstream", help="an OpenAI-compatible model server with fault injection")
     mock.add_argument("--host", default="127.0.0.1")
     mock.add_argument("--port", type=_port, default=8001)
-    mock.add_argument("--token-delay-ms", type=_non_negative, default=0.0, help="delay between tokens")
-    mock.add_argument("--ttft-ms", type=_non_negative, default=0.0, help="delay before the first token")
+    mock.add_argument("--token-delay-ms", type=non_negative, default=0.0, help="delay between tokens")
+    mock.add_argument("--ttft-ms", type=non_negative, default=0.0, help="delay before the first token")
 
     emulator = commands.add_parser("emulator", help="the embedded AWS alone (serialized moto: DynamoDB, SSM)")
     emulator.add_argument("--host", default="127.0.0.1")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from kiln.catalog import Catalog
 
 __all__ = ["local_catalog", "run_dev"]
@@ -124,7 +125,7 @@ def run_dev(
                 flush=True,
             )
             print(
-                f"kiln dev: try  curl $KILN_BASE_URL/chat/completions -H \"Authorization: Bearer $KILN_API_KEY\" "
+                "kiln dev: try  curl $KILN_BASE_URL/chat/completions -H \"Authorization: Bearer $KILN_API_KEY\" "
                 "-H 'Content-Type: application/json' "
                 "-d '{\"model\": \"qwen3-32b\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'",
                 file=sys.stderr,

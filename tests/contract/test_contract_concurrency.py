@@ -82,7 +82,7 @@ def test_ledger_sum_of_event_costs_equals_credits_debited(stack):
         ({**BODY, "mock": {"cached_tokens": 3}}, CHAT),
     ]
     statuses = []
-    for round_ in range(3):
+    for _ in range(3):
         for body, path in mix:
             response = stack.post(path, body, key)
             statuses.append(response.status_code)

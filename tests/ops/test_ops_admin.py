@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.store import RecordNotFound
 from kiln.store.keys import hash_secret, looks_like_key
 from kiln_ops.admin import run_admin
 from kiln_ops.cli import build_parser
@@ -439,7 +440,7 @@ def test_maintenance_status_without_a_parameter_is_off(admin, stack):
 def test_unknown_org_fails_with_one_line(admin, stack, argv):
     reason = assert_fails(admin(*argv), "no-such-org", "not found")
     assert reason == "kiln admin: org 'no-such-org' not found"
-    with pytest.raises(Exception):
+    with pytest.raises(RecordNotFound):
         stack.org_info("no-such-org")  # nothing was created on the way
 
 
@@ -471,7 +472,7 @@ def test_bad_until_fails_and_leaves_the_switch_alone(admin, stack, until):
 def test_negative_initial_credits_are_rejected(admin, stack):
     org_id = new_org_id()
     assert_fails(admin("orgs", "create", org_id, "--credits", "-5"), "credits must be a non-negative")
-    with pytest.raises(Exception):
+    with pytest.raises(RecordNotFound):
         stack.org_info(org_id)
 
 
@@ -508,7 +509,7 @@ def test_bad_arguments_exit_2_with_the_reason(admin, stack, argv, reason):
     assert last.startswith("kiln admin ") and ": error: " in last
     info = stack.org_info(org_id)
     assert (info.credits, info.concurrency_limit) == (Decimal("1"), 3)
-    with pytest.raises(Exception):
+    with pytest.raises(RecordNotFound):
         stack.org_info(fresh)
 
 

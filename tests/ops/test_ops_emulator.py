@@ -138,7 +138,7 @@ def test_a_write_that_fails_half_way_is_rolled_back(stack):
             "ExpressionAttributeValues": {":one": {"N": "1"}},
         }
     }
-    with pytest.raises(Exception):
+    with pytest.raises(client.exceptions.ClientError):
         client.transact_write_items(TransactItems=[put, bad_update])
     assert "Item" not in client.get_item(TableName=stack.settings.usage_table, Key={"gen_id": {"S": "gen-y"}})
     assert stack.org_info(org_id).status == "active"

@@ -76,7 +76,7 @@ def _client_error(exc: BaseException) -> BaseException | None:
     """The botocore ClientError inside a pynamodb exception, or the exception itself."""
     seen = 0
     while exc is not None and seen < 5:
-        if hasattr(exc, "response") and isinstance(getattr(exc, "response"), dict):
+        if hasattr(exc, "response") and isinstance(exc.response, dict):
             return exc
         exc = getattr(exc, "cause", None) or exc.__cause__
         seen += 1

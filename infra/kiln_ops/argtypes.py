@@ -1,0 +1,44 @@
+"""argparse types that refuse bad values with a one-line reason (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from decimal import Decimal, InvalidOperation
+from typing import Callable
+
+__all__ = ["bounded_int", "non_negative", "usd"]
+
+
+def bounded_int(what: str, low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"{low}-{high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{what} must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+def non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
+
+
+def usd(text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        value = None
+    if value is None or not value.is_finite():
+        raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}")
+    return value
