@@ -19,6 +19,7 @@ EXPECTED_ROUTES = {
     ("POST", "/v1/completions"): "CompletionsFunction",
     ("GET", "/v1/models"): "ModelsFunction",
     ("GET", "/v1/models/{model_id}"): "ModelsFunction",
+    ("GET", "/v1/generations/{gen_id}"): "GenerationsFunction",
 }
 
 

@@ -1,8 +1,10 @@
-"""`kiln admin`: orgs, keys, credits and the maintenance switch.
+"""`kiln admin`: orgs, keys, credits, usage, generations, the catalog and maintenance.
 
 It reaches the same state as the gateway through the same settings: a shell that
-evaluated `kiln dev`'s exports talks to the local stack; with AWS credentials and the
-stack's KILN_* table and parameter names it talks to a deployment.
+evaluated `kiln dev`'s exports talks to the local stack; `--stack NAME` reads a deployed
+stack's outputs (with the usual AWS configuration for region and credentials).
+Tables are for people; `--format json|csv` is for scripts. Any error: exit 1 and one line
+on stderr (argument errors: exit 2).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any, Callable
 from kiln.jsonio import decimal_text
 
 from .argtypes import bounded_int, usd
+from .output import FORMATS, render
+from .reports import GROUPINGS, parse_time, summarize
 
 __all__ = ["AdminError", "add_admin_parser", "run_admin"]
 
@@ -50,9 +54,21 @@ class Context:
 _positive = bounded_int("a whole number", 1)
 
 
+def _time(text: str) -> str:
+    try:
+        return parse_time(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {text!r}") from None
+
+
 def add_admin_parser(subparsers: Any) -> None:
-    admin = subparsers.add_parser("admin", help="manage orgs, keys, credits and maintenance")
-    groups = admin.add_subparsers(dest="group", required=True, metavar="{orgs,keys,credits,catalog,maintenance}")
+    admin = subparsers.add_parser("admin", help="manage orgs, keys, credits, usage, the catalog and maintenance")
+    admin.add_argument("--stack", help="a deployed stack's name: its outputs name the tables and parameters")
+    groups = admin.add_subparsers(
+        dest="group", required=True, metavar="{orgs,keys,credits,usage,generation,catalog,maintenance}"
+    )
+    formatted = argparse.ArgumentParser(add_help=False)
+    formatted.add_argument("--format", choices=FORMATS, default="table", help="table (default), json or csv")
 
     orgs = groups.add_parser("orgs", help="organisations").add_subparsers(dest="action", required=True)
     create = orgs.add_parser("create", help="create an org")
@@ -60,7 +76,8 @@ def add_admin_parser(subparsers: Any) -> None:
     create.add_argument("--concurrency", type=_positive, default=None, help="requests in flight at most (default 8)")
     create.add_argument("--credits", type=usd, default=Decimal(0), help="initial prepaid credits, USD (default 0)")
     create.set_defaults(run=_orgs_create)
-    show = orgs.add_parser("show", help="an org's status, limit, credits and requests in flight")
+    orgs.add_parser("list", help="every org", parents=[formatted]).set_defaults(run=_orgs_list)
+    show = orgs.add_parser("show", help="an org's status, limit, credits and requests in flight", parents=[formatted])
     show.add_argument("org")
     show.set_defaults(run=_orgs_show)
     for name, status in (("disable", "disabled"), ("enable", "active")):
@@ -79,7 +96,7 @@ def add_admin_parser(subparsers: Any) -> None:
     revoke = keys.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
     revoke.set_defaults(run=_keys_revoke)
-    key_list = keys.add_parser("list", help="an org's keys (ids and prefixes, never secrets)")
+    key_list = keys.add_parser("list", help="an org's keys (ids and prefixes, never secrets)", parents=[formatted])
     key_list.add_argument("org")
     key_list.set_defaults(run=_keys_list)
 
@@ -88,6 +105,24 @@ def add_admin_parser(subparsers: Any) -> None:
     add.add_argument("org")
     add.add_argument("usd", type=usd)
     add.set_defaults(run=_credits_add)
+    balance = credits.add_parser("show", help="an org's balance and its latest debits", parents=[formatted])
+    balance.add_argument("org")
+    balance.add_argument("--last", type=_positive, default=10, help="how many debits (default 10)")
+    balance.set_defaults(run=_credits_show)
+
+    usage = groups.add_parser("usage", help="an org's requests, tokens, cost and errors", parents=[formatted])
+    usage.add_argument("org")
+    usage.add_argument("--since", type=_time, help="from this ISO 8601 date or time (UTC), inclusive")
+    usage.add_argument("--until", type=_time, help="to this ISO 8601 date or time (UTC), exclusive")
+    usage.add_argument("--by", choices=sorted(GROUPINGS), default="model", help="one row per model (default), day or key")
+    usage.add_argument(
+        "--progress", action="store_true", help="report progress on stderr even when it is not a terminal"
+    )
+    usage.set_defaults(run=_usage)
+
+    generation = groups.add_parser("generation", help="one usage event, by generation id", parents=[formatted])
+    generation.add_argument("gen_id")
+    generation.set_defaults(run=_generation)
 
     catalog = groups.add_parser("catalog", help="the model catalog (SSM parameter)").add_subparsers(
         dest="action", required=True
@@ -111,11 +146,15 @@ def add_admin_parser(subparsers: Any) -> None:
 def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str], None] = print) -> int:
     from kiln.settings import Settings, SettingsError
 
+    from .stack import StackNotFound, settings_from_stack
+
     try:
-        context = Context(settings or Settings.from_env())
-        args.run(context, args, out)
+        settings = settings or Settings.from_env()
+        if getattr(args, "stack", None):
+            settings = settings_from_stack(args.stack, settings)
+        args.run(Context(settings), args, out)
         return 0
-    except (AdminError, SettingsError, ValueError) as exc:
+    except (AdminError, SettingsError, StackNotFound, ValueError) as exc:
         print(f"kiln admin: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback
@@ -124,10 +163,10 @@ def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str
 
 
 def _describe(exc: BaseException) -> str:
-    from kiln.store import RecordExists, RecordNotFound
+    from kiln.store import AlreadyRevoked, RecordExists, RecordNotFound
     from kiln.store.errors import translate_storage_error
 
-    if isinstance(exc, (RecordExists, RecordNotFound)):
+    if isinstance(exc, (AlreadyRevoked, RecordExists, RecordNotFound)):
         return str(exc)
     for cause in _causes(exc):  # pynamodb wraps botocore's errors
         name = type(cause).__name__
@@ -157,10 +196,25 @@ def _orgs_create(ctx: Context, args: argparse.Namespace, out) -> None:
     out(f"created org {org.org_id}: concurrency {org.concurrency_limit}, credits ${decimal_text(org.credits)}")
 
 
+ORG_COLUMNS = ("org_id", "status", "concurrency_limit", "credits", "in_flight", "created_at")
+
+
+def _org_row(org) -> dict[str, Any]:
+    return {column: getattr(org, column) for column in ORG_COLUMNS}
+
+
+def _orgs_list(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import list_orgs
+
+    render([_org_row(org) for org in list_orgs(ctx.tables)], ORG_COLUMNS, args.format, out)
+
+
 def _orgs_show(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store.orgs import get_org
 
     org = get_org(ctx.tables, args.org)
+    if args.format != "table":
+        return render([_org_row(org)], ORG_COLUMNS, args.format, out)
     out(f"org {org.org_id}")
     out(f"  status       {org.status}")
     out(f"  concurrency  {org.concurrency_limit}")
@@ -203,10 +257,18 @@ def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store.orgs import get_org
 
     get_org(ctx.tables, args.org)
-    keys = list_keys(ctx.tables, args.org)
-    out(f"{'KEY ID':<22} {'PREFIX':<14} {'STATUS':<8} CREATED")
-    for key in keys:
-        out(f"{key.key_id:<22} {key.prefix + '…':<14} {key.status:<8} {key.created_at}")
+    rows = [
+        {
+            "key_id": key.key_id,
+            "prefix": key.prefix + "…",
+            "status": key.status,
+            "created_at": key.created_at,
+            "last_used_at": key.last_used_at,
+            "revoked_at": key.revoked_at,
+        }
+        for key in list_keys(ctx.tables, args.org)
+    ]
+    render(rows, ("key_id", "prefix", "status", "created_at", "last_used_at", "revoked_at"), args.format, out)
 
 
 def _credits_add(ctx: Context, args: argparse.Namespace, out) -> None:
@@ -215,6 +277,79 @@ def _credits_add(ctx: Context, args: argparse.Namespace, out) -> None:
     add_credits(ctx.tables, args.org, args.usd)
     balance = get_org(ctx.tables, args.org).credits
     out(f"org {args.org}: added ${decimal_text(args.usd)}, balance ${decimal_text(balance)}")
+
+
+DEBIT_COLUMNS = ("created_at", "gen_id", "model", "status", "prompt_tokens", "completion_tokens", "cost")
+
+
+def _credits_show(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import get_org
+    from kiln.store.usage import recent_events
+
+    org = get_org(ctx.tables, args.org)
+    debits = [event.as_dict() for event in recent_events(ctx.tables, args.org, args.last)]
+    if args.format == "json":
+        import json
+
+        document = {"org_id": org.org_id, "balance": decimal_text(org.credits), "debits": debits}
+        return out(json.dumps(document, default=lambda value: decimal_text(value), indent=2))
+    if args.format == "table":
+        out(f"org {org.org_id}: balance ${decimal_text(org.credits)}")
+        out(f"latest {len(debits)} debits:" if debits else "no debits yet")
+        if not debits:
+            return
+    render(debits, DEBIT_COLUMNS, args.format, out)
+
+
+def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import get_org
+    from kiln.store.usage import query_events
+
+    get_org(ctx.tables, args.org)
+    show_progress = args.progress or sys.stderr.isatty()
+
+    def progress(count: int) -> None:
+        if show_progress:
+            end = "\r" if sys.stderr.isatty() else "\n"
+            print(f"kiln admin: {count} usage events read…", end=end, file=sys.stderr, flush=True)
+
+    events = (
+        event for event in query_events(ctx.tables, args.org, args.since, args.until)
+        if args.until is None or event.created_at < args.until
+    )
+    summary = summarize(events, args.by, progress)
+    if show_progress and sys.stderr.isatty():
+        print(file=sys.stderr)
+    if args.format == "json":
+        import json
+
+        document = {
+            "org_id": args.org, "since": args.since, "until": args.until, "by": args.by,
+            "rows": summary.rows(), "total": summary.total.row("total"),
+        }
+        return out(json.dumps(document, default=lambda value: decimal_text(value), indent=2))
+    rows = summary.rows()
+    if args.format == "table":
+        rows = [*rows, summary.total.row("TOTAL")]
+        period = f"{args.since or 'the start'} to {args.until or 'now'}"
+        out(f"usage of org {args.org}, {period}, by {args.by}:")
+    render(rows, summary.columns(), args.format, out)
+
+
+def _generation(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.usage import get_event
+
+    event = get_event(ctx.tables, args.gen_id).as_dict()
+    if args.format == "table":
+        width = max(len(name) for name in event)
+        for name, value in event.items():
+            out(f"{name:<{width}}  {'-' if value is None else (decimal_text(value) if isinstance(value, Decimal) else value)}")
+        return
+    if args.format == "json":
+        import json
+
+        return out(json.dumps(event, default=lambda value: decimal_text(value), indent=2))
+    render([event], tuple(event), args.format, out)
 
 
 def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.settings import Settings
 from kiln.store import RecordNotFound
 from kiln.store.keys import hash_secret, looks_like_key
 from kiln_ops.admin import run_admin
@@ -283,7 +284,7 @@ def test_keys_list_shows_ids_prefixes_and_status_but_never_the_secret(admin, sta
 
     listing = admin("keys", "list", org_id)
     assert listing.code == 0, listing.err
-    assert listing.lines[0].split() == ["KEY", "ID", "PREFIX", "STATUS", "CREATED"]
+    assert listing.lines[0].split() == ["KEY", "ID", "PREFIX", "STATUS", "CREATED", "AT", "LAST", "USED", "AT", "REVOKED", "AT"]
     rows = {line.split()[0]: line.split() for line in listing.lines[1:]}
     assert set(rows) == {key_id for key_id, _ in issued}
     for key_id, secret in issued:
@@ -310,7 +311,7 @@ def test_keys_list_does_not_show_another_orgs_keys(admin):
     assert their_key not in admin("keys", "list", mine).text
 
 
-def test_revoked_key_gets_401_and_revoking_twice_is_harmless(admin, stack):
+def test_revoked_key_gets_401_and_revoking_twice_is_refused(admin, stack):
     org_id = new_org_id()
     assert admin("orgs", "create", org_id, "--credits", "5").code == 0
     key_id, secret = created_key(admin("keys", "create", org_id))
@@ -324,7 +325,7 @@ def test_revoked_key_gets_401_and_revoking_twice_is_harmless(admin, stack):
     assert denied.json()["error"]["code"] == "invalid_api_key"
 
     again = admin("keys", "revoke", key_id)
-    assert again.code == 0, again.err
+    assert_fails(again, f"key '{key_id}' is already revoked (since ")
     assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 401
 
 
@@ -666,3 +667,180 @@ def test_an_emulator_needs_no_credentials(capsys, stack, no_credentials):
     assert result.code == 0, result.err
     assert _run_elsewhere(capsys, stack.settings, "orgs", "show", org_id).code == 0
     assert _run_elsewhere(capsys, stack.settings, "maintenance", "status").code == 0
+
+
+# -- listings, usage reports, generations, --stack ------------------------------------------------
+
+
+def test_orgs_list_shows_every_org_in_every_format(admin):
+    first, second = new_org_id(), new_org_id()
+    assert admin("orgs", "create", first, "--credits", "2").code == 0
+    assert admin("orgs", "create", second, "--concurrency", "3").code == 0
+    table = admin("orgs", "list")
+    assert table.lines[0].split()[:2] == ["ORG", "ID"]
+    assert any(line.startswith(first) and " 2 " in f" {line} " for line in table.lines)
+    listed = {row["org_id"]: row for row in json.loads(admin("orgs", "list", "--format", "json").text)}
+    assert listed[first]["credits"] == "2" and listed[second]["concurrency_limit"] == 3
+    csv_lines = admin("orgs", "list", "--format", "csv").lines
+    assert csv_lines[0] == "org_id,status,concurrency_limit,credits,in_flight,created_at"
+    assert any(line.startswith(f"{second},active,3,0,0,") for line in csv_lines)
+
+
+def _traffic(stack, key: str) -> list[str]:
+    """A mixed workload: successes, an upstream 400 and 500, a cut stream, estimated usage, no backend."""
+    chat = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "x"}]}
+    bodies = [
+        (CHAT_PATH, chat),
+        (CHAT_PATH, {**chat, "stream": True}),
+        (CHAT_PATH, {**chat, "model": "qwen3-32b", "mock": {"cached_tokens": 2}}),
+        ("/v1/completions", {"model": "gpt-oss-120b", "prompt": "The capital of France is"}),
+        (CHAT_PATH, {**chat, "mock": {"status": 400}}),
+        (CHAT_PATH, {**chat, "mock": {"status": 500}}),
+        (CHAT_PATH, {**chat, "stream": True, "mock": {"cut_after": 3}}),
+        (CHAT_PATH, {**chat, "mock": {"no_usage": True}}),
+        (CHAT_PATH, {**chat, "model": "no-backend-model"}),
+    ]
+    return [stack.post(path, body, key).headers["X-Neocloud-Generation-Id"] for path, body in bodies]
+
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def test_usage_totals_equal_the_ledger(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "3").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    gen_ids = _traffic(stack, secret) + _traffic(stack, secret)
+    report = json.loads(admin("usage", org_id, "--format", "json").text)
+    total = report["total"]
+    debited = Decimal("3") - stack.org_info(org_id).credits
+    assert Decimal(total["cost"]) == debited > 0
+    assert total["requests"] == len(gen_ids) == 18
+    assert total["errors"] == 2 * 4  # 400, 500, a cut stream, no backend (estimated usage is a success)
+    events = stack.events(org_id)
+    assert total["prompt_tokens"] == sum(e.prompt_tokens or 0 for e in events)
+    assert total["completion_tokens"] == sum(e.completion_tokens or 0 for e in events)
+    assert total["cached_tokens"] == 4
+    by_model = {row["group"]: row for row in report["rows"]}
+    assert set(by_model) == {"gpt-oss-120b", "qwen3-32b", "no-backend-model"}
+    assert sum(Decimal(row["cost"]) for row in by_model.values()) == debited
+
+    table = admin("usage", org_id, "--by", "key")
+    assert table.lines[0].startswith(f"usage of org {org_id}, the start to now, by key:")
+    assert table.lines[-1].split()[0] == "TOTAL" and table.lines[-1].split()[1] == "18"
+
+
+def test_usage_since_and_until_split_the_period_exactly(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "3").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    _traffic(stack, secret)
+    events = sorted(stack.events(org_id), key=lambda e: e.created_at)
+    middle = events[4].created_at
+    before = json.loads(admin("usage", org_id, "--until", middle, "--format", "json").text)["total"]
+    after = json.loads(admin("usage", org_id, "--since", middle, "--format", "json").text)["total"]
+    whole = json.loads(admin("usage", org_id, "--format", "json").text)["total"]
+    assert before["requests"] + after["requests"] == whole["requests"] == 9
+    assert Decimal(before["cost"]) + Decimal(after["cost"]) == Decimal(whole["cost"])
+    by_day = json.loads(admin("usage", org_id, "--by", "day", "--since", "2026-01-01", "--format", "json").text)
+    assert [row["group"] for row in by_day["rows"]] == [middle[:10]]
+    assert_fails(admin("usage", org_id, "--since", "yesterday"), "not an ISO 8601 date or time", code=2)
+
+
+def test_usage_reports_progress_while_it_pages(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "3").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    _traffic(stack, secret)
+    result = admin("usage", org_id, "--progress", "--format", "csv")
+    assert "kiln admin: 9 usage events read…" in result.err
+    assert result.lines[0].startswith("group,")  # stdout stays clean for scripts
+    assert "read…" not in admin("usage", org_id).err  # not a terminal, not asked: quiet
+
+
+def test_usage_of_an_unknown_org_fails(admin):
+    assert_fails(admin("usage", "no-such-org"), "org 'no-such-org' not found")
+
+
+def test_credits_show_has_the_balance_and_latest_debits(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    gen_ids = _traffic(stack, secret)
+    table = admin("credits", "show", org_id, "--last", "3")
+    balance = stack.org_info(org_id).credits
+    assert table.lines[0] == f"org {org_id}: balance ${balance}"
+    assert table.lines[1] == "latest 3 debits:"
+    assert gen_ids[-1] in table.lines[3]  # newest first
+    document = json.loads(admin("credits", "show", org_id, "--format", "json").text)
+    assert Decimal(document["balance"]) == balance
+    assert len(document["debits"]) == 9
+    assert Decimal("1") - sum(Decimal(d["cost"]) for d in document["debits"]) == balance
+
+
+def test_generation_shows_the_full_usage_event(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
+    _, secret = created_key(admin("keys", "create", org_id))
+    gen_id = _traffic(stack, secret)[0]
+    table = admin("generation", gen_id)
+    fields = dict(line.split(None, 1) for line in table.lines)
+    assert fields["gen_id"] == gen_id and fields["org_id"] == org_id and fields["status"] == "success"
+    assert fields["cost"] == "0.00000098" and fields["upstream"] == "local"
+    event = json.loads(admin("generation", gen_id, "--format", "json").text)
+    assert event["prompt_tokens"] == 4 and event["cost"] == "0.00000098" and event["key_id"].startswith("key_")
+    assert_fails(admin("generation", "gen-" + "0" * 26), "generation 'gen-00000000000000000000000000' not found")
+
+
+def test_keys_list_shows_when_a_key_was_last_used(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
+    key_id, secret = created_key(admin("keys", "create", org_id))
+    (row,) = json.loads(admin("keys", "list", org_id, "--format", "json").text)
+    assert row["last_used_at"] is None
+    assert stack.post(CHAT_PATH, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}]}, secret).status_code == 200
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # written off the request path
+        (row,) = json.loads(admin("keys", "list", org_id, "--format", "json").text)
+        if row["last_used_at"]:
+            break
+        time.sleep(0.05)
+    assert row["key_id"] == key_id and row["last_used_at"] >= row["created_at"]
+    assert secret not in admin("keys", "list", org_id, "--format", "csv").text
+
+
+@pytest.fixture
+def deployed_stack(stack):
+    """A CloudFormation stack (in the emulator) whose outputs name the test stack's tables."""
+    import botocore.session
+
+    from kiln_ops.stack import OUTPUTS
+
+    client = botocore.session.get_session().create_client(
+        "cloudformation", region_name="us-east-1", endpoint_url=stack.settings.aws_endpoint_url
+    )
+    name = f"kiln-{secrets.token_hex(3)}"
+    outputs = {output: {"Value": getattr(stack.settings, field)} for output, field in OUTPUTS.items()}
+    outputs["Region"] = {"Value": "us-east-1"}
+    template = {
+        "AWSTemplateFormatVersion": "2010-09-09",
+        "Resources": {"Marker": {"Type": "AWS::SNS::Topic"}},
+        "Outputs": outputs,
+    }
+    client.create_stack(StackName=name, TemplateBody=json.dumps(template))
+    yield name
+    client.delete_stack(StackName=name)
+
+
+def test_stack_option_reads_the_tables_from_the_stack_outputs(capsys, stack, deployed_stack):
+    org_id = new_org_id()
+    elsewhere = replace(Settings(), aws_endpoint_url=stack.settings.aws_endpoint_url)  # no table names at all
+    created = _run_elsewhere(capsys, elsewhere, "--stack", deployed_stack, "orgs", "create", org_id)
+    assert created.code == 0, created.err
+    assert stack.org_info(org_id).org_id == org_id  # it landed in the stack's tables
+
+
+def test_an_unknown_stack_fails_with_one_line(capsys, stack):
+    elsewhere = replace(Settings(), aws_endpoint_url=stack.settings.aws_endpoint_url)
+    result = _run_elsewhere(capsys, elsewhere, "--stack", "no-such-stack", "orgs", "list")
+    assert_fails(result, "kiln admin: stack 'no-such-stack' not found in us-east-1")

@@ -15,7 +15,8 @@ import pytest
 from kiln_ops.template import load_template
 
 STREAMING_FUNCTIONS = ("ChatCompletionsFunction", "CompletionsFunction")
-FUNCTIONS = (*STREAMING_FUNCTIONS, "ModelsFunction")
+BUFFERED_FUNCTIONS = ("ModelsFunction", "GenerationsFunction")
+FUNCTIONS = (*STREAMING_FUNCTIONS, *BUFFERED_FUNCTIONS)
 PATHS = {"ChatCompletionsFunction": "/v1/chat/completions", "CompletionsFunction": "/v1/completions"}
 NO_VALUE = object()
 
@@ -71,7 +72,8 @@ def test_runtime_architecture_memory_and_timeouts(template):
         assert {"Ref": "GatewayLayer"} in props["Layers"]
     for name in STREAMING_FUNCTIONS:
         assert function(template, name, "streaming")["Timeout"] == 900  # Lambda's ceiling: streams run long
-    assert function(template, "ModelsFunction", "streaming")["Timeout"] <= 29  # behind a buffered REST integration
+    for name in BUFFERED_FUNCTIONS:
+        assert function(template, name, "streaming")["Timeout"] <= 29  # behind a buffered REST integration
 
 
 @pytest.mark.parametrize("name", STREAMING_FUNCTIONS)
@@ -107,15 +109,21 @@ def test_buffered_mode_is_a_mangum_handler_without_the_web_adapter(template, nam
         assert rest["timeoutInMillis"] <= 29000
 
 
-def test_models_are_buffered_in_both_modes_and_routed_by_the_rest_api(template):
+@pytest.mark.parametrize(
+    "name,routes",
+    [
+        ("ModelsFunction", {("GET", "/v1/models"), ("GET", "/v1/models/{model_id}")}),
+        ("GenerationsFunction", {("GET", "/v1/generations/{gen_id}")}),
+    ],
+)
+def test_models_and_generations_are_buffered_in_both_modes_and_routed_by_the_rest_api(template, name, routes):
     for mode in ("streaming", "buffered"):
-        props = function(template, "ModelsFunction", mode)
+        props = function(template, name, mode)
         assert props["Handler"] == "app.handler"
         assert not web_adapter_layers(props["Layers"])
         assert "FunctionUrlConfig" not in props
-    events = template["Resources"]["ModelsFunction"]["Properties"]["Events"]
-    routes = {(e["Properties"]["Method"], e["Properties"]["Path"]) for e in events.values()}
-    assert routes == {("GET", "/v1/models"), ("GET", "/v1/models/{model_id}")}
+    events = template["Resources"][name]["Properties"]["Events"]
+    assert {(e["Properties"]["Method"], e["Properties"]["Path"]) for e in events.values()} == routes
     assert all(e["Type"] == "Api" and e["Properties"]["RestApiId"] == {"Ref": "GatewayApi"} for e in events.values())
 
 
@@ -181,8 +189,20 @@ def test_each_role_grants_only_what_its_function_calls(template):
     gateway = {"logs:CreateLogStream", "logs:PutLogEvents", "dynamodb:GetItem", "dynamodb:UpdateItem", "dynamodb:PutItem", "ssm:GetParameter"}
     assert actions("ChatCompletionsRole") == gateway
     assert actions("CompletionsRole") == gateway
-    # the models function neither admits nor bills
-    assert actions("ModelsRole") == {"logs:CreateLogStream", "logs:PutLogEvents", "dynamodb:GetItem", "ssm:GetParameter"}
+    # the models and generations functions neither admit nor bill: they write only a key's last use
+    readers = gateway - {"dynamodb:PutItem"}
+    assert actions("ModelsRole") == readers
+    assert actions("GenerationsRole") == readers
+
+    def resources(role: str, action: str) -> list:
+        return [
+            statement["Resource"]
+            for name, statement in _permission_statements(template)
+            if name == role and action in statement["Action"]
+        ]
+
+    for role in ("ModelsRole", "GenerationsRole"):
+        assert resources(role, "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
 
 
 def test_logs_alarms_dashboard_and_outputs(template):

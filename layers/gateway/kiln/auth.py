@@ -8,6 +8,7 @@ status changes take effect within `auth_cache_seconds`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,12 +17,16 @@ from typing import Awaitable, Callable
 from pynamodb.exceptions import DoesNotExist
 
 from .errors import InvalidApiKey, OrganizationDisabled
+from .store.clock import iso_ms
 from .store.keys import hash_secret, looks_like_key
 from .store.records import Tables
 
-__all__ = ["Authenticator", "Principal"]
+__all__ = ["LAST_USED_RESOLUTION_SECONDS", "Authenticator", "Principal"]
 
+log = logging.getLogger("kiln.auth")
 INVALID_KEY = "Incorrect API key provided. You can find your API key in your Kiln console."
+# A key's last_used_at is written at most this often, off the request path.
+LAST_USED_RESOLUTION_SECONDS = 600
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Authenticator:
         self._clock = clock
         self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
         self._pending: dict[str, asyncio.Future] = {}
+        self._touches: set[asyncio.Task] = set()
 
     async def authenticate(self, authorization: str | None) -> Principal:
         secret = _bearer(authorization)
@@ -71,7 +77,7 @@ class Authenticator:
         future = asyncio.get_running_loop().create_future()
         self._pending[key_hash] = future
         try:
-            principal = await self._run_blocking(self._load, key_hash)
+            principal, stale_last_used = await self._run_blocking(self._load, key_hash)
             future.set_result(principal)
         except BaseException as exc:
             future.set_exception(exc)
@@ -80,7 +86,23 @@ class Authenticator:
         finally:
             del self._pending[key_hash]
         self._remember(key_hash, principal)
+        if stale_last_used:
+            task = asyncio.ensure_future(self._touch(key_hash))
+            self._touches.add(task)  # held until done, and not awaited: never on the request's path
+            task.add_done_callback(self._touches.discard)
         return principal
+
+    async def _touch(self, key_hash: str) -> None:
+        try:
+            await self._run_blocking(self._write_last_used, key_hash)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping only; the request is not concerned
+            log.warning("could not record a key's last use: %s", type(exc).__name__)
+
+    def _write_last_used(self, key_hash: str) -> None:
+        keys = self._tables.keys
+        keys(key_hash=key_hash).update(
+            actions=[keys.last_used_at.set(iso_ms(time.time()))], condition=keys.key_hash.exists()
+        )
 
     def _remember(self, key_hash: str, principal: Principal | None) -> None:
         if principal is None:
@@ -90,17 +112,19 @@ class Authenticator:
         while len(self._cache) > self._max_entries:
             self._cache.popitem(last=False)
 
-    def _load(self, key_hash: str) -> Principal | None:
+    def _load(self, key_hash: str) -> tuple[Principal | None, bool]:
+        """The key's principal, and whether its last_used_at is due for an update."""
         try:
             key = self._tables.keys.get(key_hash)
         except DoesNotExist:
-            return None
+            return None, False
         try:
             org = self._tables.orgs.get(key.org_id, attributes_to_get=["org_id", "status"])
-            org_active = org.status == "active"
         except DoesNotExist:
-            return None
-        return Principal(key.key_id, key.org_id, key.status == "active", org_active)
+            return None, False
+        principal = Principal(key.key_id, key.org_id, key.status == "active", org.status == "active")
+        due = iso_ms(time.time() - LAST_USED_RESOLUTION_SECONDS)
+        return principal, principal.key_active and (key.last_used_at or "") < due
 
 
 def _bearer(authorization: str | None) -> str | None:

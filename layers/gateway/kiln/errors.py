@@ -10,6 +10,7 @@
     ├── InvalidType                   400 invalid_type
     ├── UnsupportedParameter          400 unsupported_parameter
     ├── ModelNotFound                 404 model_not_found
+    ├── GenerationNotFound            404 generation_not_found
     ├── UnknownUrl / MethodNotAllowed 404 / 405
     ├── InsufficientCredits           402 insufficient_credits
     ├── RateLimitExceeded             429 rate_limit_exceeded
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidType",
     "UnsupportedParameter",
     "ModelNotFound",
+    "GenerationNotFound",
     "UnknownUrl",
     "MethodNotAllowed",
     "InsufficientCredits",
@@ -125,6 +127,16 @@ class ModelNotFound(GatewayError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist or you do not have access to it.")
+
+
+class GenerationNotFound(GatewayError):
+    """Unknown, malformed, or another org's generation id: one answer for all (no existence leak)."""
+
+    status, type, code, param = 404, "invalid_request_error", "generation_not_found", "id"
+
+    def __init__(self, gen_id: str) -> None:
+        shown = gen_id if len(gen_id) <= 64 else gen_id[:64] + "…"
+        super().__init__(f"No generation `{shown}` was found for your organization.")
 
 
 class UnknownUrl(GatewayError):

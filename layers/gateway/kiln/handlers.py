@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from .errors import GatewayError, InvalidJson, ModelNotFound, RequestTooLarge
+from .errors import GatewayError, GenerationNotFound, InvalidJson, ModelNotFound, RequestTooLarge
 from .exchange import Exchange
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
@@ -13,7 +15,11 @@ from .normalize import Endpoint, normalize
 from .observability import record_of
 from .responses import error_response, json_response
 
-__all__ = ["complete", "get_gateway", "list_models", "retrieve_model"]
+__all__ = ["complete", "get_gateway", "list_models", "retrieve_generation", "retrieve_model"]
+
+
+# what new_generation_id makes; anything else cannot exist
+GENERATION_ID = re.compile(r"gen-[0-9a-f]{26}")
 
 
 def get_gateway(request: Request) -> Gateway:
@@ -77,6 +83,59 @@ async def retrieve_model(request: Request) -> Response:
         record.error_code = error.code
         return error_response(error)
     return json_response(dumps(model.public()))
+
+
+async def retrieve_generation(request: Request) -> Response:
+    """GET /v1/generations/{gen_id}: the caller's own usage event; anyone else's is 404."""
+    from .store.usage import get_event_of_org
+
+    gateway = get_gateway(request)
+    record = record_of(request)
+    record.endpoint = "generations"
+    gen_id = request.path_params["gen_id"]
+    try:
+        await gateway.check_maintenance()
+        principal = await gateway.auth.authenticate(request.headers.get("authorization"))
+        record.org_id = principal.org_id
+        event = None
+        if GENERATION_ID.fullmatch(gen_id):
+            event = await gateway.storage(get_event_of_org, gateway.tables, gen_id, principal.org_id)
+        if event is None:
+            raise GenerationNotFound(gen_id)
+    except GatewayError as error:
+        record.error_code = error.code
+        return error_response(error)
+    return json_response(dumps(generation_object(event)))
+
+
+def generation_object(event) -> dict:
+    """A usage event as its org sees it (no backend names, no internal error detail)."""
+    usage: dict = {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": None
+        if event.prompt_tokens is None or event.completion_tokens is None
+        else event.prompt_tokens + event.completion_tokens,
+        "cost": event.cost,
+    }
+    if event.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": event.cached_tokens}
+    return {
+        "id": event.gen_id,
+        "object": "generation",
+        "created_at": event.created_at,
+        "model": event.model,
+        "endpoint": event.endpoint,
+        "streamed": event.streamed,
+        "status": event.status,
+        "http_status": event.http_status,
+        "finish_reason": event.finish_reason,
+        "usage": usage,
+        "usage_source": event.usage_source,
+        "ttfb_ms": event.ttfb_ms,
+        "duration_ms": event.duration_ms,
+        "key_id": event.key_id,
+    }
 
 
 async def read_json(request: Request, limit: int) -> object:

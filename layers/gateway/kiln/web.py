@@ -14,12 +14,12 @@ from starlette.responses import Response
 
 from .errors import GatewayError, InternalError, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
-from .handlers import complete, list_models, retrieve_model
+from .handlers import complete, list_models, retrieve_generation, retrieve_model
 from .normalize import Endpoint
 from .observability import ObservabilityMiddleware, Observer, record_of
 from .responses import error_response
 
-__all__ = ["RouteSpec", "completion_routes", "create_app", "lambda_handler", "model_routes"]
+__all__ = ["RouteSpec", "completion_routes", "create_app", "generation_routes", "lambda_handler", "model_routes"]
 
 log = logging.getLogger("kiln.web")
 
@@ -48,6 +48,14 @@ def model_routes() -> list[RouteSpec]:
     return [
         RouteSpec("/v1/models", list_models, ("GET",), "models.list", "List the models in the catalog"),
         RouteSpec("/v1/models/{model_id}", retrieve_model, ("GET",), "models.retrieve", "One model of the catalog"),
+    ]
+
+
+def generation_routes() -> list[RouteSpec]:
+    return [
+        RouteSpec(
+            "/v1/generations/{gen_id}", retrieve_generation, ("GET",), "generations.retrieve", "One of your usage events"
+        )
     ]
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from ..errors import StorageUnavailable
 
 __all__ = [
+    "AlreadyRevoked",
     "RecordExists",
     "RecordNotFound",
     "ConditionFailed", "StorageError", "TransactionConflict", "condition_failure", "translate_storage_error"]
@@ -25,6 +26,11 @@ class RecordNotFound(LookupError):
     def __init__(self, kind: str, ident: str) -> None:
         super().__init__(f"{kind} {ident!r} not found")
         self.kind, self.ident = kind, ident
+
+
+class AlreadyRevoked(Exception):
+    def __init__(self, key_id: str, since: str | None) -> None:
+        super().__init__(f"key {key_id!r} is already revoked" + (f" (since {since})" if since else ""))
 
 
 class RecordExists(Exception):

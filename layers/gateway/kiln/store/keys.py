@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 
 from .clock import iso_ms, now
-from .errors import RecordNotFound
+from .errors import AlreadyRevoked, RecordNotFound
 from .records import Tables
 
 __all__ = ["KEY_PREFIX", "IssuedKey", "KeyInfo", "create_key", "hash_secret", "list_keys", "looks_like_key", "revoke_key"]
@@ -35,6 +35,7 @@ class KeyInfo:
     prefix: str
     created_at: str
     revoked_at: str | None = None
+    last_used_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,10 @@ class IssuedKey(KeyInfo):
 
 
 def _info(record) -> KeyInfo:
-    return KeyInfo(record.key_id, record.org_id, record.status, record.prefix, record.created_at, record.revoked_at)
+    return KeyInfo(
+        record.key_id, record.org_id, record.status, record.prefix, record.created_at, record.revoked_at,
+        record.last_used_at,
+    )
 
 
 def create_key(tables: Tables, org_id: str) -> IssuedKey:
@@ -70,9 +74,11 @@ def _find_by_id(tables: Tables, key_id: str):
 
 
 def revoke_key(tables: Tables, key_id: str) -> KeyInfo:
+    """Refuse the key from now on (within the gateway's auth cache time)."""
     record = _find_by_id(tables, key_id)
-    if record.status != "revoked":
-        record.update(actions=[tables.keys.status.set("revoked"), tables.keys.revoked_at.set(iso_ms(now()))])
+    if record.status == "revoked":
+        raise AlreadyRevoked(key_id, record.revoked_at)
+    record.update(actions=[tables.keys.status.set("revoked"), tables.keys.revoked_at.set(iso_ms(now()))])
     return _info(record)
 
 

@@ -12,7 +12,7 @@ from .clock import iso_ms, now
 from .errors import RecordExists, RecordNotFound, condition_failure
 from .records import Tables
 
-__all__ = ["OrgInfo", "add_credits", "create_org", "get_org", "set_limit", "set_status", "valid_org_id"]
+__all__ = ["OrgInfo", "add_credits", "create_org", "get_org", "list_orgs", "set_limit", "set_status", "valid_org_id"]
 
 _ORG_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 
@@ -64,6 +64,11 @@ def get_org(tables: Tables, org_id: str) -> OrgInfo:
         return _info(tables.orgs.get(org_id, consistent_read=True))
     except DoesNotExist:
         raise RecordNotFound("org", org_id) from None
+
+
+def list_orgs(tables: Tables) -> list[OrgInfo]:
+    """Every org, by id (a scan: an operator's command, never on a request's path)."""
+    return sorted((_info(record) for record in tables.orgs.scan()), key=lambda org: org.org_id)
 
 
 def _update(tables: Tables, org_id: str, actions) -> OrgInfo:

@@ -111,6 +111,7 @@ def bind(settings: Settings) -> Tables:
         prefix = UnicodeAttribute()  # the first characters, to recognise a key in listings
         created_at = UnicodeAttribute()
         revoked_at = UnicodeAttribute(null=True)
+        last_used_at = UnicodeAttribute(null=True)  # to within LAST_USED_RESOLUTION_SECONDS
         by_key_id = KeysByKeyId()
         by_org = KeysByOrg()
 

@@ -11,7 +11,7 @@ from pynamodb.exceptions import DoesNotExist
 from .errors import RecordNotFound
 from .records import Tables
 
-__all__ = ["UsageEvent", "STATUSES", "get_event", "query_events"]
+__all__ = ["UsageEvent", "STATUSES", "get_event", "get_event_of_org", "query_events", "recent_events"]
 
 # What became of an admitted request.
 STATUSES = (
@@ -70,9 +70,24 @@ class UsageEvent:
 
 def get_event(tables: Tables, gen_id: str) -> UsageEvent:
     try:
-        return UsageEvent.from_record(tables.usage.get(gen_id))
+        return UsageEvent.from_record(tables.usage.get(gen_id, consistent_read=True))
     except DoesNotExist:
         raise RecordNotFound("generation", gen_id) from None
+
+
+def get_event_of_org(tables: Tables, gen_id: str, org_id: str) -> UsageEvent | None:
+    """The event if it exists *and* belongs to `org_id`; None otherwise, indistinguishably."""
+    try:
+        event = get_event(tables, gen_id)
+    except RecordNotFound:
+        return None
+    return event if event.org_id == org_id else None
+
+
+def recent_events(tables: Tables, org_id: str, limit: int) -> list[UsageEvent]:
+    """The org's latest events, newest first."""
+    records = tables.usage.by_org_time.query(org_id, scan_index_forward=False, limit=limit)
+    return [UsageEvent.from_record(record) for record in records]
 
 
 def query_events(tables: Tables, org_id: str, since: str | None = None, until: str | None = None) -> Iterator[UsageEvent]:

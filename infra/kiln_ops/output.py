@@ -1,0 +1,48 @@
+"""Rows out: an aligned table for people, JSON or CSV for scripts."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from decimal import Decimal
+from typing import Any, Callable, Sequence
+
+from kiln.jsonio import decimal_text
+
+__all__ = ["FORMATS", "render"]
+
+FORMATS = ("table", "json", "csv")
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, Decimal):
+        return decimal_text(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _json_value(value: Any) -> Any:
+    return decimal_text(value) if isinstance(value, Decimal) else value
+
+
+def render(rows: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str, out: Callable[[str], None]) -> None:
+    """Write `rows` (dicts) with `columns`, in `fmt`. JSON keeps Decimals exact, as strings."""
+    if fmt == "json":
+        out(json.dumps([{c: _json_value(row.get(c)) for c in columns} for row in rows], indent=2))
+    elif fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow(["" if row.get(c) is None else _text(row.get(c)) for c in columns])
+        for line in buffer.getvalue().splitlines():
+            out(line)
+    else:
+        cells = [[c.upper().replace("_", " ") for c in columns]] + [[_text(row.get(c)) for c in columns] for row in rows]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+        for line in cells:
+            out("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())

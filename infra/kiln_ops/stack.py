@@ -1,0 +1,52 @@
+"""`kiln admin --stack NAME`: the settings of a deployed stack, read from its outputs.
+
+Region and credentials come from the usual AWS configuration (environment, profile, SSO).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+from kiln.settings import Settings
+
+__all__ = ["OUTPUTS", "StackNotFound", "settings_from_stack"]
+
+# template.yaml output → the settings field it fills
+OUTPUTS = {
+    "KeysTableName": "keys_table",
+    "OrgsTableName": "orgs_table",
+    "UsageTableName": "usage_table",
+    "MaintenanceParameterName": "maintenance_parameter",
+    "CatalogParameterName": "catalog_parameter",
+}
+
+
+class StackNotFound(Exception):
+    pass
+
+
+def settings_from_stack(stack_name: str, base: Settings, session: Any = None) -> Settings:
+    import botocore.session
+    from botocore.exceptions import ClientError
+
+    session = session or botocore.session.get_session()
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or session.get_config_variable("region")
+    region = region or base.region
+    client = session.create_client("cloudformation", region_name=region, endpoint_url=base.aws_endpoint_url)
+    try:
+        stacks = client.describe_stacks(StackName=stack_name)["Stacks"]
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") == "ValidationError":  # how CloudFormation says "no such stack"
+            raise StackNotFound(f"stack {stack_name!r} not found in {region}") from None
+        raise
+    outputs = {output["OutputKey"]: output["OutputValue"] for output in stacks[0].get("Outputs", [])}
+    missing = [name for name in OUTPUTS if name not in outputs]
+    if missing:
+        raise StackNotFound(f"stack {stack_name!r} has no output {missing[0]}: is it a Kiln stack?")
+    return replace(
+        base,
+        region=outputs.get("Region", region),
+        **{field: outputs[output] for output, field in OUTPUTS.items()},
+    )
