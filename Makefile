@@ -1,6 +1,7 @@
 # The two commands of the README, and what they need. Each sets itself up on a fresh machine.
 #   make dev       the local stack: gateway + embedded AWS + mock model server
 #   make test      the test suite
+#   make bench     the benchmark harness (bench/): writes bench/results/ and docs/performance.md
 # For deploying (docs/deploy.md):
 #   make validate  sam validate --lint
 #   make build     sam build (python3.13, arm64, precompiled), then checks the artifacts and
@@ -14,7 +15,7 @@ SAM_HOME ?= .tools/sam
 SAM      := $(SAM_HOME)/bin/sam
 SAM_ENV  := SAM_CLI_TELEMETRY=0 AWS_DEFAULT_REGION=$${AWS_DEFAULT_REGION:-us-east-1}
 
-.PHONY: dev test lint setup validate build clean
+.PHONY: dev test lint audit setup validate build clean bench
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is needed (found " + sys.version.split()[0] + ")")'
@@ -31,8 +32,24 @@ dev: setup
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
 
+# Peers (LiteLLM, Portkey) and the bench's tools live in .bench/, outside the project venv.
+bench: setup
+	$(BIN)/python -m bench $(ARGS)
+
 lint: setup
 	$(BIN)/ruff check layers infra functions tests
+
+# pip-audit of the layer's pinned runtime dependencies, from its own tool environment
+AUDIT_HOME ?= .tools/audit
+$(AUDIT_HOME)/bin/pip-audit: | $(BIN)/.installed
+	$(PYTHON) -m venv $(AUDIT_HOME)
+	$(BIN)/uv pip install --quiet --python $(AUDIT_HOME)/bin/python pip-audit
+
+audit: $(AUDIT_HOME)/bin/pip-audit
+	rm -f .tools/audit.json
+	$(AUDIT_HOME)/bin/pip-audit --requirement layers/gateway/requirements.txt --no-deps --disable-pip \
+	    --format json --output .tools/audit.json --progress-spinner off || true
+	$(BIN)/python infra/audit_report.py .tools/audit.json
 
 $(SAM): | $(BIN)/.installed
 	$(PYTHON) -m venv $(SAM_HOME)
@@ -49,4 +66,4 @@ build: $(SAM) setup
 	    $(SAM_HOME)/bin/python infra/sam_local_check.py .aws-sam/build/template.yaml
 
 clean:
-	rm -rf $(VENV) .tools .aws-sam .kiln .pytest_cache
+	rm -rf $(VENV) .tools .aws-sam .kiln .pytest_cache .bench

@@ -15,7 +15,7 @@ for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
 from kiln_ops.emulator import EmbeddedAws  # noqa: E402
 from kiln_ops.mock_upstream import MockUpstream  # noqa: E402
 from kiln_ops.serve import ServerThread  # noqa: E402
-from support import TELEMETRY, MockHandle, Stack, make_stack  # noqa: E402
+from support import TELEMETRY, EmulatorProcess, MockHandle, Stack, make_stack  # noqa: E402
 
 KEY_SHAPE = re.compile(r"sk-kiln-[A-Za-z0-9_-]{20,}")
 # Text that tests send as prompts, or that the mock sends back as completions.
@@ -34,6 +34,15 @@ def no_secret_or_prompt_in_telemetry():
 
 @pytest.fixture(scope="session")
 def aws():
+    """The embedded AWS in its own process, as `kiln dev` runs it."""
+    emulator = EmulatorProcess()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture(scope="session")
+def inprocess_aws():
+    """The embedded AWS in this process, for tests that look inside it."""
     emulator = EmbeddedAws().start()
     yield emulator
     emulator.stop()

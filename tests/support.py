@@ -168,6 +168,34 @@ class MockHandle:
         raise AssertionError(f"mock never reached the expected state: {self.stats}")
 
 
+class EmulatorProcess:
+    """`kiln emulator` in its own process, as the local stack runs it (no GIL shared with the tests)."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "kiln_ops.cli", "emulator", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(self.url, timeout=1)
+                return
+            except httpx.HTTPError:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kiln emulator did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.wait(timeout=10)
+
+
 class Telemetry(io.TextIOBase):
     """Everything the gateway logs or emits as metrics during the tests (one stream)."""
 
@@ -212,6 +240,9 @@ def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
         catalog_cache_seconds=60.0,
         auth_cache_seconds=0.0,
         keepalive_seconds=5.0,
+        # faults are injected per request into the shared mock: no backend is taken out of
+        # service unless a test asks for it
+        backend_failure_threshold=1_000_000,
     )
     catalog = overrides.pop("catalog", None) or catalog_for_tests(mock.url)
     settings = replace(settings, **overrides)
@@ -254,4 +285,4 @@ def data_events(text: str) -> list[Any]:
     return out
 
 
-__all__ = ["TELEMETRY", "MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
+__all__ = ["TELEMETRY", "EmulatorProcess", "MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]

@@ -65,7 +65,7 @@ def add_admin_parser(subparsers: Any) -> None:
     admin = subparsers.add_parser("admin", help="manage orgs, keys, credits, usage, the catalog and maintenance")
     admin.add_argument("--stack", help="a deployed stack's name: its outputs name the tables and parameters")
     groups = admin.add_subparsers(
-        dest="group", required=True, metavar="{orgs,keys,credits,usage,generation,catalog,maintenance}"
+        dest="group", required=True, metavar="{orgs,keys,credits,usage,generation,replay-usage,catalog,maintenance}"
     )
     formatted = argparse.ArgumentParser(add_help=False)
     formatted.add_argument("--format", choices=FORMATS, default="table", help="table (default), json or csv")
@@ -123,6 +123,12 @@ def add_admin_parser(subparsers: Any) -> None:
     generation = groups.add_parser("generation", help="one usage event, by generation id", parents=[formatted])
     generation.add_argument("gen_id")
     generation.set_defaults(run=_generation)
+
+    replay = groups.add_parser(
+        "replay-usage", help="settle the usage events the gateway logged as usage_unsettled (storage was down)"
+    )
+    replay.add_argument("file", nargs="?", default="-", help="exported log lines (default: standard input)")
+    replay.set_defaults(run=_replay_usage)
 
     catalog = groups.add_parser("catalog", help="the model catalog (SSM parameter)").add_subparsers(
         dest="action", required=True
@@ -350,6 +356,26 @@ def _generation(ctx: Context, args: argparse.Namespace, out) -> None:
 
         return out(json.dumps(event, default=lambda value: decimal_text(value), indent=2))
     render([event], tuple(event), args.format, out)
+
+
+def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store import Ledger
+
+    from .replay import replay, unsettled_events
+
+    if args.file == "-":
+        lines = sys.stdin
+    else:
+        try:
+            lines = open(args.file, encoding="utf-8")
+        except OSError as exc:
+            raise AdminError(f"cannot read {args.file}: {exc.strerror}") from None
+    ledger = Ledger(ctx.tables, lease_ttl=ctx.settings.lease_ttl_seconds, settle_attempts=ctx.settings.settle_attempts,
+                    retention_days=ctx.settings.usage_retention_days)
+    outcomes = replay(ledger, unsettled_events(lines))
+    total = sum(outcomes.values())
+    details = ", ".join(f"{count} {outcome.replace('_', ' ')}" for outcome, count in sorted(outcomes.items()))
+    out(f"replayed {total} unsettled usage events" + (f": {details}" if total else ""))
 
 
 def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:

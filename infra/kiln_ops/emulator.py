@@ -179,6 +179,9 @@ class EmbeddedAws:
         from werkzeug.serving import make_server
 
         class QuietHandler(MotoRequestHandler):
+            # keep-alive: without it every call opens a connection and a server thread
+            protocol_version = "HTTP/1.1"
+
             def log_request(self, *args: Any, **kwargs: Any) -> None:
                 pass
 

@@ -26,6 +26,7 @@ or from the server's own defaults:
     tool_calls=N      call N tools (default 1 when tools are given)
     spaced=true       write JSON with spaces after separators (byte-exact relaying shows)
     id=TEXT           use this completion id (and a fixed `created`), for comparing outputs
+    tag=TEXT          count this request's concurrency under TEXT too (stats: in flight by tag)
 
 GET /mock/stats reports requests, in-flight (now and at most), disconnects and the last
 bodies received; POST /mock/reset clears them.
@@ -64,6 +65,7 @@ class MockOptions:
     tool_calls: int | None = None
     spaced: bool = False
     id: str | None = None
+    tag: str | None = None
 
     def merged(self, overrides: dict[str, Any]) -> "MockOptions":
         values = dict(self.__dict__)
@@ -77,7 +79,7 @@ def _coerce(default: Any, value: Any, key: str) -> Any:
     if isinstance(value, str):
         if key in ("plain_text", "no_done", "no_usage", "spaced"):
             return value.lower() in ("1", "true", "yes")
-        if key in ("message", "id"):
+        if key in ("message", "id", "tag"):
             return value
         return float(value) if "." in value else int(value)
     return value
@@ -91,6 +93,8 @@ class MockStats:
     completed: int = 0
     disconnects: int = 0
     bodies: deque = field(default_factory=lambda: deque(maxlen=50))
+    in_flight_by_tag: dict = field(default_factory=dict)
+    max_in_flight_by_tag: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -100,7 +104,20 @@ class MockStats:
             "completed": self.completed,
             "disconnects": self.disconnects,
             "bodies": list(self.bodies),
+            "max_in_flight_by_tag": dict(self.max_in_flight_by_tag),
         }
+
+    def enter(self, tag: str | None) -> None:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if tag is not None:
+            self.in_flight_by_tag[tag] = self.in_flight_by_tag.get(tag, 0) + 1
+            self.max_in_flight_by_tag[tag] = max(self.max_in_flight_by_tag.get(tag, 0), self.in_flight_by_tag[tag])
+
+    def leave(self, tag: str | None) -> None:
+        self.in_flight -= 1
+        if tag is not None:
+            self.in_flight_by_tag[tag] -= 1
 
 
 class MockUpstream:
@@ -111,9 +128,8 @@ class MockUpstream:
         self.stats = MockStats()
 
     def reset(self) -> None:
-        """Zero the counters; requests still in flight stay counted (they will end later)."""
-        in_flight = self.stats.in_flight
-        self.stats = MockStats(in_flight=in_flight, max_in_flight=in_flight)
+        """Fresh counters. Requests still in flight finish on the counters they started on."""
+        self.stats = MockStats()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -152,12 +168,12 @@ class MockUpstream:
         self.stats.bodies.append(body)
         if isinstance(body.get("mock"), dict):
             options = options.merged(body["mock"])
-        self.stats.in_flight += 1
-        self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+        stats = self.stats  # a reset during this request must not take it off the new counters
+        stats.enter(options.tag)
         try:
             await self._answer(path == "/v1/chat/completions", body, options, receive, send)
         finally:
-            self.stats.in_flight -= 1
+            stats.leave(options.tag)
 
     async def _answer(self, chat: bool, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
         if options.headers_delay_ms:

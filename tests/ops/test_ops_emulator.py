@@ -13,6 +13,16 @@ from kiln.store.errors import TransactionConflict, translate_storage_error
 from kiln_ops import emulator
 
 
+@pytest.fixture(scope="module")
+def stack(inprocess_aws, mock):
+    """These tests look inside the emulator: it must run in this process."""
+    from support import make_stack
+
+    stack = make_stack(inprocess_aws.url, mock)
+    yield stack
+    stack.close()
+
+
 @pytest.fixture
 def counted_backups(monkeypatch):
     """Counts the items the emulator copies as transaction backups."""

@@ -505,4 +505,5 @@ def test_reset_clears_the_stats(api, root):
     api.post("/chat/completions", json=chat())
     assert stats(root)["requests"] == 1
     assert httpx.post(f"{root}/mock/reset", timeout=10).json() == {"reset": True}
-    assert stats(root) == {"requests": 0, "in_flight": 0, "max_in_flight": 0, "completed": 0, "disconnects": 0, "bodies": []}
+    assert stats(root) == {"requests": 0, "in_flight": 0, "max_in_flight": 0, "completed": 0, "disconnects": 0, "bodies": [],
+                           "max_in_flight_by_tag": {}}

@@ -36,7 +36,6 @@ __all__ = ["Exchange"]
 log = logging.getLogger("kiln.exchange")
 
 STREAM_CUT = "The model backend failed while streaming the response."
-_END = object()
 
 
 class Exchange:
@@ -204,6 +203,7 @@ class Exchange:
             yield error_event(STREAM_CUT)
             return
         if failure is not None:
+            upstream.broke()
             await self._end_stream(upstream, relay, "stream_interrupted", failure)
             yield error_event(STREAM_CUT)
             return
@@ -233,40 +233,36 @@ class Exchange:
 async def _with_keepalive(chunks: AsyncIterator[bytes], interval: float) -> AsyncGenerator[bytes | None, None]:
     """The upstream's chunks, with None whenever it has been silent for `interval` seconds.
 
-    One reader task per stream feeds a small queue, so waiting with a timeout never
-    interrupts a read in progress.
+    Each read runs as its own task, so waiting with a timeout never interrupts it. A read
+    is cancelled only when the stream is abandoned midway (client gone, upstream failed):
+    after the last chunk there is no read in flight, so httpx closes the response itself,
+    never from inside a cancelled task (which would leave its connection checked out of
+    the pool for good).
     """
-    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
-
-    async def read() -> None:
-        try:
-            async for chunk in chunks:
-                await queue.put(chunk)
-            await queue.put(_END)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            await queue.put(exc)
-
-    reader = asyncio.get_running_loop().create_task(read())
+    iterator = chunks.__aiter__()
+    pending: asyncio.Future | None = None
     try:
         while True:
-            try:
-                async with asyncio.timeout(interval):
-                    item = await queue.get()
-            except TimeoutError:
+            if pending is None:
+                pending = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait((pending,), timeout=interval)
+            if not done:
                 yield None
                 continue
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        reader.cancel()
-        with anyio.CancelScope(shield=True):
+            read, pending = pending, None
             try:
-                await reader
-            except BaseException:  # noqa: BLE001 - cancelled or failed reader: nothing to keep
-                pass
+                chunk = read.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with anyio.CancelScope(shield=True):
+                try:
+                    await pending
+                except BaseException:  # noqa: BLE001 - a cancelled or failed read: nothing to keep
+                    pass
 
 
 def _estimate_completion(choices: Any) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Callable, TypeVar
 from .auth import Authenticator
 from .catalog import Catalog
 from .errors import GatewayError, StorageUnavailable
+from .health import BackendHealth
 from .jsonio import dumps
 from .maintenance import MaintenanceFlag, parse_flag
 from .parameters import CachedParameter, ParameterUnavailable
@@ -26,7 +27,9 @@ from .store import Lease, Ledger, StorageError, Tables, UsageEvent, bind
 from .store.errors import translate_storage_error
 from .upstream import UpstreamClient
 
-__all__ = ["Gateway"]
+__all__ = ["UNSETTLED", "Gateway"]
+
+UNSETTLED = "usage_unsettled"
 
 T = TypeVar("T")
 log = logging.getLogger("kiln.gateway")
@@ -51,7 +54,9 @@ class Gateway:
         self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kiln-io")
         self._ssm_client = ssm_client
         self._parameters: Any = None
-        self.upstream = upstream or UpstreamClient()
+        self.upstream = upstream or UpstreamClient(
+            health=BackendHealth(threshold=settings.backend_failure_threshold, cooldown=settings.backend_cooldown_seconds)
+        )
         self.ledger = Ledger(
             self.tables,
             lease_ttl=settings.lease_ttl_seconds,
@@ -157,11 +162,15 @@ class Gateway:
     # -- settlement ------------------------------------------------------------------------
 
     async def settle(self, lease: Lease, event: UsageEvent) -> str:
-        """Settle; if storage keeps failing, the full event goes to the log, never lost."""
+        """Settle; if storage keeps failing, the full event goes to the log, never lost.
+
+        The log record (`"event": "usage_unsettled"`, the whole usage event under `usage`) is
+        what `kiln admin replay-usage` reads back to settle it later.
+        """
         try:
             return await self.run_blocking(self.ledger.settle, lease, event)
         except Exception as exc:  # noqa: BLE001 - whatever happened, keep the event
-            record = {"event": "usage_unsettled", "reason": f"{type(exc).__name__}: {exc}", "usage": event.as_dict()}
+            record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": event.as_dict()}
             unsettled_log.error(dumps(record).decode())
             return "unsettled"
 

@@ -82,6 +82,9 @@ class Settings:
     default_concurrency: int = 8
     # usage events expire (DynamoDB TTL) this many days after the request; 0 keeps them
     usage_retention_days: int = 0
+    # a backend failing this many times in a row is out of service for the cooldown
+    backend_failure_threshold: int = 3
+    backend_cooldown_seconds: float = 10.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -109,6 +112,10 @@ class Settings:
             settle_attempts=_integer(env, "KILN_SETTLE_ATTEMPTS", defaults.settle_attempts, minimum=1),
             default_concurrency=_integer(env, "KILN_DEFAULT_CONCURRENCY", defaults.default_concurrency, minimum=1),
             usage_retention_days=_integer(env, "KILN_USAGE_RETENTION_DAYS", defaults.usage_retention_days),
+            backend_failure_threshold=_integer(
+                env, "KILN_BACKEND_FAILURE_THRESHOLD", defaults.backend_failure_threshold, minimum=1
+            ),
+            backend_cooldown_seconds=_number(env, "KILN_BACKEND_COOLDOWN_SECONDS", defaults.backend_cooldown_seconds),
         )
 
     def to_env(self) -> dict[str, str]:

@@ -3,7 +3,8 @@
 A backend that refuses the connection, times out before answering, or answers 5xx is
 skipped for the model's next one; when none is left the client gets 502 (contract §5).
 A 4xx is the request's own fault: it is passed on at once, never retried elsewhere.
-Once a backend has answered 2xx the exchange is committed to it.
+Once a backend has answered 2xx the exchange is committed to it. Backends that keep
+failing are taken out of service for a while (`kiln.health`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import httpx
 
 from .catalog import Backend, ModelEntry
 from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
+from .health import BackendHealth
 
 __all__ = ["UpstreamClient", "UpstreamExchange", "UpstreamStreamError", "describe_transport_error"]
 
@@ -37,6 +39,8 @@ def describe_transport_error(exc: BaseException) -> str:
     """One short, stable description per kind of transport failure (for logs and usage events)."""
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return "connection failed"
+    if isinstance(exc, httpx.PoolTimeout):
+        return "no free connection to the backend in time"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException)):
         return "timed out"
     if isinstance(exc, httpx.RemoteProtocolError):
@@ -55,6 +59,12 @@ class UpstreamExchange:
     # backends tried before this one, and why they failed
     failures: list[str] = field(default_factory=list)
     sent_at: float = 0.0
+    health: BackendHealth | None = None
+
+    def broke(self) -> None:
+        """The backend failed after answering 2xx (a cut or silent stream, a truncated body)."""
+        if self.health is not None:
+            self.health.failed(self.backend)
 
     async def read_body(self, deadline: float) -> bytes:
         """The whole body (buffered requests), within the model's total time."""
@@ -62,6 +72,7 @@ class UpstreamExchange:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 return await self.response.aread()
         except (httpx.HTTPError, TimeoutError) as exc:
+            self.broke()
             raise UpstreamFailed(BAD_GATEWAY, detail=f"{self.backend.name}: {describe_transport_error(exc)}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -77,7 +88,14 @@ class UpstreamExchange:
 
 
 class UpstreamClient:
-    def __init__(self, *, transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 256,
+        health: BackendHealth | None = None,
+    ) -> None:
+        self.health = health or BackendHealth(threshold=3, cooldown=10.0)
         self._client = httpx.AsyncClient(
             transport=transport,
             timeout=None,
@@ -89,7 +107,7 @@ class UpstreamClient:
         await self._client.aclose()
 
     async def open(self, model: ModelEntry, path: str, body: dict[str, Any], *, stream: bool) -> UpstreamExchange:
-        backends = model.available_backends()
+        backends = [backend for backend in model.available_backends() if self.health.usable(backend)]
         if not backends:
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
         timeouts = model.timeouts
@@ -122,14 +140,18 @@ class UpstreamClient:
                     response = await self._client.send(request, stream=True)
             except (httpx.HTTPError, TimeoutError) as exc:
                 failures.append(f"{backend.name}: {describe_transport_error(exc)}")
+                self.health.failed(backend)
                 continue
             status = response.status_code
             if 200 <= status < 300:
-                return UpstreamExchange(backend, response, failures, sent_at)
+                self.health.succeeded(backend)
+                return UpstreamExchange(backend, response, failures, sent_at, self.health)
             raw = await _read_error_body(response)
             if 400 <= status < 500:
+                self.health.succeeded(backend)  # it answered: the request was at fault, not the backend
                 raise UpstreamRejected.from_upstream(status, raw)
             failures.append(f"{backend.name}: HTTP {status}")
+            self.health.failed(backend)
         log.warning(json.dumps({"event": "upstream_failed", "model": model.id, "failures": failures}))
         raise UpstreamFailed(BAD_GATEWAY, detail="; ".join(failures))
 

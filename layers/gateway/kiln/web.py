@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from . import schemas
 from .errors import GatewayError, InternalError, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
 from .handlers import complete, list_models, retrieve_generation, retrieve_model
@@ -34,28 +35,31 @@ class RouteSpec:
     name: str
     summary: str
     openapi_extra: dict[str, Any] = field(default_factory=dict)
+    responses: dict[int | str, dict[str, Any]] = field(default_factory=dict)
 
 
 def completion_routes(path: str, endpoint: Endpoint, summary: str) -> list[RouteSpec]:
     async def handle(request: Request) -> Response:
         return await complete(request, endpoint)
 
-    body = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}}
-    return [RouteSpec(path, handle, ("POST",), endpoint.name, summary, body)]
+    body = schemas.chat_body() if endpoint.is_chat else schemas.completion_body()
+    responses = {**schemas.ERROR_RESPONSES, 502: {"description": "no backend answered (plain text)"}}
+    return [RouteSpec(path, handle, ("POST",), endpoint.name, summary, body, responses)]
 
 
 def model_routes() -> list[RouteSpec]:
     return [
-        RouteSpec("/v1/models", list_models, ("GET",), "models.list", "List the models in the catalog"),
-        RouteSpec("/v1/models/{model_id}", retrieve_model, ("GET",), "models.retrieve", "One model of the catalog"),
+        RouteSpec("/v1/models", list_models, ("GET",), "models.list", "List the models in the catalog",
+                  responses=schemas.ERROR_RESPONSES),
+        RouteSpec("/v1/models/{model_id}", retrieve_model, ("GET",), "models.retrieve", "One model of the catalog",
+                  responses=schemas.ERROR_RESPONSES),
     ]
 
 
 def generation_routes() -> list[RouteSpec]:
     return [
-        RouteSpec(
-            "/v1/generations/{gen_id}", retrieve_generation, ("GET",), "generations.retrieve", "One of your usage events"
-        )
+        RouteSpec("/v1/generations/{gen_id}", retrieve_generation, ("GET",), "generations.retrieve",
+                  "One of your usage events", responses=schemas.ERROR_RESPONSES)
     ]
 
 
@@ -88,6 +92,7 @@ def create_app(
             name=route.name,
             summary=route.summary,
             openapi_extra=route.openapi_extra or None,
+            responses=route.responses or None,
             response_class=Response,
         )
     # outermost: it sees every response, the error handlers' included

@@ -58,6 +58,13 @@ class UsageEvent:
         return asdict(self)
 
     @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "UsageEvent":
+        """The inverse of as_dict() after a JSON round trip (cost as a string or number)."""
+        known = {name: values.get(name) for name in cls.__dataclass_fields__}
+        known["cost"] = Decimal(str(known["cost"])) if known["cost"] is not None else Decimal(0)
+        return cls(**known)
+
+    @classmethod
     def from_record(cls, record) -> "UsageEvent":
         values = record.attribute_values
         ints = ("http_status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttfb_ms", "duration_ms", "expires_at")

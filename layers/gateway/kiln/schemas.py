@@ -1,0 +1,122 @@
+"""OpenAPI descriptions of the request bodies and error answers (documentation and fuzzing).
+
+They describe what clients send; the gateway itself validates only what contract §3 says
+(`kiln.normalize`) and forwards everything else untouched, so they stay permissive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ERROR_RESPONSES", "chat_body", "completion_body"]
+
+_COMMON: dict[str, Any] = {
+    "model": {"type": "string", "description": "A model id of GET /v1/models."},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1},
+    "seed": {"type": "integer"},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "tool_call_id": {"type": "string"},
+    },
+}
+
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name", "description"],
+            "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}},
+        },
+    },
+}
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def chat_body() -> dict[str, Any]:
+    return _body(
+        {
+            "type": "object",
+            "required": ["model", "messages"],
+            "properties": {
+                **_COMMON,
+                "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+                "tools": {"type": "array", "items": _TOOL},
+                "tool_choice": {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]}, {"type": "object"}]},
+                "response_format": {"type": "object", "properties": {"type": {"type": "string"}}},
+                "parallel_tool_calls": {"type": "boolean"},
+                "reasoning_effort": {"type": "string", "enum": ["low", "medium", "high"]},
+                "ignore_eos": {"type": "boolean"},
+            },
+        }
+    )
+
+
+def completion_body() -> dict[str, Any]:
+    return _body(
+        {
+            "type": "object",
+            "required": ["model", "prompt"],
+            "properties": {
+                **_COMMON,
+                "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+                "echo": {"type": "boolean"},
+                "ignore_eos": {"type": "boolean"},
+            },
+        }
+    )
+
+
+_ERROR = {
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {
+                    "error": {
+                        "type": "object",
+                        "required": ["message", "type", "param", "code"],
+                        "properties": {
+                            "message": {"type": "string"},
+                            "type": {"type": "string"},
+                            "param": {"type": ["string", "null"]},
+                            "code": {"type": ["string", "null"]},
+                        },
+                    }
+                },
+            }
+        }
+    }
+}
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": description, **_ERROR}
+    for status, description in {
+        400: "invalid request (contract §3)",
+        401: "missing, unknown or revoked key",
+        402: "out of credits",
+        403: "organization disabled",
+        404: "unknown model or generation",
+        413: "body too large",
+        429: "the org's requests in flight are at its limit",
+        503: "maintenance, no backend, or storage unavailable",
+    }.items()
+}

@@ -1,0 +1,101 @@
+"""The ledger after a thousand mixed requests: Σ event costs = Σ debits, one event per admission."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from decimal import Decimal
+
+import httpx
+
+from conftest import LEDGER_REQUESTS
+from support import wait_for_events
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def _mix(rng: random.Random) -> tuple[str, dict, str]:
+    """(path, body, how the client behaves): successes and every way a request can go wrong."""
+    chat = {"model": rng.choice(["gpt-oss-120b", "qwen3-32b"]), "messages": [{"role": "user", "content": "x y z"}]}
+    kind = rng.choices(
+        ["ok", "stream", "usage", "completion", "4xx", "5xx", "plain500", "timeout", "cut", "silent", "disconnect",
+         "no_backend", "cached"],
+        weights=[20, 20, 8, 8, 6, 6, 3, 3, 6, 6, 6, 3, 5],
+    )[0]
+    if kind == "ok":
+        return CHAT, chat, "read"
+    if kind == "stream":
+        return CHAT, {**chat, "stream": True}, "read"
+    if kind == "usage":
+        return CHAT, {**chat, "stream": True, "stream_options": {"include_usage": True}}, "read"
+    if kind == "completion":
+        return COMPLETIONS, {"model": chat["model"], "prompt": "The capital of France is", "stream": rng.random() < 0.5}, "read"
+    if kind == "4xx":
+        return CHAT, {**chat, "mock": {"status": rng.choice([400, 404, 422])}}, "read"
+    if kind == "5xx":
+        return CHAT, {**chat, "stream": rng.random() < 0.5, "mock": {"status": 503}}, "read"
+    if kind == "plain500":
+        return CHAT, {**chat, "mock": {"status": 500, "plain_text": True}}, "read"
+    if kind == "timeout":
+        return CHAT, {**chat, "model": "hung-model", "stream": True}, "read"
+    if kind == "cut":
+        return CHAT, {**chat, "stream": True, "mock": {"cut_after": rng.randint(1, 6)}}, "read"
+    if kind == "silent":
+        return CHAT, {**chat, "stream": rng.random() < 0.5, "mock": {"no_usage": True}}, "read"
+    if kind == "disconnect":
+        return CHAT, {**chat, "stream": True, "mock": {"token_delay_ms": 30}}, "disconnect"
+    if kind == "no_backend":
+        return CHAT, {**chat, "model": "no-backend-model"}, "read"
+    return CHAT, {**chat, "mock": {"cached_tokens": 2}}, "read"
+
+
+async def _one(client: httpx.AsyncClient, key: str, path: str, body: dict, behaviour: str) -> tuple[int, str | None]:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with client.stream("POST", path, json=body, headers=headers) as response:
+        gen_id = response.headers.get("X-Neocloud-Generation-Id")
+        if behaviour == "disconnect" and response.status_code == 200:
+            async for line in response.aiter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break  # leave after the first token: the context manager closes the connection
+        else:
+            await response.aread()
+        return response.status_code, gen_id
+
+
+def test_a_thousand_mixed_requests_balance_to_the_last_decimal(stack):
+    rng = random.Random(20261130)
+    rich_id, rich_key = stack.org(credits="50", concurrency=3)
+    poor_id, poor_key = stack.org(credits="0.00002", concurrency=3)  # runs out of credits: 402s
+    plan = [(_mix(rng), rng.random() < 0.15) for _ in range(LEDGER_REQUESTS)]
+
+    async def run() -> list[tuple[str, int, str | None]]:
+        limits = httpx.Limits(max_connections=16)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60, limits=limits) as client:
+            gate = asyncio.Semaphore(10)  # above the orgs' limits: some 429s
+
+            async def guarded(item):
+                (path, body, behaviour), poor = item
+                async with gate:
+                    org = poor_id if poor else rich_id
+                    status, gen_id = await _one(client, poor_key if poor else rich_key, path, body, behaviour)
+                    return org, status, gen_id
+
+            return await asyncio.gather(*(guarded(item) for item in plan))
+
+    results = asyncio.run(run())
+    statuses = Counter(status for _, status, _ in results)
+    assert statuses[200] and statuses[429] and statuses[402] and statuses[502] and statuses[503]
+    for org_id, initial in ((rich_id, Decimal("50")), (poor_id, Decimal("0.00002"))):
+        admitted = {gen_id for org, _, gen_id in results if org == org_id and gen_id}
+        events = wait_for_events(stack, org_id, len(admitted), timeout=15)  # disconnects settle after the client left
+        assert sorted(e.gen_id for e in events) == sorted(admitted)  # exactly one event per admitted request
+        debited = initial - stack.org_info(org_id).credits
+        assert sum(e.cost for e in events) == debited  # to the last decimal
+        assert stack.org_info(org_id).in_flight == 0
+    rich_statuses = Counter(e.status for e in stack.events(rich_id))
+    assert {"success", "upstream_rejected", "upstream_error", "stream_interrupted", "client_disconnected",
+            "no_backend_available"} <= set(rich_statuses)
+    # a refused request (429, 402) is never charged and leaves no event
+    assert all(gen_id is None for _, status, gen_id in results if status in (402, 429))
