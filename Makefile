@@ -15,7 +15,7 @@ SAM_HOME ?= .tools/sam
 SAM      := $(SAM_HOME)/bin/sam
 SAM_ENV  := SAM_CLI_TELEMETRY=0 AWS_DEFAULT_REGION=$${AWS_DEFAULT_REGION:-us-east-1}
 
-.PHONY: dev test lint audit setup validate build clean bench
+.PHONY: dev test lint audit setup validate build clean bench e2e-real
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is needed (found " + sys.version.split()[0] + ")")'
@@ -24,7 +24,12 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
 	@touch $@
 
-setup: $(BIN)/.installed
+# the openai npm package the reference pages' JavaScript examples run with (Node's own npm)
+EXAMPLES_JS := tests/examples/js
+$(EXAMPLES_JS)/node_modules/.package-lock.json: $(EXAMPLES_JS)/package-lock.json
+	cd $(EXAMPLES_JS) && npm ci --no-audit --no-fund --loglevel=error
+
+setup: $(BIN)/.installed $(EXAMPLES_JS)/node_modules/.package-lock.json
 
 dev: setup
 	$(BIN)/kiln dev $(ARGS)
@@ -35,6 +40,11 @@ test: setup
 # Peers (LiteLLM, Portkey) and the bench's tools live in .bench/, outside the project venv.
 bench: setup
 	$(BIN)/python -m bench $(ARGS)
+
+# tests/e2e_real against a real model server (llama.cpp + Gemma 3 270M on the CPU); the
+# first run builds llama-cpp-python (~30 min on 2 cores), later runs take a few minutes.
+e2e-real: setup
+	$(BIN)/kiln e2e-real $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check layers infra functions tests

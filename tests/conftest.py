@@ -17,6 +17,9 @@ from kiln_ops.mock_upstream import MockUpstream  # noqa: E402
 from kiln_ops.serve import ServerThread  # noqa: E402
 from support import TELEMETRY, EmulatorProcess, MockHandle, Stack, make_stack  # noqa: E402
 
+# The suite against a real model server runs only through `make e2e-real`, which sets this.
+collect_ignore_glob = [] if os.environ.get("KILN_E2E_BASE_URL") else ["e2e_real/*"]
+
 KEY_SHAPE = re.compile(r"sk-kiln-[A-Za-z0-9_-]{20,}")
 # Text that tests send as prompts, or that the mock sends back as completions.
 PROMPT_AND_COMPLETION_TEXT = ("Answer briefly.", "The capital of France is", "What is this?", "Paris, a city", "How can I help")

@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     emulator.add_argument("--host", default="127.0.0.1")
     emulator.add_argument("--port", type=_port, default=4566)
 
+    e2e = commands.add_parser(
+        "e2e-real", help="run tests/e2e_real against a real model server (llama.cpp, Gemma 3 270M) behind the stack"
+    )
+    e2e.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
+
     verify = commands.add_parser("verify-build", help="check a sam build: aarch64 binaries, python3.13 pycs")
     verify.add_argument("build_dir", nargs="?", default=".aws-sam/build")
 
@@ -56,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             mock_token_delay_ms=args.mock_token_delay_ms,
             aws_endpoint_url=args.aws_endpoint_url,
         )
+    if args.command == "e2e-real":
+        from .e2e_real import run_e2e_real
+
+        return run_e2e_real(args.pytest_args)
     if args.command == "verify-build":
         from .build_check import main as verify_build
 
