@@ -14,10 +14,11 @@ from typing import Any, Callable, Iterator
 import botocore.session
 import httpx
 
+from kiln.aws import AwsClient
 from kiln.gateway import Gateway
 from kiln.observability import Observer
 from kiln.settings import Settings
-from kiln.store import Tables, UsageEvent, bind
+from kiln.store import Tables, UsageEvent, bind, with_ledger
 from kiln.store.keys import create_key
 from kiln.store.orgs import OrgInfo, create_org, get_org
 from kiln.store.usage import query_events
@@ -77,6 +78,73 @@ def catalog_for_tests(mock_url: str) -> dict[str, Any]:
     return document
 
 
+class StorageFaults:
+    """What the gateway sends to DynamoDB and SSM, recorded; and failures injected into it.
+
+    The gateway talks to AWS through kiln.aws over httpx: this sits in its transport and
+    answers chosen calls the way a throttled or failing service would.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []  # (operation, payload)
+        self._rules: list[dict[str, Any]] = []
+
+    def fail(self, operation: str, *, code: str = "ProvisionedThroughputExceededException",
+             when: Callable[[dict], bool] = lambda payload: True, times: int | None = None) -> list[int]:
+        """Fail `operation` calls whose payload matches `when` (`times` of them, or all)."""
+        rule = {"operation": operation, "code": code, "when": when, "times": times, "hits": []}
+        self._rules.append(rule)
+        return rule["hits"]
+
+    def clear(self) -> None:
+        self._rules.clear()
+
+    def count(self, operation: str, when: Callable[[dict], bool] = lambda payload: True) -> int:
+        return sum(1 for op, payload in self.calls if op == operation and when(payload))
+
+    def answer(self, request: httpx.Request) -> httpx.Response | None:
+        operation = request.headers.get("x-amz-target", "").rpartition(".")[2]
+        payload = json.loads(request.content or b"{}")
+        self.calls.append((operation, payload))
+        for rule in self._rules:
+            if rule["operation"] == operation and rule["when"](payload):
+                rule["hits"].append(1)
+                if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
+                    body = {"__type": f"com.amazonaws.dynamodb.v20120810#{rule['code']}", "message": "injected by the test"}
+                    return httpx.Response(400, json=body, request=request)
+        return None
+
+
+class FaultInjectingTransport(httpx.AsyncBaseTransport):
+    def __init__(self, faults: StorageFaults) -> None:
+        self._faults = faults
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        injected = self._faults.answer(request)
+        return injected if injected is not None else await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class SyncLedger:
+    """The ledger from synchronous test code: each call on its own loop and client."""
+
+    def __init__(self, settings: Settings, faults: StorageFaults | None = None) -> None:
+        self.settings = settings
+        self.faults = faults
+
+    def _http(self) -> httpx.AsyncClient | None:
+        return httpx.AsyncClient(transport=FaultInjectingTransport(self.faults)) if self.faults else None
+
+    def admit(self, **kwargs: Any):
+        return with_ledger(self.settings, lambda ledger: ledger.admit(**kwargs), http=self._http())
+
+    def settle(self, lease, event) -> str:
+        return with_ledger(self.settings, lambda ledger: ledger.settle(lease, event), http=self._http())
+
+
 @dataclass
 class Stack:
     """A running gateway (all endpoints, one port) over the embedded AWS and the mock."""
@@ -88,8 +156,13 @@ class Stack:
     mock: "MockHandle"
     ssm: Any
     dynamodb: Any
+    faults: StorageFaults
     http: httpx.Client = field(init=False)
     maintenance_changed: bool = False
+
+    @property
+    def ledger(self) -> SyncLedger:
+        return SyncLedger(self.settings)
 
     def __post_init__(self) -> None:
         self.http = httpx.Client(base_url=self.url, timeout=30)
@@ -135,7 +208,6 @@ class Stack:
     def close(self) -> None:
         self.http.close()
         self.server.stop()
-        self.gateway._executor.shutdown(wait=False)
         for field_name in TABLES.values():
             try:
                 self.dynamodb.delete_table(TableName=getattr(self.settings, field_name))
@@ -249,9 +321,15 @@ def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
     tables = bind(settings)
     dynamodb, ssm = aws_clients(settings, _SESSION)
     provision(settings, catalog_json=json.dumps(catalog), dynamodb=dynamodb, ssm=ssm)
-    gateway = Gateway(settings, tables=tables)
+    faults = StorageFaults()
+    aws = AwsClient(
+        region=settings.region,
+        endpoint_url=settings.aws_endpoint_url,
+        http=httpx.AsyncClient(transport=FaultInjectingTransport(faults)),
+    )
+    gateway = Gateway(settings, aws=aws)
     server = ServerThread(combined_app(gateway, observer())).start()
-    return Stack(settings, tables, gateway, server, mock, ssm, dynamodb)
+    return Stack(settings, tables, gateway, server, mock, ssm, dynamodb, faults)
 
 
 # One botocore session for the tests' own clients (making one costs ~80 ms).
@@ -285,4 +363,4 @@ def data_events(text: str) -> list[Any]:
     return out
 
 
-__all__ = ["TELEMETRY", "EmulatorProcess", "MockHandle", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
+__all__ = ["TELEMETRY", "EmulatorProcess", "FaultInjectingTransport", "MockHandle", "StorageFaults", "SyncLedger", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]

@@ -359,7 +359,7 @@ def _generation(ctx: Context, args: argparse.Namespace, out) -> None:
 
 
 def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.store import Ledger
+    from kiln.store import with_ledger
 
     from .replay import replay, unsettled_events
 
@@ -370,9 +370,8 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
             lines = open(args.file, encoding="utf-8")
         except OSError as exc:
             raise AdminError(f"cannot read {args.file}: {exc.strerror}") from None
-    ledger = Ledger(ctx.tables, lease_ttl=ctx.settings.lease_ttl_seconds, settle_attempts=ctx.settings.settle_attempts,
-                    retention_days=ctx.settings.usage_retention_days)
-    outcomes = replay(ledger, unsettled_events(lines))
+    events = list(unsettled_events(lines))
+    outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, events))
     total = sum(outcomes.values())
     details = ", ".join(f"{count} {outcome.replace('_', ' ')}" for outcome, count in sorted(outcomes.items()))
     out(f"replayed {total} unsettled usage events" + (f": {details}" if total else ""))

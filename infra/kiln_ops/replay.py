@@ -53,10 +53,10 @@ def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:
                 yield UsageEvent.from_dict(record["usage"])
 
 
-def replay(ledger: Ledger, events: Iterable[UsageEvent]) -> Counter:
+async def replay(ledger: Ledger, events: Iterable[UsageEvent]) -> Counter:
     """Settle each event; counts of the outcomes ("settled", "replaced_abandoned", "already_settled")."""
     outcomes: Counter = Counter()
     for event in events:
         lease = Lease(event.gen_id, event.org_id, event.key_id, event.model, event.endpoint, event.streamed, 0.0, 0.0)
-        outcomes[ledger.settle(lease, event)] += 1
+        outcomes[await ledger.settle(lease, event)] += 1
     return outcomes

@@ -53,7 +53,7 @@ def test_an_expired_lease_is_reclaimed_by_the_next_admission(stack_factory):
     stack = stack_factory(lease_ttl_seconds=0.5)
     org_id, key = stack.org(concurrency=2)
     crashed = [
-        stack.gateway.ledger.admit(org_id=org_id, key_id="key_x", model="qwen3-32b", endpoint="chat.completions", streamed=True)
+        stack.ledger.admit(org_id=org_id, key_id="key_x", model="qwen3-32b", endpoint="chat.completions", streamed=True)
         for _ in range(2)
     ]
     assert stack.post(CHAT, BODY, key).status_code == 429

@@ -37,9 +37,7 @@ def lambda_env(stack, monkeypatch):
     yield SimpleNamespace(stack=stack, org_id=org_id, key=key)
     for module in ("chat_completions", "completions", "models"):
         app = importlib.import_module(f"kiln_functions.{module}.app").app
-        gateway = app.state._state.pop("gateway", None)
-        if gateway is not None:
-            gateway._executor.shutdown(wait=False)
+        app.state._state.pop("gateway", None)
 
 
 def invoke(module: str, event_file: str, key: str) -> dict:

@@ -9,6 +9,7 @@ from decimal import Decimal
 import pytest
 
 from kiln.store import UsageEvent
+from kiln.store.codec import to_item
 from kiln.store.errors import TransactionConflict, translate_storage_error
 from kiln_ops import emulator
 
@@ -45,12 +46,12 @@ def _fill_usage_table(stack, count: int) -> None:
                 gen_id=f"gen-fill-{index:06d}", org_id="filler", created_at="2026-01-01T00:00:00.000Z", key_id="k",
                 model="m", endpoint="chat.completions", streamed=False, status="success", cost=Decimal("0.001"),
             )
-            items.append({"PutRequest": {"Item": event.to_item(stack.tables)}})
+            items.append({"PutRequest": {"Item": to_item(event)}})
         client.batch_write_item(RequestItems={stack.settings.usage_table: items})
 
 
 def _admit_and_settle(stack, org_id: str) -> None:
-    ledger = stack.gateway.ledger
+    ledger = stack.ledger
     lease = ledger.admit(org_id=org_id, key_id="k", model="m", endpoint="chat.completions", streamed=False)
     event = UsageEvent(
         gen_id=lease.gen_id, org_id=org_id, created_at="2026-01-01T00:00:00.000Z", key_id="k", model="m",
@@ -80,7 +81,7 @@ def test_conditional_writes_are_atomic_under_concurrency(stack):
     def admit():
         try:
             admitted.append(
-                stack.gateway.ledger.admit(org_id=org_id, key_id="k", model="m", endpoint="e", streamed=False)
+                stack.ledger.admit(org_id=org_id, key_id="k", model="m", endpoint="e", streamed=False)
             )
         except Exception as exc:  # noqa: BLE001
             refused.append(type(exc).__name__)

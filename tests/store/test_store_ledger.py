@@ -11,6 +11,7 @@ from kiln.errors import InsufficientCredits, OrganizationDisabled, RateLimitExce
 from kiln.store import UsageEvent
 from kiln.store.orgs import set_status
 from kiln.store.usage import get_event
+from support import StorageFaults, SyncLedger
 
 
 def _event(lease, cost: str = "0.25", status: str = "success") -> UsageEvent:
@@ -21,24 +22,20 @@ def _event(lease, cost: str = "0.25", status: str = "success") -> UsageEvent:
     )
 
 
-def _admit(stack, org_id):
-    return stack.gateway.ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions", streamed=False)
-
-
-def _count_calls(stack, operation: str) -> list:
-    calls = []
-    stack.tables.client.meta.events.register(f"before-call.dynamodb.{operation}", lambda **_: calls.append(1))
-    return calls
+def _admit(stack, org_id, ledger=None):
+    ledger = ledger or stack.ledger
+    return ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions", streamed=False)
 
 
 def test_admission_is_one_write_and_refusals_need_no_read(stack):
     org_id, _ = stack.org(concurrency=1)
-    updates, gets = _count_calls(stack, "UpdateItem"), _count_calls(stack, "GetItem")
-    _admit(stack, org_id)
-    assert (len(updates), len(gets)) == (1, 0)
+    faults = StorageFaults()  # records every call
+    ledger = SyncLedger(stack.settings, faults)
+    _admit(stack, org_id, ledger)
+    assert [operation for operation, _ in faults.calls] == ["UpdateItem"]
     with pytest.raises(RateLimitExceeded):
-        _admit(stack, org_id)
-    assert (len(updates), len(gets)) == (2, 0)
+        _admit(stack, org_id, ledger)
+    assert [operation for operation, _ in faults.calls] == ["UpdateItem", "UpdateItem"]
 
 
 def test_refusals_tell_402_from_403_from_429(stack):
@@ -55,9 +52,9 @@ def test_settle_releases_debits_and_records_in_one_go(stack):
     org_id, _ = stack.org(credits="1")
     lease = _admit(stack, org_id)
     assert stack.org_info(org_id).in_flight == 1
-    transactions = _count_calls(stack, "TransactWriteItems")
-    assert stack.gateway.ledger.settle(lease, _event(lease)) == "settled"
-    assert len(transactions) == 1
+    faults = StorageFaults()
+    assert SyncLedger(stack.settings, faults).settle(lease, _event(lease)) == "settled"
+    assert [operation for operation, _ in faults.calls] == ["TransactWriteItems"]
     assert stack.org_info(org_id).in_flight == 0
     assert stack.org_info(org_id).credits == Decimal("0.75")
     stored = get_event(stack.tables, lease.gen_id)
@@ -67,8 +64,8 @@ def test_settle_releases_debits_and_records_in_one_go(stack):
 def test_a_retried_settle_never_charges_twice(stack):
     org_id, _ = stack.org(credits="1")
     lease = _admit(stack, org_id)
-    assert stack.gateway.ledger.settle(lease, _event(lease)) == "settled"
-    assert stack.gateway.ledger.settle(lease, _event(lease)) == "already_settled"
+    assert stack.ledger.settle(lease, _event(lease)) == "settled"
+    assert stack.ledger.settle(lease, _event(lease)) == "already_settled"
     assert stack.org_info(org_id).credits == Decimal("0.75")
     assert len(stack.events(org_id)) == 1
 
@@ -80,9 +77,9 @@ def test_a_late_settle_replaces_the_abandoned_event_and_bills(stack_factory):
     time.sleep(0.3)
     other = _admit(stack, org_id)  # reclaims the expired lease
     assert get_event(stack.tables, slow.gen_id).status == "abandoned"
-    assert stack.gateway.ledger.settle(slow, _event(slow)) == "replaced_abandoned"
+    assert stack.ledger.settle(slow, _event(slow)) == "replaced_abandoned"
     assert get_event(stack.tables, slow.gen_id).status == "success"
-    assert stack.gateway.ledger.settle(other, _event(other)) == "settled"
+    assert stack.ledger.settle(other, _event(other)) == "settled"
     assert stack.org_info(org_id).credits == Decimal("0.5")
     assert len(stack.events(org_id)) == 2
 

@@ -18,25 +18,18 @@ class Clock:
 
 
 class Source:
-    """A fake SSM parameter: counts reads, can be made to fail."""
+    """A fake SSM parameter: counts reads, can be made to fail, can take its time."""
 
     def __init__(self, value="v1"):
-        self.value, self.reads, self.error = value, 0, None
+        self.value, self.reads, self.error, self.slow = value, 0, None, False
 
-    def __call__(self):
+    async def __call__(self):
         self.reads += 1
+        if self.slow:
+            await asyncio.sleep(0)  # like a network read: other callers run meanwhile
         if self.error:
             raise self.error
         return self.value
-
-
-async def direct(fn):
-    return fn()
-
-
-async def yielding(fn):
-    await asyncio.sleep(0)  # like a thread pool: other callers run meanwhile
-    return fn()
 
 
 def make(source, clock, parse=str.upper, max_age=60.0):
@@ -48,10 +41,10 @@ def test_fresh_value_served_without_fetching():
     param = make(source, clock)
 
     async def scenario():
-        assert await param.get(direct) == "V1"
+        assert await param.get() == "V1"
         source.value = "v2"
         clock.now += 59
-        assert await param.get(direct) == "V1"
+        assert await param.get() == "V1"
 
     asyncio.run(scenario())
     assert source.reads == 1
@@ -62,11 +55,11 @@ def test_stale_value_refreshed_once():
     param = make(source, clock)
 
     async def scenario():
-        await param.get(direct)
+        await param.get()
         source.value = "v2"
         clock.now += 61
-        assert await param.get(direct) == "V2"
-        assert await param.get(direct) == "V2"
+        assert await param.get() == "V2"
+        assert await param.get() == "V2"
 
     asyncio.run(scenario())
     assert source.reads == 2
@@ -75,14 +68,15 @@ def test_stale_value_refreshed_once():
 @pytest.mark.parametrize("warm", [False, True])
 def test_concurrent_callers_share_one_fetch(warm):
     source, clock = Source(), Clock()
+    source.slow = True
     param = make(source, clock)
 
     async def scenario():
         if warm:
-            await param.get(direct)
+            await param.get()
             source.value = "v2"
             clock.now += 61
-        return await asyncio.gather(*(param.get(yielding) for _ in range(20)))
+        return await asyncio.gather(*(param.get() for _ in range(20)))
 
     results = asyncio.run(scenario())
     assert results == ["V2" if warm else "V1"] * 20
@@ -94,15 +88,15 @@ def test_failed_refresh_keeps_last_good_value_and_recovers(caplog):
     param = make(source, clock)
 
     async def scenario():
-        await param.get(direct)
+        await param.get()
         source.error = ConnectionError("SSM throttled")
         clock.now += 61
         with caplog.at_level(logging.WARNING, logger="kiln.parameters"):
-            assert await param.get(direct) == "V1"
+            assert await param.get() == "V1"
         assert "/kiln/test" in caplog.text
         source.error, source.value = None, "v3"
         clock.now += 60
-        assert await param.get(direct) == "V3"
+        assert await param.get() == "V3"
 
     asyncio.run(scenario())
 
@@ -112,10 +106,10 @@ def test_unparsable_refresh_keeps_last_good_value():
     param = make(source, clock, parse=parse_flag)
 
     async def scenario():
-        assert (await param.get(direct)).enabled is True
+        assert (await param.get()).enabled is True
         source.value = "{broken"
         clock.now += 61
-        assert (await param.get(direct)).enabled is True
+        assert (await param.get()).enabled is True
 
     asyncio.run(scenario())
 
@@ -127,9 +121,9 @@ def test_first_load_failure_raises_then_retries():
 
     async def scenario():
         with pytest.raises(ParameterUnavailable, match="/kiln/test"):
-            await param.get(direct)
+            await param.get()
         source.error = None
-        assert await param.get(direct) == "V1"
+        assert await param.get() == "V1"
 
     asyncio.run(scenario())
 
@@ -137,9 +131,10 @@ def test_first_load_failure_raises_then_retries():
 def test_first_load_parse_failure_raises():
     param = make(Source("{broken"), Clock(), parse=parse_flag)
     with pytest.raises(ParameterUnavailable):
-        asyncio.run(param.get(direct))
+        asyncio.run(param.get())
 
 
 def test_missing_parameter_reaches_parse_as_none():
-    param = CachedParameter("/kiln/maintenance", lambda: None, parse_flag, max_age=5, clock=Clock())
-    assert asyncio.run(param.get(direct)) == MaintenanceFlag()
+    absent = Source(value=None)
+    param = CachedParameter("/kiln/maintenance", absent, parse_flag, max_age=5, clock=Clock())
+    assert asyncio.run(param.get()) == MaintenanceFlag()

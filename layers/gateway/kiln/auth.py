@@ -1,8 +1,8 @@
 """Bearer-key authentication with a short in-memory cache (contract §2 step 3).
 
-A hit costs no I/O. A miss reads the key (by the SHA-256 of the secret) and its org, off
-the event loop; concurrent misses for the same key share one read. Revocation and org
-status changes take effect within `auth_cache_seconds`.
+A hit costs no I/O. A miss reads the key (by the SHA-256 of the secret), then its org;
+concurrent misses for the same key share those reads. Revocation and org status changes
+take effect within `auth_cache_seconds`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Awaitable, Callable
-
-from pynamodb.exceptions import DoesNotExist
+from typing import Any, Callable
 
 from .errors import InvalidApiKey, OrganizationDisabled
 from .store.clock import iso_ms
 from .store.keys import hash_secret, looks_like_key
-from .store.records import Tables
 
 __all__ = ["LAST_USED_RESOLUTION_SECONDS", "Authenticator", "Principal"]
 
@@ -40,16 +37,18 @@ class Principal:
 class Authenticator:
     def __init__(
         self,
-        tables: Tables,
+        aws: Any,
         *,
+        keys_table: str,
+        orgs_table: str,
         cache_seconds: float,
-        run_blocking: Callable[..., Awaitable],
         max_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._tables = tables
+        self._aws = aws
+        self._keys_table = keys_table
+        self._orgs_table = orgs_table
         self._ttl = cache_seconds
-        self._run_blocking = run_blocking
         self._max_entries = max_entries
         self._clock = clock
         self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
@@ -77,7 +76,7 @@ class Authenticator:
         future = asyncio.get_running_loop().create_future()
         self._pending[key_hash] = future
         try:
-            principal, stale_last_used = await self._run_blocking(self._load, key_hash)
+            principal, stale_last_used = await self._load(key_hash)
             future.set_result(principal)
         except BaseException as exc:
             future.set_exception(exc)
@@ -94,15 +93,18 @@ class Authenticator:
 
     async def _touch(self, key_hash: str) -> None:
         try:
-            await self._run_blocking(self._write_last_used, key_hash)
+            await self._aws.dynamodb(
+                "UpdateItem",
+                {
+                    "TableName": self._keys_table,
+                    "Key": {"key_hash": {"S": key_hash}},
+                    "UpdateExpression": "SET last_used_at = :now",
+                    "ConditionExpression": "attribute_exists(key_hash)",
+                    "ExpressionAttributeValues": {":now": {"S": iso_ms(time.time())}},
+                },
+            )
         except Exception as exc:  # noqa: BLE001 - bookkeeping only; the request is not concerned
             log.warning("could not record a key's last use: %s", type(exc).__name__)
-
-    def _write_last_used(self, key_hash: str) -> None:
-        keys = self._tables.keys
-        keys(key_hash=key_hash).update(
-            actions=[keys.last_used_at.set(iso_ms(time.time()))], condition=keys.key_hash.exists()
-        )
 
     def _remember(self, key_hash: str, principal: Principal | None) -> None:
         if principal is None:
@@ -112,19 +114,37 @@ class Authenticator:
         while len(self._cache) > self._max_entries:
             self._cache.popitem(last=False)
 
-    def _load(self, key_hash: str) -> tuple[Principal | None, bool]:
+    async def _load(self, key_hash: str) -> tuple[Principal | None, bool]:
         """The key's principal, and whether its last_used_at is due for an update."""
-        try:
-            key = self._tables.keys.get(key_hash)
-        except DoesNotExist:
+        found = await self._aws.dynamodb(
+            "GetItem",
+            {
+                "TableName": self._keys_table,
+                "Key": {"key_hash": {"S": key_hash}},
+                "ProjectionExpression": "key_id, org_id, #status, last_used_at",
+                "ExpressionAttributeNames": {"#status": "status"},
+            },
+        )
+        key = found.get("Item")
+        if not key:
             return None, False
-        try:
-            org = self._tables.orgs.get(key.org_id, attributes_to_get=["org_id", "status"])
-        except DoesNotExist:
+        org_id = key["org_id"]["S"]
+        found = await self._aws.dynamodb(
+            "GetItem",
+            {
+                "TableName": self._orgs_table,
+                "Key": {"org_id": {"S": org_id}},
+                "ProjectionExpression": "#status",
+                "ExpressionAttributeNames": {"#status": "status"},
+            },
+        )
+        org = found.get("Item")
+        if not org:
             return None, False
-        principal = Principal(key.key_id, key.org_id, key.status == "active", org.status == "active")
+        key_active = key.get("status", {}).get("S") == "active"
+        principal = Principal(key["key_id"]["S"], org_id, key_active, org.get("status", {}).get("S") == "active")
         due = iso_ms(time.time() - LAST_USED_RESOLUTION_SECONDS)
-        return principal, principal.key_active and (key.last_used_at or "") < due
+        return principal, key_active and key.get("last_used_at", {}).get("S", "") < due
 
 
 def _bearer(authorization: str | None) -> str | None:

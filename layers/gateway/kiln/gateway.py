@@ -1,8 +1,9 @@
 """The gateway's long-lived services, made once per process and shared by every request.
 
-Everything that talks to the outside world (DynamoDB tables, SSM, the model servers) is
-built here from the settings or handed in, so that tests and the local stack can point
-them elsewhere without patching.
+Everything that talks to the outside world (DynamoDB, SSM, the model servers) is built
+here from the settings or handed in, so that tests and the local stack can point them
+elsewhere without patching. All of it runs on the event loop: the storage client is
+asynchronous (`kiln.aws`), so no request waits for a worker thread.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import Any, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from .auth import Authenticator
+from .aws import AwsClient, AwsError
 from .catalog import Catalog
 from .errors import GatewayError, StorageUnavailable
 from .health import BackendHealth
@@ -23,7 +23,7 @@ from .jsonio import dumps
 from .maintenance import MaintenanceFlag, parse_flag
 from .parameters import CachedParameter, ParameterUnavailable
 from .settings import Settings
-from .store import Lease, Ledger, StorageError, Tables, UsageEvent, bind
+from .store import Lease, Ledger, StorageError, UsageEvent
 from .store.errors import translate_storage_error
 from .upstream import UpstreamClient
 
@@ -41,44 +41,46 @@ class Gateway:
         self,
         settings: Settings,
         *,
-        tables: Tables | None = None,
-        ssm_client: Any = None,
+        aws: AwsClient | None = None,
         upstream: UpstreamClient | None = None,
         catalog: Catalog | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.clock = clock
-        self.tables = tables or bind(settings)
-        # botocore is blocking: storage and SSM calls run here, never on the event loop.
-        self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kiln-io")
-        self._ssm_client = ssm_client
-        self._parameters: Any = None
+        self.aws = aws or AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url)
         self.upstream = upstream or UpstreamClient(
             health=BackendHealth(threshold=settings.backend_failure_threshold, cooldown=settings.backend_cooldown_seconds)
         )
         self.ledger = Ledger(
-            self.tables,
+            self.aws,
+            orgs_table=settings.orgs_table,
+            usage_table=settings.usage_table,
             lease_ttl=settings.lease_ttl_seconds,
             settle_attempts=settings.settle_attempts,
             retention_days=settings.usage_retention_days,
             clock=clock,
         )
-        self.auth = Authenticator(self.tables, cache_seconds=settings.auth_cache_seconds, run_blocking=self.storage)
+        self.auth = Authenticator(
+            self.aws,
+            keys_table=settings.keys_table,
+            orgs_table=settings.orgs_table,
+            cache_seconds=settings.auth_cache_seconds,
+        )
         self._maintenance = CachedParameter(
             settings.maintenance_parameter,
-            partial(self._read_parameter, settings.maintenance_parameter, settings.maintenance_cache_seconds),
+            lambda: self._read_parameter(settings.maintenance_parameter),
             parse_flag,
             max_age=settings.maintenance_cache_seconds,
         )
         if catalog is not None:
-            fetch_catalog: Callable[[], str | None] = lambda: None  # noqa: E731 - fixed catalog
-            parse_catalog: Callable[[str | None], Catalog] = lambda _raw: catalog  # noqa: E731
+            fetch_catalog: Callable[[], Awaitable[str | None]] = _constant(None)
+            parse_catalog: Callable[[str | None], Catalog] = lambda _raw: catalog  # noqa: E731 - a fixed catalog
         elif settings.catalog_file:
-            fetch_catalog = partial(_read_file, settings.catalog_file)
+            fetch_catalog = lambda: asyncio.to_thread(_read_file, settings.catalog_file)  # noqa: E731
             parse_catalog = _parse_catalog
         else:
-            fetch_catalog = partial(self._read_parameter, settings.catalog_parameter, settings.catalog_cache_seconds)
+            fetch_catalog = lambda: self._read_parameter(settings.catalog_parameter)  # noqa: E731
             parse_catalog = _parse_catalog
         self._catalog = CachedParameter(
             settings.catalog_file or settings.catalog_parameter,
@@ -91,20 +93,14 @@ class Gateway:
     def from_env(cls) -> "Gateway":
         return cls(Settings.from_env())
 
-    # -- blocking work, off the loop -------------------------------------------------------
+    # -- storage ---------------------------------------------------------------------------
 
-    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
-
-    async def storage(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """A storage call off the loop; any storage failure becomes a clear 503."""
+    async def storage(self, call: Awaitable[T]) -> T:
+        """Await a storage call; any storage failure becomes a clear 503."""
         try:
-            return await self.run_blocking(fn, *args, **kwargs)
+            return await call
         except GatewayError:
             raise
-        except StorageError as exc:
-            raise exc.as_gateway_error() from exc
         except Exception as exc:
             mapped = translate_storage_error(exc)
             if isinstance(mapped, StorageError):
@@ -114,34 +110,19 @@ class Gateway:
 
     # -- parameters ------------------------------------------------------------------------
 
-    @property
-    def ssm(self) -> Any:
-        if self._ssm_client is None:
-            import boto3
-
-            # made from the tables' botocore session: no second session to load
-            session = boto3.session.Session(botocore_session=self.tables.session)
-            self._ssm_client = session.client(
-                "ssm", region_name=self.settings.region, endpoint_url=self.settings.aws_endpoint_url
-            )
-        return self._ssm_client
-
-    def _read_parameter(self, name: str, max_age: float) -> str | None:
-        """One SSM parameter through Powertools Parameters (its cache agrees with ours); None if absent."""
-        from aws_lambda_powertools.utilities.parameters import GetParameterError, SSMProvider
-
-        if self._parameters is None:
-            self._parameters = SSMProvider(boto3_client=self.ssm)
+    async def _read_parameter(self, name: str) -> str | None:
+        """One SSM parameter's value; None if it does not exist (the cache above keeps it)."""
         try:
-            return self._parameters.get(name, max_age=int(max_age))
-        except GetParameterError as exc:
-            if "ParameterNotFound" in str(exc):
+            answer = await self.aws.ssm("GetParameter", {"Name": name})
+        except AwsError as exc:
+            if exc.code == "ParameterNotFound":
                 return None
             raise
+        return answer["Parameter"]["Value"]
 
     async def maintenance(self) -> MaintenanceFlag:
         try:
-            return await self._maintenance.get(self.run_blocking)
+            return await self._maintenance.get()
         except ParameterUnavailable as exc:
             # Never answer 503 because the switch itself could not be read.
             log.error(json.dumps({"event": "maintenance_unreadable", "detail": str(exc)}))
@@ -154,7 +135,7 @@ class Gateway:
 
     async def catalog(self) -> Catalog:
         try:
-            return await self._catalog.get(self.run_blocking)
+            return await self._catalog.get()
         except ParameterUnavailable as exc:
             log.error(json.dumps({"event": "catalog_unreadable", "detail": str(exc)}))
             raise StorageUnavailable("The model catalog is unavailable; retry with exponential backoff.") from exc
@@ -168,7 +149,7 @@ class Gateway:
         what `kiln admin replay-usage` reads back to settle it later.
         """
         try:
-            return await self.run_blocking(self.ledger.settle, lease, event)
+            return await self.ledger.settle(lease, event)
         except Exception as exc:  # noqa: BLE001 - whatever happened, keep the event
             record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": event.as_dict()}
             unsettled_log.error(dumps(record).decode())
@@ -176,7 +157,14 @@ class Gateway:
 
     async def aclose(self) -> None:
         await self.upstream.aclose()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.aws.aclose()
+
+
+def _constant(value: Any) -> Callable[[], Awaitable[Any]]:
+    async def fetch() -> Any:
+        return value
+
+    return fetch
 
 
 def _read_file(path: str) -> str:

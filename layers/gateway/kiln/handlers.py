@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from starlette.requests import ClientDisconnect, Request
@@ -14,6 +15,7 @@ from .jsonio import dumps, loads_strict
 from .normalize import Endpoint, normalize
 from .observability import record_of
 from .responses import error_response, json_response
+from .store.usage import get_event_of_org
 
 __all__ = ["complete", "get_gateway", "list_models", "retrieve_generation", "retrieve_model"]
 
@@ -34,22 +36,37 @@ async def complete(request: Request, endpoint: Endpoint) -> Response:
     try:
         await gateway.check_maintenance()  # 1
         body = await read_json(request, gateway.settings.max_body_bytes)  # 2
-        principal = await gateway.auth.authenticate(request.headers.get("authorization"))  # 3
+        principal, catalog = await _key_and_catalog(gateway, request)  # 3 (and what 4 needs)
         record.org_id = principal.org_id
-        call = normalize(endpoint, body, await gateway.catalog())  # 4
+        call = normalize(endpoint, body, catalog)  # 4
         record.model = call.model.id
         lease = await gateway.storage(  # 5
-            gateway.ledger.admit,
-            org_id=principal.org_id,
-            key_id=principal.key_id,
-            model=call.model.id,
-            endpoint=endpoint.name,
-            streamed=call.stream,
+            gateway.ledger.admit(
+                org_id=principal.org_id,
+                key_id=principal.key_id,
+                model=call.model.id,
+                endpoint=endpoint.name,
+                streamed=call.stream,
+            )
         )
     except GatewayError as error:
         record.error_code = error.code
         return error_response(error)
     return await Exchange(gateway, principal, call, lease, record).respond()  # 6
+
+
+async def _key_and_catalog(gateway: Gateway, request: Request) -> tuple:
+    """Authenticate and fetch the catalog at once (on cold caches, two reads in parallel), then
+    answer in the contract's order: a bad key before anything the catalog could say."""
+    principal, catalog = await asyncio.gather(
+        gateway.storage(gateway.auth.authenticate(request.headers.get("authorization"))),
+        gateway.catalog(),
+        return_exceptions=True,
+    )
+    for outcome in (principal, catalog):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return principal, catalog
 
 
 async def list_models(request: Request) -> Response:
@@ -59,7 +76,7 @@ async def list_models(request: Request) -> Response:
     record.endpoint = "models"
     try:
         await gateway.check_maintenance()
-        record.org_id = (await gateway.auth.authenticate(request.headers.get("authorization"))).org_id
+        record.org_id = (await gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))).org_id
         catalog = await gateway.catalog()
     except GatewayError as error:
         record.error_code = error.code
@@ -75,7 +92,7 @@ async def retrieve_model(request: Request) -> Response:
     model_id = request.path_params["model_id"]
     try:
         await gateway.check_maintenance()
-        record.org_id = (await gateway.auth.authenticate(request.headers.get("authorization"))).org_id
+        record.org_id = (await gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))).org_id
         model = (await gateway.catalog()).get(model_id)
         if model is None:
             raise ModelNotFound(model_id)
@@ -87,19 +104,19 @@ async def retrieve_model(request: Request) -> Response:
 
 async def retrieve_generation(request: Request) -> Response:
     """GET /v1/generations/{gen_id}: the caller's own usage event; anyone else's is 404."""
-    from .store.usage import get_event_of_org
-
     gateway = get_gateway(request)
     record = record_of(request)
     record.endpoint = "generations"
     gen_id = request.path_params["gen_id"]
     try:
         await gateway.check_maintenance()
-        principal = await gateway.auth.authenticate(request.headers.get("authorization"))
+        principal = await gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))
         record.org_id = principal.org_id
         event = None
         if GENERATION_ID.fullmatch(gen_id):
-            event = await gateway.storage(get_event_of_org, gateway.tables, gen_id, principal.org_id)
+            event = await gateway.storage(
+                get_event_of_org(gateway.aws, gateway.settings.usage_table, gen_id, principal.org_id)
+            )
         if event is None:
             raise GenerationNotFound(gen_id)
     except GatewayError as error:

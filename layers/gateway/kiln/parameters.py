@@ -1,4 +1,4 @@
-"""SSM parameters read through a short in-memory cache, off the event loop.
+"""SSM parameters read through a short in-memory cache (`max_age` seconds).
 
 A fresh value is returned with no I/O at all; a stale one is refreshed by one caller while
 the others wait for it; a failed refresh keeps serving the last good value (and says so
@@ -26,7 +26,7 @@ class CachedParameter(Generic[T]):
     def __init__(
         self,
         name: str,
-        fetch: Callable[[], str | None],
+        fetch: Callable[[], Awaitable[str | None]],
         parse: Callable[[str | None], T],
         *,
         max_age: float,
@@ -42,17 +42,17 @@ class CachedParameter(Generic[T]):
         self._expires = 0.0
         self._lock = asyncio.Lock()
 
-    async def get(self, run_blocking: Callable[[Callable[[], str | None]], Awaitable[str | None]]) -> T:
+    async def get(self) -> T:
         if self._loaded and self._clock() < self._expires:
             return self._value  # type: ignore[return-value]
         async with self._lock:
             if not (self._loaded and self._clock() < self._expires):
-                await self._refresh(run_blocking)
+                await self._refresh()
         return self._value  # type: ignore[return-value]
 
-    async def _refresh(self, run_blocking) -> None:
+    async def _refresh(self) -> None:
         try:
-            value = self._parse(await run_blocking(self._fetch))
+            value = self._parse(await self._fetch())
         except Exception as exc:  # noqa: BLE001 - any failure keeps the last good value
             if not self._loaded:
                 raise ParameterUnavailable(f"{self.name}: {exc}") from exc

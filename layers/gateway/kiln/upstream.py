@@ -21,6 +21,7 @@ import httpx
 from .catalog import Backend, ModelEntry
 from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .health import BackendHealth
+from .tls import client_context
 
 __all__ = ["UpstreamClient", "UpstreamExchange", "UpstreamStreamError", "describe_transport_error"]
 
@@ -100,6 +101,7 @@ class UpstreamClient:
             transport=transport,
             timeout=None,
             trust_env=False,
+            verify=client_context(),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64, keepalive_expiry=30),
         )
 

@@ -1,8 +1,14 @@
-"""DynamoDB storage: keys, orgs with their leases and credits, usage events."""
+"""DynamoDB storage: keys, orgs with their leases and credits, usage events.
+
+The request path uses the ledger and the usage events over the lean client (`kiln.aws`);
+the pynamodb models (`records`: `bind`, `Tables`) serve operators' tools and are imported
+only when asked for.
+"""
+
+from typing import Any
 
 from .errors import AlreadyRevoked, ConditionFailed, RecordExists, RecordNotFound, StorageError, TransactionConflict
-from .ledger import Lease, Ledger, new_generation_id
-from .records import Tables, bind
+from .ledger import Lease, Ledger, new_generation_id, with_ledger
 from .usage import STATUSES, UsageEvent
 
 __all__ = [
@@ -19,4 +25,13 @@ __all__ = [
     "UsageEvent",
     "bind",
     "new_generation_id",
+    "with_ledger",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("bind", "Tables"):
+        from . import records
+
+        return getattr(records, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -57,15 +57,21 @@ class TransactionConflict(Exception):
 
 def condition_failure(exc: BaseException) -> BaseException | None:
     """The domain exception for a failed condition or cancelled transaction, else None."""
+    code = getattr(exc, "code", None)
+    if isinstance(getattr(exc, "body", None), dict) and isinstance(code, str):  # kiln.aws.AwsError
+        return _from_code(code, exc.body)
     error = _client_error(exc)
     if error is None:
         return None
     response = getattr(error, "response", {}) or {}
-    code = response.get("Error", {}).get("Code")
+    return _from_code(response.get("Error", {}).get("Code"), response)
+
+
+def _from_code(code: str | None, body: dict[str, Any]) -> BaseException | None:
     if code == "ConditionalCheckFailedException":
-        return ConditionFailed(response.get("Item"))
+        return ConditionFailed(body.get("Item"))
     if code == "TransactionCanceledException":
-        codes = [(reason or {}).get("Code") for reason in response.get("CancellationReasons") or []]
+        codes = [(reason or {}).get("Code") for reason in body.get("CancellationReasons") or []]
         return TransactionConflict([None if code in (None, "None") else code for code in codes])
     return None
 
@@ -75,7 +81,9 @@ def translate_storage_error(exc: BaseException) -> BaseException:
     mapped = condition_failure(exc)
     if mapped is not None:
         return mapped
-    return StorageError(f"{type(exc).__name__}: {_code(exc) or exc}")
+    if isinstance(exc, StorageError):
+        return exc
+    return StorageError(f"{type(exc).__name__}: {getattr(exc, 'code', None) or _code(exc) or exc}")
 
 
 def _client_error(exc: BaseException) -> BaseException | None:

@@ -6,10 +6,13 @@ import hashlib
 import re
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .clock import iso_ms, now
 from .errors import AlreadyRevoked, RecordNotFound
-from .records import Tables
+
+if TYPE_CHECKING:
+    from .records import Tables
 
 __all__ = ["KEY_PREFIX", "IssuedKey", "KeyInfo", "create_key", "hash_secret", "list_keys", "looks_like_key", "revoke_key"]
 

@@ -15,22 +15,26 @@ cannot charge twice; a request whose lease was already reclaimed replaces its
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import time
 from dataclasses import dataclass, replace
 from decimal import Decimal
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
+from ..aws import AwsClient
 from ..errors import InsufficientCredits, InvalidApiKey, OrganizationDisabled, RateLimitExceeded
 from ..jsonio import decimal_text
 from .clock import iso_ms
+from .codec import to_item
 from .errors import ConditionFailed, StorageError, TransactionConflict, translate_storage_error
-from .records import Tables
 from .usage import UsageEvent
 
-__all__ = ["Lease", "Ledger", "new_generation_id"]
+__all__ = ["Lease", "Ledger", "new_generation_id", "with_ledger"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("kiln.ledger")
 
@@ -96,16 +100,22 @@ class Lease:
 
 
 class Ledger:
+    """Admission and settlement over DynamoDB, on the caller's event loop."""
+
     def __init__(
         self,
-        tables: Tables,
+        aws: AwsClient,
         *,
+        orgs_table: str,
+        usage_table: str,
         lease_ttl: float,
         settle_attempts: int = 4,
         retention_days: int = 0,
         clock: Callable[[], float] = time.time,
     ):
-        self._tables = tables
+        self._aws = aws
+        self._orgs_table = orgs_table
+        self._usage_table = usage_table
         self._lease_ttl = lease_ttl
         self._settle_attempts = settle_attempts
         self._retention_seconds = retention_days * 86400
@@ -113,32 +123,34 @@ class Ledger:
 
     # -- admission -------------------------------------------------------------------------
 
-    def admit(self, *, org_id: str, key_id: str, model: str, endpoint: str, streamed: bool) -> Lease:
+    async def admit(self, *, org_id: str, key_id: str, model: str, endpoint: str, streamed: bool) -> Lease:
         """Take one of the org's slots or raise 402 / 429 / 403 (StorageError if DynamoDB fails)."""
         now = self._clock()
         lease = Lease(new_generation_id(now), org_id, key_id, model, endpoint, streamed, now, now + self._lease_ttl)
         for attempt in range(2):
             try:
-                self._call(
-                    "update_item",
-                    TableName=self._tables.orgs_table,
-                    Key={"org_id": {"S": org_id}},
-                    UpdateExpression="SET #leases.#gen = :lease",
-                    ConditionExpression=ADMISSION,
-                    ExpressionAttributeNames={
-                        "#org_id": "org_id",
-                        "#status": "status",
-                        "#credits": "credits",
-                        "#leases": "leases",
-                        "#limit": "concurrency_limit",
-                        "#gen": lease.gen_id,
+                await self._call(
+                    "UpdateItem",
+                    {
+                        "TableName": self._orgs_table,
+                        "Key": {"org_id": {"S": org_id}},
+                        "UpdateExpression": "SET #leases.#gen = :lease",
+                        "ConditionExpression": ADMISSION,
+                        "ExpressionAttributeNames": {
+                            "#org_id": "org_id",
+                            "#status": "status",
+                            "#credits": "credits",
+                            "#leases": "leases",
+                            "#limit": "concurrency_limit",
+                            "#gen": lease.gen_id,
+                        },
+                        "ExpressionAttributeValues": {
+                            ":active": {"S": "active"},
+                            ":zero": {"N": "0"},
+                            ":lease": lease.to_attribute(),
+                        },
+                        "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
                     },
-                    ExpressionAttributeValues={
-                        ":active": {"S": "active"},
-                        ":zero": {"N": "0"},
-                        ":lease": lease.to_attribute(),
-                    },
-                    ReturnValuesOnConditionCheckFailure="ALL_OLD",
                 )
                 return lease
             except ConditionFailed as refused:
@@ -153,7 +165,7 @@ class Ledger:
                     ) from None
                 expired = self._expired_leases(org_id, old, self._clock())
                 if attempt == 0 and expired:
-                    self._reclaim(org_id, expired)
+                    await self._reclaim(org_id, expired)
                     continue
                 limit = old.get("concurrency_limit", {}).get("N", "?")
                 raise RateLimitExceeded(
@@ -168,7 +180,7 @@ class Ledger:
         found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items()]
         return [lease for lease in found if lease.expires <= now][:MAX_RECLAIM]
 
-    def _reclaim(self, org_id: str, leases: list[Lease]) -> None:
+    async def _reclaim(self, org_id: str, leases: list[Lease]) -> None:
         """Free expired leases; each gets an `abandoned` usage event (tokens unknown, cost 0)."""
         names = {"#leases": "leases", "#exp": "exp"}
         values: dict[str, Any] = {}
@@ -181,7 +193,7 @@ class Ledger:
         items: list[dict[str, Any]] = [
             {
                 "Update": {
-                    "TableName": self._tables.orgs_table,
+                    "TableName": self._orgs_table,
                     "Key": {"org_id": {"S": org_id}},
                     "UpdateExpression": "REMOVE " + ", ".join(removes),
                     "ConditionExpression": " AND ".join(unchanged),
@@ -205,7 +217,7 @@ class Ledger:
             )
             items.append(self._put_event(event, EVENT_IS_NEW))
         try:
-            self._call("transact_write_items", TransactItems=items)
+            await self._call("TransactWriteItems", {"TransactItems": items})
             log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": [l.gen_id for l in leases]}))
         except TransactionConflict as conflict:
             # Another admission reclaimed them first, or one settled just now: nothing to do.
@@ -213,7 +225,7 @@ class Ledger:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def settle(self, lease: Lease, event: UsageEvent) -> str:
+    async def settle(self, lease: Lease, event: UsageEvent) -> str:
         """Release the lease, debit `event.cost`, write the event; retried with backoff.
 
         Returns "settled", "replaced_abandoned" or "already_settled". Raises StorageError
@@ -222,19 +234,19 @@ class Ledger:
         delay = 0.05
         for attempt in range(1, self._settle_attempts + 1):
             try:
-                return self._settle_once(lease, event)
+                return await self._settle_once(lease, event)
             except StorageError:
                 if attempt == self._settle_attempts:
                     raise
-                time.sleep(delay)
+                await asyncio.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _settle_once(self, lease: Lease, event: UsageEvent) -> str:
+    async def _settle_once(self, lease: Lease, event: UsageEvent) -> str:
         cost = {":cost": {"N": decimal_text(event.cost)}}
         release = {
             "Update": {
-                "TableName": self._tables.orgs_table,
+                "TableName": self._orgs_table,
                 "Key": {"org_id": {"S": lease.org_id}},
                 "UpdateExpression": "SET #credits = #credits - :cost REMOVE #leases.#gen",
                 "ConditionExpression": LEASE_HELD,
@@ -243,7 +255,7 @@ class Ledger:
             }
         }
         try:
-            self._call("transact_write_items", TransactItems=[release, self._put_event(event, EVENT_IS_NEW)])
+            await self._call("TransactWriteItems", {"TransactItems": [release, self._put_event(event, EVENT_IS_NEW)]})
             return "settled"
         except TransactionConflict as conflict:
             if conflict.reasons[:1] != ["ConditionalCheckFailed"]:
@@ -252,7 +264,7 @@ class Ledger:
         # reclaimed as `abandoned`. Replace the abandoned event and bill what was used.
         debit = {
             "Update": {
-                "TableName": self._tables.orgs_table,
+                "TableName": self._orgs_table,
                 "Key": {"org_id": {"S": lease.org_id}},
                 "UpdateExpression": "SET #credits = #credits - :cost",
                 "ConditionExpression": ORG_EXISTS,
@@ -261,7 +273,7 @@ class Ledger:
             }
         }
         try:
-            self._call("transact_write_items", TransactItems=[debit, self._put_event(event, EVENT_IS_ABANDONED)])
+            await self._call("TransactWriteItems", {"TransactItems": [debit, self._put_event(event, EVENT_IS_ABANDONED)]})
             return "replaced_abandoned"
         except TransactionConflict as conflict:
             if conflict.reasons[1:2] == ["ConditionalCheckFailed"]:
@@ -272,8 +284,8 @@ class Ledger:
         if self._retention_seconds and event.expires_at is None:
             event = replace(event, expires_at=int(self._clock() + self._retention_seconds))
         put: dict[str, Any] = {
-            "TableName": self._tables.usage_table,
-            "Item": event.to_item(self._tables),
+            "TableName": self._usage_table,
+            "Item": to_item(event),
             "ConditionExpression": condition,
         }
         if condition == EVENT_IS_NEW:
@@ -283,8 +295,31 @@ class Ledger:
             put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}}
         return {"Put": put}
 
-    def _call(self, operation: str, **kwargs: Any) -> Any:
+    async def _call(self, operation: str, payload: dict[str, Any]) -> Any:
         try:
-            return getattr(self._tables.client, operation)(**kwargs)
+            return await self._aws.dynamodb(operation, payload)
         except Exception as exc:  # noqa: BLE001 - translated into the storage error tree
             raise translate_storage_error(exc) from exc
+
+
+def with_ledger(settings: Any, use: Callable[[Ledger], Awaitable[T]], *, http: Any = None) -> T:
+    """For synchronous callers (operators' tools, tests): run `use(ledger)` on a fresh loop and client."""
+
+    async def main() -> T:
+        aws = AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=http)
+        try:
+            ledger = Ledger(
+                aws,
+                orgs_table=settings.orgs_table,
+                usage_table=settings.usage_table,
+                lease_ttl=settings.lease_ttl_seconds,
+                settle_attempts=settings.settle_attempts,
+                retention_days=settings.usage_retention_days,
+            )
+            return await use(ledger)
+        finally:
+            await aws.aclose()
+            if http is not None:
+                await http.aclose()
+
+    return asyncio.run(main())

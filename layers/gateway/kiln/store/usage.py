@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from decimal import Decimal
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from pynamodb.exceptions import DoesNotExist
-
+from .codec import from_item
 from .errors import RecordNotFound
-from .records import Tables
+
+if TYPE_CHECKING:  # pynamodb is for operators' tools; the request path never imports it
+    from .records import Tables
 
 __all__ = ["UsageEvent", "STATUSES", "get_event", "get_event_of_org", "query_events", "recent_events"]
 
@@ -49,11 +50,6 @@ class UsageEvent:
     error: str | None = None
     expires_at: int | None = None
 
-    def to_item(self, tables: Tables) -> dict[str, Any]:
-        """The event in DynamoDB's attribute-value form, through the pynamodb schema."""
-        fields = {name: value for name, value in asdict(self).items() if value is not None}
-        return tables.usage(**fields).serialize()
-
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -63,6 +59,11 @@ class UsageEvent:
         known = {name: values.get(name) for name in cls.__dataclass_fields__}
         known["cost"] = Decimal(str(known["cost"])) if known["cost"] is not None else Decimal(0)
         return cls(**known)
+
+    @classmethod
+    def from_item(cls, item: dict[str, Any]) -> "UsageEvent":
+        """From DynamoDB's attribute-value form (the request path reads it without pynamodb)."""
+        return cls.from_dict(from_item(item))
 
     @classmethod
     def from_record(cls, record) -> "UsageEvent":
@@ -76,19 +77,21 @@ class UsageEvent:
 
 
 def get_event(tables: Tables, gen_id: str) -> UsageEvent:
+    from pynamodb.exceptions import DoesNotExist
+
     try:
         return UsageEvent.from_record(tables.usage.get(gen_id, consistent_read=True))
     except DoesNotExist:
         raise RecordNotFound("generation", gen_id) from None
 
 
-def get_event_of_org(tables: Tables, gen_id: str, org_id: str) -> UsageEvent | None:
+async def get_event_of_org(aws: Any, usage_table: str, gen_id: str, org_id: str) -> UsageEvent | None:
     """The event if it exists *and* belongs to `org_id`; None otherwise, indistinguishably."""
-    try:
-        event = get_event(tables, gen_id)
-    except RecordNotFound:
+    found = await aws.dynamodb("GetItem", {"TableName": usage_table, "Key": {"gen_id": {"S": gen_id}}, "ConsistentRead": True})
+    item = found.get("Item")
+    if not item or item.get("org_id", {}).get("S") != org_id:
         return None
-    return event if event.org_id == org_id else None
+    return UsageEvent.from_item(item)
 
 
 def recent_events(tables: Tables, org_id: str, limit: int) -> list[UsageEvent]:
