@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,13 +21,13 @@ import time
 from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import httpx
 
 from kiln.catalog import Catalog
 
-__all__ = ["local_catalog", "run_dev"]
+__all__ = ["local_catalog", "read_exports", "run_dev", "wait_until_up"]
 
 DEMO_ORG = "demo"
 DEMO_CREDITS = Decimal("10")
@@ -38,17 +39,31 @@ def _child(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", *args], start_new_session=False)
 
 
-def _wait_until_up(url: str, what: str, child: subprocess.Popen | None, timeout: float = 30.0) -> None:
+def wait_until_up(url: str, what: str, child: subprocess.Popen | None, timeout: float = 30.0, who: str = "kiln dev") -> None:
+    """Wait until `url` answers anything over HTTP; fail clearly if `child` dies first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child is not None and child.poll() is not None:
-            raise SystemExit(f"kiln dev: the {what} exited with status {child.returncode}")
+            raise SystemExit(f"{who}: the {what} exited with status {child.returncode}")
         try:
             httpx.get(url, timeout=1.0)
             return
         except httpx.HTTPError:
             time.sleep(0.1)
-    raise SystemExit(f"kiln dev: the {what} did not answer at {url} within {timeout:.0f}s")
+    raise SystemExit(f"{who}: the {what} did not answer at {url} within {timeout:.0f}s")
+
+
+def read_exports(lines: Iterable[str]) -> dict[str, str]:
+    """The `export NAME=value` lines `kiln dev` prints, read up to its `ready` line (for scripts
+    that start it); empty if it stopped before saying ready."""
+    exports: dict[str, str] = {}
+    for line in lines:
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].strip().partition("=")
+            exports[name] = shlex.split(value)[0]
+        if "ready" in line:
+            return exports
+    return {}
 
 
 def run_dev(
@@ -83,14 +98,14 @@ def run_dev(
             aws_port = free_port()
             children.append(_child(["emulator", "--host", "127.0.0.1", "--port", str(aws_port)]))
             aws_endpoint_url = f"http://127.0.0.1:{aws_port}"
-            _wait_until_up(aws_endpoint_url, "embedded AWS", children[-1])
+            wait_until_up(aws_endpoint_url, "embedded AWS", children[-1])
         if upstream_url is None:
             mock_port = free_port()
             children.append(
                 _child(["mock-upstream", "--port", str(mock_port), "--token-delay-ms", str(mock_token_delay_ms)])
             )
             upstream_url = f"http://127.0.0.1:{mock_port}/v1"
-            _wait_until_up(f"http://127.0.0.1:{mock_port}/mock/stats", "mock model server", children[-1])
+            wait_until_up(f"http://127.0.0.1:{mock_port}/mock/stats", "mock model server", children[-1])
 
         os.environ.update({key: os.environ.get(key, value) for key, value in FAKE_CREDENTIALS.items()})
         settings = replace(Settings.from_env(), aws_endpoint_url=aws_endpoint_url)
@@ -178,6 +193,4 @@ def _print_exports(exports: dict[str, str]) -> None:
 
 
 def _quote(value: str) -> str:
-    import shlex
-
     return shlex.quote(value)

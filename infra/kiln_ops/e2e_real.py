@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
+from .dev import read_exports, wait_until_up
 from .serve import free_port
 from .template import repo_root
 
@@ -75,19 +73,6 @@ def _model_file(python: Path, home: Path) -> Path:
     return target
 
 
-def _wait(url: str, process: subprocess.Popen, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"e2e-real: the {what} exited with status {process.returncode}")
-        try:
-            httpx.get(url, timeout=2)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise SystemExit(f"e2e-real: the {what} did not answer at {url} within {timeout:.0f} s")
-
-
 def run_e2e_real(pytest_args: list[str]) -> int:
     started = time.monotonic()
     home = Path(os.environ.get("KILN_E2E_HOME", Path.home() / ".cache" / "kiln-e2e"))
@@ -103,7 +88,7 @@ def run_e2e_real(pytest_args: list[str]) -> int:
         )
         processes.append(server)
         upstream = f"http://127.0.0.1:{port}/v1"
-        _wait(f"{upstream}/models", server, "model server", 120)
+        wait_until_up(f"{upstream}/models", "model server", server, timeout=120, who="e2e-real")
         _say(f"llama.cpp server with {model.name} on {upstream}")
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
@@ -113,14 +98,8 @@ def run_e2e_real(pytest_args: list[str]) -> int:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True,
         )
         processes.append(dev)
-        exports: dict[str, str] = {}
-        for line in dev.stdout:
-            if line.startswith("export "):
-                name, _, value = line[len("export "):].strip().partition("=")
-                exports[name] = shlex.split(value)[0]
-            if "ready" in line:
-                break
-        else:
+        exports = read_exports(dev.stdout)
+        if not exports:
             raise SystemExit("e2e-real: kiln dev stopped before it was ready")
         _say(f"local stack on {exports['KILN_BASE_URL']}; running tests/e2e_real")
         test_env = {**env, **exports, "KILN_E2E_BASE_URL": exports["KILN_BASE_URL"]}

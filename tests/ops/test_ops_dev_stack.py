@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from kiln_ops.dev import read_exports
 from kiln_ops.serve import free_port
 
 
@@ -100,13 +101,7 @@ def test_kiln_dev_against_an_existing_aws_endpoint_and_upstream(aws, mock, tmp_p
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env,
     )
     try:
-        exports = {}
-        for line in process.stdout:
-            if line.startswith("export "):
-                name, _, value = line[len("export ") :].strip().partition("=")
-                exports[name] = shlex.split(value)[0]
-            if "ready" in line:
-                break
+        exports = read_exports(process.stdout)
         mock.reset()
         response = httpx.post(
             f"{exports['KILN_BASE_URL']}/chat/completions",

@@ -7,7 +7,6 @@ The DynamoDB endpoint survives (`kiln emulator`, its own process); the gateway i
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from kiln.settings import Settings
 from kiln.store import bind
 from kiln.store.orgs import get_org
 from kiln.store.usage import query_events
+from kiln_ops.dev import read_exports
 from kiln_ops.serve import free_port
 from support import EmulatorProcess
 
@@ -37,14 +37,9 @@ def _start_dev(emulator_url: str, tmp_path) -> tuple[subprocess.Popen, dict[str,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env,
         start_new_session=True,  # its own process group: the kill takes the gateway and its mock model server
     )
-    exports: dict[str, str] = {}
-    for line in process.stdout:
-        if line.startswith("export "):
-            name, _, value = line[len("export "):].strip().partition("=")
-            exports[name] = shlex.split(value)[0]
-        if "ready" in line:
-            return process, exports
-    raise AssertionError("kiln dev stopped before it was ready")
+    exports = read_exports(process.stdout)
+    assert exports, "kiln dev stopped before it was ready"
+    return process, exports
 
 
 @pytest.fixture
