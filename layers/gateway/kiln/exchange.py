@@ -91,6 +91,9 @@ class Exchange:
         return error_response(error, self.gen_id)
 
     async def _crashed(self, exc: BaseException) -> Response:
+        if isinstance(exc, asyncio.CancelledError):  # the server is stopping, or the client left
+            await self._settle("client_disconnected", http_status=None, error="cancelled before the answer was sent")
+            raise exc
         log.exception("request %s failed inside the gateway", self.gen_id, exc_info=exc)
         await self._settle("gateway_error", http_status=500, error=type(exc).__name__)
         self.record.error_code = InternalError.code
