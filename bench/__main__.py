@@ -1,0 +1,375 @@
+"""`make bench` → `.venv/bin/python -m bench [--quick] [--skip SECTION,…] [--no-netns]`.
+
+Two phases. Preparing (may use the network: the package registries) installs the peers and
+the bench's tool environment under .bench/ and builds the x86 layer for cold starts; it is
+done once and reused. Measuring runs, where this user may create one (root), in a private
+network namespace that has nothing but loopback (`unshare --net`): every process the bench
+starts, the peers included, can only reach 127.0.0.1. Then bench/results/<timestamp>.json,
+bench/results/latest.json, docs/performance/*.png and docs/performance.md are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HOME = ROOT / ".bench"
+SECTIONS = ("matrix", "breakdown", "client", "ab", "profile", "gaps", "sse", "coldstart", "memory")
+
+FULL = dict(count=400, time_limit=60.0, warmup=16, concurrencies=(1, 8, 16), breakdown_count=300, steady_seconds=12.0,
+            profile_count=400, gap_requests=10, sse_repeats=5, cold_repeats=5, memory_buffered=1750, memory_streamed=250,
+            memory_concurrency=8, ab_count=500, ab_rounds=2, client_calls=1000)
+QUICK = dict(count=20, time_limit=10.0, warmup=2, concurrencies=(1, 8, 16), breakdown_count=30, steady_seconds=3.0,
+             profile_count=60, gap_requests=1, sse_repeats=1, cold_repeats=1, memory_buffered=150, memory_streamed=50,
+             memory_concurrency=8, ab_count=30, ab_rounds=1, client_calls=100)
+
+
+def log(message: str) -> None:
+    print(f"bench {time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: a few requests per cell (figures meaningless); writes to .bench/quick/, "
+                             "never to bench/results/ or docs/")
+    parser.add_argument("--skip", default="", help=f"comma-separated sections to skip: {', '.join(SECTIONS)}")
+    parser.add_argument("--skip-peers", action="store_true", help="measure without LiteLLM and Portkey")
+    parser.add_argument("--no-netns", action="store_true", help="do not isolate the measuring phase in a loopback-only namespace")
+    parser.add_argument("--no-report", action="store_true", help="write the JSON only")
+    parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--report-only", metavar="RESULTS_JSON", help="re-render docs/performance.md from a results file")
+    parser.add_argument("--baseline", metavar="RESULTS_JSON",
+                        help="the run the report compares with (default: the latest full run before it at another "
+                             "commit with a clean gateway tree); its commit is also the 'before' of the same-run A/B")
+    return parser.parse_args(argv)
+
+
+# -- preparing ------------------------------------------------------------------------------
+
+def tools_python() -> Path:
+    return HOME / "tools" / "venv" / "bin" / "python"
+
+
+def prepare_tools() -> dict:
+    """matplotlib (plots), py-spy and pyinstrument (profiles): the bench's own venv, not the project's."""
+    venv = HOME / "tools" / "venv"
+    marker = HOME / "tools" / ".installed"
+    wanted = "matplotlib py-spy pyinstrument"
+    if not (marker.exists() and marker.read_text() == wanted):
+        log(f"installing the bench's tools ({wanted}) into {venv} (first run only)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        uv = ROOT / ".venv" / "bin" / "uv"
+        argv = ([str(uv), "pip", "install", "--quiet", "--python", str(venv / "bin" / "python")] if uv.exists()
+                else [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"])
+        done = subprocess.run(argv + wanted.split())
+        if done.returncode != 0:
+            return {"error": "could not install the bench's tools"}
+        marker.write_text(wanted)
+    py_spy = venv / "bin" / "py-spy"
+    return {"python": str(venv / "bin" / "python"), "py_spy": str(py_spy) if py_spy.exists() else None}
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    from . import coldstart, peers
+
+    HOME.mkdir(exist_ok=True)
+    prepared: dict = {"tools": prepare_tools()}
+    if args.skip_peers:
+        prepared["litellm"] = peers.PeerStatus("litellm", problems=["skipped (--skip-peers)"]).as_dict()
+        prepared["portkey"] = peers.PeerStatus("portkey", problems=["skipped (--skip-peers)"]).as_dict()
+    else:
+        prepared["litellm"] = peers.install_litellm(HOME).as_dict()
+        prepared["portkey"] = peers.install_portkey(HOME).as_dict()
+    if "coldstart" in skipped(args) and "memory" in skipped(args):
+        prepared["coldstart_build"] = {"error": "skipped"}
+    else:
+        log("building the x86 layer and functions for cold starts (python3.13)")
+        prepared["coldstart_build"] = coldstart.build(HOME / "coldstart", log)
+    (HOME / "prepared.json").write_text(json.dumps(prepared, indent=1))
+    return prepared
+
+
+def skipped(args: argparse.Namespace) -> set[str]:
+    return {s.strip() for s in args.skip.split(",") if s.strip()}
+
+
+def netns_argv(argv: list[str]) -> list[str] | None:
+    """The command that re-runs the bench inside a new, loopback-only network namespace."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        return None
+    probe = subprocess.run(["unshare", "--net", "--", "ip", "link", "set", "lo", "up"], capture_output=True)
+    if probe.returncode != 0:
+        return None
+    return ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
+            sys.executable, "-m", "bench", *argv, "--in-netns"]
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+def machine() -> dict:
+    import platform
+
+    info = {"nproc": os.cpu_count(), "kernel": platform.release(), "python_gateway": platform.python_version()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gb"] = round(int(line.split()[1]) / 1024 / 1024, 1)
+        info["loadavg_at_start"] = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        pass
+    for name, argv in (("node", ["node", "--version"]), ("python_peers", [sys.executable, "--version"])):
+        try:
+            info[name] = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            info[name] = None
+    return info
+
+
+def git_state() -> dict:
+    def run(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    changed = [line[3:] for line in run("status", "--porcelain", "--", "layers", "functions").splitlines() if len(line) > 3]
+    return {"commit": run("rev-parse", "--short", "HEAD").strip(), "gateway_files_changed_since_commit": changed}
+
+
+def measure(args: argparse.Namespace, prepared: dict) -> dict:
+    from . import coldstart, peers, scenarios
+    from .procs import Procs
+    from .stack import Stack
+
+    size = QUICK if args.quick else FULL
+    skip = skipped(args)
+    procs = Procs(HOME / "logs")
+    results: dict = {
+        "schema": 1,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "quick": args.quick,
+        "isolated_network": args.in_netns,
+        "machine": machine(),
+        "git": git_state(),
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in size.items()},
+        "peers": {},
+        "skipped_sections": sorted(skip),
+    }
+    started = time.monotonic()
+    try:
+        log("starting the embedded AWS, the mock upstream, provisioning")
+        stack = Stack(procs)
+        stack.start()
+        mock_port = int(stack.mock_url.rsplit(":", 1)[1])
+        kiln_headers = {"authorization": f"Bearer {stack.key}"}
+
+        def kiln_target() -> scenarios.Target:
+            child, url = stack.start_function("kiln-chat_completions")
+            return scenarios.Target("kiln", f"{url}/v1", kiln_headers, child, gap_base=f"{url}/v1")
+
+        def restart_kiln() -> scenarios.Target:
+            if kiln.child is not None:
+                procs.stop(kiln.child)
+            return kiln_target()
+
+        direct = scenarios.Target("direct", f"{stack.mock_url}/v1", {}, None, gap_base=stack.gap_base)
+        kiln = kiln_target()
+        kiln.restart = restart_kiln
+        targets = [direct, kiln]
+        litellm_status = peers.PeerStatus(**prepared["litellm"])
+        portkey_status = peers.PeerStatus(**prepared["portkey"])
+        need_peers = bool({"matrix", "gaps"} - skip) and not args.skip_peers
+        if need_peers:
+            log("starting LiteLLM (its import takes a while) and Portkey")
+            litellm_child = peers.start_litellm(procs, HOME, litellm_status, stack.mock_url, stack.gap_base)
+            if litellm_child is not None:
+                targets.append(scenarios.Target("litellm", litellm_status.url, peers.litellm_headers(), litellm_child))
+            portkey_child = peers.start_portkey(procs, HOME, portkey_status)
+            if portkey_child is not None:
+                targets.append(scenarios.Target(
+                    "portkey", portkey_status.url, peers.portkey_headers(f"{stack.mock_url}/v1"), portkey_child,
+                    gap_headers=peers.portkey_headers(stack.gap_base)))
+        by_name = {t.name: t for t in targets}
+
+        if "matrix" not in skip:
+            log(f"latency matrix: {len(targets)} targets × buffered/stream × c={size['concurrencies']}, "
+                f"{size['count']} requests or {size['time_limit']:.0f} s per cell")
+            results["matrix"] = scenarios.latency_matrix(
+                targets, modes=(False, True), concurrencies=tuple(size["concurrencies"]), count=size["count"],
+                time_limit=size["time_limit"], warmup=size["warmup"], mock_port=mock_port, log=log,
+                others={"emulator": stack.emulator.pid, "mock upstream": stack.mock.pid})
+        if "gaps" not in skip:
+            log(f"chunk gaps: upstream emits a token every 20 ms, {size['gap_requests']} streams per target")
+            results["gaps"] = scenarios.chunk_gaps(targets, requests=size["gap_requests"], time_limit=90, log=log)
+        for peer_name, status in (("litellm", litellm_status), ("portkey", portkey_status)):
+            target = by_name.get(peer_name)
+            if target is not None:
+                target.check_alive()
+                status.problems.extend(target.problems)
+                if target.child is not None and target.child.alive():
+                    from .procs import peak_rss_mb
+
+                    status.notes.append(f"peak RSS (process tree) after the run: {peak_rss_mb(target.child.pid, tree=True)} MB")
+                    results.setdefault("peer_rss_mb", {})[peer_name] = peak_rss_mb(target.child.pid, tree=True)
+            results["peers"][peer_name] = status.as_dict()
+        if kiln.child is not None and kiln.child.alive():
+            from .procs import peak_rss_mb
+
+            results.setdefault("peer_rss_mb", {})["kiln (venv python, last matrix process)"] = peak_rss_mb(kiln.child.pid)
+        for target in targets:
+            if target.child is not None and target.name != "kiln":
+                procs.stop(target.child)
+        if kiln.child is not None:
+            procs.stop(kiln.child)
+
+        if "breakdown" not in skip:
+            log("where Kiln's time goes (probed gateway)")
+            results["breakdown"] = scenarios.where_time_goes(stack, count=size["breakdown_count"],
+                                                             steady_seconds=size["steady_seconds"], log=log)
+        if "client" not in skip:
+            from . import storageclient
+            from .stack import FAKE_AWS, clean_env
+
+            log(f"one storage call's cost: kiln.aws.AwsClient against the embedded AWS and a keep-alive stub, "
+                f"{size['client_calls']} GetItem calls each")
+            results["storage_client"] = storageclient.measure(
+                sys.executable, stack.aws_url, stack.settings_env.get("KILN_ORGS_TABLE", "kiln-orgs"),
+                count=size["client_calls"], env=clean_env(**FAKE_AWS))
+            for name, entry in results["storage_client"].items():
+                if isinstance(entry, dict):
+                    log(f"  {name}: {entry}")
+        if "ab" not in skip:
+            results["ab"] = same_run_ab(args, results, stack, size)
+        if "profile" not in skip:
+            log("profiling the gateway and the embedded AWS under c=16 buffered load (py-spy)")
+            results["profile"] = scenarios.profile_gateway(
+                stack, prepared["tools"].get("py_spy"), HOME / "profiles", stream=False, concurrency=16,
+                count=size["profile_count"], extra_pids={"emulator": stack.emulator.pid}, log=log)
+        if "sse" not in skip:
+            log("SSE rewriting cost (SseRelay.feed microbenchmark)")
+            results["sse"] = scenarios.sse_cost(repeats=size["sse_repeats"])
+            log("  " + ", ".join(f"{k}: {v['us_per_event']} µs/event" for k, v in results["sse"]["shapes"].items()))
+        built = prepared.get("coldstart_build", {"error": "not built"})
+        if "coldstart" not in skip:
+            log(f"cold starts: 4 functions + bare FastAPI, with/without .pyc, {size['cold_repeats']} starts each")
+            results["coldstart"] = coldstart.measure(procs, stack, built, repeats=size["cold_repeats"], log=log)
+            results["coldstart"]["build"] = built
+        if "memory" not in skip:
+            log(f"memory: {size['memory_buffered']} buffered + {size['memory_streamed']} streamed requests "
+                f"at c={size['memory_concurrency']} to a fresh chat/completions function")
+            results["memory"] = {}
+            if "error" not in built:
+                from .procs import free_port, wait_http
+
+                def start_built():
+                    port = free_port()
+                    task_root = Path(built["pyc"]) / "functions" / "chat_completions"
+                    env = stack.function_env(port, task_root, python_dir=str(Path(built["python"]).parent),
+                                             pythonpath=str(Path(built["pyc"]) / "layer" / "python"),
+                                             PYTHONDONTWRITEBYTECODE="1")
+                    child = procs.start("memory-chat-py313", ["sh", str(task_root / "run.sh")], env=env, cwd=task_root)
+                    wait_http(f"http://127.0.0.1:{port}/healthz", child=child, ok=lambda s: s == 200)
+                    return child, f"http://127.0.0.1:{port}"
+
+                results["memory"]["layer_python313"] = scenarios.memory(
+                    stack, start_built, buffered=size["memory_buffered"], streamed=size["memory_streamed"],
+                    concurrency=size["memory_concurrency"], log=log, label=f"built x86 layer, {built.get('python_version')}")
+            results["memory"]["venv"] = scenarios.memory(
+                stack, lambda: stack.start_function("memory-chat-venv"), buffered=size["memory_buffered"],
+                streamed=size["memory_streamed"], concurrency=size["memory_concurrency"], log=log,
+                label=f"project venv, Python {results['machine']['python_gateway']}")
+    except KeyboardInterrupt:
+        results["interrupted"] = True
+        log("interrupted: stopping everything")
+    except Exception as exc:  # the JSON still records how far it got
+        import traceback
+
+        results["failure"] = traceback.format_exc()[-4000:]
+        log(f"FAILED: {type(exc).__name__}: {exc}")
+    finally:
+        procs.stop_all()
+    results["duration_s"] = round(time.monotonic() - started, 1)
+    return results
+
+
+def version_tree(commit: str) -> Path | None:
+    """layers/ and functions/ of `commit`, extracted once under .bench/versions/ (git archive)."""
+    tree = HOME / "versions" / commit
+    if (tree / ".complete").exists():
+        return tree
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit, "layers/gateway", "functions"], cwd=ROOT, capture_output=True)
+    if archive.returncode != 0:
+        return None
+    untar = subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, capture_output=True)
+    if untar.returncode != 0:
+        return None
+    (tree / ".complete").write_text(commit)
+    return tree
+
+
+def same_run_ab(args: argparse.Namespace, results: dict, stack, size: dict) -> dict:
+    """The baseline run's gateway (its commit) against this tree's, cell by cell in this run."""
+    from . import report, scenarios
+
+    baseline = Path(args.baseline) if args.baseline else report.find_baseline(results)
+    if baseline is None:
+        return {"error": "no baseline run to take a commit from"}
+    commit = json.loads(baseline.read_text()).get("git", {}).get("commit")
+    old = version_tree(commit) if commit else None
+    if old is None:
+        return {"error": f"could not extract the gateway at {commit!r} (git archive)"}
+    now = results["git"]["commit"] + (" + working tree" if results["git"].get("gateway_files_changed_since_commit") else "")
+    log(f"same-run A/B: the gateway at {commit} against {now}, {size['ab_rounds']} rounds of "
+        f"{size['ab_count']} requests per cell, alternating")
+    out = scenarios.ab_versions(stack, {commit: old, results["git"]["commit"]: ROOT}, count=size["ab_count"],
+                                rounds=size["ab_rounds"], log=log)
+    out["baseline_run"] = baseline.stem
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(raw_argv)
+    from . import report
+
+    if args.report_only:
+        results = json.loads(Path(args.report_only).read_text())
+        baseline = Path(args.baseline) if args.baseline else None
+        log(f"report: {report.render(results, tools_python(), Path(args.report_only).resolve(), baseline)}")
+        return 0
+    if not args.in_netns:
+        prepared = prepare(args)
+        wrapped = None if args.no_netns else netns_argv(raw_argv)
+        if wrapped is not None:
+            log("measuring inside a new network namespace with loopback only (unshare --net)")
+            return subprocess.call(wrapped, cwd=ROOT)
+        if not args.no_netns:
+            log("cannot create a private network namespace (needs root and unshare): measuring on the host's "
+                "loopback; every target is still addressed at 127.0.0.1 only")
+    else:
+        prepared = json.loads((HOME / "prepared.json").read_text())
+    results = measure(args, prepared)
+    path = report.save(results)
+    log(f"results: {path}")
+    if not args.no_report:
+        baseline = Path(args.baseline) if args.baseline else None
+        log(f"report: {report.render(results, tools_python(), path, baseline)}")
+    return 1 if results.get("failure") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The bench's probe, loaded into a gateway process through PYTHONPATH (functions/run.sh keeps
+the PYTHONPATH it is given after /opt/python and the task root), only when BENCH_PROBE=1.
+
+It changes nothing the gateway does; it watches:
+- every storage call (DynamoDB, SSM): the request path makes them all through
+  `kiln.aws.AwsClient.call(service, operation, payload)`, a coroutine on the event loop, which
+  is wrapped to record service, operation, read/write, wall time (retries included), the
+  time spent in httpx's `send` for it (the HTTP round trip: connect if needed, request,
+  response headers and body), the TCP connections it opened, and the CPU of its own steps:
+  the wrapped coroutine is driven step by step and the loop thread's CPU clock is read around
+  each step, so the CPU of other requests' steps, which run while this one awaits, is not
+  counted (asyncio's transport callbacks for its socket are not counted either: no
+  coroutine frame is on the stack then);
+- the upstream's first byte: httpx.AsyncClient.send returning (status line and headers in),
+  for sends that are not storage calls (a contextvar set inside the AwsClient.call wrapper
+  tells them apart: the AWS client is an httpx.AsyncClient too);
+- each HTTP request, through an ASGI wrapper around the app uvicorn loads, which also
+  answers GET /__bench/stats and POST /__bench/reset (the side channel).
+Everything runs on the event loop, so each storage call is charged to the request whose task
+(or a task it started: asyncio copies the context) made it. Calls made from
+`Authenticator._touch` (a key's last_used_at, written off the request path in its own task)
+are marked `background` and are not counted as the request's.
+
+kiln is patched when uvicorn loads the app (kiln is imported by then), so the probe itself
+imports neither kiln nor any AWS SDK before the gateway does.
+"""
+
+import os
+
+if os.environ.get("BENCH_PROBE") == "1":
+    import collections
+    import contextvars
+    import json
+    import threading
+    import time
+
+    _CURRENT = contextvars.ContextVar("bench_request", default=None)
+    _AWS_CALL = contextvars.ContextVar("bench_aws_call", default=None)  # the storage call in progress, if any
+    _BACKGROUND = contextvars.ContextVar("bench_background", default=False)
+    _LOCK = threading.Lock()
+    READS = {"GetItem", "Query", "Scan", "BatchGetItem", "TransactGetItems", "GetParameter", "GetParameters",
+             "GetParametersByPath", "DescribeTable"}
+
+    class _State:
+        def __init__(self):
+            self.reset()
+
+        def reset(self):
+            self.since = time.monotonic()
+            self.cpu0 = time.process_time()
+            self.requests = collections.deque(maxlen=20000)
+            self.outside = []  # storage calls made outside any request (none expected)
+            self.background = []  # storage calls made off the request path (Authenticator._touch)
+            self.ops = collections.Counter()
+
+    STATE = _State()
+
+    class _Request:
+        __slots__ = ("path", "start", "end", "first_upstream_byte", "calls", "status")
+
+        def __init__(self, path):
+            self.path = path
+            self.start = time.perf_counter()
+            self.end = None
+            self.first_upstream_byte = None
+            self.calls = []
+            self.status = None
+
+        def as_dict(self):
+            return {
+                "path": self.path,
+                "status": self.status,
+                "start": self.start,
+                "duration_ms": (self.end - self.start) * 1000 if self.end else None,
+                "upstream_first_byte_ms": (self.first_upstream_byte - self.start) * 1000
+                if self.first_upstream_byte else None,
+                "calls": self.calls,
+            }
+
+    # -- CPU of one coroutine's own steps --------------------------------------------------
+
+    class _StepCpu:
+        """Await `coro`, adding the loop thread's CPU time over each of its steps to `cpu`."""
+
+        __slots__ = ("coro", "cpu")
+
+        def __init__(self, coro):
+            self.coro = coro
+            self.cpu = 0.0
+
+        def __await__(self):
+            coro, clock = self.coro, time.thread_time
+            value, error = None, None
+            while True:
+                c0 = clock()
+                try:
+                    yielded = coro.send(value) if error is None else coro.throw(error)
+                except StopIteration as stop:
+                    self.cpu += clock() - c0
+                    return stop.value
+                except BaseException:
+                    self.cpu += clock() - c0
+                    raise
+                self.cpu += clock() - c0
+                value, error = None, None
+                try:
+                    value = yield yielded
+                except BaseException as exc:  # cancellation, close: handed to the coroutine
+                    error = exc
+
+    # -- storage: kiln.aws.AwsClient.call ------------------------------------------------------
+
+    def _patch_kiln():
+        import kiln.aws
+
+        cls = kiln.aws.AwsClient
+        if getattr(cls.call, "_bench_probe", False):
+            return
+        original = cls.call
+
+        async def call(self, service, operation, payload):
+            record = {
+                "service": service,
+                "op": operation,
+                "kind": "read" if operation in READS else "write",
+                "start": time.perf_counter(),
+                "wire_ms": 0.0,  # inside httpx's send, summed over attempts
+                "sends": 0,
+                "connects": 0,
+                "connection_close": False,
+                "background": _BACKGROUND.get(),
+                "error": None,
+            }
+            token = _AWS_CALL.set(record)
+            timed = _StepCpu(original(self, service, operation, payload))
+            try:
+                return await timed
+            except BaseException as exc:
+                record["error"] = getattr(exc, "code", None) or type(exc).__name__
+                raise
+            finally:
+                _AWS_CALL.reset(token)
+                record["ms"] = (time.perf_counter() - record["start"]) * 1000
+                record["cpu_ms"] = timed.cpu * 1000
+                request = _CURRENT.get()
+                with _LOCK:
+                    STATE.ops[f"{service}.{operation}"] += 1
+                    if record["background"]:
+                        STATE.background.append(record)
+                    elif request is not None:
+                        request.calls.append(record)
+                    else:
+                        STATE.outside.append(record)
+
+        call._bench_probe = True
+        cls.call = call
+
+        try:
+            import kiln.auth
+
+            auth = kiln.auth.Authenticator
+            touch = auth._touch
+
+            async def _touch(self, *args, **kwargs):
+                _BACKGROUND.set(True)  # this task's own context: the request's is not affected
+                return await touch(self, *args, **kwargs)
+
+            auth._touch = _touch
+        except (ImportError, AttributeError):
+            pass
+
+    # -- httpx: the upstream's first byte, and the HTTP part of storage calls ---------------
+
+    def _patch_httpx():
+        import httpx
+
+        send_original = httpx.AsyncClient.send
+        if getattr(send_original, "_bench_probe", False):
+            return
+
+        async def send(self, request, **kwargs):
+            aws = _AWS_CALL.get()
+            if aws is not None:
+                t0 = time.perf_counter()
+                try:
+                    response = await send_original(self, request, **kwargs)
+                finally:
+                    aws["wire_ms"] += (time.perf_counter() - t0) * 1000
+                    aws["sends"] += 1
+                if response.headers.get("connection", "").lower() == "close":
+                    aws["connection_close"] = True
+                return response
+            response = await send_original(self, request, **kwargs)
+            current = _CURRENT.get()
+            if current is not None and current.first_upstream_byte is None:
+                current.first_upstream_byte = time.perf_counter()
+            return response
+
+        send._bench_probe = True
+        httpx.AsyncClient.send = send
+
+        try:  # new TCP connections opened for storage calls (the emulator may answer Connection: close)
+            from httpcore._async.connection import AsyncHTTPConnection
+
+            connect_original = AsyncHTTPConnection._connect
+
+            async def _connect(self, *args, **kwargs):
+                aws = _AWS_CALL.get()
+                if aws is not None:
+                    aws["connects"] += 1
+                return await connect_original(self, *args, **kwargs)
+
+            AsyncHTTPConnection._connect = _connect
+        except (ImportError, AttributeError):
+            pass
+
+    # -- the app ---------------------------------------------------------------------------
+
+    def _stats():
+        with _LOCK:
+            requests = [r.as_dict() for r in STATE.requests]
+            outside = list(STATE.outside)
+            background = list(STATE.background)
+            ops = dict(STATE.ops)
+        return {
+            "pid": os.getpid(),
+            "seconds": time.monotonic() - STATE.since,
+            "process_cpu_s": time.process_time() - STATE.cpu0,
+            "threads": threading.active_count(),
+            "requests": requests,
+            "outside_calls": outside,
+            "background_calls": background,
+            "ops": ops,
+        }
+
+    class Probe:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            path = scope.get("path", "")
+            if path.startswith("/__bench/"):
+                if path == "/__bench/reset":
+                    with _LOCK:
+                        STATE.reset()
+                    body = b'{"reset":true}'
+                else:
+                    body = json.dumps(_stats()).encode()
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            request = _Request(path)
+            token = _CURRENT.set(request)
+
+            async def observed(message):
+                if message["type"] == "http.response.start":
+                    request.status = message["status"]
+                await send(message)
+
+            try:
+                await self.app(scope, receive, observed)
+            finally:
+                request.end = time.perf_counter()
+                _CURRENT.reset(token)
+                if path != "/healthz":
+                    with _LOCK:
+                        STATE.requests.append(request)
+
+    import uvicorn.config
+
+    _load = uvicorn.config.Config.load
+
+    def load(self):
+        _load(self)
+        for patch in (_patch_httpx, _patch_kiln):
+            try:
+                patch()
+            except Exception as exc:  # noqa: BLE001 - a probe never breaks the gateway; it says so
+                print(f"bench probe: {patch.__name__} failed: {type(exc).__name__}: {exc}", flush=True)
+        self.loaded_app = Probe(self.loaded_app)
+
+    uvicorn.config.Config.load = load

@@ -1,0 +1,816 @@
+"""Results → bench/results/<timestamp>.json + latest.json; goals; plots; docs/performance.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from string import Template
+from typing import Any
+
+__all__ = ["evaluate_goals", "render", "save"]
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOCS = ROOT / "docs"
+PLOTS = DOCS / "performance"
+TEMPLATE = ROOT / "bench" / "performance.md.tmpl"
+
+
+QUICK = ROOT / ".bench" / "quick"
+
+
+def save(results: dict) -> Path:
+    """A full run: bench/results/<stamp>.json and latest.json. A --quick run: .bench/quick/ only."""
+    folder = QUICK if results.get("quick") else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    results["goals"] = evaluate_goals(results)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    name = f"{stamp}{'-quick' if results.get('quick') else ''}.json"
+    text = json.dumps(results, indent=1, default=str)
+    tmp = folder / f"{name}.tmp"
+    tmp.write_text(text)
+    tmp.replace(folder / name)
+    (folder / "latest.json").write_text(text)
+    return folder / name
+
+
+# -- goals ---------------------------------------------------------------------------------
+
+def _cell(results: dict, target: str, mode: str, concurrency: int) -> dict | None:
+    for cell in results.get("matrix", []):
+        if cell["target"] == target and cell["mode"] == mode and cell["concurrency"] == concurrency:
+            return cell
+    return None
+
+
+def _p50(cell: dict | None) -> float | None:
+    if not cell or "latency_ms" not in cell or cell.get("ok", 0) == 0:
+        return None
+    return cell["latency_ms"]["p50"]
+
+
+def added_latency(results: dict) -> list[dict]:
+    rows = []
+    for mode in ("buffered", "stream"):
+        for concurrency in results.get("config", {}).get("concurrencies", []):
+            direct = _p50(_cell(results, "direct", mode, concurrency))
+            row: dict[str, Any] = {"mode": mode, "concurrency": concurrency, "direct_p50": direct}
+            for target in ("kiln", "portkey", "litellm"):
+                cell = _cell(results, target, mode, concurrency)
+                p50 = _p50(cell)
+                row[f"{target}_added"] = round(p50 - direct, 2) if p50 is not None and direct is not None else None
+                row[f"{target}_errors"] = cell.get("errors") if cell else None
+            k, p, lt = row["kiln_added"], row["portkey_added"], row["litellm_added"]
+            row["vs_portkey"] = None if k is None or p is None else k <= p / 4
+            row["vs_litellm"] = None if k is None or lt is None else k <= lt / 20
+            rows.append(row)
+    return rows
+
+
+def evaluate_goals(results: dict) -> list[dict]:
+    goals: list[dict] = []
+
+    # 1. added p50 latency
+    rows = added_latency(results)
+    if rows:
+        failing = [r for r in rows if r["vs_portkey"] is False or r["vs_litellm"] is False]
+        unknown = [r for r in rows if r["vs_portkey"] is None or r["vs_litellm"] is None]
+        kiln_errors = sum(r["kiln_errors"] or 0 for r in rows)
+        c16 = [r for r in rows if r["concurrency"] == max(x["concurrency"] for x in rows)]
+        measured = "; ".join(
+            f"{r['mode']} c={r['concurrency']}: kiln +{r['kiln_added']} ms vs portkey +{r['portkey_added']} / litellm +{r['litellm_added']}"
+            for r in c16)
+        goals.append({
+            "id": "added_latency",
+            "goal": "added p50 (gateway − direct) ≤ 1/4 of Portkey's and ≤ 1/20 of LiteLLM's, every mode and concurrency",
+            "measured": measured + f"; {len(rows) - len(failing) - len(unknown)}/{len(rows)} cells pass"
+                        + (f"; Kiln errors in the matrix: {kiln_errors}" if kiln_errors else ""),
+            "pass": None if unknown and not failing else (not failing and not kiln_errors),
+        })
+    else:
+        goals.append({"id": "added_latency", "goal": "added p50 latency", "measured": "not measured", "pass": None})
+
+    # 2. storage round trips
+    b = results.get("breakdown") or {}
+    if b.get("buffered_c1"):
+        before = max(b[k]["steady"]["writes_before_first_byte_max"] or 0 for k in ("buffered_c1", "stream_c1", "buffered_c16") if k in b)
+        writes = max(b[k]["steady"]["writes_per_request"] or 0 for k in ("buffered_c1", "stream_c1", "buffered_c16") if k in b)
+        window = b.get("steady_window") or b["buffered_c1"]["steady"]
+        reads = (window["dynamodb_reads_per_request"] or 0) + (window["ssm_reads_per_request"] or 0)
+        goals.append({
+            "id": "storage",
+            "goal": "≤ 1 storage write before the first upstream byte; ≤ 2 writes and ≤ 1 read per request (steady state)",
+            "measured": f"writes before first upstream byte (max) {before}; writes/request {writes}; "
+                        f"reads/request {round(reads, 4)} (DynamoDB {window['dynamodb_reads_per_request']}, "
+                        f"SSM {window['ssm_reads_per_request']}, over {window['window_s']} s)",
+            "pass": before <= 1 and writes <= 2 and reads <= 1,
+        })
+    else:
+        goals.append({"id": "storage", "goal": "storage round trips", "measured": "not measured", "pass": None})
+
+    # 3. chunk gaps
+    g = (results.get("gaps") or {}).get("targets", {})
+    if g.get("kiln", {}).get("gap_ms") and g.get("direct", {}).get("gap_ms"):
+        k, d = g["kiln"]["gap_ms"]["p50"], g["direct"]["gap_ms"]["p50"]
+        ok = k is not None and d is not None and abs(k - d) <= 2.0 and not g["kiln"].get("errors")
+        goals.append({
+            "id": "gaps",
+            "goal": "client-observed chunk gaps within 2 ms of the upstream's (p50), upstream token every 20 ms",
+            "measured": f"upstream (direct) p50 {d} ms, through Kiln p50 {k} ms (Δ {round(k - d, 2) if k is not None else '?'} ms), "
+                        f"Kiln p99 {g['kiln']['gap_ms']['p99']} ms; coalesced gaps (<5 ms) {g['kiln']['coalesced_share']}",
+            "pass": ok,
+        })
+    else:
+        goals.append({"id": "gaps", "goal": "chunk gaps", "measured": "not measured", "pass": None})
+
+    # 4. cold start
+    c = results.get("coldstart") or {}
+    if c.get("variants", {}).get("pyc"):
+        pyc = c["variants"]["pyc"]
+        bare = pyc["bare_fastapi"]["first_answer_ms_median"]
+        ratios = {app: pyc[app]["ratio_to_bare"] for app in ("chat_completions", "completions", "models", "generations")}
+        worst = max((r for r in ratios.values() if r is not None), default=None)
+        goals.append({
+            "id": "coldstart",
+            "goal": "cold start (process start → first answered request) ≤ 1.3 × a bare FastAPI app's (with .pyc)",
+            "measured": f"bare FastAPI {bare} ms; " + ", ".join(
+                f"{app} {pyc[app]['first_answer_ms_median']} ms (×{ratios[app]})" for app in ratios),
+            "pass": None if worst is None else worst <= 1.3,
+        })
+    else:
+        goals.append({"id": "coldstart", "goal": "cold start", "measured": c.get("error", "not measured"), "pass": None})
+
+    # 5. memory
+    m = (results.get("memory") or {})
+    main = m.get("layer_python313") or m.get("venv")
+    if main:
+        goals.append({
+            "id": "memory",
+            "goal": "peak RSS of a function process after 2 000 requests ≤ 120 MB",
+            "measured": f"{main['peak_rss_mb']} MB after {main['requests']} requests ({main['process']})"
+                        + (f"; venv process {m['venv']['peak_rss_mb']} MB" if "venv" in m and main is not m["venv"] else ""),
+            "pass": main["peak_rss_mb"] is not None and main["peak_rss_mb"] <= 120,
+        })
+    else:
+        goals.append({"id": "memory", "goal": "peak RSS", "measured": "not measured", "pass": None})
+    return goals
+
+
+# -- markdown ------------------------------------------------------------------------------
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _verdict(passed: bool | None) -> str:
+    return {True: "**PASS**", False: "**FAIL**", None: "not measured"}[passed]
+
+
+def _summary_table(results: dict) -> str:
+    lines = ["| target | mode | conc. | requests | errors | p50 ms | p99 ms | TTFB p50 ms | req/s | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for cell in results.get("matrix", []):
+        if "skipped" in cell:
+            lines.append(f"| {cell['target']} | {cell['mode']} | {cell['concurrency']} | – | – | – | – | – | – | "
+                         f"skipped: {cell['skipped'][:80]} |")
+            continue
+        lat, ttfb = cell["latency_ms"], cell["ttfb_ms"]
+        note = []
+        if cell.get("errors"):
+            note.append("; ".join(s[:90] for s in cell["error_samples"][:2]).replace("|", "/").replace("\n", " "))
+        if cell.get("stopped_by") == "time":
+            note.append("time cap reached")
+        if cell["target"] == "kiln" and cell.get("upstream_sockets_open") is not None:
+            note.append(f"{cell['upstream_sockets_open']} upstream connections open after the cell"
+                        + (" (more than the concurrency: leaked)" if cell["upstream_sockets_open"] > cell["concurrency"] else ""))
+        if cell.get("crashed"):
+            note.append("CRASHED")
+        lines.append(f"| {cell['target']} | {cell['mode']} | {cell['concurrency']} | {cell['requests']} | {cell['errors']} | "
+                     f"{_fmt(lat['p50'])} | {_fmt(lat['p99'])} | {_fmt(ttfb['p50'])} | {_fmt(cell['req_per_s'])} | "
+                     f"{' — '.join(note)} |")
+    return "\n".join(lines)
+
+
+def _added_table(results: dict) -> str:
+    lines = ["| mode | conc. | direct p50 | Kiln added | Portkey added | LiteLLM added | Kiln ≤ ¼ Portkey | Kiln ≤ 1/20 LiteLLM |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in added_latency(results):
+        yn = {True: "yes", False: "no", None: "–"}
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {_fmt(r['direct_p50'])} | {_fmt(r['kiln_added'])} | "
+                     f"{_fmt(r['portkey_added'])} | {_fmt(r['litellm_added'])} | {yn[r['vs_portkey']]} | {yn[r['vs_litellm']]} |")
+    return "\n".join(lines)
+
+
+def _cpu_table(results: dict) -> str:
+    lines = ["| target | mode | conc. | target's CPU ms/req | embedded AWS ms/req | mock upstream ms/req | load generator ms/req | total ms/req | "
+             "2 cores ÷ total (req/s ceiling) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    cores = results.get("machine", {}).get("nproc") or 1
+    for cell in results.get("matrix", []):
+        cpu = cell.get("cpu_ms_per_request")
+        if not cpu:
+            continue
+        own = cpu.get(cell["target"])
+        total = sum(v for v in cpu.values() if v is not None)
+        lines.append(f"| {cell['target']} | {cell['mode']} | {cell['concurrency']} | {_fmt(own, 2)} | {_fmt(cpu.get('emulator'), 2)} | "
+                     f"{_fmt(cpu.get('mock upstream'), 2)} | {_fmt(cpu.get('load generator'), 2)} | {_fmt(total, 2)} | "
+                     f"{_fmt(cores * 1000 / total if total else None, 0)} |")
+    return "\n".join(lines)
+
+
+def _goals_table(results: dict) -> str:
+    lines = ["| goal | measured | verdict |", "|---|---|---|"]
+    for goal in results.get("goals") or evaluate_goals(results):
+        lines.append(f"| {goal['goal']} | {goal['measured']} | {_verdict(goal['pass'])} |")
+    return "\n".join(lines)
+
+
+def _peers(results: dict) -> str:
+    lines = []
+    for name, status in results.get("peers", {}).items():
+        state = "ran" if status.get("started") else "DID NOT RUN"
+        lines.append(f"- **{name}** {status.get('version') or ''}: {state}"
+                     + (f", started in {status['start_seconds']} s" if status.get("start_seconds") else ""))
+        for note in status.get("notes", []):
+            lines.append(f"  - {note}")
+        for problem in status.get("problems", []):
+            lines.append(f"  - problem: `{problem[:600].replace('`', '')}`".replace("\n", " "))
+    if not lines:
+        lines.append("- no peer was measured in this run")
+    return "\n".join(lines)
+
+
+def _breakdown(results: dict) -> str:
+    b = results.get("breakdown")
+    if not b:
+        return "_Not measured in this run._"
+    lines = ["| load | requests | server time p50 ms | storage wall p50 ms/req | storage client CPU ms/req (p50) | "
+             "gateway CPU ms/req without storage | process CPU ms/req | upstream first byte p50 ms | writes/req | "
+             "writes before 1st upstream byte (max) | DynamoDB reads/req | SSM reads/req |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in ("buffered_c1", "stream_c1", "buffered_c16", "steady_window"):
+        entry = b.get(name)
+        if not entry:
+            continue
+        s = entry.get("steady", entry)
+        lines.append(f"| {name} | {s['requests']} | {_fmt(s['server_ms']['p50'])} | {_fmt(s['storage_ms_per_request']['p50'])} | "
+                     f"{_fmt(s['storage_client_cpu_ms_per_request']['p50'], 2)} | {_fmt(s['gateway_cpu_ms_per_request_without_storage'], 2)} | "
+                     f"{_fmt(s['process_cpu_ms_per_request'], 2)} | {_fmt(s['upstream_first_byte_ms']['p50'])} | "
+                     f"{s['writes_per_request']} | {s['writes_before_first_byte_max']} | {s['dynamodb_reads_per_request']} | "
+                     f"{s['ssm_reads_per_request']} |")
+    lines.append("")
+    lines.append("Storage calls by operation (buffered, concurrency 1, steady state):")
+    lines.append("")
+    lines.append("| operation | per request | wall p50 ms | HTTP p50 ms (in httpx send) | client CPU p50 ms | TCP connects per call | "
+                 "answers with `Connection: close` |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|")
+    for op, entry in (b.get("buffered_c1", {}).get("steady", {}).get("by_operation") or {}).items():
+        lines.append(f"| {op} | {entry['per_request']} | {_fmt(entry['ms']['p50'], 2)} | {_fmt(entry['wire_ms']['p50'], 2)} | "
+                     f"{_fmt(entry['client_cpu_ms']['p50'], 2)} | {_fmt(entry.get('tcp_connects_per_call'), 2)} | "
+                     f"{_fmt(entry.get('connection_close_share'), 2)} |")
+    first = b.get("buffered_c1", {}).get("first_request")
+    if first:
+        ops = ", ".join(f"{op} ×{e['count']}" for op, e in first["by_operation"].items())
+        union = first["storage_ms_per_request"]["p50"]
+        summed = (first.get("storage_ms_sum_per_request") or {}).get("p50")
+        lines.append("")
+        lines.append(f"The first request of a fresh process (caches empty) made: {ops or 'no storage call'}; "
+                     f"server time {_fmt(first['server_ms']['p50'])} ms, of which storage in flight {_fmt(union)} ms"
+                     + (f" (the calls' own times add up to {_fmt(summed)} ms: some ran concurrently)"
+                        if summed is not None and summed - union > 0.5 else "") + ".")
+    background = sum((b.get(k) or {}).get("steady", b.get(k) or {}).get("background_calls") or 0 for k in b if k != "method")
+    if background:
+        lines.append(f"Off the request path (a key's `last_used_at`, its own task): {background} calls in the windows above, "
+                     "not counted as the requests'.")
+    return "\n".join(lines)
+
+
+def _storage_client(results: dict) -> str:
+    c = results.get("storage_client")
+    if not c:
+        return "_Not measured in this run._"
+    if "error" in c:
+        return f"_Not measured: {c['error'][:300]}_"
+    lines = [f"One storage call in isolation (`python -m bench.storageclient`, the project venv on uvloop, {c['count']} "
+             "sequential GetItem calls for the bench org after 20 warm-up ones; CPU of the calling process only; the "
+             "stub answers `{}` at once on a kept-alive connection, as a pooled connection to DynamoDB would, TLS aside). "
+             "The minimal client is not the gateway's code: it is the same signing over a bare HTTP/1.1 exchange on "
+             "asyncio streams, the floor of what a call needs in Python.", "",
+             "| client, server | CPU ms/call | wall ms/call |", "|---|---:|---:|"]
+    for name, entry in c.items():
+        if isinstance(entry, dict):
+            lines.append(f"| {name} | {_fmt(entry.get('cpu_ms_per_call'), 3)} | {_fmt(entry.get('wall_ms_per_call'), 3)} |")
+    return "\n".join(lines)
+
+
+def _profile(results: dict) -> str:
+    p = results.get("profile")
+    if not p:
+        return "_No profile in this run._"
+    if "error" in p:
+        return f"_Profile failed: {p['error']}_"
+    out = [f"py-spy (`--gil`: only the thread holding the GIL is sampled, i.e. where Python CPU goes; 200 Hz) on the "
+           f"gateway function and on the embedded AWS during {p['load']['requests']} buffered requests at concurrency 16 "
+           f"(p50 {p['load']['latency_ms']['p50']} ms, {p['load']['req_per_s']} req/s under the profiler). In the gateway, a "
+           "stack inside a storage call (`kiln.aws`, the ledger) is the storage client's, whatever its leaf, and one inside "
+           "any other httpx call the upstream client's; any other stack goes to the part of its leaf-most known frame. "
+           "Raw stacks: `.bench/profiles/`."]
+    for name in ("gateway", "emulator"):
+        entry = p.get(name)
+        if not entry or "error" in (entry or {}):
+            out.append(f"\n{name}: {(entry or {}).get('error', 'no samples')[:300]}")
+            continue
+        out.append(f"\n**{name}** ({entry['samples']} samples holding the GIL)")
+        if entry.get("groups"):
+            out.append("")
+            out.append("| share of busy samples | spent in |")
+            out.append("|---:|---|")
+            for group, share in sorted(entry["groups"].items(), key=lambda kv: -kv[1]):
+                if share == 0:
+                    continue
+                out.append(f"| {share * 100:.1f} % | {group} |")
+        out.append("")
+        out.append("| self % | function (file:line) |")
+        out.append("|---:|---|")
+        for row in entry["self"][:12]:
+            out.append(f"| {row['share'] * 100:.1f} | `{row['frame'][:110]}` |")
+    return "\n".join(out)
+
+
+def _gaps(results: dict) -> str:
+    g = results.get("gaps")
+    if not g:
+        return "_Not measured in this run._"
+    events = (g["targets"].get("direct") or {}).get("events_per_request", {}).get("p50")
+    lines = [f"The mock upstream sends one token every {g['upstream_token_delay_ms']} ms ({_fmt(events, 0)} content events a "
+             "stream: role chunk, `max_tokens` 32 tokens, finish chunk), reached through its `/x/token_delay_ms=20,…` path "
+             "prefix (a catalog model for Kiln, a model with that `api_base` for LiteLLM, that custom host for Portkey); the "
+             "client stamps each SSE content event when the read that completes it returns. Gaps include the role → first "
+             "token gap.", "",
+             "| target | streams | gap p50 ms | gap p90 ms | gap p99 ms | events/stream | gaps < 5 ms (coalesced) | TTFT p50 ms | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, entry in g["targets"].items():
+        if "skipped" in entry:
+            lines.append(f"| {name} | – | – | – | – | – | – | – | skipped: {entry['skipped'][:80]} |")
+            continue
+        gap = entry["gap_ms"]
+        lines.append(f"| {name} | {entry['requests']} | {_fmt(gap['p50'], 2)} | {_fmt(gap['p90'], 2)} | {_fmt(gap['p99'], 2)} | "
+                     f"{_fmt(entry['events_per_request']['p50'], 0)} | {_fmt(entry['coalesced_share'], 3)} | "
+                     f"{_fmt(entry['ttft_ms']['p50'])} | {entry['errors']} |")
+    return "\n".join(lines)
+
+
+def _sse(results: dict) -> str:
+    s = results.get("sse")
+    if not s:
+        return "_Not measured in this run._"
+    lines = [f"`kiln.sse.SseRelay.feed` over one {s['events_per_stream']}-event chat stream "
+             f"({s['bytes_per_event']} bytes an event), best of the repeats:", "",
+             "| how the bytes arrive | reads | µs per event | µs per stream |", "|---|---:|---:|---:|"]
+    for name, entry in s["shapes"].items():
+        lines.append(f"| {name} | {entry['reads']} | {entry['us_per_event']} | {entry['us_per_stream']} |")
+    lines.append("")
+    lines.append(f"(Copying the same events costs {s['baseline_copy_us_per_event']} µs an event.)")
+    return "\n".join(lines)
+
+
+def _coldstart(results: dict) -> str:
+    c = results.get("coldstart")
+    if not c:
+        return "_Not measured in this run._"
+    if "error" in c:
+        return f"_Not measured: {c['error']}_"
+    lines = [f"{c['python']}, median of {c['repeats']} starts each; 'ready' = /healthz answered (what the Web Adapter "
+             "waits for; a function builds its gateway on that first request), 'first request' = from ready to the "
+             "first real request answered (the function's own first request: its storage and upstream calls included; "
+             "the bare app answers GET /), 'first answer' = process start to that answer.", "",
+             "| app | ready, .pyc | first request, .pyc | first answer, .pyc | × bare | ready, no .pyc | first answer, no .pyc | × bare | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    pyc, nopyc = c["variants"]["pyc"], c["variants"]["nopyc"]
+    for app in pyc:
+        a, b = pyc[app], nopyc[app]
+        errors = "; ".join((a["errors"] + b["errors"])[:2]).replace("|", "/").replace("\n", " ")[:160]
+        lines.append(f"| {app} | {_fmt(a['ready_ms_median'])} | {_fmt(a.get('first_request_ms_median'))} | "
+                     f"{_fmt(a['first_answer_ms_median'])} | {_fmt(a.get('ratio_to_bare'), 2)} | "
+                     f"{_fmt(b['ready_ms_median'])} | {_fmt(b['first_answer_ms_median'])} | {_fmt(b.get('ratio_to_bare'), 2)} | {errors} |")
+    top = c.get("importtime_top", {}).get("chat_completions") or []
+    bare_top = c.get("importtime_top", {}).get("bare_fastapi") or []
+    if top:
+        lines += ["", "Slowest top-level imports of chat_completions (`-X importtime`, with .pyc, one start):", "",
+                  "| module | cumulative ms |", "|---|---:|"]
+        lines += [f"| `{row['module']}` | {row['cumulative_ms']} |" for row in top[:10]]
+    if bare_top:
+        lines += ["", "…and of the bare FastAPI app: " + ", ".join(f"`{r['module']}` {r['cumulative_ms']} ms" for r in bare_top[:5])]
+    extra = (c.get("imports_beyond_bare") or {}).get("chat_completions") or {}
+    if extra.get("by_package"):
+        lines += ["", f"What chat_completions imports that the bare app does not (same `-X importtime` starts, self time "
+                  f"summed by package, kiln by module; importtime slows imports down, so compare the parts, not the "
+                  f"total with the table above): {extra['total_ms']} ms of {extra['app_total_ms']} ms "
+                  f"(the bare app's whole import: {extra['bare_total_ms']} ms).", "",
+                  "| package | self ms |", "|---|---:|"]
+        lines += [f"| `{row['package']}` | {row['self_ms']} |" for row in extra["by_package"]]
+        lines.append(f"| everything else | {extra['rest_ms']} |")
+    prof = c.get("first_request_profile") or {}
+    if prof.get("report"):
+        lines += ["", "pyinstrument over one whole start of chat_completions (imports, readiness, first request), "
+                  "condensed to the shallow frames and kiln's own, ≥ 12 ms. It samples the main thread, which is "
+                  "now the only one serving (storage calls are coroutines on the event loop): time a call spends "
+                  "waiting for the emulator shows as the event loop's wait, not under the call; the profiler "
+                  "(0.5 ms interval) also slows the start down about 1.5–1.7×."
+                  + (f" {prof['note']}" if prof.get("note") else ""), "", "```", prof["report"], "```"]
+    elif prof.get("error"):
+        lines += ["", f"_No pyinstrument profile of the start: {prof['error']}_"]
+    return "\n".join(lines)
+
+
+def _memory(results: dict) -> str:
+    m = results.get("memory")
+    if not m:
+        return "_Not measured in this run._"
+    lines = ["| process | requests | errors | RSS idle MB | after 1st request MB | at the end MB | peak (VmHWM) MB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for entry in m.values():
+        errors = entry["buffered"]["errors"] + entry["streamed"]["errors"]
+        lines.append(f"| {entry['process']} | {entry['requests']} | {errors} | {_fmt(entry['rss_mb_idle'])} | "
+                     f"{_fmt(entry['rss_mb_after_first_request'])} | {_fmt(entry['rss_mb_end'])} | {_fmt(entry['peak_rss_mb'])} |")
+    peers = results.get("peer_rss_mb") or {}
+    if peers:
+        lines += ["", "Peak RSS of the other servers after the latency matrix (process tree): "
+                  + ", ".join(f"{k} {v} MB" for k, v in peers.items()) + "."]
+    return "\n".join(lines)
+
+
+# -- before / after ----------------------------------------------------------------------
+
+def find_baseline(results: dict, results_file: Path | None = None) -> Path | None:
+    """The latest full run started before this one, at another commit, with no uncommitted gateway
+    changes: what this run is compared with when no --baseline is given."""
+    commit = results.get("git", {}).get("commit")
+    started = results.get("started_at", "")
+    found = None
+    for path in sorted(RESULTS.glob("2*.json")):
+        if results_file is not None and path.resolve() == Path(results_file).resolve():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        git = data.get("git", {})
+        if (data.get("quick") or not git.get("commit") or git.get("commit") == commit
+                or git.get("gateway_files_changed_since_commit") or data.get("started_at", "") >= started):
+            continue
+        found = path
+    return found
+
+
+def _ba(before: Any, after: Any, digits: int = 1) -> str:
+    """Two table cells, before | after."""
+    return f"{_fmt(before, digits)} | {_fmt(after, digits)}"
+
+
+_SERVER = "HTTP server + framework (uvicorn/starlette/fastapi/anyio)"
+
+
+def _change(before: Any, after: Any) -> str:
+    if not isinstance(before, (int, float)) or not isinstance(after, (int, float)) or not before:
+        return "–"
+    return f"{(after - before) / before * 100:+.0f} %"
+
+
+def _get(data: dict, *keys: Any) -> Any:
+    for key in keys:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _comparison(before: dict | None, after: dict, before_file: Path | None) -> str:
+    if not before:
+        return "_No earlier full run at another commit in `bench/results/` to compare with._"
+    bc, ac = before.get("git", {}).get("commit"), after.get("git", {}).get("commit")
+    out = [f"Before: run `{before_file.stem if before_file else '?'}` (gateway at {bc}, started {before.get('started_at')}); "
+           f"after: this run (gateway at {ac}, started {after.get('started_at')}). Same machine and sizes; the probe "
+           "was rewritten for the new storage client (see *Where Kiln's time goes*). Drift of the machine between runs "
+           "(a few ms at concurrency 1, tens of percent at 16, see *History*) is part of every difference between the "
+           "two runs, but not of the same-run A/B table below. Goals met: "
+           f"{sum(1 for g in before.get('goals', []) if g['pass'])}/{len(before.get('goals', []))} → "
+           f"{sum(1 for g in after.get('goals', []) if g['pass'])}/{len(after.get('goals', []))}."]
+
+    # latency matrix
+    if bc and ac:
+        try:
+            changes = subprocess.run(["git", "log", "--reverse", "--format=%h %s", f"{bc}..{ac}", "--", "layers", "functions"],
+                                     cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
+        except (OSError, subprocess.SubprocessError):
+            changes = []
+        if changes:
+            out += ["", "Commits between the two runs that change the gateway (`layers/`, `functions/`):", ""]
+            out += [f"- {line}" for line in changes]
+        changed = after.get("git", {}).get("gateway_files_changed_since_commit") or []
+        if changed:
+            out.append(f"- and uncommitted changes to {', '.join(changed)}")
+    added_b = {(r["mode"], r["concurrency"]): r for r in added_latency(before)}
+    added_a = {(r["mode"], r["concurrency"]): r for r in added_latency(after)}
+    out += ["", "**Kiln in the latency matrix** (p50 added over direct, same run; TTFB and req/s of Kiln itself):", "",
+            "| mode | conc. | added p50 ms before | after | change | p99 ms before | after | TTFB p50 ms before | after | "
+            "req/s before | after | change |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in added_a:
+        cb, ca = _cell(before, "kiln", *key), _cell(after, "kiln", *key)
+        kb, ka = (added_b.get(key) or {}).get("kiln_added"), added_a[key].get("kiln_added")
+        rb, ra = _get(cb or {}, "req_per_s"), _get(ca or {}, "req_per_s")
+        out.append(f"| {key[0]} | {key[1]} | {_ba(kb, ka)} | {_change(kb, ka)} | "
+                   f"{_ba(_get(cb or {}, 'latency_ms', 'p99'), _get(ca or {}, 'latency_ms', 'p99'))} | "
+                   f"{_ba(_get(cb or {}, 'ttfb_ms', 'p50'), _get(ca or {}, 'ttfb_ms', 'p50'))} | "
+                   f"{_ba(rb, ra)} | {_change(rb, ra)} |")
+    out += ["", "CPU per Kiln request in the matrix (from /proc, warm-up included; storage included):", "",
+            "| mode | conc. | Kiln process ms/req before | after | embedded AWS ms/req before | after | all processes ms/req before | after |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in added_a:
+        cpu_b = _get(_cell(before, "kiln", *key) or {}, "cpu_ms_per_request") or {}
+        cpu_a = _get(_cell(after, "kiln", *key) or {}, "cpu_ms_per_request") or {}
+        tb = sum(v for v in cpu_b.values() if v is not None) if cpu_b else None
+        ta = sum(v for v in cpu_a.values() if v is not None) if cpu_a else None
+        out.append(f"| {key[0]} | {key[1]} | {_ba(cpu_b.get('kiln'), cpu_a.get('kiln'), 2)} | "
+                   f"{_ba(cpu_b.get('emulator'), cpu_a.get('emulator'), 2)} | {_ba(tb, ta, 2)} |")
+
+    # the same cells, both versions, in this run
+    ab_ = after.get("ab") or {}
+    if ab_.get("error"):
+        out += ["", f"_Same-run A/B not measured: {ab_['error']}_"]
+    elif ab_.get("median"):
+        labels = list(ab_["versions"])
+        old_, new_ = ab_["median"][labels[0]], ab_["median"][labels[-1]]
+        out += ["", f"**The same cells in this run, both versions back to back** ({labels[0]} → {labels[-1]}: a fresh "
+                f"process of each version's chat function per cell, no probe, on the same stack, alternating; median of "
+                f"{ab_['rounds']} rounds of {ab_['count']} requests after 50 warm-up ones; CPU from /proc over the measured "
+                "requests only). Drift between runs does not enter these:", "",
+                "| cell | p50 ms before | after | change | req/s before | after | change | Kiln CPU ms/req before | after | "
+                "change | embedded AWS CPU ms/req before | after | threads before | after |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for cell in new_:
+            o, n = old_.get(cell) or {}, new_[cell]
+            out.append(f"| {cell} | {_ba(o.get('p50'), n.get('p50'))} | {_change(o.get('p50'), n.get('p50'))} | "
+                       f"{_ba(o.get('req_per_s'), n.get('req_per_s'))} | {_change(o.get('req_per_s'), n.get('req_per_s'))} | "
+                       f"{_ba(o.get('cpu_ms_per_request'), n.get('cpu_ms_per_request'), 2)} | "
+                       f"{_change(o.get('cpu_ms_per_request'), n.get('cpu_ms_per_request'))} | "
+                       f"{_ba(o.get('emulator_cpu_ms_per_request'), n.get('emulator_cpu_ms_per_request'), 2)} | "
+                       f"{_ba(o.get('threads'), n.get('threads'), 0)} |")
+        failed = [f"{label} {cell}: {e}" for label in labels for cell, m in ab_["median"][label].items()
+                  for e in m.get("failed_starts") or []]
+        if failed:
+            out.append("")
+            out.append("Failed starts: " + "; ".join(failed)[:600])
+
+    # the probe
+    bb, ab = before.get("breakdown") or {}, after.get("breakdown") or {}
+    out += ["", "**Per request, measured in the gateway by the probe** (before: botocore hooks, storage CPU = the "
+            "storage thread's CPU in botocore calls; after: the `AwsClient.call` wrapper, storage CPU = the loop "
+            "thread's CPU over the calls' own steps):", "",
+            "| load | gateway CPU ms/req without storage before | after | storage client CPU ms/req before | after | "
+            "process CPU ms/req before | after | change |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    loads = ("buffered_c1", "stream_c1", "buffered_c16", "steady_window")
+
+    def steady(b: dict, name: str) -> dict:
+        entry = b.get(name) or {}
+        return entry.get("steady", entry)
+
+    for name in loads:
+        sb, sa = steady(bb, name), steady(ab, name)
+        if not sa and not sb:
+            continue
+        pb, pa = sb.get("process_cpu_ms_per_request"), sa.get("process_cpu_ms_per_request")
+        out.append(f"| {name} | {_ba(sb.get('gateway_cpu_ms_per_request_without_storage'), sa.get('gateway_cpu_ms_per_request_without_storage'), 2)} | "
+                   f"{_ba(_get(sb, 'storage_client_cpu_ms_per_request', 'p50'), _get(sa, 'storage_client_cpu_ms_per_request', 'p50'), 2)} | "
+                   f"{_ba(pb, pa, 2)} | {_change(pb, pa)} |")
+    out += ["", "| load | storage calls/req before | after | writes/req before | after | reads/req (DynamoDB+SSM) before | after | "
+            "storage wall p50 ms/req before | after | upstream first byte p50 ms before | after | server time p50 ms before | after |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def calls(s: dict) -> Any:
+        if s.get("calls_per_request") is not None:
+            return s["calls_per_request"]
+        ops = s.get("by_operation") or {}
+        return round(sum(e.get("per_request") or 0 for e in ops.values()), 4) if ops else None
+
+    def reads(s: dict) -> Any:
+        if s.get("dynamodb_reads_per_request") is None:
+            return None
+        return round((s.get("dynamodb_reads_per_request") or 0) + (s.get("ssm_reads_per_request") or 0), 4)
+
+    for name in loads:
+        sb, sa = steady(bb, name), steady(ab, name)
+        if not sa and not sb:
+            continue
+        out.append(f"| {name} | {_ba(calls(sb), calls(sa), 4)} | {_ba(sb.get('writes_per_request'), sa.get('writes_per_request'), 4)} | "
+                   f"{_ba(reads(sb), reads(sa), 4)} | "
+                   f"{_ba(_get(sb, 'storage_ms_per_request', 'p50'), _get(sa, 'storage_ms_per_request', 'p50'))} | "
+                   f"{_ba(_get(sb, 'upstream_first_byte_ms', 'p50'), _get(sa, 'upstream_first_byte_ms', 'p50'))} | "
+                   f"{_ba(_get(sb, 'server_ms', 'p50'), _get(sa, 'server_ms', 'p50'))} |")
+    ops_b = steady(bb, "buffered_c1").get("by_operation") or {}
+    ops_a = steady(ab, "buffered_c1").get("by_operation") or {}
+    if ops_a or ops_b:
+        out += ["", "Each storage call (buffered, concurrency 1, steady state; before, \"HTTP\" is botocore's `before-call` → "
+                "`after-call`: request signing, HTTP and parsing; after, the time inside httpx's `send`: HTTP only):", "",
+                "| operation | per request before | after | wall p50 ms before | after | HTTP p50 ms before | after | "
+                "client CPU p50 ms before | after |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for op in sorted(set(ops_b) | set(ops_a)):
+            eb, ea = ops_b.get(op) or {}, ops_a.get(op) or {}
+            out.append(f"| {op} | {_ba(eb.get('per_request'), ea.get('per_request'), 4)} | "
+                       f"{_ba(_get(eb, 'ms', 'p50'), _get(ea, 'ms', 'p50'), 2)} | "
+                       f"{_ba(_get(eb, 'wire_ms', 'p50'), _get(ea, 'wire_ms', 'p50'), 2)} | "
+                       f"{_ba(_get(eb, 'client_cpu_ms', 'p50'), _get(ea, 'client_cpu_ms', 'p50'), 2)} |")
+    fb, fa = _get(bb, "buffered_c1", "first_request") or {}, _get(ab, "buffered_c1", "first_request") or {}
+    if fa or fb:
+        def first_ops(f: dict) -> str:
+            return ", ".join(f"{op} ×{e['count']}" for op, e in (f.get("by_operation") or {}).items()) or "–"
+
+        out += ["", "The first request of a fresh process (caches empty), buffered:", "",
+                "| | storage calls | storage in flight ms | server time ms |", "|---|---|---:|---:|",
+                f"| before | {first_ops(fb)} | {_fmt(_get(fb, 'storage_ms_per_request', 'p50'))} | {_fmt(_get(fb, 'server_ms', 'p50'))} |",
+                f"| after | {first_ops(fa)} | {_fmt(_get(fa, 'storage_ms_per_request', 'p50'))} | {_fmt(_get(fa, 'server_ms', 'p50'))} |"]
+
+    # cold start
+    cb, ca = (before.get("coldstart") or {}).get("variants") or {}, (after.get("coldstart") or {}).get("variants") or {}
+    if ca or cb:
+        harness = ""
+        if cb and not any("first_request_ms_median" in e for e in (cb.get("pyc") or {}).values()) and \
+                any("first_request_ms_median" in e for e in (ca.get("pyc") or {}).values()):
+            harness = (" Before, the harness made its own HTTP client (with a TLS context, ~17 ms on this machine) inside "
+                       "every start's window, the bare app's included; since the after run it is made before the clock "
+                       "starts. So each before figure carries about 17 ms that was not the app's, which made the before "
+                       "ratios look slightly better than they were.")
+        out += ["", "**Cold start** (median ms; process start → /healthz, → first answered request; × the bare FastAPI "
+                "app's first answer)." + harness, "",
+                "| app | ready .pyc before | after | first answer .pyc before | after | × bare before | after | "
+                "first answer no .pyc before | after | × bare before | after |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for app in (ca.get("pyc") or cb.get("pyc") or {}):
+            pb, pa = _get(cb, "pyc", app) or {}, _get(ca, "pyc", app) or {}
+            nb, na = _get(cb, "nopyc", app) or {}, _get(ca, "nopyc", app) or {}
+            out.append(f"| {app} | {_ba(pb.get('ready_ms_median'), pa.get('ready_ms_median'))} | "
+                       f"{_ba(pb.get('first_answer_ms_median'), pa.get('first_answer_ms_median'))} | "
+                       f"{_ba(pb.get('ratio_to_bare'), pa.get('ratio_to_bare'), 2)} | "
+                       f"{_ba(nb.get('first_answer_ms_median'), na.get('first_answer_ms_median'))} | "
+                       f"{_ba(nb.get('ratio_to_bare'), na.get('ratio_to_bare'), 2)} |")
+
+    # memory
+    mb, ma = before.get("memory") or {}, after.get("memory") or {}
+    if ma or mb:
+        out += ["", "**Memory** of one chat/completions process (MB):", "",
+                "| process | requests | RSS idle before | after | after 1st request before | after | peak (VmHWM) before | after |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for key in (ma or mb):
+            eb, ea = mb.get(key) or {}, ma.get(key) or {}
+            out.append(f"| {ea.get('process') or eb.get('process')} | {ea.get('requests') or eb.get('requests')} | "
+                       f"{_ba(eb.get('rss_mb_idle'), ea.get('rss_mb_idle'))} | "
+                       f"{_ba(eb.get('rss_mb_after_first_request'), ea.get('rss_mb_after_first_request'))} | "
+                       f"{_ba(eb.get('peak_rss_mb'), ea.get('peak_rss_mb'))} |")
+
+    # where the gateway's CPU goes
+    gb, ga = _get(before, "profile", "gateway", "groups") or {}, _get(after, "profile", "gateway", "groups") or {}
+    if ga or gb:
+        def norm(name: str) -> str:
+            for short in ("storage client", "upstream client", "thread pool hand-off"):
+                if name.startswith(short):
+                    return short
+            return name
+
+        nb_, na_ = {norm(k): v for k, v in gb.items()}, {norm(k): v for k, v in ga.items()}
+        whole_b = any(k.startswith("upstream client (httpx/httpcore, and") for k in gb)
+        whole_a = any(k.startswith("upstream client (httpx/httpcore, and") for k in ga)
+        rps_b, rps_a = _get(before, "profile", "load", "req_per_s"), _get(after, "profile", "load", "req_per_s")
+        note = ""
+        if whole_a and not whole_b:
+            note = (" The grouping changed with this run: before, a stack went to the part of its leaf-most known frame, "
+                    "so the anyio socket calls under httpx counted as the HTTP server's; after, a stack inside a storage "
+                    "call is the storage client's and one inside any other httpx call the upstream client's. The storage "
+                    "rows compare (the storage calls' own stacks both times); for the rest compare upstream client + "
+                    f"HTTP server together: {_fmt(((nb_.get('upstream client') or 0) + (nb_.get(_SERVER) or 0)) * 100)} % → "
+                    f"{_fmt(((na_.get('upstream client') or 0) + (na_.get(_SERVER) or 0)) * 100)} %.")
+        out += ["", f"**Where the gateway's CPU goes** (py-spy `--gil` at 200 Hz, share of the samples holding the GIL, "
+                f"buffered c=16; {rps_b} → {rps_a} req/s under the profiler).{note}", "",
+                "| part | share before | after |", "|---|---:|---:|"]
+        for name in sorted(set(nb_) | set(na_), key=lambda k: -(na_.get(k) or nb_.get(k) or 0)):
+            vb, va = nb_.get(name), na_.get(name)
+            if not vb and not va:
+                continue
+            out.append(f"| {name} | {_fmt(vb * 100 if vb is not None else None)} % | {_fmt(va * 100 if va is not None else None)} % |")
+    return "\n".join(out)
+
+
+def _history() -> str:
+    rows = []
+    for path in sorted(RESULTS.glob("2*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("quick"):
+            continue
+        goals = {g["id"]: g for g in data.get("goals", [])}
+        added = {(r["mode"], r["concurrency"]): r for r in added_latency(data)}
+        b16 = added.get(("buffered", 16), {})
+        b1 = added.get(("buffered", 1), {})
+        gaps = (data.get("gaps") or {}).get("targets", {}).get("kiln", {}).get("gap_ms", {})
+        cold = ((data.get("coldstart") or {}).get("variants") or {}).get("pyc", {}).get("chat_completions", {})
+        mem = (data.get("memory") or {}).get("layer_python313") or (data.get("memory") or {}).get("venv") or {}
+        stream_errors = sum(c.get("errors", 0) for c in data.get("matrix", []) if c["target"] == "kiln" and c["mode"] == "stream")
+        probe = ((data.get("breakdown") or {}).get("buffered_c1") or {}).get("steady") or {}
+        passed = sum(1 for g in goals.values() if g["pass"])
+        changed = len(data.get("git", {}).get("gateway_files_changed_since_commit", []))
+        rows.append(f"| {path.stem} | {data.get('git', {}).get('commit', '?')}{f' +{changed} changed' if changed else ''} | "
+                    f"{_fmt(b1.get('kiln_added'))} | {_fmt(b16.get('kiln_added'))} | {_fmt(b16.get('portkey_added'))} | "
+                    f"{_fmt(probe.get('gateway_cpu_ms_per_request_without_storage'), 2)} | "
+                    f"{_fmt((probe.get('storage_ms_per_request') or {}).get('p50'))} | "
+                    f"{stream_errors} | {_fmt(gaps.get('p50'), 2)} | {_fmt(cold.get('ratio_to_bare'), 2)} | "
+                    f"{_fmt(mem.get('peak_rss_mb'))} | {passed}/{len(goals)} |")
+    if not rows:
+        return "_No full run recorded yet._"
+    return "\n".join(["| run | gateway at | Kiln added p50 c=1 ms | Kiln added p50 c=16 ms | Portkey added c=16 ms | "
+                      "gateway CPU w/o storage c=1 ms/req | storage wall c=1 ms/req | "
+                      "Kiln stream errors | Kiln gap p50 ms | chat cold start × bare | peak RSS MB | goals met |",
+                      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
+
+
+def _analysis(results: dict) -> str:
+    """One line per goal missed, then the hand-written analysis (bench/analysis.md) if there is one."""
+    lines = [f"- **{goal['id']}** missed: {goal['measured']}" for goal in results.get("goals") or [] if goal["pass"] is False]
+    lines += [f"- **{goal['id']}** not measured: {goal['measured']}" for goal in results.get("goals") or [] if goal["pass"] is None]
+    if not lines:
+        lines.append("Every goal was met in this run.")
+    written = ROOT / "bench" / "analysis.md"
+    if written.exists():
+        lines += ["", written.read_text().strip()]
+    return "\n".join(lines)
+
+
+def _machine(results: dict) -> str:
+    m = results.get("machine", {})
+    cold = (results.get("coldstart") or {}).get("python") or "–"
+    return (f"{m.get('nproc')} CPUs ({m.get('cpu')}), {m.get('memory_gb')} GB, Linux {m.get('kernel')}; "
+            f"gateway and bench on Python {m.get('python_gateway')}, cold starts and the memory run on {cold}; "
+            f"Node {m.get('node')}; load average at the start {', '.join(m.get('loadavg_at_start', []))}. "
+            f"Network: {'a private namespace with loopback only' if results.get('isolated_network') else 'host loopback'}. "
+            f"Gateway code at commit {results.get('git', {}).get('commit')}"
+            + (f" plus uncommitted changes to {', '.join(results['git']['gateway_files_changed_since_commit'])}"
+               if results.get("git", {}).get("gateway_files_changed_since_commit") else "")
+            + f". The run took {results.get('duration_s')} s.")
+
+
+def render(results: dict, tools_python: Path, results_file: Path | None = None, baseline: Path | None = None) -> Path:
+    """docs/performance.md and docs/performance/*.png; a --quick run renders into .bench/quick/ instead.
+    `baseline`: the run to compare with (default: find_baseline)."""
+    docs = QUICK if results.get("quick") else DOCS
+    plots = docs / "performance"
+    plots.mkdir(parents=True, exist_ok=True)
+    plots_note = ""
+    latest = results_file or ((QUICK if results.get("quick") else RESULTS) / "latest.json")
+    if tools_python.exists():
+        done = subprocess.run([str(tools_python), "-m", "bench.plots", str(latest), str(plots)], cwd=ROOT,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            plots_note = f"\n\n_Plots could not be drawn: {done.stderr[-400:]}_"
+    else:
+        plots_note = "\n\n_Plots not drawn: the bench's tool environment (.bench/tools) is missing._"
+    failure = ""
+    if results.get("failure"):
+        failure = f"\n\n> **This run failed part-way:**\n>\n> ```\n> {results['failure'][-1200:]}\n> ```\n"
+    if results.get("interrupted"):
+        failure += "\n\n> **This run was interrupted; the figures are partial.**\n"
+    baseline = baseline or find_baseline(results, results_file)
+    before = json.loads(Path(baseline).read_text()) if baseline else None
+    values = {
+        "generated": results.get("started_at", "?"),
+        "quick_warning": ("\n> **This is a `--quick` smoke run: a few requests per cell. Its figures mean nothing.**\n"
+                          if results.get("quick") else ""),
+        "failure": failure,
+        "machine": _machine(results),
+        "config": ", ".join(f"{k}={v}" for k, v in results.get("config", {}).items()),
+        "goals": _goals_table(results),
+        "summary": _summary_table(results),
+        "added": _added_table(results),
+        "cpu": _cpu_table(results),
+        "peers": _peers(results),
+        "breakdown": _breakdown(results),
+        "storage_client": _storage_client(results),
+        "profile": _profile(results),
+        "gaps": _gaps(results),
+        "sse": _sse(results),
+        "coldstart": _coldstart(results),
+        "memory": _memory(results),
+        "history": _history(),
+        "comparison": _comparison(before, results, baseline),
+        "analysis": _analysis(results),
+        "plots_note": plots_note,
+    }
+    text = Template(TEMPLATE.read_text()).safe_substitute(values)
+    (docs / "performance.md").write_text(text)
+    return docs / "performance.md"

@@ -1,0 +1,140 @@
+"""The system under test: embedded AWS, mock upstreams, provisioning, and Kiln's functions.
+
+- `kiln emulator` (the serialized embedded AWS: moto for DynamoDB/SSM) in its own process;
+- `kiln mock-upstream` (instant: no delay between tokens) in its own process; the chunk-gap
+  scenario reaches the same server through its `/x/token_delay_ms=20,…/v1` path prefix;
+- tables, parameters and the catalog (in SSM, as deployed) from template.yaml and
+  infra/catalog.json; an org `bench` with a concurrency limit of 64 and a key;
+- Kiln's chat/completions function started by the real functions/run.sh, as the Lambda Web
+  Adapter starts it (AWS_LWA_PORT, LAMBDA_TASK_ROOT, `python` on PATH: the project venv's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from decimal import Decimal
+from pathlib import Path
+
+from .procs import Child, Procs, free_port, wait_http
+
+__all__ = ["GAP_MODEL", "MODEL", "Stack", "clean_env"]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "gpt-oss-120b"
+GAP_MODEL = "bench-gaps"
+GAP_TOKENS = 60
+GAP_DELAY_MS = 20
+ORG = "bench"
+FAKE_AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    # nothing of the developer's own AWS set-up may leak into the bench
+    "AWS_CONFIG_FILE": "/dev/null",
+    "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """A minimal environment for children: no proxies, no AWS profile, loopback only."""
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER", "PYENV_ROOT")
+    env = {key: os.environ[key] for key in keep if key in os.environ}
+    env.update(NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Stack:
+    procs: Procs
+    python: str = sys.executable
+    aws_url: str = ""
+    mock_url: str = ""  # http://127.0.0.1:P (no /v1)
+    key: str = ""
+    settings_env: dict | None = None
+
+    @property
+    def gap_base(self) -> str:
+        return f"{self.mock_url}/x/token_delay_ms={GAP_DELAY_MS},tokens={GAP_TOKENS}/v1"
+
+    def _kiln(self, name: str, *args: str) -> Child:
+        return self.procs.start(name, [self.python, "-m", "kiln_ops.cli", *args], env=clean_env(**FAKE_AWS), cwd=ROOT)
+
+    def start(self) -> None:
+        aws_port, mock_port = free_port(), free_port()
+        self.emulator = self._kiln("emulator", "emulator", "--host", "127.0.0.1", "--port", str(aws_port))
+        self.aws_url = f"http://127.0.0.1:{aws_port}"
+        wait_http(self.aws_url, child=self.emulator)
+        self.mock = self._kiln("mock-upstream", "mock-upstream", "--host", "127.0.0.1", "--port", str(mock_port))
+        self.mock_url = f"http://127.0.0.1:{mock_port}"
+        wait_http(f"{self.mock_url}/mock/stats", child=self.mock)
+        self._provision()
+
+    def catalog_json(self) -> str:
+        from kiln_ops.dev import local_catalog
+
+        document = json.loads(local_catalog(ROOT / "infra" / "catalog.json", f"{self.mock_url}/v1"))
+        base = next(model for model in document["models"] if model["id"] == MODEL)
+        gaps = {**json.loads(json.dumps(base)), "id": GAP_MODEL}
+        gaps["backends"] = [{"name": "local-gaps", "url": self.gap_base}]
+        document["models"].append(gaps)
+        return json.dumps(document)
+
+    def _provision(self) -> None:
+        os.environ.update(FAKE_AWS)
+        from kiln.settings import Settings
+        from kiln.store import bind
+        from kiln.store.keys import create_key
+        from kiln.store.orgs import create_org
+        from kiln_ops.provision import aws_clients, provision
+
+        settings = replace(Settings.from_env({}), aws_endpoint_url=self.aws_url)
+        dynamodb, ssm = aws_clients(settings)
+        provision(settings, catalog_json=self.catalog_json(), dynamodb=dynamodb, ssm=ssm, replace_catalog=True)
+        tables = bind(settings)
+        create_org(tables, ORG, concurrency=64, credits=Decimal("100000"))
+        self.key = create_key(tables, ORG).secret
+        self.settings_env = settings.to_env()
+
+    def function_env(self, port: int, task_root: Path, *, python_dir: str | None = None, pythonpath: str | None = None,
+                     **extra: str) -> dict[str, str]:
+        """What the Lambda runtime + Web Adapter give run.sh (template.yaml's variables, an emulator)."""
+        env = clean_env(**{**FAKE_AWS, **(self.settings_env or {})})
+        env["PATH"] = f"{python_dir or Path(self.python).parent}:{env.get('PATH', '/usr/bin:/bin')}"
+        env.update(
+            AWS_LWA_PORT=str(port),
+            LAMBDA_TASK_ROOT=str(task_root),
+            POWERTOOLS_SERVICE_NAME="kiln",
+            POWERTOOLS_METRICS_NAMESPACE="Kiln",
+        )
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        env.update(extra)
+        return env
+
+    def start_function_at(self, name: str, tree: Path, function: str = "chat_completions") -> tuple[Child, str]:
+        """One function of another copy of the gateway (`tree` holds its layers/ and functions/), with
+        the project venv's python: its layer comes first on PYTHONPATH, ahead of the venv's kiln."""
+        port = free_port()
+        task_root = tree / "functions" / function
+        env = self.function_env(port, task_root, pythonpath=str(tree / "layers" / "gateway"))
+        child = self.procs.start(name, ["sh", str(tree / "functions" / "run.sh")], env=env, cwd=task_root)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/healthz", child=child, ok=lambda status: status == 200)
+        return child, url
+
+    def start_function(self, name: str, function: str = "chat_completions", *, probe: bool = False) -> tuple[Child, str]:
+        """One function served by the real functions/run.sh with the project venv's python."""
+        port = free_port()
+        extra = {"BENCH_PROBE": "1"} if probe else {}
+        pythonpath = str(ROOT / "bench" / "instrument") if probe else None
+        env = self.function_env(port, ROOT / "functions" / function, pythonpath=pythonpath, **extra)
+        child = self.procs.start(name, ["sh", str(ROOT / "functions" / "run.sh")], env=env, cwd=ROOT / "functions" / function)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/healthz", child=child, ok=lambda status: status == 200)
+        return child, url
