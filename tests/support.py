@@ -16,12 +16,14 @@ import httpx
 
 from kiln.aws import AwsClient
 from kiln.gateway import Gateway
+from kiln.http1 import HttpClient, Response
 from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
 from kiln.store.keys import create_key
 from kiln.store.orgs import OrgInfo, create_org, get_org
 from kiln.store.usage import query_events
+from kiln.tls import client_context
 from kiln_ops.app import combined_app
 from kiln_ops.dev import local_catalog
 from kiln_ops.provision import aws_clients, provision
@@ -102,30 +104,31 @@ class StorageFaults:
     def count(self, operation: str, when: Callable[[dict], bool] = lambda payload: True) -> int:
         return sum(1 for op, payload in self.calls if op == operation and when(payload))
 
-    def answer(self, request: httpx.Request) -> httpx.Response | None:
-        operation = request.headers.get("x-amz-target", "").rpartition(".")[2]
-        payload = json.loads(request.content or b"{}")
+    def answer(self, headers: dict[str, str], body: bytes) -> Response | None:
+        operation = headers.get("x-amz-target", "").rpartition(".")[2]
+        payload = json.loads(body or b"{}")
         self.calls.append((operation, payload))
         for rule in self._rules:
             if rule["operation"] == operation and rule["when"](payload):
                 rule["hits"].append(1)
                 if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
-                    body = {"__type": f"com.amazonaws.dynamodb.v20120810#{rule['code']}", "message": "injected by the test"}
-                    return httpx.Response(400, json=body, request=request)
+                    error = {"__type": f"com.amazonaws.dynamodb.v20120810#{rule['code']}", "message": "injected by the test"}
+                    return Response.complete(400, json.dumps(error).encode())
         return None
 
 
-class FaultInjectingTransport(httpx.AsyncBaseTransport):
+class FaultInjectingHttp(HttpClient):
+    """The gateway's HTTP client, answering the calls StorageFaults picks itself."""
+
     def __init__(self, faults: StorageFaults) -> None:
+        super().__init__(ssl_context=client_context)
         self._faults = faults
-        self._inner = httpx.AsyncHTTPTransport()
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        injected = self._faults.answer(request)
-        return injected if injected is not None else await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
+    async def request(self, method: str, url: str, *, headers: dict[str, str], body: bytes, **options: Any) -> Response:
+        injected = self._faults.answer(headers, body)
+        if injected is not None:
+            return injected
+        return await super().request(method, url, headers=headers, body=body, **options)
 
 
 class SyncLedger:
@@ -135,8 +138,8 @@ class SyncLedger:
         self.settings = settings
         self.faults = faults
 
-    def _http(self) -> httpx.AsyncClient | None:
-        return httpx.AsyncClient(transport=FaultInjectingTransport(self.faults)) if self.faults else None
+    def _http(self) -> HttpClient | None:
+        return FaultInjectingHttp(self.faults) if self.faults else None
 
     def admit(self, **kwargs: Any):
         return with_ledger(self.settings, lambda ledger: ledger.admit(**kwargs), http=self._http())
@@ -322,11 +325,7 @@ def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
     dynamodb, ssm = aws_clients(settings, _SESSION)
     provision(settings, catalog_json=json.dumps(catalog), dynamodb=dynamodb, ssm=ssm)
     faults = StorageFaults()
-    aws = AwsClient(
-        region=settings.region,
-        endpoint_url=settings.aws_endpoint_url,
-        http=httpx.AsyncClient(transport=FaultInjectingTransport(faults)),
-    )
+    aws = AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=FaultInjectingHttp(faults))
     gateway = Gateway(settings, aws=aws)
     server = ServerThread(combined_app(gateway, observer())).start()
     return Stack(settings, tables, gateway, server, mock, ssm, dynamodb, faults)
@@ -363,4 +362,4 @@ def data_events(text: str) -> list[Any]:
     return out
 
 
-__all__ = ["TELEMETRY", "EmulatorProcess", "FaultInjectingTransport", "MockHandle", "StorageFaults", "SyncLedger", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
+__all__ = ["TELEMETRY", "EmulatorProcess", "FaultInjectingHttp", "MockHandle", "StorageFaults", "SyncLedger", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]

@@ -19,7 +19,7 @@ async def main():
         response = await client.post("/v1/chat/completions", json={"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}]},
                                      headers={"Authorization": "Bearer " + sys.argv[1]})
     # (Powertools tries a bare `import botocore` for its user agent; the SDK's machinery is what costs)
-    heavy = sorted(set(sys.modules) & {"botocore.session", "botocore.client", "boto3", "pynamodb", "s3transfer"})
+    heavy = sorted(set(sys.modules) & {"botocore.session", "botocore.client", "boto3", "pynamodb", "s3transfer", "httpcore"})
     print(json.dumps({"status": response.status_code, "heavy": heavy}))
 
 asyncio.run(main())

@@ -7,13 +7,13 @@ import json
 from datetime import datetime, timezone
 from unittest import mock
 
-import httpx
 import pytest
 from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials as BotoCredentials
 
 from kiln.aws import AwsClient, AwsError, Credentials, sign
+from kiln.http1 import ConnectFailed, Response
 
 NOW = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
 
@@ -38,31 +38,51 @@ def test_signatures_match_botocore(token, service, target):
         assert ours["x-amz-security-token"] == token
 
 
+class Seen:
+    """What the client sent: one request."""
+
+    def __init__(self, url: str, headers: dict[str, str], body: bytes) -> None:
+        self.url, self.headers, self.content = url, headers, body
+
+
+class FakeHttp:
+    """Answers each request with `handler(Seen) -> (status, body dict)`, or raises what it raises."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+
+    async def request(self, method, url, *, headers, body, **_):
+        status, answer = self.handler(Seen(url, headers, body))
+        return Response.complete(status, json.dumps(answer).encode())
+
+    async def aclose(self):
+        pass
+
+
 def _client(handler, **kwargs) -> AwsClient:
-    return AwsClient(region="us-east-1", http=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
-                     credentials=lambda: Credentials("a", "b"), **kwargs)
+    return AwsClient(region="us-east-1", http=FakeHttp(handler), credentials=lambda: Credentials("a", "b"), **kwargs)
 
 
 def test_a_call_posts_the_payload_to_the_regional_endpoint_with_its_target():
     seen = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request):
         seen.append(request)
-        return httpx.Response(200, json={"Item": {"k": {"S": "v"}}})
+        return 200, {"Item": {"k": {"S": "v"}}}
 
     answer = asyncio.run(_client(handler).dynamodb("GetItem", {"TableName": "t"}))
     assert answer == {"Item": {"k": {"S": "v"}}}
     (request,) = seen
-    assert str(request.url) == "https://dynamodb.us-east-1.amazonaws.com/"
+    assert request.url == "https://dynamodb.us-east-1.amazonaws.com/"
     assert request.headers["x-amz-target"] == "DynamoDB_20120810.GetItem"
     assert json.loads(request.content) == {"TableName": "t"}
     assert request.headers["authorization"].startswith("AWS4-HMAC-SHA256 Credential=a/")
 
 
 def test_errors_come_back_by_code_with_their_body():
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(400, json={"__type": "com.amazonaws.dynamodb.v20120810#ConditionalCheckFailedException",
-                                         "message": "The conditional request failed", "Item": {"k": {"S": "old"}}})
+    def handler(request):
+        return 400, {"__type": "com.amazonaws.dynamodb.v20120810#ConditionalCheckFailedException",
+                     "message": "The conditional request failed", "Item": {"k": {"S": "old"}}}
 
     with pytest.raises(AwsError) as caught:
         asyncio.run(_client(handler).dynamodb("UpdateItem", {}))
@@ -73,15 +93,15 @@ def test_errors_come_back_by_code_with_their_body():
 def test_throttling_and_5xx_are_retried_request_errors_are_not():
     calls = {"throttled": 0, "refused": 0}
 
-    def throttled(request: httpx.Request) -> httpx.Response:
+    def throttled(request):
         calls["throttled"] += 1
         if calls["throttled"] < 3:
-            return httpx.Response(400, json={"__type": "x#ProvisionedThroughputExceededException", "message": "slow down"})
-        return httpx.Response(200, json={})
+            return 400, {"__type": "x#ProvisionedThroughputExceededException", "message": "slow down"}
+        return 200, {}
 
-    def refused(request: httpx.Request) -> httpx.Response:
+    def refused(request):
         calls["refused"] += 1
-        return httpx.Response(400, json={"__type": "x#ValidationException", "message": "bad"})
+        return 400, {"__type": "x#ValidationException", "message": "bad"}
 
     assert asyncio.run(_client(throttled, max_attempts=3).dynamodb("PutItem", {})) == {}
     assert calls["throttled"] == 3
@@ -91,8 +111,8 @@ def test_throttling_and_5xx_are_retried_request_errors_are_not():
 
 
 def test_a_service_that_cannot_be_reached_is_an_aws_error_after_the_retries():
-    def unreachable(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
+    def unreachable(request):
+        raise ConnectFailed("refused")
 
     with pytest.raises(AwsError) as caught:
         asyncio.run(_client(unreachable, max_attempts=2).ssm("GetParameter", {"Name": "/x"}))
@@ -102,12 +122,12 @@ def test_a_service_that_cannot_be_reached_is_an_aws_error_after_the_retries():
 def test_an_endpoint_override_reaches_every_service_there():
     seen = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(str(request.url))
-        return httpx.Response(200, json={})
+    def handler(request):
+        seen.append(request.url)
+        return 200, {}
 
-    client = AwsClient(region="us-east-1", endpoint_url="http://127.0.0.1:4566/",
-                       http=httpx.AsyncClient(transport=httpx.MockTransport(handler)), credentials=lambda: Credentials("a", "b"))
+    client = AwsClient(region="us-east-1", endpoint_url="http://127.0.0.1:4566/", http=FakeHttp(handler),
+                       credentials=lambda: Credentials("a", "b"))
     asyncio.run(client.dynamodb("GetItem", {}))
     asyncio.run(client.ssm("GetParameter", {}))
     assert seen == ["http://127.0.0.1:4566/", "http://127.0.0.1:4566/"]

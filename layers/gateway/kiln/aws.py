@@ -2,7 +2,7 @@
 
 DynamoDB and SSM speak JSON over HTTPS, signed with Signature Version 4. The request path
 needs five of their operations (GetItem, UpdateItem, TransactWriteItems, PutItem,
-GetParameter), so it talks to them directly on the gateway's own event loop with httpx:
+GetParameter), so it talks to them directly on the gateway's own event loop (`kiln.http1`):
 no botocore (about 115 ms of imports and a client to build at every cold start, ~1.3 ms of
 CPU per call, and a worker thread per call since it blocks). Operators' tools keep using
 pynamodb and botocore, which remain the schema of record.
@@ -19,9 +19,9 @@ import random
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
-import httpx
-
+from .http1 import HttpClient, HttpError, Response
 from .tls import client_context
 
 __all__ = ["AwsClient", "AwsError", "Credentials", "resolve_credentials", "sign"]
@@ -147,7 +147,7 @@ class AwsClient:
         *,
         region: str,
         endpoint_url: str | None = None,
-        http: httpx.AsyncClient | None = None,
+        http: HttpClient | None = None,
         credentials: Callable[[], Credentials] | None = None,
         timeout: float = 5.0,
         max_attempts: int = 3,
@@ -158,9 +158,8 @@ class AwsClient:
         self._timeout = timeout
         self._max_attempts = max_attempts
         self._owns_http = http is None
-        # an emulator on plain http needs no TLS context (building one costs ~25 ms)
-        plain = (self._endpoint_url or "").startswith("http://")
-        self._http = http or httpx.AsyncClient(timeout=timeout, trust_env=False, verify=False if plain else client_context())
+        # the TLS context is made on the first https connection: an emulator needs none
+        self._http = http or HttpClient(ssl_context=client_context)
         self._signing_keys: dict = {}
 
     def _url(self, service: str) -> tuple[str, str]:
@@ -168,7 +167,7 @@ class AwsClient:
             url = self._endpoint_url + "/"
         else:
             url = f"https://{service}.{self._region}.amazonaws.com/"
-        return url, httpx.URL(url).netloc.decode()
+        return url, urlsplit(url).netloc
 
     async def call(self, service: str, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
         prefix, content_type = _SERVICES[service]
@@ -187,15 +186,18 @@ class AwsClient:
                 signing_keys=self._signing_keys,
             )
             try:
-                response = await self._http.post(url, content=body, headers=headers, timeout=self._timeout)
-            except httpx.HTTPError as exc:
+                response = await self._http.request(
+                    "POST", url, headers=headers, body=body, connect_timeout=self._timeout, read_timeout=self._timeout
+                )
+                content = await response.read()
+            except HttpError as exc:
                 if attempt == self._max_attempts:
                     raise AwsError("ConnectionError", f"{type(exc).__name__}: {exc}", status=0) from exc
             else:
-                if response.status_code == 200:
-                    return response.json() if response.content else {}
-                error = _error_of(response)
-                if (error.code not in _RETRYABLE and response.status_code < 500) or attempt == self._max_attempts:
+                if response.status == 200:
+                    return json.loads(content) if content else {}
+                error = _error_of(response, content)
+                if (error.code not in _RETRYABLE and response.status < 500) or attempt == self._max_attempts:
                     raise error
             await asyncio.sleep(delay * (1 + random.random()))
             delay *= 2
@@ -212,14 +214,14 @@ class AwsClient:
             await self._http.aclose()
 
 
-def _error_of(response: httpx.Response) -> AwsError:
+def _error_of(response: Response, content: bytes) -> AwsError:
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
         body = {}
     if not isinstance(body, dict):
         body = {}
-    kind = str(body.get("__type") or response.headers.get("x-amzn-errortype") or f"HTTP{response.status_code}")
+    kind = str(body.get("__type") or response.header("x-amzn-errortype") or f"HTTP{response.status}")
     code = kind.rsplit("#", 1)[-1].split(":", 1)[0]
-    message = str(body.get("message") or body.get("Message") or response.reason_phrase)
-    return AwsError(code, message, body, response.status_code)
+    message = str(body.get("message") or body.get("Message") or f"HTTP {response.status}")
+    return AwsError(code, message, body, response.status)

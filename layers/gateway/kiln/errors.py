@@ -22,8 +22,9 @@
     └── InternalError                 500 internal_error
 
 Clients branch on status and ``error.code``: both are stable API. Messages may change.
-Foreign exceptions (httpx, botocore) are translated into this tree in one place each
-(`kiln.upstream.translate_transport_error`, `kiln.store.errors.translate_storage_error`).
+Transport failures and AWS errors are translated into this tree in one place each
+(`kiln.upstream.describe_transport_error` with `UpstreamFailed`, and
+`kiln.store.errors.translate_storage_error`).
 """
 
 from __future__ import annotations

@@ -237,10 +237,8 @@ async def _with_keepalive(chunks: AsyncIterator[bytes], interval: float) -> Asyn
     """The upstream's chunks, with None whenever it has been silent for `interval` seconds.
 
     Each read runs as its own task, so waiting with a timeout never interrupts it. A read
-    is cancelled only when the stream is abandoned midway (client gone, upstream failed):
-    after the last chunk there is no read in flight, so httpx closes the response itself,
-    never from inside a cancelled task (which would leave its connection checked out of
-    the pool for good).
+    is cancelled only when the stream is abandoned midway (client gone, upstream failed),
+    and then its connection is closed, never returned to the pool half-read.
     """
     iterator = chunks.__aiter__()
     pending: asyncio.Future | None = None

@@ -19,12 +19,14 @@ from .aws import AwsClient, AwsError
 from .catalog import Catalog
 from .errors import GatewayError, StorageUnavailable
 from .health import BackendHealth
+from .http1 import HttpClient
 from .jsonio import dumps
 from .maintenance import MaintenanceFlag, parse_flag
 from .parameters import CachedParameter, ParameterUnavailable
 from .settings import Settings
 from .store import Lease, Ledger, StorageError, UsageEvent
 from .store.errors import translate_storage_error
+from .tls import client_context
 from .upstream import UpstreamClient
 
 __all__ = ["UNSETTLED", "Gateway"]
@@ -48,9 +50,12 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.clock = clock
-        self.aws = aws or AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url)
+        # one HTTP/1.1 client (one set of pools, one TLS context) for AWS and the model servers
+        self.http = HttpClient(ssl_context=client_context)
+        self.aws = aws or AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=self.http)
         self.upstream = upstream or UpstreamClient(
-            health=BackendHealth(threshold=settings.backend_failure_threshold, cooldown=settings.backend_cooldown_seconds)
+            http=self.http,
+            health=BackendHealth(threshold=settings.backend_failure_threshold, cooldown=settings.backend_cooldown_seconds),
         )
         self.ledger = Ledger(
             self.aws,
@@ -158,6 +163,7 @@ class Gateway:
     async def aclose(self) -> None:
         await self.upstream.aclose()
         await self.aws.aclose()
+        await self.http.aclose()
 
 
 def _constant(value: Any) -> Callable[[], Awaitable[Any]]:

@@ -1,4 +1,4 @@
-"""The model-server client: pooled httpx, per-model timeouts, failover before the first byte.
+"""The model-server client: pooled connections, per-model timeouts, failover before the first byte.
 
 A backend that refuses the connection, times out before answering, or answers 5xx is
 skipped for the model's next one; when none is left the client gets 502 (contract §5).
@@ -16,11 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-import httpx
-
 from .catalog import Backend, ModelEntry
 from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .health import BackendHealth
+from .http1 import ConnectFailed, HttpClient, HttpError, ProtocolFailure, Response, Timeout
 from .tls import client_context
 
 __all__ = ["UpstreamClient", "UpstreamExchange", "UpstreamStreamError", "describe_transport_error"]
@@ -38,15 +37,13 @@ class UpstreamStreamError(Exception):
 
 def describe_transport_error(exc: BaseException) -> str:
     """One short, stable description per kind of transport failure (for logs and usage events)."""
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+    if isinstance(exc, ConnectFailed):
         return "connection failed"
-    if isinstance(exc, httpx.PoolTimeout):
-        return "no free connection to the backend in time"
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException)):
+    if isinstance(exc, (Timeout, TimeoutError, asyncio.TimeoutError)):
         return "timed out"
-    if isinstance(exc, httpx.RemoteProtocolError):
+    if isinstance(exc, ProtocolFailure):
         return "connection closed mid-response"
-    if isinstance(exc, httpx.HTTPError):
+    if isinstance(exc, HttpError):
         return f"transport error ({type(exc).__name__})"
     return f"{type(exc).__name__}"
 
@@ -56,7 +53,7 @@ class UpstreamExchange:
     """A committed (2xx) answer of one backend, body not read yet."""
 
     backend: Backend
-    response: httpx.Response
+    response: Response
     # backends tried before this one, and why they failed
     failures: list[str] = field(default_factory=list)
     sent_at: float = 0.0
@@ -71,17 +68,17 @@ class UpstreamExchange:
         """The whole body (buffered requests), within the model's total time."""
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                return await self.response.aread()
-        except (httpx.HTTPError, TimeoutError) as exc:
+                return await self.response.read()
+        except (HttpError, TimeoutError) as exc:
             self.broke()
             raise UpstreamFailed(BAD_GATEWAY, detail=f"{self.backend.name}: {describe_transport_error(exc)}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; transport failures become UpstreamStreamError."""
         try:
-            async for chunk in self.response.aiter_raw():
+            async for chunk in self.response.chunks():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except HttpError as exc:
             raise UpstreamStreamError(describe_transport_error(exc)) from exc
 
     async def aclose(self) -> None:
@@ -89,24 +86,15 @@ class UpstreamExchange:
 
 
 class UpstreamClient:
-    def __init__(
-        self,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        max_connections: int = 256,
-        health: BackendHealth | None = None,
-    ) -> None:
+    def __init__(self, *, http: HttpClient | None = None, health: BackendHealth | None = None) -> None:
         self.health = health or BackendHealth(threshold=3, cooldown=10.0)
-        self._client = httpx.AsyncClient(
-            transport=transport,
-            timeout=None,
-            trust_env=False,
-            verify=client_context(),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64, keepalive_expiry=30),
-        )
+        self._owns_http = http is None
+        # the TLS context is made on the first https backend, if any
+        self.http = http or HttpClient(ssl_context=client_context)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._owns_http:
+            await self.http.aclose()
 
     async def open(self, model: ModelEntry, path: str, body: dict[str, Any], *, stream: bool) -> UpstreamExchange:
         backends = [backend for backend in model.available_backends() if self.health.usable(backend)]
@@ -123,28 +111,28 @@ class UpstreamClient:
             headers = {
                 "content-type": "application/json",
                 "accept": "text/event-stream" if stream else "application/json",
-                # raw bytes are relayed as they come: no compression in between
+                # the bytes are relayed as they come: no compression in between
                 "accept-encoding": "identity",
             }
             api_key = backend.api_key()
             if api_key:
                 headers["authorization"] = f"Bearer {api_key}"
-            request = self._client.build_request(
-                "POST",
-                backend.url + path,
-                content=content,
-                headers=headers,
-                timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.idle, write=timeouts.connect, pool=timeouts.connect),
-            )
             sent_at = time.monotonic()
             try:
                 async with asyncio.timeout(header_budget):
-                    response = await self._client.send(request, stream=True)
-            except (httpx.HTTPError, TimeoutError) as exc:
+                    response = await self.http.request(
+                        "POST",
+                        backend.url + path,
+                        headers=headers,
+                        body=content,
+                        connect_timeout=timeouts.connect,
+                        read_timeout=timeouts.idle,
+                    )
+            except (HttpError, TimeoutError) as exc:
                 failures.append(f"{backend.name}: {describe_transport_error(exc)}")
                 self.health.failed(backend)
                 continue
-            status = response.status_code
+            status = response.status
             if 200 <= status < 300:
                 self.health.succeeded(backend)
                 return UpstreamExchange(backend, response, failures, sent_at, self.health)
@@ -162,17 +150,11 @@ def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def _read_error_body(response: httpx.Response) -> bytes:
-    chunks, size = [], 0
+async def _read_error_body(response: Response) -> bytes:
     try:
         async with asyncio.timeout(5):
-            async for chunk in response.aiter_raw():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size >= MAX_ERROR_BODY:
-                    break
-    except (httpx.HTTPError, TimeoutError):
-        pass
+            return await response.read(limit=MAX_ERROR_BODY)
+    except (HttpError, TimeoutError):
+        return b""
     finally:
         await response.aclose()
-    return b"".join(chunks)[:MAX_ERROR_BODY]

@@ -1,0 +1,217 @@
+"""kiln.http1 against real sockets: keep-alive, chunked streams, every way a server can fail."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from kiln.http1 import ConnectFailed, HttpClient, ProtocolFailure, Timeout
+from kiln.tls import client_context
+
+
+@contextlib.asynccontextmanager
+async def server(handler):
+    """A raw TCP server on loopback; `handler(reader, writer)` plays the HTTP server."""
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", connections
+    finally:
+        listener.close()
+
+
+async def read_request(reader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+    return head + await reader.readexactly(length)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def client() -> HttpClient:
+    return HttpClient(ssl_context=client_context)
+
+
+def test_a_body_read_to_the_end_keeps_its_connection_for_the_next_request():
+    async def handler(reader, writer):
+        while True:
+            request = await read_request(reader)
+            body = request.split(b"\r\n\r\n", 1)[1]
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, connections):
+            for payload in (b"one", b"two", b"three"):
+                response = await http.request("POST", url + "/x", headers={}, body=payload)
+                assert response.status == 200 and await response.read() == payload
+            assert len(connections) == 1 and http.open_connections == 1
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_chunked_stream_arrives_piece_by_piece():
+    release = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n")
+        writer.write(b"7\r\ndata: a\r\n")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"7\r\ndata: b\r\n0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"{}")
+            assert response.header("content-type") == "text/event-stream"
+            pieces = response.chunks()
+            assert await pieces.__anext__() == b"data: a"  # before the server sent the rest
+            release.set()
+            assert [piece async for piece in pieces] == [b"data: b"]
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_connection_cut_mid_body_is_a_protocol_failure_and_is_not_reused():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"")
+            with pytest.raises(ProtocolFailure):
+                await response.read()
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_silence_beyond_the_read_timeout_is_a_timeout():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=0.2)
+            with pytest.raises(Timeout):
+                await response.read()
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_refused_and_unanswered_connections():
+    async def silent(reader, writer):
+        await asyncio.sleep(5)
+
+    async def main():
+        http = client()
+        async with server(silent) as (url, _):
+            port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(ConnectFailed):  # the server is gone: nothing listens there any more
+            await http.request("POST", f"http://127.0.0.1:{port}", headers={}, body=b"", connect_timeout=2)
+        async with server(silent) as (url, _):
+            with pytest.raises(Timeout):
+                await http.request("POST", url, headers={}, body=b"", read_timeout=0.2)
+        assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_transparently():
+    async def one_answer_per_connection(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")  # keep-alive offered…
+        await writer.drain()
+        # …then the connection is closed by the handler's return, as an idle timeout would
+
+    async def main():
+        http = client()
+        async with server(one_answer_per_connection) as (url, connections):
+            for _ in range(3):
+                response = await http.request("POST", url, headers={}, body=b"")
+                assert await response.read() == b"ok"
+                await asyncio.sleep(0.05)
+            assert len(connections) == 3
+        await http.aclose()
+
+    run(main())
+
+
+def test_an_abandoned_or_cancelled_stream_closes_its_connection():
+    async def endless(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async def main():
+        http = client()
+        async with server(endless) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"")
+            async for _ in response.chunks():
+                break  # the consumer walks away…
+            await response.aclose()  # …and is done with it: the half-read connection is closed
+            assert http.open_connections == 0
+
+            response = await http.request("POST", url, headers={}, body=b"")
+            reader = asyncio.ensure_future(response.read())
+            await asyncio.sleep(0.05)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_connection_close_answer_is_not_pooled_and_a_close_delimited_body_is_whole():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"")
+            assert await response.read() == b"until the end"
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
