@@ -77,18 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         serve(MockUpstream(token_delay_ms=args.token_delay_ms, ttft_ms=args.ttft_ms), args.host, args.port)
         return 0
     if args.command == "emulator":
-        import threading
+        from .emulator import serialized_app
+        from .serve import serve
 
-        from .emulator import EmbeddedAws
-
-        aws = EmbeddedAws(args.host, args.port).start()
-        print(f"kiln emulator: embedded AWS on {aws.url}", flush=True)
-        try:
-            threading.Event().wait()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            aws.stop()
+        print(f"kiln emulator: embedded AWS on http://{args.host}:{args.port}", flush=True)
+        serve(serialized_app(), args.host, args.port)
         return 0
     raise AssertionError(args.command)
 

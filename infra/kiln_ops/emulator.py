@@ -21,7 +21,7 @@ import threading
 from decimal import Decimal, localcontext
 from typing import Any
 
-__all__ = ["EmbeddedAws", "patch_moto"]
+__all__ = ["EmbeddedAws", "patch_moto", "serialized_app"]
 
 _patched = False
 
@@ -160,40 +160,35 @@ class _Serialized:
             return list(self._app(environ, start_response))
 
 
+def serialized_app() -> Any:
+    """moto's WSGI app, patched and serialized, as an ASGI app for uvicorn.
+
+    Served by uvicorn rather than werkzeug's development server, which answers every
+    request with `Connection: close` (a TCP connection and a server thread per call)."""
+    patch_moto()
+    from a2wsgi import WSGIMiddleware
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+
+    return WSGIMiddleware(_Serialized(DomainDispatcherApplication(create_backend_app)), workers=16)
+
+
 class EmbeddedAws:
     """moto's server (DynamoDB, SSM, …), serialized and patched, on a loopback port."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._host, self._port = host, port
         self._server: Any = None
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._server.url
 
     def start(self) -> "EmbeddedAws":
-        patch_moto()
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-        from werkzeug.serving import make_server
+        from .serve import ServerThread
 
-        class QuietHandler(MotoRequestHandler):
-            # keep-alive: without it every call opens a connection and a server thread
-            protocol_version = "HTTP/1.1"
-
-            def log_request(self, *args: Any, **kwargs: Any) -> None:
-                pass
-
-        app = _Serialized(DomainDispatcherApplication(create_backend_app))
-        self._server = make_server(self._host, self._port, app, threaded=True, request_handler=QuietHandler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="embedded-aws", daemon=True)
-        self._thread.start()
+        self._server = ServerThread(serialized_app(), host=self._host, port=self._port).start()
         return self
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._server.stop()

@@ -135,8 +135,6 @@ class ObservabilityMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.observer is None:
-            self.observer = Observer()
         record = RequestRecord(scope.get("method", "-"), scope.get("path", "-"))
         scope.setdefault("state", {})["kiln_record"] = record
 
@@ -151,6 +149,8 @@ class ObservabilityMiddleware:
             await self.app(scope, receive, observed_send)
         finally:
             try:
+                if self.observer is None:  # made once the first answer is out, not before it
+                    self.observer = Observer()
                 self.observer.emit(record)
             except Exception:  # noqa: BLE001 - telemetry must never fail a request
                 logging.getLogger("kiln.observability").exception("could not emit request telemetry")
