@@ -46,9 +46,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-report", action="store_true", help="write the JSON only")
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--report-only", metavar="RESULTS_JSON", help="re-render docs/performance.md from a results file")
-    parser.add_argument("--baseline", metavar="RESULTS_JSON",
-                        help="the run the report compares with (default: the latest full run before it at another "
-                             "commit with a clean gateway tree); its commit is also the 'before' of the same-run A/B")
+    parser.add_argument("--baseline", metavar="RESULTS_JSON[,RESULTS_JSON…]",
+                        help="the runs the report compares with, oldest first, comma-separated (default: the latest "
+                             "full run before this one at another commit with a clean gateway tree, and the same "
+                             "again before that one: two earlier commits); their commits are also the older versions "
+                             "of the same-run A/B, storage-client and cold-start comparisons")
     return parser.parse_args(argv)
 
 
@@ -77,11 +79,36 @@ def prepare_tools() -> dict:
     return {"python": str(venv / "bin" / "python"), "py_spy": str(py_spy) if py_spy.exists() else None}
 
 
+def baseline_files(args: argparse.Namespace, results: dict, results_file: Path | None = None) -> list[Path]:
+    """The runs compared with, oldest first: --baseline, else the chain of earlier commits' runs."""
+    from . import report
+
+    if args.baseline:
+        return [Path(p) for p in args.baseline.split(",") if p.strip()]
+    return report.find_baselines(results, results_file)
+
+
+def baseline_versions(args: argparse.Namespace) -> dict[str, Path]:
+    """The baselines' commits, oldest first, each with its layers/ and functions/ extracted."""
+    results = {"git": git_state(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    versions: dict[str, Path] = {}
+    for path in baseline_files(args, results):
+        commit = json.loads(path.read_text()).get("git", {}).get("commit")
+        if not commit or commit == results["git"]["commit"] or commit in versions:
+            continue
+        tree = version_tree(commit)
+        if tree is not None:
+            versions[commit] = tree
+    return versions
+
+
 def prepare(args: argparse.Namespace) -> dict:
     from . import coldstart, peers
 
     HOME.mkdir(exist_ok=True)
     prepared: dict = {"tools": prepare_tools()}
+    versions = baseline_versions(args)
+    prepared["versions"] = {commit: {"tree": str(tree)} for commit, tree in versions.items()}
     if args.skip_peers:
         prepared["litellm"] = peers.PeerStatus("litellm", problems=["skipped (--skip-peers)"]).as_dict()
         prepared["portkey"] = peers.PeerStatus("portkey", problems=["skipped (--skip-peers)"]).as_dict()
@@ -93,6 +120,11 @@ def prepare(args: argparse.Namespace) -> dict:
     else:
         log("building the x86 layer and functions for cold starts (python3.13)")
         prepared["coldstart_build"] = coldstart.build(HOME / "coldstart", log)
+        if "coldstart" not in skipped(args):
+            for commit, tree in versions.items():
+                log(f"  and the gateway at {commit}, for the same-run cold-start comparison")
+                prepared["versions"][commit]["coldstart_build"] = coldstart.build(
+                    HOME / "coldstart" / "versions" / commit, log, source=tree, deps_root=HOME / "coldstart")
     (HOME / "prepared.json").write_text(json.dumps(prepared, indent=1))
     return prepared
 
@@ -172,6 +204,7 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
         log("starting the embedded AWS, the mock upstream, provisioning")
         stack = Stack(procs)
         stack.start()
+        results["stack"] = {"aws_url": stack.aws_url, "mock_url": stack.mock_url}
         mock_port = int(stack.mock_url.rsplit(":", 1)[1])
         kiln_headers = {"authorization": f"Bearer {stack.key}"}
 
@@ -242,16 +275,20 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             from . import storageclient
             from .stack import FAKE_AWS, clean_env
 
-            log(f"one storage call's cost: kiln.aws.AwsClient against the embedded AWS and a keep-alive stub, "
-                f"{size['client_calls']} GetItem calls each")
+            log(f"one storage call's cost: kiln.aws.AwsClient, kiln.http1, httpx and a bare exchange against the "
+                f"embedded AWS and a keep-alive stub, {size['client_calls']} GetItem calls each")
             results["storage_client"] = storageclient.measure(
                 sys.executable, stack.aws_url, stack.settings_env.get("KILN_ORGS_TABLE", "kiln-orgs"),
-                count=size["client_calls"], env=clean_env(**FAKE_AWS))
-            for name, entry in results["storage_client"].items():
-                if isinstance(entry, dict):
-                    log(f"  {name}: {entry}")
+                count=size["client_calls"], env=clean_env(**FAKE_AWS),
+                versions={c: Path(v["tree"]) for c, v in (prepared.get("versions") or {}).items()})
+            for name, entry in (results["storage_client"].get("clients") or {}).items():
+                log(f"  {name}: {entry}")
+            for label, entry in (results["storage_client"].get("versions") or {}).items():
+                log(f"  at {label}: {entry.get('clients') or entry}")
+            if results["storage_client"].get("error"):
+                log(f"  FAILED: {results['storage_client']['error'][-300:]}")
         if "ab" not in skip:
-            results["ab"] = same_run_ab(args, results, stack, size)
+            results["ab"] = same_run_ab(prepared, results, stack, size)
         if "profile" not in skip:
             log("profiling the gateway and the embedded AWS under c=16 buffered load (py-spy)")
             results["profile"] = scenarios.profile_gateway(
@@ -264,7 +301,12 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
         built = prepared.get("coldstart_build", {"error": "not built"})
         if "coldstart" not in skip:
             log(f"cold starts: 4 functions + bare FastAPI, with/without .pyc, {size['cold_repeats']} starts each")
-            results["coldstart"] = coldstart.measure(procs, stack, built, repeats=size["cold_repeats"], log=log)
+            older = {c: v["coldstart_build"] for c, v in (prepared.get("versions") or {}).items()
+                     if "error" not in (v.get("coldstart_build") or {"error": "not built"})}
+            if older:
+                log(f"  interleaved with the same starts of the gateway at {', '.join(older)}")
+            results["coldstart"] = coldstart.measure(procs, stack, built, repeats=size["cold_repeats"], log=log,
+                                                     versions=older, label=results["git"]["commit"])
             results["coldstart"]["build"] = built
         if "memory" not in skip:
             log(f"memory: {size['memory_buffered']} buffered + {size['memory_streamed']} streamed requests "
@@ -321,24 +363,18 @@ def version_tree(commit: str) -> Path | None:
     return tree
 
 
-def same_run_ab(args: argparse.Namespace, results: dict, stack, size: dict) -> dict:
-    """The baseline run's gateway (its commit) against this tree's, cell by cell in this run."""
-    from . import report, scenarios
+def same_run_ab(prepared: dict, results: dict, stack, size: dict) -> dict:
+    """The baseline runs' gateways (their commits, oldest first) and this tree's, cell by cell in this run."""
+    from . import scenarios
 
-    baseline = Path(args.baseline) if args.baseline else report.find_baseline(results)
-    if baseline is None:
+    versions = {commit: Path(v["tree"]) for commit, v in (prepared.get("versions") or {}).items()}
+    if not versions:
         return {"error": "no baseline run to take a commit from"}
-    commit = json.loads(baseline.read_text()).get("git", {}).get("commit")
-    old = version_tree(commit) if commit else None
-    if old is None:
-        return {"error": f"could not extract the gateway at {commit!r} (git archive)"}
     now = results["git"]["commit"] + (" + working tree" if results["git"].get("gateway_files_changed_since_commit") else "")
-    log(f"same-run A/B: the gateway at {commit} against {now}, {size['ab_rounds']} rounds of "
+    log(f"same-run A/B: the gateway at {', '.join(versions)} and {now}, {size['ab_rounds']} rounds of "
         f"{size['ab_count']} requests per cell, alternating")
-    out = scenarios.ab_versions(stack, {commit: old, results["git"]["commit"]: ROOT}, count=size["ab_count"],
-                                rounds=size["ab_rounds"], log=log)
-    out["baseline_run"] = baseline.stem
-    return out
+    return scenarios.ab_versions(stack, {**versions, results["git"]["commit"]: ROOT}, count=size["ab_count"],
+                                 rounds=size["ab_rounds"], log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.report_only:
         results = json.loads(Path(args.report_only).read_text())
-        baseline = Path(args.baseline) if args.baseline else None
-        log(f"report: {report.render(results, tools_python(), Path(args.report_only).resolve(), baseline)}")
+        baselines = baseline_files(args, results, Path(args.report_only).resolve())
+        log(f"report: {report.render(results, tools_python(), Path(args.report_only).resolve(), baselines)}")
         return 0
     if not args.in_netns:
         prepared = prepare(args)
@@ -366,8 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     path = report.save(results)
     log(f"results: {path}")
     if not args.no_report:
-        baseline = Path(args.baseline) if args.baseline else None
-        log(f"report: {report.render(results, tools_python(), path, baseline)}")
+        log(f"report: {report.render(results, tools_python(), path, baseline_files(args, results, path))}")
     return 1 if results.get("failure") else 0
 
 

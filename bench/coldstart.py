@@ -79,38 +79,41 @@ def _compile(py313: str, path: Path) -> None:
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def build(work: Path, log: Callable[[str], None]) -> dict[str, Any]:
-    """The x86 layer + functions + bare app, precompiled (`pyc/`) and not (`nopyc/`)."""
+def build(work: Path, log: Callable[[str], None], *, source: Path = ROOT, deps_root: Path | None = None) -> dict[str, Any]:
+    """The x86 layer + functions + bare app, precompiled (`pyc/`) and not (`nopyc/`), from `source`
+    (this checkout, or another version's layers/ and functions/, extracted with git archive); the
+    layer's dependencies are installed once per requirements file under `deps_root`."""
     py313 = find_python313()
     if py313 is None:
         return {"error": "python3.13 not found (pyenv install 3.13): cold start not measured"}
-    requirements = (ROOT / "layers" / "gateway" / "requirements.txt").read_bytes()
+    requirements = (source / "layers" / "gateway" / "requirements.txt").read_bytes()
     digest = hashlib.sha256(requirements + py313.encode()).hexdigest()[:12]
-    deps = work / f"deps-{digest}"
+    deps = (deps_root or work) / f"deps-{digest}"
     if not (deps / ".complete").exists():
         shutil.rmtree(deps, ignore_errors=True)
         log(f"  building the x86 layer's dependencies with {py313} (first run only)")
         code = subprocess.run([py313, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile",
                                "--only-binary=:all:", "--target", str(deps), "-r",
-                               str(ROOT / "layers" / "gateway" / "requirements.txt")],
+                               str(source / "layers" / "gateway" / "requirements.txt")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if code.returncode != 0:
             return {"error": f"pip install of the layer's requirements failed: {code.stderr[-800:]}"}
         (deps / ".complete").write_text(digest)
+    work.mkdir(parents=True, exist_ok=True)
     pyc = work / "pyc"
     shutil.rmtree(pyc, ignore_errors=True)
     layer = pyc / "layer" / "python"
     shutil.copytree(deps, layer, ignore=shutil.ignore_patterns("__pycache__", ".complete"))
-    shutil.copytree(ROOT / "layers" / "gateway" / "kiln", layer / "kiln", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(source / "layers" / "gateway" / "kiln", layer / "kiln", ignore=shutil.ignore_patterns("__pycache__"))
     for function in FUNCTIONS:
         target = pyc / "functions" / function
         target.mkdir(parents=True)
-        shutil.copy(ROOT / "functions" / function / "app.py", target / "app.py")
-        shutil.copy(ROOT / "functions" / "run.sh", target / "run.sh")
+        shutil.copy(source / "functions" / function / "app.py", target / "app.py")
+        shutil.copy(source / "functions" / "run.sh", target / "run.sh")
     bare = pyc / "functions" / "bare_fastapi"
     bare.mkdir(parents=True)
     (bare / "app.py").write_text(BARE_APP)
-    shutil.copy(ROOT / "functions" / "run.sh", bare / "run.sh")
+    shutil.copy(source / "functions" / "run.sh", bare / "run.sh")
     started = time.monotonic()
     _compile(py313, pyc)
     compile_s = time.monotonic() - started
@@ -348,28 +351,18 @@ def condense_pyinstrument(text: str, *, min_s: float = 0.012, depth: int = 9) ->
     return "\n".join(kept)
 
 
-def measure(procs: Procs, stack: Stack, built: dict, *, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
-    if "error" in built:
-        return {"error": built["error"]}
-    apps = [*FUNCTIONS, "bare_fastapi"]
-    runs: dict[str, dict[str, list[dict]]] = {variant: {app: [] for app in apps} for variant in ("pyc", "nopyc")}
-    gen_id = None
-    for _ in range(repeats):
-        for variant in ("pyc", "nopyc"):
-            for app in apps:
-                result = _start_once(procs, stack, built, variant, app, gen_id=gen_id)
-                if app == "chat_completions" and result.get("gen_id"):
-                    gen_id = result["gen_id"]
-                runs[variant][app].append(result)
-    # one more start per function with -X importtime (not counted in the figures)
-    for app in apps:
-        _start_once(procs, stack, built, "pyc", app, gen_id=gen_id, importtime=True)
-    summary: dict[str, Any] = {"repeats": repeats, "python": built.get("python_version"), "variants": {}}
+def _summarize(runs: dict[str, dict[str, list[dict]]], bare_runs: dict[str, list[dict]] | None = None) -> dict[str, Any]:
+    """Medians per variant and app; ratios to the bare app's first answer (`bare_runs`: the bare
+    app's starts in the same run, when `runs` has none of its own)."""
+    out: dict[str, Any] = {}
     for variant, per_app in runs.items():
-        summary["variants"][variant] = {}
-        for app, results in per_app.items():
+        out[variant] = {}
+        apps = dict(per_app)
+        if "bare_fastapi" not in apps and bare_runs is not None:
+            apps["bare_fastapi"] = bare_runs[variant]["bare_fastapi"]
+        for app, results in apps.items():
             good = [r for r in results if "error" not in r]
-            summary["variants"][variant][app] = {
+            out[variant][app] = {
                 "runs": len(results),
                 "errors": [r["error"][:300] for r in results if "error" in r],
                 "ready_ms_median": round(statistics.median(r["ready_ms"] for r in good), 1) if good else None,
@@ -378,13 +371,57 @@ def measure(procs: Procs, stack: Stack, built: dict, *, repeats: int, log: Calla
                 "first_request_ms_median": round(statistics.median(r["first_answer_ms"] - r["ready_ms"] for r in good), 1)
                 if good else None,
             }
-        bare = summary["variants"][variant]["bare_fastapi"]["first_answer_ms_median"]
+        bare = out[variant]["bare_fastapi"]["first_answer_ms_median"]
         for app in FUNCTIONS:
-            entry = summary["variants"][variant][app]
+            if app not in out[variant]:
+                continue
+            entry = out[variant][app]
             entry["ratio_to_bare"] = round(entry["first_answer_ms_median"] / bare, 3) \
                 if bare and entry["first_answer_ms_median"] else None
+    return out
+
+
+def measure(procs: Procs, stack: Stack, built: dict, *, repeats: int, log: Callable[[str], None],
+            versions: dict[str, dict] | None = None, label: str = "this tree") -> dict[str, Any]:
+    """Every function and the bare app, with and without .pyc, `repeats` starts each. `versions`:
+    other versions' builds (older commits), started interleaved with this tree's — the same app
+    and variant of every version back to back — so that the machine's drift hits them alike; their
+    ratios are to the bare app of the same run."""
+    if "error" in built:
+        return {"error": built["error"]}
+    versions = versions or {}
+    apps = [*FUNCTIONS, "bare_fastapi"]
+    runs: dict[str, dict[str, list[dict]]] = {variant: {app: [] for app in apps} for variant in ("pyc", "nopyc")}
+    older: dict[str, dict[str, dict[str, list[dict]]]] = {
+        v: {variant: {app: [] for app in FUNCTIONS} for variant in ("pyc", "nopyc")} for v in versions}
+    gen_id = None
+    for repeat in range(repeats):
+        for variant in ("pyc", "nopyc"):
+            for app in apps:
+                order = [(label, built)] + ([] if app == "bare_fastapi" else list(versions.items()))
+                if repeat % 2:
+                    order.reverse()
+                for name, tree in order:
+                    result = _start_once(procs, stack, tree, variant, app, gen_id=gen_id)
+                    if app == "chat_completions" and name == label and result.get("gen_id"):
+                        gen_id = result["gen_id"]
+                    (runs if name == label else older[name])[variant][app].append(result)
+    # one more start per function with -X importtime (not counted in the figures)
+    for app in apps:
+        _start_once(procs, stack, built, "pyc", app, gen_id=gen_id, importtime=True)
+    summary: dict[str, Any] = {"repeats": repeats, "python": built.get("python_version"), "label": label,
+                               "variants": _summarize(runs)}
+    for variant in ("pyc", "nopyc"):
         log(f"  {variant}: " + ", ".join(
             f"{app} {summary['variants'][variant][app]['first_answer_ms_median']} ms" for app in apps))
+    if versions:
+        summary["versions"] = {}
+        for name in versions:
+            summary["versions"][name] = {"variants": _summarize(older[name], runs)}
+            for variant in ("pyc", "nopyc"):
+                log(f"  at {name}, {variant}: " + ", ".join(
+                    f"{app} {summary['versions'][name]['variants'][variant][app]['first_answer_ms_median']} ms "
+                    f"(×{summary['versions'][name]['variants'][variant][app].get('ratio_to_bare')})" for app in FUNCTIONS))
     summary["importtime_top"] = {f"{app}": _IMPORTTIME.get((app, "pyc"), []) for app in apps}
     summary["imports_beyond_bare"] = {app: imports_beyond_bare(app) for app in FUNCTIONS}
     if install_pyinstrument(built["python"]):

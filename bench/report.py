@@ -9,7 +9,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-__all__ = ["evaluate_goals", "render", "save"]
+__all__ = ["evaluate_goals", "find_baseline", "find_baselines", "render", "save"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -95,17 +95,20 @@ def evaluate_goals(results: dict) -> list[dict]:
     # 2. storage round trips
     b = results.get("breakdown") or {}
     if b.get("buffered_c1"):
-        before = max(b[k]["steady"]["writes_before_first_byte_max"] or 0 for k in ("buffered_c1", "stream_c1", "buffered_c16") if k in b)
+        befores = [b[k]["steady"]["writes_before_first_byte_max"] for k in ("buffered_c1", "stream_c1", "buffered_c16") if k in b]
+        # None: the probe did not see the upstream's first byte of some request (a hook missing)
+        before = None if None in befores else max(befores)
         writes = max(b[k]["steady"]["writes_per_request"] or 0 for k in ("buffered_c1", "stream_c1", "buffered_c16") if k in b)
         window = b.get("steady_window") or b["buffered_c1"]["steady"]
         reads = (window["dynamodb_reads_per_request"] or 0) + (window["ssm_reads_per_request"] or 0)
         goals.append({
             "id": "storage",
             "goal": "≤ 1 storage write before the first upstream byte; ≤ 2 writes and ≤ 1 read per request (steady state)",
-            "measured": f"writes before first upstream byte (max) {before}; writes/request {writes}; "
+            "measured": f"writes before first upstream byte (max) "
+                        f"{before if before is not None else 'unknown: the probe saw no upstream first byte'}; writes/request {writes}; "
                         f"reads/request {round(reads, 4)} (DynamoDB {window['dynamodb_reads_per_request']}, "
                         f"SSM {window['ssm_reads_per_request']}, over {window['window_s']} s)",
-            "pass": before <= 1 and writes <= 2 and reads <= 1,
+            "pass": None if before is None else (before <= 1 and writes <= 2 and reads <= 1),
         })
     else:
         goals.append({"id": "storage", "goal": "storage round trips", "measured": "not measured", "pass": None})
@@ -266,8 +269,8 @@ def _breakdown(results: dict) -> str:
     lines.append("")
     lines.append("Storage calls by operation (buffered, concurrency 1, steady state):")
     lines.append("")
-    lines.append("| operation | per request | wall p50 ms | HTTP p50 ms (in httpx send) | client CPU p50 ms | TCP connects per call | "
-                 "answers with `Connection: close` |")
+    lines.append("| operation | per request | wall p50 ms | HTTP p50 ms (kiln.http1 request + read) | client CPU p50 ms | "
+                 "TCP connects per call | answers that close the connection |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|")
     for op, entry in (b.get("buffered_c1", {}).get("steady", {}).get("by_operation") or {}).items():
         lines.append(f"| {op} | {entry['per_request']} | {_fmt(entry['ms']['p50'], 2)} | {_fmt(entry['wire_ms']['p50'], 2)} | "
@@ -283,11 +286,42 @@ def _breakdown(results: dict) -> str:
                      f"server time {_fmt(first['server_ms']['p50'])} ms, of which storage in flight {_fmt(union)} ms"
                      + (f" (the calls' own times add up to {_fmt(summed)} ms: some ran concurrently)"
                         if summed is not None and summed - union > 0.5 else "") + ".")
+    conns = []
+    for name in ("buffered_c1", "stream_c1", "buffered_c16"):
+        s = (b.get(name) or {}).get("steady") or {}
+        if s.get("upstream_connects_per_request") is None:
+            continue
+        clients = s.get("http_clients") or []
+        idle: dict[str, int] = {}
+        for c in clients:
+            for origin, n in (c.get("idle") or {}).items():
+                idle[_origin_name(origin, results)] = idle.get(_origin_name(origin, results), 0) + n
+        conns.append(f"| {name} | {s.get('tcp_connects_per_storage_call')} | {s['upstream_connects_per_request']} | "
+                     f"{'/'.join(str(c.get('open_connections')) for c in clients) or '–'} | "
+                     f"{idle.get('the embedded AWS', '–')} | {idle.get('the mock upstream', '–')} |")
+    if conns:
+        lines += ["", "Connections of the gateway's one `kiln.http1.HttpClient` (shared by storage and the upstream), "
+                  "counted by the probe over each window; open and idle at its end:", "",
+                  "| load | new TCP connections per storage call | new upstream connections per request | open at the end | "
+                  "idle to the embedded AWS | idle to the mock upstream |", "|---|---:|---:|---:|---:|---:|", *conns]
+    hooks = (((b.get("buffered_c1") or {}).get("steady") or {}).get("probe_hooks"))
+    if hooks is not None:
+        lines += ["", f"Probe hooks installed: {', '.join(f'`{h}`' for h in hooks) or 'none'}."]
     background = sum((b.get(k) or {}).get("steady", b.get(k) or {}).get("background_calls") or 0 for k in b if k != "method")
     if background:
         lines.append(f"Off the request path (a key's `last_used_at`, its own task): {background} calls in the windows above, "
                      "not counted as the requests'.")
     return "\n".join(lines)
+
+
+def _origin_name(origin: str, results: dict) -> str:
+    """'the embedded AWS' or 'the mock upstream' for a probe origin, when the run knows the ports."""
+    stack = results.get("stack") or {}
+    if stack.get("aws_url") and origin.endswith(":" + stack["aws_url"].rsplit(":", 1)[-1]):
+        return "the embedded AWS"
+    if stack.get("mock_url") and origin.endswith(":" + stack["mock_url"].rsplit(":", 1)[-1]):
+        return "the mock upstream"
+    return origin
 
 
 def _storage_client(results: dict) -> str:
@@ -297,14 +331,39 @@ def _storage_client(results: dict) -> str:
     if "error" in c:
         return f"_Not measured: {c['error'][:300]}_"
     lines = [f"One storage call in isolation (`python -m bench.storageclient`, the project venv on uvloop, {c['count']} "
-             "sequential GetItem calls for the bench org after 20 warm-up ones; CPU of the calling process only; the "
-             "stub answers `{}` at once on a kept-alive connection, as a pooled connection to DynamoDB would, TLS aside). "
-             "The minimal client is not the gateway's code: it is the same signing over a bare HTTP/1.1 exchange on "
-             "asyncio streams, the floor of what a call needs in Python.", "",
-             "| client, server | CPU ms/call | wall ms/call |", "|---|---:|---:|"]
-    for name, entry in c.items():
-        if isinstance(entry, dict):
-            lines.append(f"| {name} | {_fmt(entry.get('cpu_ms_per_call'), 3)} | {_fmt(entry.get('wall_ms_per_call'), 3)} |")
+             "sequential GetItem calls for the bench org after 20 warm-up ones; CPU of the calling process only). Two "
+             "servers: the embedded AWS (uvicorn since 400f7f0: keeps connections alive) and a stub that answers `{}` at "
+             "once on a kept-alive connection, as a pooled connection to DynamoDB would, TLS aside. First the gateway's "
+             "whole call; then the transport alone with the same signed request: the gateway's own client "
+             "(`kiln.http1`), httpx as the general-purpose reference (the gateway's client until 2e3c924), and a bare "
+             "HTTP/1.1 exchange on asyncio streams, the floor of what a call needs in Python. Older versions that have "
+             "a `kiln.aws` run their own `AwsClient.call` in their own process, their layer first on PYTHONPATH.", ""]
+    servers = ("embedded AWS", "keep-alive stub")
+    lines += ["| client | " + " | ".join(f"CPU ms/call, {s_} | wall ms/call, {s_} | TCP connects/call, {s_}" for s_ in servers)
+              + " |", "|---|" + "---:|" * (3 * len(servers))]
+
+    def row(name: str, entry: dict) -> str:
+        cells = []
+        for server in servers:
+            e = entry.get(server) or {}
+            cells += [_fmt(e.get("cpu_ms_per_call"), 3), _fmt(e.get("wall_ms_per_call"), 3), _fmt(e.get("tcp_connects_per_call"), 2)]
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    if "clients" in c:
+        for name, entry in c["clients"].items():
+            lines.append(row(f"{name} (this tree)" if name.startswith("kiln.aws") else name, entry))
+        for label, v in (c.get("versions") or {}).items():
+            if v.get("clients"):
+                for name, entry in v["clients"].items():
+                    lines.append(row(f"{name} at {label}", entry))
+            else:
+                lines.append(f"| `kiln.aws` at {label}: {v.get('skipped') or (v.get('error') or '')[-200:]} |" + " |" * (3 * len(servers)))
+        lines += ["", f"SigV4 signing alone: {_fmt(c.get('signing_cpu_ms_per_call'), 3)} ms of CPU a call."]
+    else:  # the shape of runs before 2e3c924
+        lines = lines[:1] + ["", "| client, server | CPU ms/call | wall ms/call |", "|---|---:|---:|"]
+        for name, entry in c.items():
+            if isinstance(entry, dict):
+                lines.append(f"| {name} | {_fmt(entry.get('cpu_ms_per_call'), 3)} | {_fmt(entry.get('wall_ms_per_call'), 3)} |")
     return "\n".join(lines)
 
 
@@ -318,8 +377,9 @@ def _profile(results: dict) -> str:
            f"gateway function and on the embedded AWS during {p['load']['requests']} buffered requests at concurrency 16 "
            f"(p50 {p['load']['latency_ms']['p50']} ms, {p['load']['req_per_s']} req/s under the profiler). In the gateway, a "
            "stack inside a storage call (`kiln.aws`, the ledger) is the storage client's, whatever its leaf, and one inside "
-           "any other httpx call the upstream client's; any other stack goes to the part of its leaf-most known frame. "
-           "Raw stacks: `.bench/profiles/`."]
+           "any other outgoing HTTP call (`kiln.http1`, `kiln.upstream`) the upstream client's; any other stack goes to "
+           "the part of its leaf-most known frame. In the embedded AWS, moto runs in a2wsgi's worker threads behind one "
+           "lock, served by uvicorn. Raw stacks: `.bench/profiles/`."]
     for name in ("gateway", "emulator"):
         entry = p.get(name)
         if not entry or "error" in (entry or {}):
@@ -468,12 +528,8 @@ def find_baseline(results: dict, results_file: Path | None = None) -> Path | Non
     return found
 
 
-def _ba(before: Any, after: Any, digits: int = 1) -> str:
-    """Two table cells, before | after."""
-    return f"{_fmt(before, digits)} | {_fmt(after, digits)}"
-
-
 _SERVER = "HTTP server + framework (uvicorn/starlette/fastapi/anyio)"
+FUNCTION_APPS = ("chat_completions", "completions", "models", "generations")
 
 
 def _change(before: Any, after: Any) -> str:
@@ -490,109 +546,141 @@ def _get(data: dict, *keys: Any) -> Any:
     return data
 
 
-def _comparison(before: dict | None, after: dict, before_file: Path | None) -> str:
-    if not before:
-        return "_No earlier full run at another commit in `bench/results/` to compare with._"
-    bc, ac = before.get("git", {}).get("commit"), after.get("git", {}).get("commit")
-    out = [f"Before: run `{before_file.stem if before_file else '?'}` (gateway at {bc}, started {before.get('started_at')}); "
-           f"after: this run (gateway at {ac}, started {after.get('started_at')}). Same machine and sizes; the probe "
-           "was rewritten for the new storage client (see *Where Kiln's time goes*). Drift of the machine between runs "
-           "(a few ms at concurrency 1, tens of percent at 16, see *History*) is part of every difference between the "
-           "two runs, but not of the same-run A/B table below. Goals met: "
-           f"{sum(1 for g in before.get('goals', []) if g['pass'])}/{len(before.get('goals', []))} → "
-           f"{sum(1 for g in after.get('goals', []) if g['pass'])}/{len(after.get('goals', []))}."]
+def find_baselines(results: dict, results_file: Path | None = None, depth: int = 2) -> list[Path]:
+    """The runs this one is compared with, oldest first: its baseline (find_baseline), that run's
+    baseline, … up to `depth` earlier commits."""
+    chain: list[Path] = []
+    current, current_file = results, results_file
+    for _ in range(depth):
+        found = find_baseline(current, current_file)
+        if found is None:
+            break
+        chain.insert(0, found)
+        current, current_file = json.loads(found.read_text()), found
+    return chain
 
-    # latency matrix
-    if bc and ac:
+
+def _table(title: str, labels: list[str], rows: list[tuple[str, list[tuple[str, list[Any], int]]]],
+           change: bool = False) -> list[str]:
+    """One row per item; for each metric, one column per run (oldest first), optionally followed by
+    the change from the previous run to the last one."""
+    metrics = [name for name, _, _ in rows[0][1]] if rows else []
+    head, rule = [title], ["---"]
+    for name in metrics:
+        head += [f"{name}: {labels[0]}", *labels[1:]]
+        rule += ["---:"] * len(labels)
+        if change:
+            head.append("last change")
+            rule.append("---:")
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(rule) + "|"]
+    for key, cells in rows:
+        line = [key]
+        for _, values, digits in cells:
+            line += [_fmt(v, digits) for v in values]
+            if change:
+                line.append(_change(values[-2], values[-1]) if len(values) > 1 else "–")
+        out.append("| " + " | ".join(line) + " |")
+    return out
+
+
+def _comparison(befores: list[tuple[Path | None, dict]], after: dict) -> str:
+    """Every figure of the earlier runs (oldest first) side by side with this run's."""
+    if not befores:
+        return "_No earlier full run at another commit in `bench/results/` to compare with._"
+    runs = [data for _, data in befores] + [after]
+    labels = [data.get("git", {}).get("commit") or "?" for data in runs]
+    goals = [f"{sum(1 for g in r.get('goals', []) if g['pass'])}/{len(r.get('goals', []))}" for r in runs]
+    out = ["Runs compared, oldest first: " + "; ".join(
+        f"`{path.stem if path else '?'}` (gateway at {data.get('git', {}).get('commit')}, started {data.get('started_at')})"
+        for path, data in befores) + f"; this run (gateway at {labels[-1]}, started {after.get('started_at')}). "
+        "Same machine and sizes. Drift of the machine between runs (a few ms at concurrency 1, tens of percent at 16, "
+        "see *History*) is part of every difference between two runs, but not of the same-run tables (A/B, storage "
+        "client, cold start), where every version runs on the same stack, alternating. Goals met: "
+        + " → ".join(goals) + "."]
+
+    # commits in between
+    for older, newer in zip(labels, labels[1:], strict=False):
         try:
-            changes = subprocess.run(["git", "log", "--reverse", "--format=%h %s", f"{bc}..{ac}", "--", "layers", "functions"],
+            changes = subprocess.run(["git", "log", "--reverse", "--format=%h %s", f"{older}..{newer}", "--", "layers",
+                                      "functions", "infra/kiln_ops/emulator.py"],
                                      cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
         except (OSError, subprocess.SubprocessError):
             changes = []
         if changes:
-            out += ["", "Commits between the two runs that change the gateway (`layers/`, `functions/`):", ""]
+            out += ["", f"Commits from {older} to {newer} that change the gateway (`layers/`, `functions/`) or the "
+                        "embedded AWS:", ""]
             out += [f"- {line}" for line in changes]
-        changed = after.get("git", {}).get("gateway_files_changed_since_commit") or []
-        if changed:
-            out.append(f"- and uncommitted changes to {', '.join(changed)}")
-    added_b = {(r["mode"], r["concurrency"]): r for r in added_latency(before)}
-    added_a = {(r["mode"], r["concurrency"]): r for r in added_latency(after)}
-    out += ["", "**Kiln in the latency matrix** (p50 added over direct, same run; TTFB and req/s of Kiln itself):", "",
-            "| mode | conc. | added p50 ms before | after | change | p99 ms before | after | TTFB p50 ms before | after | "
-            "req/s before | after | change |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for key in added_a:
-        cb, ca = _cell(before, "kiln", *key), _cell(after, "kiln", *key)
-        kb, ka = (added_b.get(key) or {}).get("kiln_added"), added_a[key].get("kiln_added")
-        rb, ra = _get(cb or {}, "req_per_s"), _get(ca or {}, "req_per_s")
-        out.append(f"| {key[0]} | {key[1]} | {_ba(kb, ka)} | {_change(kb, ka)} | "
-                   f"{_ba(_get(cb or {}, 'latency_ms', 'p99'), _get(ca or {}, 'latency_ms', 'p99'))} | "
-                   f"{_ba(_get(cb or {}, 'ttfb_ms', 'p50'), _get(ca or {}, 'ttfb_ms', 'p50'))} | "
-                   f"{_ba(rb, ra)} | {_change(rb, ra)} |")
-    out += ["", "CPU per Kiln request in the matrix (from /proc, warm-up included; storage included):", "",
-            "| mode | conc. | Kiln process ms/req before | after | embedded AWS ms/req before | after | all processes ms/req before | after |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for key in added_a:
-        cpu_b = _get(_cell(before, "kiln", *key) or {}, "cpu_ms_per_request") or {}
-        cpu_a = _get(_cell(after, "kiln", *key) or {}, "cpu_ms_per_request") or {}
-        tb = sum(v for v in cpu_b.values() if v is not None) if cpu_b else None
-        ta = sum(v for v in cpu_a.values() if v is not None) if cpu_a else None
-        out.append(f"| {key[0]} | {key[1]} | {_ba(cpu_b.get('kiln'), cpu_a.get('kiln'), 2)} | "
-                   f"{_ba(cpu_b.get('emulator'), cpu_a.get('emulator'), 2)} | {_ba(tb, ta, 2)} |")
+    changed = after.get("git", {}).get("gateway_files_changed_since_commit") or []
+    if changed:
+        out.append(f"- and uncommitted changes to {', '.join(changed)}")
 
-    # the same cells, both versions, in this run
+    # latency matrix
+    keys = [(r["mode"], r["concurrency"]) for r in added_latency(after)]
+    added = [{(r["mode"], r["concurrency"]): r.get("kiln_added") for r in added_latency(run)} for run in runs]
+    rows = []
+    for key in keys:
+        cells = [_cell(run, "kiln", *key) or {} for run in runs]
+        rows.append((f"{key[0]} c={key[1]}", [
+            ("added p50 ms", [a.get(key) for a in added], 1),
+            ("TTFB p50 ms", [_get(c, "ttfb_ms", "p50") for c in cells], 1),
+            ("req/s", [_get(c, "req_per_s") for c in cells], 1)]))
+    out += ["", "**Kiln in the latency matrix** (added p50 = Kiln's p50 − direct's p50, same run; TTFB and req/s of "
+            "Kiln itself):", ""] + _table("cell", labels, rows)
+    rows = []
+    for key in keys:
+        cpu = [_get(_cell(run, "kiln", *key) or {}, "cpu_ms_per_request") or {} for run in runs]
+        rows.append((f"{key[0]} c={key[1]}", [
+            ("Kiln process", [c.get("kiln") for c in cpu], 2),
+            ("embedded AWS", [c.get("emulator") for c in cpu], 2),
+            ("all processes", [sum(v for v in c.values() if v is not None) if c else None for c in cpu], 2)]))
+    out += ["", "CPU ms per Kiln request in the matrix (from /proc, warm-up included; storage included):", ""] \
+        + _table("cell", labels, rows)
+
+    # the same cells, every version, in this run
     ab_ = after.get("ab") or {}
     if ab_.get("error"):
         out += ["", f"_Same-run A/B not measured: {ab_['error']}_"]
     elif ab_.get("median"):
-        labels = list(ab_["versions"])
-        old_, new_ = ab_["median"][labels[0]], ab_["median"][labels[-1]]
-        out += ["", f"**The same cells in this run, both versions back to back** ({labels[0]} → {labels[-1]}: a fresh "
-                f"process of each version's chat function per cell, no probe, on the same stack, alternating; median of "
-                f"{ab_['rounds']} rounds of {ab_['count']} requests after 50 warm-up ones; CPU from /proc over the measured "
-                "requests only). Drift between runs does not enter these:", "",
-                "| cell | p50 ms before | after | change | req/s before | after | change | Kiln CPU ms/req before | after | "
-                "change | embedded AWS CPU ms/req before | after | threads before | after |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for cell in new_:
-            o, n = old_.get(cell) or {}, new_[cell]
-            out.append(f"| {cell} | {_ba(o.get('p50'), n.get('p50'))} | {_change(o.get('p50'), n.get('p50'))} | "
-                       f"{_ba(o.get('req_per_s'), n.get('req_per_s'))} | {_change(o.get('req_per_s'), n.get('req_per_s'))} | "
-                       f"{_ba(o.get('cpu_ms_per_request'), n.get('cpu_ms_per_request'), 2)} | "
-                       f"{_change(o.get('cpu_ms_per_request'), n.get('cpu_ms_per_request'))} | "
-                       f"{_ba(o.get('emulator_cpu_ms_per_request'), n.get('emulator_cpu_ms_per_request'), 2)} | "
-                       f"{_ba(o.get('threads'), n.get('threads'), 0)} |")
-        failed = [f"{label} {cell}: {e}" for label in labels for cell, m in ab_["median"][label].items()
+        versions = list(ab_["versions"])
+        medians = [ab_["median"][v] for v in versions]
+        out += ["", f"**The same cells in this run, every version back to back** ({' → '.join(versions)}: a fresh "
+                f"process of each version's chat function per cell, no probe, on this run's stack — the keep-alive "
+                f"embedded AWS for every version —, alternating; median of {ab_['rounds']} rounds of {ab_['count']} "
+                "requests after 50 warm-up ones; CPU from /proc over the measured requests only). Drift between runs "
+                "does not enter these; the emulator's change does not either (every version talks to the same one):", ""]
+        rows = [(cell, [("p50 ms", [_get(m, cell, "p50") for m in medians], 1),
+                        ("req/s", [_get(m, cell, "req_per_s") for m in medians], 1)])
+                for cell in medians[-1]]
+        out += _table("cell", versions, rows, change=True)
+        rows = [(cell, [("Kiln CPU ms/req", [_get(m, cell, "cpu_ms_per_request") for m in medians], 2),
+                        ("embedded AWS CPU ms/req", [_get(m, cell, "emulator_cpu_ms_per_request") for m in medians], 2),
+                        ("threads", [_get(m, cell, "threads") for m in medians], 0)])
+                for cell in medians[-1]]
+        out += [""] + _table("cell", versions, rows)
+        failed = [f"{label} {cell}: {e}" for label in versions for cell, m in ab_["median"][label].items()
                   for e in m.get("failed_starts") or []]
         if failed:
-            out.append("")
-            out.append("Failed starts: " + "; ".join(failed)[:600])
+            out += ["", "Failed starts: " + "; ".join(failed)[:600]]
 
     # the probe
-    bb, ab = before.get("breakdown") or {}, after.get("breakdown") or {}
-    out += ["", "**Per request, measured in the gateway by the probe** (before: botocore hooks, storage CPU = the "
-            "storage thread's CPU in botocore calls; after: the `AwsClient.call` wrapper, storage CPU = the loop "
-            "thread's CPU over the calls' own steps):", "",
-            "| load | gateway CPU ms/req without storage before | after | storage client CPU ms/req before | after | "
-            "process CPU ms/req before | after | change |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    loads = ("buffered_c1", "stream_c1", "buffered_c16", "steady_window")
-
-    def steady(b: dict, name: str) -> dict:
-        entry = b.get(name) or {}
+    def steady(run: dict, name: str) -> dict:
+        entry = (run.get("breakdown") or {}).get(name) or {}
         return entry.get("steady", entry)
 
-    for name in loads:
-        sb, sa = steady(bb, name), steady(ab, name)
-        if not sa and not sb:
-            continue
-        pb, pa = sb.get("process_cpu_ms_per_request"), sa.get("process_cpu_ms_per_request")
-        out.append(f"| {name} | {_ba(sb.get('gateway_cpu_ms_per_request_without_storage'), sa.get('gateway_cpu_ms_per_request_without_storage'), 2)} | "
-                   f"{_ba(_get(sb, 'storage_client_cpu_ms_per_request', 'p50'), _get(sa, 'storage_client_cpu_ms_per_request', 'p50'), 2)} | "
-                   f"{_ba(pb, pa, 2)} | {_change(pb, pa)} |")
-    out += ["", "| load | storage calls/req before | after | writes/req before | after | reads/req (DynamoDB+SSM) before | after | "
-            "storage wall p50 ms/req before | after | upstream first byte p50 ms before | after | server time p50 ms before | after |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    loads = [name for name in ("buffered_c1", "stream_c1", "buffered_c16", "steady_window")
+             if any(steady(run, name) for run in runs)]
+    out += ["", "**Per request, measured in the gateway by the probe.** The probe follows the client: before 3360189 "
+            "botocore hooks (storage CPU = the storage thread's CPU in botocore calls); from 3360189 to 2e3c924 the "
+            "`AwsClient.call` wrapper with httpx's `send` as the HTTP part; since 2e3c924 the same wrapper with "
+            "`kiln.http1`'s `request` + `Response.read`. Storage CPU is then the loop thread's CPU over the calls' own "
+            "steps.", ""]
+    rows = [(name, [("gateway CPU w/o storage ms/req",
+                     [steady(r, name).get("gateway_cpu_ms_per_request_without_storage") for r in runs], 2),
+                    ("storage client CPU ms/req (p50)",
+                     [_get(steady(r, name), "storage_client_cpu_ms_per_request", "p50") for r in runs], 2),
+                    ("process CPU ms/req", [steady(r, name).get("process_cpu_ms_per_request") for r in runs], 2)])
+            for name in loads]
+    out += _table("load", labels, rows)
 
     def calls(s: dict) -> Any:
         if s.get("calls_per_request") is not None:
@@ -605,104 +693,110 @@ def _comparison(before: dict | None, after: dict, before_file: Path | None) -> s
             return None
         return round((s.get("dynamodb_reads_per_request") or 0) + (s.get("ssm_reads_per_request") or 0), 4)
 
-    for name in loads:
-        sb, sa = steady(bb, name), steady(ab, name)
-        if not sa and not sb:
-            continue
-        out.append(f"| {name} | {_ba(calls(sb), calls(sa), 4)} | {_ba(sb.get('writes_per_request'), sa.get('writes_per_request'), 4)} | "
-                   f"{_ba(reads(sb), reads(sa), 4)} | "
-                   f"{_ba(_get(sb, 'storage_ms_per_request', 'p50'), _get(sa, 'storage_ms_per_request', 'p50'))} | "
-                   f"{_ba(_get(sb, 'upstream_first_byte_ms', 'p50'), _get(sa, 'upstream_first_byte_ms', 'p50'))} | "
-                   f"{_ba(_get(sb, 'server_ms', 'p50'), _get(sa, 'server_ms', 'p50'))} |")
-    ops_b = steady(bb, "buffered_c1").get("by_operation") or {}
-    ops_a = steady(ab, "buffered_c1").get("by_operation") or {}
-    if ops_a or ops_b:
-        out += ["", "Each storage call (buffered, concurrency 1, steady state; before, \"HTTP\" is botocore's `before-call` → "
-                "`after-call`: request signing, HTTP and parsing; after, the time inside httpx's `send`: HTTP only):", "",
-                "| operation | per request before | after | wall p50 ms before | after | HTTP p50 ms before | after | "
-                "client CPU p50 ms before | after |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for op in sorted(set(ops_b) | set(ops_a)):
-            eb, ea = ops_b.get(op) or {}, ops_a.get(op) or {}
-            out.append(f"| {op} | {_ba(eb.get('per_request'), ea.get('per_request'), 4)} | "
-                       f"{_ba(_get(eb, 'ms', 'p50'), _get(ea, 'ms', 'p50'), 2)} | "
-                       f"{_ba(_get(eb, 'wire_ms', 'p50'), _get(ea, 'wire_ms', 'p50'), 2)} | "
-                       f"{_ba(_get(eb, 'client_cpu_ms', 'p50'), _get(ea, 'client_cpu_ms', 'p50'), 2)} |")
-    fb, fa = _get(bb, "buffered_c1", "first_request") or {}, _get(ab, "buffered_c1", "first_request") or {}
-    if fa or fb:
-        def first_ops(f: dict) -> str:
-            return ", ".join(f"{op} ×{e['count']}" for op, e in (f.get("by_operation") or {}).items()) or "–"
-
+    rows = [(name, [("storage calls/req", [calls(steady(r, name)) for r in runs], 4),
+                    ("writes/req", [steady(r, name).get("writes_per_request") for r in runs], 4),
+                    ("reads/req (DynamoDB+SSM)", [reads(steady(r, name)) for r in runs], 4)])
+            for name in loads]
+    out += ["", "Storage round trips per request:", ""] + _table("load", labels, rows)
+    rows = [(name, [("storage wall p50 ms/req", [_get(steady(r, name), "storage_ms_per_request", "p50") for r in runs], 1),
+                    ("upstream first byte p50 ms", [_get(steady(r, name), "upstream_first_byte_ms", "p50") for r in runs], 1),
+                    ("server time p50 ms", [_get(steady(r, name), "server_ms", "p50") for r in runs], 1)])
+            for name in loads]
+    out += ["", "Their time (storage wall = the time at least one storage call of the request was in flight):", ""] \
+        + _table("load", labels, rows)
+    ops = [steady(r, "buffered_c1").get("by_operation") or {} for r in runs]
+    names = sorted(set().union(*ops))
+    if names:
+        rows = [(op, [("wall p50 ms", [_get(o, op, "ms", "p50") for o in ops], 2),
+                      ("HTTP p50 ms", [_get(o, op, "wire_ms", "p50") for o in ops], 2),
+                      ("client CPU p50 ms", [_get(o, op, "client_cpu_ms", "p50") for o in ops], 2),
+                      ("TCP connects/call", [_get(o, op, "tcp_connects_per_call") for o in ops], 2)])
+                for op in names]
+        out += ["", "Each storage call (buffered, concurrency 1, steady state). \"HTTP\" before 3360189 is botocore's "
+                "`before-call` → `after-call` (signing, HTTP and parsing); then the time inside httpx's `send`; since "
+                "2e3c924 `kiln.http1`'s `request` + `Response.read`. TCP connects were not counted before 3360189; "
+                "1.00 until 400f7f0 is the embedded AWS closing every connection:", ""] \
+            + _table("operation", labels, rows)
+    firsts = [_get(r, "breakdown", "buffered_c1", "first_request") or {} for r in runs]
+    if any(firsts):
         out += ["", "The first request of a fresh process (caches empty), buffered:", "",
-                "| | storage calls | storage in flight ms | server time ms |", "|---|---|---:|---:|",
-                f"| before | {first_ops(fb)} | {_fmt(_get(fb, 'storage_ms_per_request', 'p50'))} | {_fmt(_get(fb, 'server_ms', 'p50'))} |",
-                f"| after | {first_ops(fa)} | {_fmt(_get(fa, 'storage_ms_per_request', 'p50'))} | {_fmt(_get(fa, 'server_ms', 'p50'))} |"]
+                "| run | storage calls | storage in flight ms | server time ms |", "|---|---|---:|---:|"]
+        for label, f in zip(labels, firsts, strict=True):
+            ops_ = ", ".join(f"{op} ×{e['count']}" for op, e in (f.get("by_operation") or {}).items()) or "–"
+            out.append(f"| {label} | {ops_} | {_fmt(_get(f, 'storage_ms_per_request', 'p50'))} | "
+                       f"{_fmt(_get(f, 'server_ms', 'p50'))} |")
 
     # cold start
-    cb, ca = (before.get("coldstart") or {}).get("variants") or {}, (after.get("coldstart") or {}).get("variants") or {}
-    if ca or cb:
-        harness = ""
-        if cb and not any("first_request_ms_median" in e for e in (cb.get("pyc") or {}).values()) and \
-                any("first_request_ms_median" in e for e in (ca.get("pyc") or {}).values()):
-            harness = (" Before, the harness made its own HTTP client (with a TLS context, ~17 ms on this machine) inside "
-                       "every start's window, the bare app's included; since the after run it is made before the clock "
-                       "starts. So each before figure carries about 17 ms that was not the app's, which made the before "
-                       "ratios look slightly better than they were.")
-        out += ["", "**Cold start** (median ms; process start → /healthz, → first answered request; × the bare FastAPI "
-                "app's first answer)." + harness, "",
-                "| app | ready .pyc before | after | first answer .pyc before | after | × bare before | after | "
-                "first answer no .pyc before | after | × bare before | after |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for app in (ca.get("pyc") or cb.get("pyc") or {}):
-            pb, pa = _get(cb, "pyc", app) or {}, _get(ca, "pyc", app) or {}
-            nb, na = _get(cb, "nopyc", app) or {}, _get(ca, "nopyc", app) or {}
-            out.append(f"| {app} | {_ba(pb.get('ready_ms_median'), pa.get('ready_ms_median'))} | "
-                       f"{_ba(pb.get('first_answer_ms_median'), pa.get('first_answer_ms_median'))} | "
-                       f"{_ba(pb.get('ratio_to_bare'), pa.get('ratio_to_bare'), 2)} | "
-                       f"{_ba(nb.get('first_answer_ms_median'), na.get('first_answer_ms_median'))} | "
-                       f"{_ba(nb.get('ratio_to_bare'), na.get('ratio_to_bare'), 2)} |")
+    colds = [((r.get("coldstart") or {}).get("variants") or {}) for r in runs]
+    if any(colds):
+        apps = list((colds[-1].get("pyc") or next(c for c in colds if c).get("pyc") or {}))
+        early = [label for label, c in zip(labels, colds, strict=True)
+                 if c and not any("first_request_ms_median" in e for e in (c.get("pyc") or {}).values())]
+        out += ["", "**Cold start**, each run on its own (median ms, process start → first answered request; × the bare "
+                "FastAPI app's first answer in the same run)."
+                + (f" The run at {', '.join(early)} made the harness's HTTP client (with a TLS context, ~17 ms here) "
+                   "inside every start's window, the bare app's included; later runs make it before the clock starts."
+                   if early else "")
+                + " Run to run, the bare app moves by ±20 ms on this machine"
+                + (": the same-run table below is the one to trust." if (after.get("coldstart") or {}).get("versions")
+                   else ".")]
+        for variant, title in (("pyc", "with .pyc"), ("nopyc", "without .pyc")):
+            rows = [(app, [(f"first answer {title}", [_get(c, variant, app, "first_answer_ms_median") for c in colds], 1),
+                           ("× bare", [_get(c, variant, app, "ratio_to_bare") for c in colds], 2)])
+                    for app in apps]
+            out += [""] + _table("app", labels, rows)
+    same = (after.get("coldstart") or {}).get("versions") or {}
+    if same:
+        cold = after["coldstart"]
+        vlabels = [*same, cold.get("label") or labels[-1]]
+        variants = [same[v]["variants"] for v in same] + [cold["variants"]]
+        out += ["", f"**Cold start, every version in this run** ({' → '.join(vlabels)}: each version's x86 layer and "
+                f"functions built the same way with {cold.get('python')}, started interleaved — the same app and "
+                f"variant of every version back to back — {cold['repeats']} times each; × the same run's bare app, "
+                f"{_fmt(_get(cold, 'variants', 'pyc', 'bare_fastapi', 'first_answer_ms_median'))} ms with .pyc, "
+                f"{_fmt(_get(cold, 'variants', 'nopyc', 'bare_fastapi', 'first_answer_ms_median'))} ms without):", ""]
+        out = out[:-1] if out and out[-1] == "" and out[-2] == "" else out
+        for variant, title in (("pyc", "with .pyc"), ("nopyc", "without .pyc")):
+            rows = [(app, [(f"ready {title}", [_get(v, variant, app, "ready_ms_median") for v in variants], 1),
+                           (f"first answer {title}", [_get(v, variant, app, "first_answer_ms_median") for v in variants], 1),
+                           ("× bare", [_get(v, variant, app, "ratio_to_bare") for v in variants], 2)])
+                    for app in FUNCTION_APPS]
+            out += _table("app", vlabels, rows) + [""]
 
     # memory
-    mb, ma = before.get("memory") or {}, after.get("memory") or {}
-    if ma or mb:
-        out += ["", "**Memory** of one chat/completions process (MB):", "",
-                "| process | requests | RSS idle before | after | after 1st request before | after | peak (VmHWM) before | after |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for key in (ma or mb):
-            eb, ea = mb.get(key) or {}, ma.get(key) or {}
-            out.append(f"| {ea.get('process') or eb.get('process')} | {ea.get('requests') or eb.get('requests')} | "
-                       f"{_ba(eb.get('rss_mb_idle'), ea.get('rss_mb_idle'))} | "
-                       f"{_ba(eb.get('rss_mb_after_first_request'), ea.get('rss_mb_after_first_request'))} | "
-                       f"{_ba(eb.get('peak_rss_mb'), ea.get('peak_rss_mb'))} |")
+    mems = [r.get("memory") or {} for r in runs]
+    if any(mems):
+        keys_ = list(mems[-1] or next(m for m in mems if m))
+        rows = [((mems[-1].get(k) or {}).get("process") or k,
+                 [("RSS idle MB", [_get(m, k, "rss_mb_idle") for m in mems], 1),
+                  ("after 1st request MB", [_get(m, k, "rss_mb_after_first_request") for m in mems], 1),
+                  ("peak (VmHWM) MB", [_get(m, k, "peak_rss_mb") for m in mems], 1)]) for k in keys_]
+        out += ["", f"**Memory** of one chat/completions process after "
+                f"{(mems[-1].get(keys_[0]) or {}).get('requests')} requests (MB):", ""] + _table("process", labels, rows)
 
     # where the gateway's CPU goes
-    gb, ga = _get(before, "profile", "gateway", "groups") or {}, _get(after, "profile", "gateway", "groups") or {}
-    if ga or gb:
+    groups = [_get(r, "profile", "gateway", "groups") or {} for r in runs]
+    if any(groups):
         def norm(name: str) -> str:
-            for short in ("storage client", "upstream client", "thread pool hand-off"):
+            for short in ("storage client", "upstream client", "thread pool hand-off", "client connections"):
                 if name.startswith(short):
                     return short
             return name
 
-        nb_, na_ = {norm(k): v for k, v in gb.items()}, {norm(k): v for k, v in ga.items()}
-        whole_b = any(k.startswith("upstream client (httpx/httpcore, and") for k in gb)
-        whole_a = any(k.startswith("upstream client (httpx/httpcore, and") for k in ga)
-        rps_b, rps_a = _get(before, "profile", "load", "req_per_s"), _get(after, "profile", "load", "req_per_s")
-        note = ""
-        if whole_a and not whole_b:
-            note = (" The grouping changed with this run: before, a stack went to the part of its leaf-most known frame, "
-                    "so the anyio socket calls under httpx counted as the HTTP server's; after, a stack inside a storage "
-                    "call is the storage client's and one inside any other httpx call the upstream client's. The storage "
-                    "rows compare (the storage calls' own stacks both times); for the rest compare upstream client + "
-                    f"HTTP server together: {_fmt(((nb_.get('upstream client') or 0) + (nb_.get(_SERVER) or 0)) * 100)} % → "
-                    f"{_fmt(((na_.get('upstream client') or 0) + (na_.get(_SERVER) or 0)) * 100)} %.")
-        out += ["", f"**Where the gateway's CPU goes** (py-spy `--gil` at 200 Hz, share of the samples holding the GIL, "
-                f"buffered c=16; {rps_b} → {rps_a} req/s under the profiler).{note}", "",
-                "| part | share before | after |", "|---|---:|---:|"]
-        for name in sorted(set(nb_) | set(na_), key=lambda k: -(na_.get(k) or nb_.get(k) or 0)):
-            vb, va = nb_.get(name), na_.get(name)
-            if not vb and not va:
-                continue
-            out.append(f"| {name} | {_fmt(vb * 100 if vb is not None else None)} % | {_fmt(va * 100 if va is not None else None)} % |")
+        normed = [{norm(k): v for k, v in g.items()} for g in groups]
+        names_ = sorted(set().union(*normed), key=lambda k: -max((n.get(k) or 0) for n in normed))
+        rps = [_get(r, "profile", "load", "req_per_s") for r in runs]
+        out += ["", "**Where the gateway's CPU goes** (py-spy `--gil` at 200 Hz, share of the samples holding the GIL, "
+                f"buffered c=16; {' → '.join(_fmt(x) for x in rps)} req/s under the profiler). At 16e7385 a stack went "
+                "to the part of its leaf-most known frame, so the socket calls under the HTTP clients counted as the "
+                "HTTP server's; since 3360189 a stack inside a storage call is the storage client's and one inside "
+                "any other outgoing HTTP call (httpx, then kiln.http1) the upstream client's. Compare upstream client "
+                "+ HTTP server together across that change: "
+                + " → ".join(f"{_fmt(((n.get('upstream client') or 0) + (n.get(_SERVER) or 0)) * 100)} %" for n in normed)
+                + ".", ""]
+        rows = [(name, [("share %", [n.get(name) * 100 if n.get(name) is not None else None for n in normed], 1)])
+                for name in names_ if any(n.get(name) for n in normed)]
+        out += _table("part", labels, rows)
     return "\n".join(out)
 
 
@@ -765,9 +859,10 @@ def _machine(results: dict) -> str:
             + f". The run took {results.get('duration_s')} s.")
 
 
-def render(results: dict, tools_python: Path, results_file: Path | None = None, baseline: Path | None = None) -> Path:
+def render(results: dict, tools_python: Path, results_file: Path | None = None,
+           baselines: list[Path] | None = None) -> Path:
     """docs/performance.md and docs/performance/*.png; a --quick run renders into .bench/quick/ instead.
-    `baseline`: the run to compare with (default: find_baseline)."""
+    `baselines`: the runs to compare with, oldest first (default: find_baselines)."""
     docs = QUICK if results.get("quick") else DOCS
     plots = docs / "performance"
     plots.mkdir(parents=True, exist_ok=True)
@@ -785,8 +880,9 @@ def render(results: dict, tools_python: Path, results_file: Path | None = None, 
         failure = f"\n\n> **This run failed part-way:**\n>\n> ```\n> {results['failure'][-1200:]}\n> ```\n"
     if results.get("interrupted"):
         failure += "\n\n> **This run was interrupted; the figures are partial.**\n"
-    baseline = baseline or find_baseline(results, results_file)
-    before = json.loads(Path(baseline).read_text()) if baseline else None
+    if baselines is None:
+        baselines = find_baselines(results, results_file)
+    befores = [(Path(b), json.loads(Path(b).read_text())) for b in baselines]
     values = {
         "generated": results.get("started_at", "?"),
         "quick_warning": ("\n> **This is a `--quick` smoke run: a few requests per cell. Its figures mean nothing.**\n"
@@ -807,7 +903,7 @@ def render(results: dict, tools_python: Path, results_file: Path | None = None, 
         "coldstart": _coldstart(results),
         "memory": _memory(results),
         "history": _history(),
-        "comparison": _comparison(before, results, baseline),
+        "comparison": _comparison(befores, results),
         "analysis": _analysis(results),
         "plots_note": plots_note,
     }

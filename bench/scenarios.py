@@ -176,6 +176,7 @@ def _storage_summary(stats: dict) -> dict[str, Any]:
             "storage_cpu_ms": sum(c["cpu_ms"] for c in calls),
             "server_ms": r["duration_ms"],
             "upstream_first_byte_ms": first,
+            "upstream_connects": r.get("upstream_connects"),
             "status": r["status"],
         })
     all_calls = [c for r in requests for c in r["calls"] if not c.get("background")]
@@ -205,7 +206,10 @@ def _storage_summary(stats: dict) -> dict[str, Any]:
         "max_writes_per_request": max((p["writes"] for p in per_request), default=None),
         "dynamodb_reads_per_request": round(sum(p["reads"] for p in per_request) / n, 4) if n else None,
         "ssm_reads_per_request": round(sum(p["ssm_reads"] for p in per_request) / n, 4) if n else None,
-        "writes_before_first_byte_max": max((p["writes_before_first_byte"] for p in per_request), default=None),
+        # a request whose upstream first byte the probe did not see cannot say what came before it
+        "requests_without_upstream_first_byte": sum(1 for p in per_request if p["upstream_first_byte_ms"] is None),
+        "writes_before_first_byte_max": max((p["writes_before_first_byte"] for p in per_request), default=None)
+        if all(p["upstream_first_byte_ms"] is not None for p in per_request) else None,
         "writes_before_first_byte_mean": round(statistics.fmean(p["writes_before_first_byte"] for p in per_request), 4) if n else None,
         "storage_ms_per_request": summarize([p["storage_ms"] for p in per_request]),
         "storage_ms_sum_per_request": summarize([p["storage_ms_sum"] for p in per_request]),
@@ -215,6 +219,12 @@ def _storage_summary(stats: dict) -> dict[str, Any]:
         "process_cpu_ms_per_request": round(stats["process_cpu_s"] * 1000 / n, 3) if n else None,
         "gateway_cpu_ms_per_request_without_storage": round((stats["process_cpu_s"] - storage_cpu_s) * 1000 / n, 3) if n else None,
         "threads": stats.get("threads"),
+        "upstream_connects_per_request": round(sum(p["upstream_connects"] or 0 for p in per_request) / n, 4)
+        if n and all(p["upstream_connects"] is not None for p in per_request) else None,
+        "tcp_connects_per_storage_call": round(sum(c.get("connects", 0) for c in all_calls) / len(all_calls), 4)
+        if all_calls else None,
+        "http_clients": stats.get("http_clients"),
+        "probe_hooks": stats.get("hooks"),
         "calls_outside_requests": len(stats["outside_calls"]),
         "background_calls": len(background),
         "by_operation": by_op,
@@ -226,9 +236,10 @@ def where_time_goes(stack: Stack, *, count: int, steady_seconds: float, log: Cal
     out: dict[str, Any] = {"method": (
         "chat/completions served by functions/run.sh with the bench's probe loaded through PYTHONPATH "
         "(bench/instrument/sitecustomize.py): kiln.aws.AwsClient.call wrapped (every DynamoDB/SSM call of the "
-        "request path; wall time, time in httpx's send, TCP connects, and the loop thread's CPU over the call's "
-        "own coroutine steps), the upstream's first byte when httpx's send returns for a send that is not a "
-        "storage call, process CPU from time.process_time; storage CPU is the CPU of the storage calls' own steps.")}
+        "request path; wall time, time in kiln.http1's request + Response.read, TCP connects, and the loop thread's "
+        "CPU over the call's own coroutine steps), the upstream's first byte when kiln.http1.HttpClient.request "
+        "returns for a request that is not a storage call, process CPU from time.process_time; storage CPU is the "
+        "CPU of the storage calls' own steps.")}
     headers = {"authorization": f"Bearer {stack.key}"}
     for name, stream, concurrency in (("buffered_c1", False, 1), ("stream_c1", True, 1), ("buffered_c16", False, 16)):
         child, url = stack.start_function(f"kiln-probe-{name}", probe=True)
@@ -246,10 +257,15 @@ def where_time_goes(stack: Stack, *, count: int, steady_seconds: float, log: Cal
             summary["client_latency_ms"] = load["latency_ms"]
             summary["client_errors"] = load["errors"]
             out[name] = {"first_request": first, "steady": summary}
+            if summary.get("requests_without_upstream_first_byte"):
+                log(f"  {name}: WARNING the probe saw no upstream first byte for "
+                    f"{summary['requests_without_upstream_first_byte']} requests (hooks: {summary.get('probe_hooks')})")
             log(f"  {name}: writes/req={summary['writes_per_request']} reads/req={summary['dynamodb_reads_per_request']} "
                 f"ssm/req={summary['ssm_reads_per_request']} writes-before-first-byte(max)={summary['writes_before_first_byte_max']} "
                 f"storage p50={summary['storage_ms_per_request']['p50']} ms, gateway CPU w/o storage="
-                f"{summary['gateway_cpu_ms_per_request_without_storage']} ms/req")
+                f"{summary['gateway_cpu_ms_per_request_without_storage']} ms/req, TCP connects/storage call="
+                f"{summary['tcp_connects_per_storage_call']}, upstream connects/req={summary['upstream_connects_per_request']}, "
+                f"open connections={[c.get('open_connections') for c in summary.get('http_clients') or []]}")
         finally:
             stack.procs.stop(child)
     # steady-state reads: a window longer than the auth cache (10 s) and the maintenance cache (5 s)
@@ -363,35 +379,47 @@ def _collapse(raw: str, top: int = 25) -> dict[str, Any]:
     return {"samples": total, "self": table(self_counts), "inclusive": table(incl_counts)}
 
 
-STORAGE = "storage client (kiln.aws: SigV4, JSON, its httpx calls; kiln.store payloads)"
-UPSTREAM = "upstream client (httpx/httpcore, and the anyio sockets under them)"
+STORAGE = "storage client (kiln.aws: SigV4, JSON, its HTTP exchanges; kiln.store payloads)"
+UPSTREAM = "upstream client (kiln.upstream and its kiln.http1 exchanges; httpx/httpcore before 2e3c924)"
 # A stack that passes through one of these frames is inside a storage call, whatever its leaf
-# (the AWS client's httpx, JSON, hashing): the whole call is the storage client's.
+# (the HTTP client, JSON, hashing): the whole call is the storage client's.
 STORAGE_FRAMES = ("kiln/aws.py", "kiln/store/ledger.py", "kiln/store/codec.py", "botocore/", "pynamodb/", "boto3/",
                   "urllib3/")
-# Any other stack inside httpx/httpcore is the upstream client's, its anyio socket calls included
-# (anyio is also the HTTP server's: by the leaf alone they would count as the server's).
-UPSTREAM_FRAMES = ("httpx/", "httpcore/", "kiln/upstream.py")
+# Any other stack inside the gateway's HTTP client is the upstream client's, its socket calls
+# included (anyio under httpx was also the HTTP server's: by the leaf alone it would count as the server's).
+UPSTREAM_FRAMES = ("kiln/http1.py", "kiln/upstream.py", "httpx/", "httpcore/")
+CONNECTIONS = "client connections' transport callbacks (asyncio streams: storage and upstream alike)"
+
+# Leaf-most known frame → part, for stacks not inside a storage or upstream call.
+GATEWAY_GROUPS = {
+    "logging + EMF metrics (Powertools, kiln.observability.Observer)": (
+        "aws_lambda_powertools/", "logging/", "Observer.", "RequestRecord."),
+    "SSE relay (kiln.sse)": ("kiln/sse.py",),
+    "JSON": ("json/", "kiln/jsonio.py"),
+    "thread pool hand-off (run_in_executor, to_thread)": (
+        "concurrent/futures/", "run_in_executor", "asyncio/threads.py", "_chain_future", "run_in_threadpool",
+        "run_sync_in_worker_thread"),
+    # the gateway's outgoing connections are asyncio streams (uvicorn's own server protocol is not)
+    CONNECTIONS: ("asyncio/streams.py",),
+    "HTTP server + framework (uvicorn/starlette/fastapi/anyio)": ("uvicorn/", "starlette/", "fastapi/", "anyio/", "h11/"),
+    "kiln request handling (auth, normalize, exchange, handlers)": ("kiln/",),
+}
+EMULATOR_GROUPS = {
+    "moto (DynamoDB emulation)": ("moto/",),
+    "flask/werkzeug (moto's WSGI app: routing, request and response objects)": ("werkzeug/", "flask/"),
+    "JSON": ("json/",),
+    "kiln_ops.emulator (the lock, moto patches)": ("kiln_ops/",),
+    "WSGI bridge (a2wsgi, its worker threads)": ("a2wsgi/", "concurrent/futures/"),
+    "HTTP server (uvicorn; werkzeug's development server before 400f7f0)": (
+        "uvicorn/", "httptools", "h11/", "socketserver.py", "http/server.py"),
+}
 
 
 def _grouped(raw: str, *, gateway: bool = True) -> dict[str, float]:
     """Share of samples by part: in the gateway, a stack inside a storage call is the storage
-    client's, one inside any other httpx call the upstream client's; any other stack goes to what
-    its leaf-most recognisable frame belongs to."""
-    groups = {
-        "logging + EMF metrics (Powertools, kiln.observability.Observer)": (
-            "aws_lambda_powertools/", "logging/", "Observer.", "RequestRecord."),
-        "SSE relay (kiln.sse)": ("kiln/sse.py",),
-        "JSON": ("json/", "kiln/jsonio.py"),
-        "thread pool hand-off (run_in_executor, to_thread)": (
-            "concurrent/futures/", "run_in_executor", "asyncio/threads.py", "_chain_future", "run_in_threadpool",
-            "run_sync_in_worker_thread"),
-        "HTTP server + framework (uvicorn/starlette/fastapi/anyio)": ("uvicorn/", "starlette/", "fastapi/", "anyio/", "h11/"),
-        "kiln request handling (auth, normalize, exchange, handlers)": ("kiln/",),
-        # the embedded AWS's own stacks
-        "moto (DynamoDB emulation)": ("moto/",),
-        "werkzeug/flask HTTP server": ("werkzeug/", "flask/", "socketserver.py", "http/server.py"),
-    }
+    client's, one inside any other outgoing HTTP call the upstream client's; any other stack goes
+    to what its leaf-most recognisable frame belongs to."""
+    groups = GATEWAY_GROUPS if gateway else EMULATOR_GROUPS
     counts = {**({STORAGE: 0, UPSTREAM: 0} if gateway else {}), **{name: 0 for name in groups}}
     counts["other (event loop, interpreter)"] = 0
     total = 0

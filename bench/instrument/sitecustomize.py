@@ -5,15 +5,19 @@ It changes nothing the gateway does; it watches:
 - every storage call (DynamoDB, SSM): the request path makes them all through
   `kiln.aws.AwsClient.call(service, operation, payload)`, a coroutine on the event loop, which
   is wrapped to record service, operation, read/write, wall time (retries included), the
-  time spent in httpx's `send` for it (the HTTP round trip: connect if needed, request,
-  response headers and body), the TCP connections it opened, and the CPU of its own steps:
+  time spent in the HTTP exchange for it (`kiln.http1.HttpClient.request`, connect if needed,
+  request, status line and headers, plus `Response.read`, the body), the TCP connections it
+  opened, whether the server let the connection be kept alive, and the CPU of its own steps:
   the wrapped coroutine is driven step by step and the loop thread's CPU clock is read around
   each step, so the CPU of other requests' steps, which run while this one awaits, is not
   counted (asyncio's transport callbacks for its socket are not counted either: no
   coroutine frame is on the stack then);
-- the upstream's first byte: httpx.AsyncClient.send returning (status line and headers in),
-  for sends that are not storage calls (a contextvar set inside the AwsClient.call wrapper
-  tells them apart: the AWS client is an httpx.AsyncClient too);
+- the upstream's first byte: `kiln.http1.HttpClient.request` returning (status line and
+  headers in) for a request that is not a storage call (a contextvar set inside the
+  AwsClient.call wrapper tells them apart: storage and model servers share one HttpClient);
+  also the TCP connections each request opened to a model server (a pooled one is reused);
+- the gateway's HttpClient instances, so that the side channel can say how many connections
+  are open (`HttpClient.open_connections`) and how many idle in each origin's pool;
 - each HTTP request, through an ASGI wrapper around the app uvicorn loads, which also
   answers GET /__bench/stats and POST /__bench/reset (the side channel).
 Everything runs on the event loop, so each storage call is charged to the request whose task
@@ -22,7 +26,11 @@ Everything runs on the event loop, so each storage call is charged to the reques
 are marked `background` and are not counted as the request's.
 
 kiln is patched when uvicorn loads the app (kiln is imported by then), so the probe itself
-imports neither kiln nor any AWS SDK before the gateway does.
+imports neither kiln nor any HTTP client before the gateway does. A gateway older than
+kiln.http1 (httpx inside) gets the same hooks on httpx, and only if it imported httpx itself:
+the probe never imports a client the gateway does not use. `hooks` in the stats says which
+were installed, and a request whose upstream first byte was not seen is counted as such
+(never as "no write before it").
 """
 
 import os
@@ -54,9 +62,14 @@ if os.environ.get("BENCH_PROBE") == "1":
             self.ops = collections.Counter()
 
     STATE = _State()
+    HOOKS = []  # which hooks were installed (the stats say so)
+    import weakref
+
+    CLIENTS = weakref.WeakSet()  # the gateway's kiln.http1.HttpClient instances
 
     class _Request:
-        __slots__ = ("path", "start", "end", "first_upstream_byte", "calls", "status")
+        __slots__ = ("path", "start", "end", "first_upstream_byte", "calls", "status", "upstream_connects",
+                     "upstream_requests")
 
         def __init__(self, path):
             self.path = path
@@ -65,6 +78,8 @@ if os.environ.get("BENCH_PROBE") == "1":
             self.first_upstream_byte = None
             self.calls = []
             self.status = None
+            self.upstream_connects = 0  # new TCP connections to a model server
+            self.upstream_requests = 0
 
         def as_dict(self):
             return {
@@ -75,6 +90,8 @@ if os.environ.get("BENCH_PROBE") == "1":
                 "upstream_first_byte_ms": (self.first_upstream_byte - self.start) * 1000
                 if self.first_upstream_byte else None,
                 "calls": self.calls,
+                "upstream_connects": self.upstream_connects,
+                "upstream_requests": self.upstream_requests,
             }
 
     # -- CPU of one coroutine's own steps --------------------------------------------------
@@ -124,7 +141,7 @@ if os.environ.get("BENCH_PROBE") == "1":
                 "op": operation,
                 "kind": "read" if operation in READS else "write",
                 "start": time.perf_counter(),
-                "wire_ms": 0.0,  # inside httpx's send, summed over attempts
+                "wire_ms": 0.0,  # in the HTTP exchange (request + body read), summed over attempts
                 "sends": 0,
                 "connects": 0,
                 "connection_close": False,
@@ -154,6 +171,7 @@ if os.environ.get("BENCH_PROBE") == "1":
 
         call._bench_probe = True
         cls.call = call
+        HOOKS.append("kiln.aws.AwsClient.call")
 
         try:
             import kiln.auth
@@ -169,11 +187,83 @@ if os.environ.get("BENCH_PROBE") == "1":
         except (ImportError, AttributeError):
             pass
 
-    # -- httpx: the upstream's first byte, and the HTTP part of storage calls ---------------
+    # -- kiln.http1: the HTTP part of storage calls, the upstream's first byte, connections ---
+
+    def _upstream_answered():
+        current = _CURRENT.get()
+        if current is not None:
+            current.upstream_requests += 1
+            if current.first_upstream_byte is None:
+                current.first_upstream_byte = time.perf_counter()
+
+    def _patch_http1():
+        try:
+            import kiln.http1 as http1
+        except ImportError:  # a gateway from before kiln.http1
+            return
+        client = http1.HttpClient
+        if getattr(client.request, "_bench_probe", False):
+            return
+        init_original, request_original = client.__init__, client.request
+        connection_original, read_original = client._connection, http1.Response.read
+
+        def __init__(self, *args, **kwargs):
+            init_original(self, *args, **kwargs)
+            CLIENTS.add(self)
+
+        async def request(self, method, url, **kwargs):
+            aws = _AWS_CALL.get()
+            if aws is None:
+                response = await request_original(self, method, url, **kwargs)
+                _upstream_answered()
+                return response
+            t0 = time.perf_counter()
+            try:
+                response = await request_original(self, method, url, **kwargs)
+            finally:
+                aws["wire_ms"] += (time.perf_counter() - t0) * 1000
+                aws["sends"] += 1
+            message = getattr(response, "_message", None)
+            if (response.header("connection") or "").lower() == "close" or (
+                    message is not None and not message.keep_alive):
+                aws["connection_close"] = True
+            return response
+
+        async def _connection(self, origin, connect_timeout):
+            connection = await connection_original(self, origin, connect_timeout)
+            if not connection.reused:  # just opened (a pooled one is marked reused when taken)
+                aws = _AWS_CALL.get()
+                if aws is not None:
+                    aws["connects"] += 1
+                else:
+                    current = _CURRENT.get()
+                    if current is not None:
+                        current.upstream_connects += 1
+            return connection
+
+        async def read(self, *args, **kwargs):
+            aws = _AWS_CALL.get()
+            if aws is None:
+                return await read_original(self, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return await read_original(self, *args, **kwargs)
+            finally:
+                aws["wire_ms"] += (time.perf_counter() - t0) * 1000
+
+        request._bench_probe = True
+        client.__init__, client.request, client._connection = __init__, request, _connection
+        http1.Response.read = read
+        HOOKS.append("kiln.http1.HttpClient.request/_connection, Response.read")
+
+    # -- httpx (a gateway from before kiln.http1): the same, only if the gateway imported it ---
 
     def _patch_httpx():
-        import httpx
+        import sys
 
+        httpx = sys.modules.get("httpx")
+        if httpx is None:
+            return
         send_original = httpx.AsyncClient.send
         if getattr(send_original, "_bench_probe", False):
             return
@@ -191,15 +281,14 @@ if os.environ.get("BENCH_PROBE") == "1":
                     aws["connection_close"] = True
                 return response
             response = await send_original(self, request, **kwargs)
-            current = _CURRENT.get()
-            if current is not None and current.first_upstream_byte is None:
-                current.first_upstream_byte = time.perf_counter()
+            _upstream_answered()
             return response
 
         send._bench_probe = True
         httpx.AsyncClient.send = send
+        HOOKS.append("httpx.AsyncClient.send")
 
-        try:  # new TCP connections opened for storage calls (the emulator may answer Connection: close)
+        try:  # new TCP connections opened for storage calls
             from httpcore._async.connection import AsyncHTTPConnection
 
             connect_original = AsyncHTTPConnection._connect
@@ -208,6 +297,10 @@ if os.environ.get("BENCH_PROBE") == "1":
                 aws = _AWS_CALL.get()
                 if aws is not None:
                     aws["connects"] += 1
+                else:
+                    current = _CURRENT.get()
+                    if current is not None:
+                        current.upstream_connects += 1
                 return await connect_original(self, *args, **kwargs)
 
             AsyncHTTPConnection._connect = _connect
@@ -231,7 +324,19 @@ if os.environ.get("BENCH_PROBE") == "1":
             "outside_calls": outside,
             "background_calls": background,
             "ops": ops,
+            "hooks": list(HOOKS),
+            "http_clients": _clients(),
         }
+
+    def _clients():
+        out = []
+        for client in list(CLIENTS):
+            idle = getattr(client, "_idle", {}) or {}
+            out.append({
+                "open_connections": getattr(client, "open_connections", None),
+                "idle": {f"{scheme}://{host}:{port}": len(pool) for (scheme, host, port), pool in idle.items()},
+            })
+        return out
 
     class Probe:
         def __init__(self, app):
@@ -275,7 +380,7 @@ if os.environ.get("BENCH_PROBE") == "1":
 
     def load(self):
         _load(self)
-        for patch in (_patch_httpx, _patch_kiln):
+        for patch in (_patch_http1, _patch_httpx, _patch_kiln):
             try:
                 patch()
             except Exception as exc:  # noqa: BLE001 - a probe never breaks the gateway; it says so
