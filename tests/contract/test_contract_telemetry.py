@@ -48,3 +48,12 @@ def test_errors_are_counted_by_code_and_429s_and_upstream_failures_have_their_ow
     requests = [r for r in _records_since(mark) if "Requests" in r]
     assert requests[0]["UpstreamFailures"] == [1.0]  # the dead backend, before failing over
     assert requests[1]["UsageEstimated"] == [1.0]
+
+
+def test_readiness_probes_leave_no_request_records(stack):
+    mark = len(TELEMETRY.text())
+    for _ in range(3):
+        assert stack.http.get("/healthz").status_code == 200
+    assert stack.http.get("/v1/models").status_code == 401  # a customer request still gets its record
+    paths = [r.get("path") for r in _records_since(mark) if r.get("message") == "request"]
+    assert paths == ["/v1/models"]

@@ -128,12 +128,17 @@ class Observer:
 
 
 class ObservabilityMiddleware:
-    def __init__(self, app: Any, observer: Observer | None = None) -> None:
+    """One record per request, emitted after its answer. `quiet_paths` (the readiness check)
+    pass untouched: they are not customer traffic, and a cold start's first real answer must
+    not wait for the telemetry set-up that a readiness probe would otherwise trigger."""
+
+    def __init__(self, app: Any, observer: Observer | None = None, quiet_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
-        self.observer = observer  # made on the first request when not given
+        self.observer = observer  # made after the first answer when not given
+        self.quiet_paths = quiet_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.quiet_paths:
             return await self.app(scope, receive, send)
         record = RequestRecord(scope.get("method", "-"), scope.get("path", "-"))
         scope.setdefault("state", {})["kiln_record"] = record

@@ -22,6 +22,8 @@ from .responses import error_response
 
 __all__ = ["RouteSpec", "completion_routes", "create_app", "generation_routes", "lambda_handler", "model_routes"]
 
+HEALTH_PATH = "/healthz"  # the Web Adapter's readiness check (AWS_LWA_READINESS_CHECK_PATH in template.yaml)
+
 log = logging.getLogger("kiln.web")
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -83,7 +85,7 @@ def create_app(
         app.state.gateway = gateway
     else:
         app.add_middleware(_LazyGateway, factory=factory or Gateway.from_env)
-    app.add_api_route("/healthz", _healthz, methods=["GET"], include_in_schema=False, response_class=Response)
+    app.add_api_route(HEALTH_PATH, _healthz, methods=["GET"], include_in_schema=False, response_class=Response)
     for route in routes:
         app.add_api_route(
             route.path,
@@ -96,7 +98,7 @@ def create_app(
             response_class=Response,
         )
     # outermost: it sees every response, the error handlers' included
-    app.add_middleware(ObservabilityMiddleware, observer=observer)
+    app.add_middleware(ObservabilityMiddleware, observer=observer, quiet_paths=frozenset({HEALTH_PATH}))
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
