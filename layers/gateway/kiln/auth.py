@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import InvalidApiKey, OrganizationDisabled
@@ -26,12 +25,16 @@ INVALID_KEY = "Incorrect API key provided. You can find your API key in your Kil
 LAST_USED_RESOLUTION_SECONDS = 600
 
 
-@dataclass(frozen=True)
 class Principal:
-    key_id: str
-    org_id: str
-    key_active: bool
-    org_active: bool
+    """Who a key belongs to, as cached (never changed once made)."""
+
+    __slots__ = ("key_id", "org_id", "key_active", "org_active")
+
+    def __init__(self, key_id: str, org_id: str, key_active: bool, org_active: bool) -> None:
+        self.key_id = key_id
+        self.org_id = org_id
+        self.key_active = key_active
+        self.org_active = org_active
 
 
 class Authenticator:

@@ -16,7 +16,6 @@ import hmac
 import json
 import os
 import random
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -53,11 +52,15 @@ class AwsError(Exception):
         self.status = status
 
 
-@dataclass(frozen=True)
 class Credentials:
-    access_key: str
-    secret_key: str
-    token: str | None = None
+    """Signing keys (no repr: they must never reach a log)."""
+
+    __slots__ = ("access_key", "secret_key", "token")
+
+    def __init__(self, access_key: str, secret_key: str, token: str | None = None) -> None:
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.token = token
 
 
 def resolve_credentials(endpoint_url: str | None) -> Callable[[], Credentials]:

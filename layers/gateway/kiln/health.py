@@ -11,7 +11,6 @@ on backends known to be down. Operators mark a backend out for good in the catal
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from .catalog import Backend
@@ -19,11 +18,13 @@ from .catalog import Backend
 __all__ = ["BackendHealth"]
 
 
-@dataclass
 class _State:
-    failures: int = 0
-    open_until: float = 0.0
-    trial_in_flight: bool = False
+    __slots__ = ("failures", "open_until", "trial_in_flight")
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+        self.trial_in_flight = False
 
 
 class BackendHealth:

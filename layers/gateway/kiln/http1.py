@@ -18,7 +18,6 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
@@ -50,11 +49,13 @@ class ProtocolFailure(HttpError):
         self.nothing_received = nothing_received
 
 
-@dataclass
 class _Origin:
-    scheme: str
-    host: str
-    port: int
+    __slots__ = ("scheme", "host", "port")
+
+    def __init__(self, scheme: str, host: str, port: int) -> None:
+        self.scheme = scheme
+        self.host = host
+        self.port = port
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -81,17 +82,26 @@ class _Connection:
             self.writer.close()
 
 
-@dataclass
 class _Message:
     """httptools' callbacks for one response."""
 
-    status: int = 0
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    headers_complete: bool = False
-    complete: bool = False
-    pending: deque = field(default_factory=deque)
-    keep_alive: bool = False
-    parser: object = None
+    __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser")
+
+    def __init__(
+        self,
+        status: int = 0,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        headers_complete: bool = False,
+        complete: bool = False,
+        pending: deque | None = None,
+    ) -> None:
+        self.status = status
+        self.headers = headers if headers is not None else []
+        self.headers_complete = headers_complete
+        self.complete = complete
+        self.pending = pending if pending is not None else deque()
+        self.keep_alive = False
+        self.parser: object = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))

@@ -11,10 +11,14 @@ from .errors import EmptyArray, InvalidJson, InvalidType, MissingParameter, Mode
 __all__ = ["CHAT", "COMPLETIONS", "Endpoint", "ModelCall", "normalize"]
 
 
-@dataclass(frozen=True)
 class Endpoint:
-    name: str  # as recorded in usage events
-    upstream_path: str  # appended to a backend's base URL
+    """One of the two completion endpoints (CHAT, COMPLETIONS: compared by identity)."""
+
+    __slots__ = ("name", "upstream_path")
+
+    def __init__(self, name: str, upstream_path: str) -> None:
+        self.name = name  # as recorded in usage events
+        self.upstream_path = upstream_path  # appended to a backend's base URL
 
     @property
     def is_chat(self) -> bool:

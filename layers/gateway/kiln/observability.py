@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from .store.usage import UsageEvent
@@ -25,21 +24,24 @@ SERVICE = os.environ.get("POWERTOOLS_SERVICE_NAME", "kiln")
 _UPSTREAM_FAILURES = ("upstream_error", "stream_interrupted")
 
 
-@dataclass
 class RequestRecord:
     """What the handlers learn about a request, for its log line and metrics."""
 
-    method: str
-    path: str
-    started: float = field(default_factory=time.monotonic)
-    status: int | None = None
-    first_byte_ms: int | None = None
-    org_id: str | None = None
-    model: str | None = None
-    endpoint: str | None = None
-    error_code: str | None = None
-    usage: UsageEvent | None = None
-    backend_failures: int = 0
+    __slots__ = ("method", "path", "started", "status", "first_byte_ms", "org_id", "model", "endpoint",
+                 "error_code", "usage", "backend_failures")
+
+    def __init__(self, method: str, path: str) -> None:
+        self.method = method
+        self.path = path
+        self.started = time.monotonic()
+        self.status: int | None = None
+        self.first_byte_ms: int | None = None
+        self.org_id: str | None = None
+        self.model: str | None = None
+        self.endpoint: str | None = None
+        self.error_code: str | None = None
+        self.usage: UsageEvent | None = None
+        self.backend_failures = 0
 
     def as_log(self) -> dict[str, Any]:
         entry: dict[str, Any] = {

@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from .catalog import Backend, ModelEntry
@@ -48,16 +47,24 @@ def describe_transport_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}"
 
 
-@dataclass
 class UpstreamExchange:
     """A committed (2xx) answer of one backend, body not read yet."""
 
-    backend: Backend
-    response: Response
-    # backends tried before this one, and why they failed
-    failures: list[str] = field(default_factory=list)
-    sent_at: float = 0.0
-    health: BackendHealth | None = None
+    __slots__ = ("backend", "response", "failures", "sent_at", "health")
+
+    def __init__(
+        self,
+        backend: Backend,
+        response: Response,
+        failures: list[str] | None = None,  # backends tried before this one, and why they failed
+        sent_at: float = 0.0,
+        health: BackendHealth | None = None,
+    ) -> None:
+        self.backend = backend
+        self.response = response
+        self.failures = failures if failures is not None else []
+        self.sent_at = sent_at
+        self.health = health
 
     def broke(self) -> None:
         """The backend failed after answering 2xx (a cut or silent stream, a truncated body)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from fastapi import FastAPI
@@ -29,15 +28,28 @@ log = logging.getLogger("kiln.web")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-@dataclass(frozen=True)
 class RouteSpec:
-    path: str
-    endpoint: Handler
-    methods: tuple[str, ...]
-    name: str
-    summary: str
-    openapi_extra: dict[str, Any] = field(default_factory=dict)
-    responses: dict[int | str, dict[str, Any]] = field(default_factory=dict)
+    """One route of a function's app, with its OpenAPI description."""
+
+    __slots__ = ("path", "endpoint", "methods", "name", "summary", "openapi_extra", "responses")
+
+    def __init__(
+        self,
+        path: str,
+        endpoint: Handler,
+        methods: tuple[str, ...],
+        name: str,
+        summary: str,
+        openapi_extra: dict[str, Any] | None = None,
+        responses: dict[int | str, dict[str, Any]] | None = None,
+    ) -> None:
+        self.path = path
+        self.endpoint = endpoint
+        self.methods = methods
+        self.name = name
+        self.summary = summary
+        self.openapi_extra = openapi_extra or {}
+        self.responses = responses or {}
 
 
 def completion_routes(path: str, endpoint: Endpoint, summary: str) -> list[RouteSpec]:
