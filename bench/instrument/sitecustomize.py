@@ -196,6 +196,25 @@ if os.environ.get("BENCH_PROBE") == "1":
             if current.first_upstream_byte is None:
                 current.first_upstream_byte = time.perf_counter()
 
+    def _count_connect():
+        """A new TCP connection: to storage while a storage call runs, otherwise upstream."""
+        aws = _AWS_CALL.get()
+        if aws is not None:
+            aws["connects"] += 1
+            return
+        current = _CURRENT.get()
+        if current is not None:
+            current.upstream_connects += 1
+
+    async def _timed_aws_send(aws, send):
+        """Await one storage exchange, adding its wire time to the storage call's record."""
+        t0 = time.perf_counter()
+        try:
+            return await send
+        finally:
+            aws["wire_ms"] += (time.perf_counter() - t0) * 1000
+            aws["sends"] += 1
+
     def _patch_http1():
         try:
             import kiln.http1 as http1
@@ -217,12 +236,7 @@ if os.environ.get("BENCH_PROBE") == "1":
                 response = await request_original(self, method, url, **kwargs)
                 _upstream_answered()
                 return response
-            t0 = time.perf_counter()
-            try:
-                response = await request_original(self, method, url, **kwargs)
-            finally:
-                aws["wire_ms"] += (time.perf_counter() - t0) * 1000
-                aws["sends"] += 1
+            response = await _timed_aws_send(aws, request_original(self, method, url, **kwargs))
             message = getattr(response, "_message", None)
             if (response.header("connection") or "").lower() == "close" or (
                     message is not None and not message.keep_alive):
@@ -232,13 +246,7 @@ if os.environ.get("BENCH_PROBE") == "1":
         async def _connection(self, origin, connect_timeout):
             connection = await connection_original(self, origin, connect_timeout)
             if not connection.reused:  # just opened (a pooled one is marked reused when taken)
-                aws = _AWS_CALL.get()
-                if aws is not None:
-                    aws["connects"] += 1
-                else:
-                    current = _CURRENT.get()
-                    if current is not None:
-                        current.upstream_connects += 1
+                _count_connect()
             return connection
 
         async def read(self, *args, **kwargs):
@@ -271,12 +279,7 @@ if os.environ.get("BENCH_PROBE") == "1":
         async def send(self, request, **kwargs):
             aws = _AWS_CALL.get()
             if aws is not None:
-                t0 = time.perf_counter()
-                try:
-                    response = await send_original(self, request, **kwargs)
-                finally:
-                    aws["wire_ms"] += (time.perf_counter() - t0) * 1000
-                    aws["sends"] += 1
+                response = await _timed_aws_send(aws, send_original(self, request, **kwargs))
                 if response.headers.get("connection", "").lower() == "close":
                     aws["connection_close"] = True
                 return response
@@ -294,13 +297,7 @@ if os.environ.get("BENCH_PROBE") == "1":
             connect_original = AsyncHTTPConnection._connect
 
             async def _connect(self, *args, **kwargs):
-                aws = _AWS_CALL.get()
-                if aws is not None:
-                    aws["connects"] += 1
-                else:
-                    current = _CURRENT.get()
-                    if current is not None:
-                        current.upstream_connects += 1
+                _count_connect()
                 return await connect_original(self, *args, **kwargs)
 
             AsyncHTTPConnection._connect = _connect
