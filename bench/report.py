@@ -284,6 +284,8 @@ def _breakdown(results: dict) -> str:
         lines.append("")
         lines.append(f"The first request of a fresh process (caches empty) made: {ops or 'no storage call'}; "
                      f"server time {_fmt(first['server_ms']['p50'])} ms, of which storage in flight {_fmt(union)} ms"
+                     + (f"; its answer was out after {_fmt(first['answered_ms']['p50'])} ms, the rest is work done after it"
+                        if (first.get("answered_ms") or {}).get("p50") is not None else "")
                      + (f" (the calls' own times add up to {_fmt(summed)} ms: some ran concurrently)"
                         if summed is not None and summed - union > 0.5 else "") + ".")
     conns = []
@@ -720,11 +722,14 @@ def _comparison(befores: list[tuple[Path | None, dict]], after: dict) -> str:
     firsts = [_get(r, "breakdown", "buffered_c1", "first_request") or {} for r in runs]
     if any(firsts):
         out += ["", "The first request of a fresh process (caches empty), buffered:", "",
-                "| run | storage calls | storage in flight ms | server time ms |", "|---|---|---:|---:|"]
+                "| run | storage calls | storage in flight ms | answer out ms | server time ms |", "|---|---|---:|---:|---:|"]
         for label, f in zip(labels, firsts, strict=True):
             ops_ = ", ".join(f"{op} ×{e['count']}" for op, e in (f.get("by_operation") or {}).items()) or "–"
             out.append(f"| {label} | {ops_} | {_fmt(_get(f, 'storage_ms_per_request', 'p50'))} | "
-                       f"{_fmt(_get(f, 'server_ms', 'p50'))} |")
+                       f"{_fmt(_get(f, 'answered_ms', 'p50'))} | {_fmt(_get(f, 'server_ms', 'p50'))} |")
+        out += ["", "Server time runs until the app returns, work after the answer included (since b3c2d42 the first "
+                "real request, not the readiness check, sets up telemetry once its answer is out); the answer is out "
+                "when its last body byte is handed to the server (– where a run did not measure it)."]
 
     # cold start
     colds = [((r.get("coldstart") or {}).get("variants") or {}) for r in runs]

@@ -68,13 +68,14 @@ if os.environ.get("BENCH_PROBE") == "1":
     CLIENTS = weakref.WeakSet()  # the gateway's kiln.http1.HttpClient instances
 
     class _Request:
-        __slots__ = ("path", "start", "end", "first_upstream_byte", "calls", "status", "upstream_connects",
-                     "upstream_requests")
+        __slots__ = ("path", "start", "answered", "end", "first_upstream_byte", "calls", "status",
+                     "upstream_connects", "upstream_requests")
 
         def __init__(self, path):
             self.path = path
             self.start = time.perf_counter()
-            self.end = None
+            self.answered = None  # the last body byte handed to the server: the client has its answer
+            self.end = None  # the app returned: work done after the answer (telemetry) included
             self.first_upstream_byte = None
             self.calls = []
             self.status = None
@@ -87,6 +88,7 @@ if os.environ.get("BENCH_PROBE") == "1":
                 "status": self.status,
                 "start": self.start,
                 "duration_ms": (self.end - self.start) * 1000 if self.end else None,
+                "answered_ms": (self.answered - self.start) * 1000 if self.answered else None,
                 "upstream_first_byte_ms": (self.first_upstream_byte - self.start) * 1000
                 if self.first_upstream_byte else None,
                 "calls": self.calls,
@@ -361,6 +363,8 @@ if os.environ.get("BENCH_PROBE") == "1":
                 if message["type"] == "http.response.start":
                     request.status = message["status"]
                 await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    request.answered = time.perf_counter()
 
             try:
                 await self.app(scope, receive, observed)
