@@ -450,7 +450,10 @@ def _coldstart(results: dict) -> str:
     lines = [f"{c['python']}, median of {c['repeats']} starts each; 'ready' = /healthz answered (what the Web Adapter "
              "waits for; a function builds its gateway on that first request), 'first request' = from ready to the "
              "first real request answered (the function's own first request: its storage and upstream calls included; "
-             "the bare app answers GET /), 'first answer' = process start to that answer.", "",
+             "the bare app answers GET /), 'first answer' = process start to that answer."
+             + (" Each round of starts turns the order of the apps by one place and alternates .pyc and no .pyc, after "
+                "one start per variant that is not counted (until 35285c8 chat_completions always came first after a "
+                "change of tree, which cost it 10–30 ms)." if c.get("order") == "rotated" else ""), "",
              "| app | ready, .pyc | first request, .pyc | first answer, .pyc | × bare | ready, no .pyc | first answer, no .pyc | × bare | errors |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     pyc, nopyc = c["variants"]["pyc"], c["variants"]["nopyc"]
