@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import Awaitable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from .auth import Principal
 from .errors import GatewayError, GenerationNotFound, InvalidJson, ModelNotFound, RequestTooLarge
 from .exchange import Exchange
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
 from .normalize import Endpoint, normalize
-from .observability import record_of
+from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
 from .store.usage import get_event_of_org
 
@@ -55,11 +57,16 @@ async def complete(request: Request, endpoint: Endpoint) -> Response:
     return await Exchange(gateway, principal, call, lease, record).respond()  # 6
 
 
+def _authenticate(gateway: Gateway, request: Request) -> Awaitable[Principal]:
+    """Check 3 of §2: the caller's key, as a storage call."""
+    return gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))
+
+
 async def _key_and_catalog(gateway: Gateway, request: Request) -> tuple:
     """Authenticate and fetch the catalog at once (on cold caches, two reads in parallel), then
     answer in the contract's order: a bad key before anything the catalog could say."""
     principal, catalog = await asyncio.gather(
-        gateway.storage(gateway.auth.authenticate(request.headers.get("authorization"))),
+        _authenticate(gateway, request),
         gateway.catalog(),
         return_exceptions=True,
     )
@@ -69,14 +76,21 @@ async def _key_and_catalog(gateway: Gateway, request: Request) -> tuple:
     return principal, catalog
 
 
+async def _reader_checks(gateway: Gateway, request: Request, record: RequestRecord) -> Principal:
+    """Checks 1 and 3 of §2 for the endpoints that read (they have no body and admit nothing)."""
+    await gateway.check_maintenance()
+    principal = await _authenticate(gateway, request)
+    record.org_id = principal.org_id
+    return principal
+
+
 async def list_models(request: Request) -> Response:
     """GET /v1/models: the catalog with prices and capabilities."""
     gateway = get_gateway(request)
     record = record_of(request)
     record.endpoint = "models"
     try:
-        await gateway.check_maintenance()
-        record.org_id = (await gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))).org_id
+        await _reader_checks(gateway, request, record)
         catalog = await gateway.catalog()
     except GatewayError as error:
         record.error_code = error.code
@@ -91,8 +105,7 @@ async def retrieve_model(request: Request) -> Response:
     record.endpoint = "models"
     model_id = request.path_params["model_id"]
     try:
-        await gateway.check_maintenance()
-        record.org_id = (await gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))).org_id
+        await _reader_checks(gateway, request, record)
         model = (await gateway.catalog()).get(model_id)
         if model is None:
             raise ModelNotFound(model_id)
@@ -109,9 +122,7 @@ async def retrieve_generation(request: Request) -> Response:
     record.endpoint = "generations"
     gen_id = request.path_params["gen_id"]
     try:
-        await gateway.check_maintenance()
-        principal = await gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))
-        record.org_id = principal.org_id
+        principal = await _reader_checks(gateway, request, record)
         event = None
         if GENERATION_ID.fullmatch(gen_id):
             event = await gateway.storage(
