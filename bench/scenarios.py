@@ -7,7 +7,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -357,18 +357,21 @@ def ab_versions(stack: Stack, versions: dict[str, Path], *, count: int, rounds: 
 
 # -- profiles ------------------------------------------------------------------------------
 
+def _stacks(raw: str) -> Iterator[tuple[list[str], int]]:
+    """py-spy's raw (collapsed) output: each stack's frames, root first, and its sample count."""
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
 def _collapse(raw: str, top: int = 25) -> dict[str, Any]:
     """Self and inclusive sample shares per function from py-spy's raw (collapsed) output."""
     self_counts: dict[str, int] = {}
     incl_counts: dict[str, int] = {}
     total = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
+    for frames, n in _stacks(raw):
         total += n
-        frames = stack.split(";")
         leaf = frames[-1]
         self_counts[leaf] = self_counts.get(leaf, 0) + n
         for frame in set(frames):
@@ -425,13 +428,8 @@ def _grouped(raw: str, *, gateway: bool = True) -> dict[str, float]:
     counts = {**({STORAGE: 0, UPSTREAM: 0} if gateway else {}), **{name: 0 for name in groups}}
     counts["other (event loop, interpreter)"] = 0
     total = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
+    for frames, n in _stacks(raw):
         total += n
-        frames = stack.split(";")
         chosen = None
         if gateway:
             if any(needle in frame for frame in frames for needle in STORAGE_FRAMES):
