@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .procs import Child, Procs, free_port, wait_http
 from .stack import GAP_MODEL, MODEL, clean_env
@@ -97,6 +98,22 @@ def install_litellm(home: Path) -> PeerStatus:
     return status
 
 
+def _start(procs: Procs, status: PeerStatus, name: str, argv: list[str], *, env: dict[str, str], cwd: Path,
+           port: int, health: str, timeout: float, ok: Callable[[int], bool] | None = None) -> Child | None:
+    """Start a peer and wait for `health` to answer; on failure, say why in `status` and stop it."""
+    started = time.monotonic()
+    child = procs.start(name, argv, env=env, cwd=cwd)
+    try:
+        wait_http(f"http://127.0.0.1:{port}{health}", child=child, timeout=timeout, ok=ok)
+    except (RuntimeError, TimeoutError) as exc:
+        status.problems.append(f"did not start: {exc}")
+        procs.stop(child)
+        return None
+    status.started, status.start_seconds = True, round(time.monotonic() - started, 2)
+    status.url, status.pid = f"http://127.0.0.1:{port}/v1", child.pid
+    return child
+
+
 def start_litellm(procs: Procs, home: Path, status: PeerStatus, mock_url: str, gap_base: str) -> Child | None:
     if not status.installed:
         return None
@@ -113,16 +130,10 @@ def start_litellm(procs: Procs, home: Path, status: PeerStatus, mock_url: str, g
                     DISABLE_ADMIN_UI="True", PYTHONUNBUFFERED="1")
     argv = [str(where / "venv" / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1",
             "--port", str(port), "--num_workers", "1"]
-    started = time.monotonic()
-    child = procs.start("litellm", argv, env=env, cwd=where)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health/liveliness", child=child, timeout=180, ok=lambda s: s == 200)
-    except (RuntimeError, TimeoutError) as exc:
-        status.problems.append(f"did not start: {exc}")
-        procs.stop(child)
+    child = _start(procs, status, "litellm", argv, env=env, cwd=where, port=port, health="/health/liveliness",
+                   timeout=180, ok=lambda s: s == 200)
+    if child is None:
         return None
-    status.started, status.start_seconds = True, round(time.monotonic() - started, 2)
-    status.url, status.pid = f"http://127.0.0.1:{port}/v1", child.pid
     status.notes.append("uvicorn, 1 worker, master key only (no database), LITELLM_LOCAL_MODEL_COST_MAP=True")
     return child
 
@@ -182,17 +193,10 @@ def start_portkey(procs: Procs, home: Path, status: PeerStatus) -> Child | None:
     port = free_port()
     server = where / "node_modules" / "@portkey-ai" / "gateway" / "build" / "start-server.js"
     env = clean_env(TRUSTED_CUSTOM_HOSTS="127.0.0.1,localhost", NODE_ENV="production")
-    started = time.monotonic()
-    child = procs.start("portkey", [shutil.which("node") or "node", str(server), f"--port={port}", "--headless"],
-                        env=env, cwd=where)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/", child=child, timeout=60)
-    except (RuntimeError, TimeoutError) as exc:
-        status.problems.append(f"did not start: {exc}")
-        procs.stop(child)
+    child = _start(procs, status, "portkey", [shutil.which("node") or "node", str(server), f"--port={port}", "--headless"],
+                   env=env, cwd=where, port=port, health="/", timeout=60)
+    if child is None:
         return None
-    status.started, status.start_seconds = True, round(time.monotonic() - started, 2)
-    status.url, status.pid = f"http://127.0.0.1:{port}/v1", child.pid
     versions = portkey_versions(home)
     status.notes.append("node " + subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
                         + "; " + ", ".join(f"{k} {v}" for k, v in versions.items())
