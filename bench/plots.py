@@ -15,6 +15,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 COLORS = {"direct": "#7f7f7f", "kiln": "#d62728", "portkey": "#1f77b4", "litellm": "#2ca02c"}
 
 
+def _save(fig, path: Path) -> None:
+    """Every plot at the same resolution, then freed (a run draws several)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _targets(results: dict) -> list[str]:
     seen = []
     for cell in results.get("matrix", []):
@@ -50,9 +57,7 @@ def latency(results: dict, out: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out / "latency.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "latency.png")
 
 
 def throughput(results: dict, out: Path) -> None:
@@ -71,9 +76,7 @@ def throughput(results: dict, out: Path) -> None:
         ax.set_title(mode)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "throughput.png")
 
 
 def gaps(results: dict, out: Path) -> None:
@@ -91,9 +94,7 @@ def gaps(results: dict, out: Path) -> None:
     ax.set_xlim(0, 3 * results["gaps"]["upstream_token_delay_ms"])
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "gaps.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "gaps.png")
 
 
 def coldstart(results: dict, out: Path) -> None:
@@ -117,9 +118,7 @@ def coldstart(results: dict, out: Path) -> None:
     ax.set_ylabel("ms from process start (tick: /healthz ready)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "coldstart.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "coldstart.png")
 
 
 def breakdown(results: dict, out: Path) -> None:
@@ -140,9 +139,7 @@ def breakdown(results: dict, out: Path) -> None:
     ax.set_xlabel("ms per request (server side, p50)")
     ax.legend(fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "breakdown.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "breakdown.png")
 
 
 def main(argv: list[str]) -> int:
