@@ -111,6 +111,14 @@ def created_key(result: Result) -> tuple[str, str]:
     return key_id, secret
 
 
+def org_with_key(admin, *, credits: str) -> tuple[str, str, str]:
+    """A new org with `credits` and one key, made through the CLI: (org id, key id, secret)."""
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", credits).code == 0
+    key_id, secret = created_key(admin("keys", "create", org_id))
+    return org_id, key_id, secret
+
+
 def assert_fails(result: Result, *fragments: str, code: int = 1) -> str:
     """A non-zero exit with the reason on the last line of stderr and no traceback."""
     assert result.code == code, (result.code, result.lines, result.err)
@@ -187,9 +195,7 @@ def poll(predicate, timeout: float = 5.0):
 
 
 def test_orgs_show_counts_requests_in_flight(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
-    _, secret = created_key(admin("keys", "create", org_id))
+    org_id, _, secret = org_with_key(admin, credits="5")
     with one_request_in_flight(stack, secret) as done:
         assert "  in flight    1" in admin("orgs", "show", org_id).lines
     assert done == [200]
@@ -197,9 +203,7 @@ def test_orgs_show_counts_requests_in_flight(admin, stack):
 
 
 def test_disable_turns_the_orgs_keys_away_with_403_and_enable_lets_them_in(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
-    _, secret = created_key(admin("keys", "create", org_id))
+    org_id, _, secret = org_with_key(admin, credits="5")
     assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
 
     result = admin("orgs", "disable", org_id)
@@ -312,9 +316,7 @@ def test_keys_list_does_not_show_another_orgs_keys(admin):
 
 
 def test_revoked_key_gets_401_and_revoking_twice_is_refused(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "5").code == 0
-    key_id, secret = created_key(admin("keys", "create", org_id))
+    org_id, key_id, secret = org_with_key(admin, credits="5")
     assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
 
     result = admin("keys", "revoke", key_id)
@@ -707,9 +709,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 def test_usage_totals_equal_the_ledger(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "3").code == 0
-    _, secret = created_key(admin("keys", "create", org_id))
+    org_id, _, secret = org_with_key(admin, credits="3")
     gen_ids = _traffic(stack, secret) + _traffic(stack, secret)
     report = json.loads(admin("usage", org_id, "--format", "json").text)
     total = report["total"]
@@ -731,9 +731,7 @@ def test_usage_totals_equal_the_ledger(admin, stack):
 
 
 def test_usage_since_and_until_split_the_period_exactly(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "3").code == 0
-    _, secret = created_key(admin("keys", "create", org_id))
+    org_id, _, secret = org_with_key(admin, credits="3")
     _traffic(stack, secret)
     events = sorted(stack.events(org_id), key=lambda e: e.created_at)
     middle = events[4].created_at
@@ -748,9 +746,7 @@ def test_usage_since_and_until_split_the_period_exactly(admin, stack):
 
 
 def test_usage_reports_progress_while_it_pages(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "3").code == 0
-    _, secret = created_key(admin("keys", "create", org_id))
+    org_id, _, secret = org_with_key(admin, credits="3")
     _traffic(stack, secret)
     result = admin("usage", org_id, "--progress", "--format", "csv")
     assert "kiln admin: 9 usage events read…" in result.err
@@ -763,9 +759,7 @@ def test_usage_of_an_unknown_org_fails(admin):
 
 
 def test_credits_show_has_the_balance_and_latest_debits(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
-    _, secret = created_key(admin("keys", "create", org_id))
+    org_id, _, secret = org_with_key(admin, credits="1")
     gen_ids = _traffic(stack, secret)
     table = admin("credits", "show", org_id, "--last", "3")
     balance = stack.org_info(org_id).credits
@@ -779,9 +773,7 @@ def test_credits_show_has_the_balance_and_latest_debits(admin, stack):
 
 
 def test_generation_shows_the_full_usage_event(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
-    _, secret = created_key(admin("keys", "create", org_id))
+    org_id, _, secret = org_with_key(admin, credits="1")
     gen_id = _traffic(stack, secret)[0]
     table = admin("generation", gen_id)
     fields = dict(line.split(None, 1) for line in table.lines)
@@ -793,9 +785,7 @@ def test_generation_shows_the_full_usage_event(admin, stack):
 
 
 def test_keys_list_shows_when_a_key_was_last_used(admin, stack):
-    org_id = new_org_id()
-    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
-    key_id, secret = created_key(admin("keys", "create", org_id))
+    org_id, key_id, secret = org_with_key(admin, credits="1")
     (row,) = json.loads(admin("keys", "list", org_id, "--format", "json").text)
     assert row["last_used_at"] is None
     assert stack.post(CHAT_PATH, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}]}, secret).status_code == 200
