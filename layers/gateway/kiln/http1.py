@@ -176,22 +176,13 @@ class Response:
     async def _receive(self) -> None:
         connection = self._connection
         assert connection is not None
-        try:
-            async with asyncio.timeout(self._read_timeout):
-                data = await connection.reader.read(READ_SIZE)
-        except TimeoutError:
-            raise Timeout("the server sent nothing in time") from None
-        except OSError as exc:
-            raise ProtocolFailure(f"connection lost: {exc}") from exc
+        data = await _read(connection, self._read_timeout, "the server sent nothing in time")
         if not data:
             if self._message.headers_complete and _delimited_by_close(self._message.headers):
                 self._message.complete = True
                 return
             raise ProtocolFailure("the server closed the connection before the response was complete")
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            raise ProtocolFailure(f"malformed response: {exc}") from exc
+        _feed(self._parser, data)
 
     def _release(self) -> None:
         if self._closed:
@@ -281,20 +272,11 @@ class HttpClient:
             raise ProtocolFailure(f"connection lost while sending: {exc}", nothing_received=True) from exc
         received = False
         while not message.headers_complete:
-            try:
-                async with asyncio.timeout(read_timeout):
-                    data = await connection.reader.read(READ_SIZE)
-            except TimeoutError:
-                raise Timeout("no response in time") from None
-            except OSError as exc:
-                raise ProtocolFailure(f"connection lost: {exc}", nothing_received=not received) from exc
+            data = await _read(connection, read_timeout, "no response in time", nothing_received=not received)
             if not data:
                 raise ProtocolFailure("the server closed the connection without answering", nothing_received=not received)
             received = True
-            try:
-                parser.feed_data(data)
-            except httptools.HttpParserError as exc:
-                raise ProtocolFailure(f"malformed response: {exc}") from exc
+            _feed(parser, data)
         message.status = parser.get_status_code()
         return Response(self, connection, parser, message, read_timeout)
 
@@ -339,6 +321,25 @@ class HttpClient:
             connection.close()
         self._open.clear()
         self._idle.clear()
+
+
+async def _read(connection: _Connection, timeout: float | None, timeout_message: str, *,
+                nothing_received: bool = False) -> bytes:
+    """What the server sent next (b"" once it closed), waiting at most `timeout`."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await connection.reader.read(READ_SIZE)
+    except TimeoutError:
+        raise Timeout(timeout_message) from None
+    except OSError as exc:
+        raise ProtocolFailure(f"connection lost: {exc}", nothing_received=nothing_received) from exc
+
+
+def _feed(parser: object, data: bytes) -> None:
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserError as exc:
+        raise ProtocolFailure(f"malformed response: {exc}") from exc
 
 
 def _delimited_by_close(headers: list[tuple[bytes, bytes]]) -> bool:
