@@ -156,7 +156,8 @@ class AwsClient:
         max_attempts: int = 3,
     ) -> None:
         self._region = region
-        self._endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
+        # each service's URL and Host, worked out once
+        self._urls = {service: _url(service, region, endpoint_url) for service in _SERVICES}
         self._credentials = credentials or resolve_credentials(endpoint_url)
         self._timeout = timeout
         self._max_attempts = max_attempts
@@ -165,17 +166,10 @@ class AwsClient:
         self._http = http or HttpClient(ssl_context=client_context)
         self._signing_keys: dict = {}
 
-    def _url(self, service: str) -> tuple[str, str]:
-        if self._endpoint_url:
-            url = self._endpoint_url + "/"
-        else:
-            url = f"https://{service}.{self._region}.amazonaws.com/"
-        return url, urlsplit(url).netloc
-
     async def call(self, service: str, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
         prefix, content_type = _SERVICES[service]
         body = json.dumps(payload, separators=(",", ":")).encode()
-        url, host = self._url(service)
+        url, host = self._urls[service]
         delay = 0.025
         for attempt in range(1, self._max_attempts + 1):
             headers = sign(
@@ -215,6 +209,11 @@ class AwsClient:
     async def aclose(self) -> None:
         if self._owns_http:
             await self._http.aclose()
+
+
+def _url(service: str, region: str, endpoint_url: str | None) -> tuple[str, str]:
+    url = endpoint_url.rstrip("/") + "/" if endpoint_url else f"https://{service}.{region}.amazonaws.com/"
+    return url, urlsplit(url).netloc
 
 
 def _error_of(response: Response, content: bytes) -> AwsError:
