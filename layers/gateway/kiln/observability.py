@@ -27,13 +27,14 @@ _UPSTREAM_FAILURES = ("upstream_error", "stream_interrupted")
 class RequestRecord:
     """What the handlers learn about a request, for its log line and metrics."""
 
-    __slots__ = ("method", "path", "started", "status", "first_byte_ms", "org_id", "model", "endpoint",
-                 "error_code", "usage", "backend_failures")
+    __slots__ = ("method", "path", "started", "finished", "status", "first_byte_ms", "org_id", "model",
+                 "endpoint", "error_code", "usage", "backend_failures")
 
     def __init__(self, method: str, path: str) -> None:
         self.method = method
         self.path = path
         self.started = time.monotonic()
+        self.finished: float | None = None  # the response is over (set by the middleware)
         self.status: int | None = None
         self.first_byte_ms: int | None = None
         self.org_id: str | None = None
@@ -48,7 +49,7 @@ class RequestRecord:
             "method": self.method,
             "path": self.path,
             "status": self.status,
-            "latency_ms": int((time.monotonic() - self.started) * 1000),
+            "latency_ms": int(((self.finished or time.monotonic()) - self.started) * 1000),
             "org_id": self.org_id,
             "model": self.model,
             "error_code": self.error_code,
@@ -155,6 +156,7 @@ class ObservabilityMiddleware:
         try:
             await self.app(scope, receive, observed_send)
         finally:
+            record.finished = time.monotonic()
             try:
                 if self.observer is None:  # made once the first answer is out, not before it
                     self.observer = Observer()
