@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .jsonio import compact
+
 __all__ = [
     "GatewayError",
     "InvalidJson",
@@ -61,7 +63,7 @@ __all__ = [
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
     """The contract's error shape, serialized."""
     payload = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    return compact(payload)
 
 
 class GatewayError(Exception):

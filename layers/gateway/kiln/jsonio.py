@@ -8,7 +8,7 @@ import secrets
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["loads_strict", "dumps", "decimal_text"]
+__all__ = ["compact", "decimal_text", "dumps", "loads_strict"]
 
 
 def _reject_constant(name: str) -> Any:
@@ -58,6 +58,11 @@ def decimal_text(value: Decimal) -> str:
     if "." in text:
         text = text.rstrip("0").rstrip(".")
     return text
+
+
+def compact(value: Any) -> bytes:
+    """Compact JSON bytes of plain values (no Decimals: see `dumps`), non-ASCII kept as UTF-8."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def dumps(value: Any) -> bytes:

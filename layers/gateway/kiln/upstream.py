@@ -19,6 +19,7 @@ from .catalog import Backend, ModelEntry
 from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .health import BackendHealth
 from .http1 import ConnectFailed, HttpClient, HttpError, ProtocolFailure, Response, Timeout
+from .jsonio import compact
 from .tls import client_context
 
 __all__ = ["UpstreamClient", "UpstreamExchange", "UpstreamStreamError", "describe_transport_error"]
@@ -111,10 +112,10 @@ class UpstreamClient:
         # A stream's headers come at once (then keepalives cover the wait); a buffered answer
         # only arrives when generation is done, so it may take the whole budget.
         header_budget = timeouts.first_byte if stream else timeouts.total
-        shared = _encode(body)
+        shared = compact(body)
         failures: list[str] = []
         for backend in backends:
-            content = _encode({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
+            content = compact({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
             headers = {
                 "content-type": "application/json",
                 "accept": "text/event-stream" if stream else "application/json",
@@ -151,10 +152,6 @@ class UpstreamClient:
             self.health.failed(backend)
         log.warning(json.dumps({"event": "upstream_failed", "model": model.id, "failures": failures}))
         raise UpstreamFailed(BAD_GATEWAY, detail="; ".join(failures))
-
-
-def _encode(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def _read_error_body(response: Response) -> bytes:
