@@ -1,12 +1,17 @@
-"""kiln.parameters: the short cache in front of SSM (maintenance flag, catalog)."""
+"""kiln.parameters: the cache in front of SSM (maintenance flag, catalog, upstream key).
+
+The cache is what keeps a fleet of environments under SSM's 40 TPS: these tests pin down
+when it reads, when it does not, and what it serves while SSM throttles.
+"""
 
 import asyncio
 import logging
 
 import pytest
 
+from kiln.aws import AwsError
 from kiln.maintenance import MaintenanceFlag, parse_flag
-from kiln.parameters import CachedParameter, ParameterUnavailable
+from kiln.parameters import JITTER, RETRY_AFTER, CachedParameter, ParameterUnavailable
 
 
 class Clock:
@@ -16,24 +21,39 @@ class Clock:
     def __call__(self):
         return self.now
 
+    async def sleep(self, seconds):
+        """A pause that takes no real time: the clock moves on, other tasks get to run."""
+        self.now += seconds
+        await asyncio.sleep(0)
+
 
 class Source:
     """A fake SSM parameter: counts reads, can be made to fail, can take its time."""
 
     def __init__(self, value="v1"):
         self.value, self.reads, self.error, self.slow = value, 0, None, False
+        self.fail_times = None  # fail only this many more reads, then answer
 
     async def __call__(self):
         self.reads += 1
         if self.slow:
             await asyncio.sleep(0)  # like a network read: other callers run meanwhile
-        if self.error:
+        if self.error and (self.fail_times is None or self.fail_times > 0):
+            if self.fail_times is not None:
+                self.fail_times -= 1
             raise self.error
         return self.value
 
 
-def make(source, clock, parse=str.upper, max_age=60.0):
-    return CachedParameter("/kiln/test", source, parse, max_age=max_age, clock=clock)
+def throttled():
+    return AwsError("ThrottlingException", "Rate exceeded", status=400)
+
+
+def make(source, clock, parse=str.upper, max_age=60.0, rand=lambda: 0.0, first_read_budget=0.0):
+    return CachedParameter(
+        "/kiln/test", source, parse, max_age=max_age, clock=clock, sleep=clock.sleep, rand=rand,
+        first_read_budget=first_read_budget,
+    )
 
 
 def test_fresh_value_served_without_fetching():
@@ -65,6 +85,42 @@ def test_stale_value_refreshed_once():
     assert source.reads == 2
 
 
+@pytest.mark.parametrize("rand", [0.0, 0.5, 0.999])
+def test_refresh_falls_due_within_the_last_fifth_of_max_age_never_later(rand):
+    """Environments started together spread their refreshes; none serves a value older than max_age."""
+    source, clock = Source(), Clock()
+    param = make(source, clock, max_age=100.0, rand=lambda: rand)
+    due = 100.0 * (1 - JITTER * rand)
+
+    async def scenario():
+        await param.get()
+        source.value = "v2"
+        clock.now += due - 0.01
+        assert await param.get() == "V1"
+        clock.now += 0.02
+        assert await param.get() == "V2"
+
+    asyncio.run(scenario())
+    assert 80.0 <= due <= 100.0
+
+
+def test_a_fleet_started_together_refreshes_spread_out():
+    """100 environments with the real random jitter: their second reads do not all fall in one second."""
+    clock = Clock()
+    due_times = []
+
+    async def scenario():
+        for _ in range(100):
+            source = Source()
+            param = CachedParameter("/kiln/test", source, str, max_age=60.0, clock=clock)
+            await param.get()
+            due_times.append(param._expires - clock.now)
+
+    asyncio.run(scenario())
+    assert all(48.0 <= due <= 60.0 for due in due_times)
+    assert max(due_times) - min(due_times) > 6.0
+
+
 @pytest.mark.parametrize("warm", [False, True])
 def test_concurrent_callers_share_one_fetch(warm):
     source, clock = Source(), Clock()
@@ -89,7 +145,7 @@ def test_failed_refresh_keeps_last_good_value_and_recovers(caplog):
 
     async def scenario():
         await param.get()
-        source.error = ConnectionError("SSM throttled")
+        source.error = ConnectionError("SSM unreachable")
         clock.now += 61
         with caplog.at_level(logging.WARNING, logger="kiln.parameters"):
             assert await param.get() == "V1"
@@ -97,6 +153,56 @@ def test_failed_refresh_keeps_last_good_value_and_recovers(caplog):
         source.error, source.value = None, "v3"
         clock.now += 60
         assert await param.get() == "V3"
+
+    asyncio.run(scenario())
+
+
+def test_throttled_refreshes_back_off_exponentially_while_serving_the_last_value():
+    """While SSM throttles, an environment reads after 2, 4, 8 … seconds (capped at max_age),
+    never once a second, and every request meanwhile gets the last good value."""
+    source, clock = Source(), Clock()
+    param = make(source, clock, max_age=60.0, rand=lambda: 0.999)  # the longest back-off of each step
+
+    async def scenario():
+        await param.get()
+        source.error = throttled()
+        clock.now += 61
+        reads_at = []
+        for _ in range(600):  # ten minutes of requests, one every second
+            before = source.reads
+            assert await param.get() == "V1"
+            if source.reads > before:
+                reads_at.append(clock.now)
+            clock.now += 1.0
+        return reads_at
+
+    reads_at = asyncio.run(scenario())
+    gaps = [later - earlier for earlier, later in zip(reads_at, reads_at[1:])]
+    assert gaps[:5] == pytest.approx([RETRY_AFTER * 2**i for i in range(5)], abs=1.01)
+    assert max(gaps) <= 61 and gaps[-1] >= 59  # capped at max_age
+    assert len(reads_at) <= 16  # not 540 reads
+
+
+def test_a_good_read_after_throttling_restarts_the_back_off():
+    source, clock = Source(), Clock()
+    param = make(source, clock, max_age=60.0)
+
+    async def scenario():
+        await param.get()
+        source.error = throttled()
+        for _ in range(4):
+            clock.now += 61
+            await param.get()
+        source.error, source.value = None, "v2"
+        clock.now += 61
+        assert await param.get() == "V2"
+        source.error = throttled()
+        clock.now += 61
+        assert await param.get() == "V2"
+        reads = source.reads
+        clock.now += RETRY_AFTER / 2 + 0.01  # the first back-off again, not the fifth
+        await param.get()
+        assert source.reads == reads + 1
 
     asyncio.run(scenario())
 
@@ -123,15 +229,61 @@ def test_first_load_failure_raises_then_retries():
         with pytest.raises(ParameterUnavailable, match="/kiln/test"):
             await param.get()
         source.error = None
+        clock.now += 0.001
         assert await param.get() == "V1"
 
     asyncio.run(scenario())
 
 
-def test_first_load_parse_failure_raises():
-    param = make(Source("{broken"), Clock(), parse=parse_flag)
+def test_a_new_environment_retries_its_first_read_within_the_budget():
+    """Throttled at cold start: the first request waits a little and gets the value, not a 503."""
+    source, clock = Source(), Clock()
+    source.error, source.fail_times = throttled(), 4
+    param = make(source, clock, first_read_budget=3.0, rand=lambda: 0.999)
+    started = clock.now
+
+    assert asyncio.run(param.get()) == "V1"
+    assert source.reads == 5
+    assert clock.now - started <= 3.0
+
+
+def test_a_first_read_gives_up_when_the_budget_is_spent():
+    source, clock = Source(), Clock()
+    source.error = throttled()
+    param = make(source, clock, first_read_budget=3.0, rand=lambda: 0.999)
+    started = clock.now
+
+    with pytest.raises(ParameterUnavailable, match="ThrottlingException"):
+        asyncio.run(param.get())
+    assert clock.now - started <= 3.0
+    assert 4 <= source.reads <= 8  # backed off, not a read per millisecond
+
+
+def test_callers_waiting_on_a_failed_first_read_fail_with_it_not_one_after_the_other():
+    source, clock = Source(), Clock()
+    source.error = throttled()
+    param = make(source, clock, first_read_budget=3.0)
+    started = clock.now
+
+    async def scenario():
+        return await asyncio.gather(*(param.get() for _ in range(10)), return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(result, ParameterUnavailable) for result in results)
+    assert clock.now - started <= 3.0  # one budget in all, not ten
+    reads = source.reads
+    source.error = None
+    clock.now += 1
+    assert asyncio.run(param.get()) == "V1"  # a later request tries again
+    assert source.reads == reads + 1
+
+
+def test_first_load_parse_failure_raises_without_retrying():
+    source = Source("{broken")
+    param = make(source, Clock(), parse=parse_flag, first_read_budget=3.0)
     with pytest.raises(ParameterUnavailable):
         asyncio.run(param.get())
+    assert source.reads == 1
 
 
 def test_missing_parameter_reaches_parse_as_none():

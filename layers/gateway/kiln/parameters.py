@@ -1,14 +1,27 @@
-"""SSM parameters read through a short in-memory cache (`max_age` seconds).
+"""SSM parameters read through an in-memory cache (`max_age` seconds), sized for a fleet.
 
-A fresh value is returned with no I/O at all; a stale one is refreshed by one caller while
-the others wait for it; a failed refresh keeps serving the last good value (and says so
-in the log) rather than failing requests because SSM hiccupped.
+SSM answers GetParameter at 40 TPS per account and Region by default, shared by every
+execution environment, so the cache is what keeps a busy fleet under it (docs/deploy.md,
+"SSM reads"):
+
+- a fresh value is returned with no I/O at all; a stale one is refreshed by one caller
+  while the others wait for it;
+- each refresh schedules the next one at a random point in the last fifth of `max_age`, so
+  environments started together do not refresh together (and never serve a value older
+  than `max_age` while SSM answers);
+- a failed refresh (throttled, unreachable, malformed) keeps serving the last good value and
+  tries again after a back-off that doubles up to `max_age`, rather than failing requests
+  or adding load to a throttled service;
+- the first read of an environment, which has no value to fall back on, retries with
+  back-off for up to `first_read_budget` seconds before giving up; callers that waited
+  while it failed give up with it instead of trying again one after the other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import Awaitable, Callable, Generic, TypeVar
 
@@ -16,6 +29,10 @@ __all__ = ["CachedParameter", "ParameterUnavailable"]
 
 T = TypeVar("T")
 log = logging.getLogger("kiln.parameters")
+
+JITTER = 0.2  # a refresh falls due between 80% and 100% of max_age
+RETRY_AFTER = 2.0  # first back-off of a failed refresh, doubled on each failure up to max_age
+FIRST_READ_DELAY = 0.05  # first pause between two attempts of a first read, doubled each time
 
 
 class ParameterUnavailable(Exception):
@@ -30,34 +47,80 @@ class CachedParameter(Generic[T]):
         parse: Callable[[str | None], T],
         *,
         max_age: float,
+        first_read_budget: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         self.name = name
         self._fetch = fetch
         self._parse = parse
         self._max_age = max_age
+        self._first_read_budget = first_read_budget
         self._clock = clock
+        self._sleep = sleep
+        self._rand = rand
         self._value: T | None = None
         self._loaded = False
         self._expires = 0.0
+        self._failures = 0  # refreshes failed in a row since the last good value
+        self._first_read_failed: tuple[float, str] | None = None  # when, and why
         self._lock = asyncio.Lock()
 
     async def get(self) -> T:
         if self._loaded and self._clock() < self._expires:
             return self._value  # type: ignore[return-value]
+        asked = self._clock()
         async with self._lock:
-            if not (self._loaded and self._clock() < self._expires):
+            if not self._loaded:
+                failed = self._first_read_failed
+                if failed is not None and failed[0] > asked:  # it failed while this caller waited
+                    raise ParameterUnavailable(f"{self.name}: {failed[1]}")
+                await self._first_read()
+            elif self._clock() >= self._expires:
                 await self._refresh()
         return self._value  # type: ignore[return-value]
+
+    def _fresh_until(self) -> float:
+        return self._clock() + self._max_age * (1.0 - JITTER * self._rand())
+
+    async def _first_read(self) -> None:
+        deadline = self._clock() + self._first_read_budget
+        delay = FIRST_READ_DELAY
+        while True:
+            try:
+                raw = await self._fetch()
+                break
+            except Exception as exc:  # noqa: BLE001 - retried within the budget, then reported
+                pause = delay * (0.5 + self._rand() / 2)
+                if self._clock() + pause > deadline:
+                    self._first_read_failed = (self._clock(), str(exc) or type(exc).__name__)
+                    raise ParameterUnavailable(f"{self.name}: {exc}") from exc
+                await self._sleep(pause)
+                delay *= 2
+        try:
+            value = self._parse(raw)
+        except Exception as exc:  # a malformed value: retrying would read the same
+            self._first_read_failed = (self._clock(), str(exc) or type(exc).__name__)
+            raise ParameterUnavailable(f"{self.name}: {exc}") from exc
+        self._store(value)
 
     async def _refresh(self) -> None:
         try:
             value = self._parse(await self._fetch())
         except Exception as exc:  # noqa: BLE001 - any failure keeps the last good value
-            if not self._loaded:
-                raise ParameterUnavailable(f"{self.name}: {exc}") from exc
-            log.warning("parameter %s could not be refreshed, keeping the last value: %s", self.name, exc)
-            self._expires = self._clock() + min(self._max_age, 1.0)
+            self._failures += 1
+            back_off = min(self._max_age, RETRY_AFTER * 2 ** (self._failures - 1)) * (0.5 + self._rand() / 2)
+            self._expires = self._clock() + back_off
+            log.warning(
+                "parameter %s could not be refreshed (%d in a row), keeping the last value for %.1f s: %s",
+                self.name, self._failures, back_off, exc,
+            )
             return
+        self._store(value)
+
+    def _store(self, value: T) -> None:
         self._value, self._loaded = value, True
-        self._expires = self._clock() + self._max_age
+        self._failures = 0
+        self._first_read_failed = None
+        self._expires = self._fresh_until()
