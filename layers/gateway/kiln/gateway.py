@@ -28,6 +28,7 @@ from .store import Lease, Ledger, StorageError, UsageEvent
 from .store.errors import translate_storage_error
 from .tls import client_context
 from .upstream import UpstreamClient
+from .upstream_key import UpstreamKey, parse_key
 
 __all__ = ["UNSETTLED", "Gateway"]
 
@@ -92,7 +93,17 @@ class Gateway:
             fetch_catalog,
             parse_catalog,
             max_age=settings.catalog_cache_seconds,
+            first_read_budget=settings.parameter_first_read_seconds,
         )
+        # the model servers' key, from a SecureString when one is named (kiln.upstream_key)
+        key_parameter = settings.upstream_api_key_parameter
+        self._upstream_key = None if key_parameter is None else UpstreamKey(CachedParameter(
+            key_parameter,
+            lambda: self._read_parameter(key_parameter, decrypt=True),
+            parse_key,
+            max_age=settings.upstream_api_key_cache_seconds,
+            first_read_budget=settings.parameter_first_read_seconds,
+        ))
 
     @classmethod
     def from_env(cls) -> "Gateway":
@@ -115,10 +126,10 @@ class Gateway:
 
     # -- parameters ------------------------------------------------------------------------
 
-    async def _read_parameter(self, name: str) -> str | None:
-        """One SSM parameter's value; None if it does not exist (the cache above keeps it)."""
+    async def _read_parameter(self, name: str, *, decrypt: bool = False) -> str | None:
+        """One SSM parameter's value (a SecureString's decrypted); None if it does not exist."""
         try:
-            answer = await self.aws.ssm("GetParameter", {"Name": name})
+            answer = await self.aws.ssm("GetParameter", {"Name": name, "WithDecryption": True} if decrypt else {"Name": name})
         except AwsError as exc:
             if exc.code == "ParameterNotFound":
                 return None
@@ -140,10 +151,18 @@ class Gateway:
 
     async def catalog(self) -> Catalog:
         try:
-            return await self._catalog.get()
+            catalog = await self._catalog.get()
         except ParameterUnavailable as exc:
             log.error(json.dumps({"event": "catalog_unreadable", "detail": str(exc)}))
             raise StorageUnavailable("The model catalog is unavailable; retry with exponential backoff.") from exc
+        if self._upstream_key is None:
+            return catalog
+        try:
+            return await self._upstream_key.bind(catalog)
+        except ParameterUnavailable as exc:
+            # never call a model server without its key: it would answer 401 for our mistake
+            log.error(json.dumps({"event": "upstream_key_unreadable", "detail": str(exc)}))
+            raise StorageUnavailable("The model servers' credentials are unavailable; retry with exponential backoff.") from exc
 
     # -- settlement ------------------------------------------------------------------------
 

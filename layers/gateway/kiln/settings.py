@@ -73,6 +73,12 @@ class Settings:
     maintenance_cache_seconds: float = 5.0
     catalog_cache_seconds: float = 60.0
     auth_cache_seconds: float = 10.0
+    # The model servers' bearer token: the name of an SSM SecureString (kiln.upstream_key),
+    # never the key itself; unset, KILN_UPSTREAM_API_KEY is read from the environment.
+    upstream_api_key_parameter: str | None = None
+    upstream_api_key_cache_seconds: float = 300.0
+    # a new environment retries its first read of a parameter this long before giving up (503)
+    parameter_first_read_seconds: float = 3.0
     # Longer than the Lambda timeout (15 min at most), so a live request never loses its lease.
     lease_ttl_seconds: float = 960.0
     keepalive_seconds: float = 5.0
@@ -103,6 +109,13 @@ class Settings:
             maintenance_cache_seconds=_number(env, "KILN_MAINTENANCE_CACHE_SECONDS", defaults.maintenance_cache_seconds),
             catalog_cache_seconds=_number(env, "KILN_CATALOG_CACHE_SECONDS", defaults.catalog_cache_seconds),
             auth_cache_seconds=_number(env, "KILN_AUTH_CACHE_SECONDS", defaults.auth_cache_seconds),
+            upstream_api_key_parameter=_optional_text(env, "KILN_UPSTREAM_API_KEY_PARAMETER"),
+            upstream_api_key_cache_seconds=_number(
+                env, "KILN_UPSTREAM_API_KEY_CACHE_SECONDS", defaults.upstream_api_key_cache_seconds
+            ),
+            parameter_first_read_seconds=_number(
+                env, "KILN_PARAMETER_FIRST_READ_SECONDS", defaults.parameter_first_read_seconds
+            ),
             lease_ttl_seconds=_number(env, "KILN_LEASE_TTL_SECONDS", defaults.lease_ttl_seconds, minimum=0.001),
             keepalive_seconds=_number(env, "KILN_KEEPALIVE_SECONDS", defaults.keepalive_seconds, minimum=0.001),
             max_body_bytes=_integer(env, "KILN_MAX_BODY_BYTES", defaults.max_body_bytes, minimum=1),
