@@ -318,6 +318,7 @@ def make_stack(aws_url: str, mock: MockHandle, **overrides: Any) -> Stack:
         # faults are injected per request into the shared mock: no backend is taken out of
         # service unless a test asks for it
         backend_failure_threshold=1_000_000,
+        backend_error_min_requests=1_000_000,
     )
     catalog = overrides.pop("catalog", None) or catalog_for_tests(mock.url)
     settings = replace(settings, **overrides)

@@ -7,7 +7,10 @@ import time
 
 import pytest
 
-from support import TELEMETRY, catalog_for_tests, data_events
+from kiln.settings import Settings
+from kiln_ops.mock_upstream import MockUpstream
+from kiln_ops.serve import ServerThread, free_port
+from support import TELEMETRY, catalog_for_tests, data_events, dead_url
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "x"}]
@@ -60,19 +63,23 @@ def test_a_slow_first_token_gets_keepalives_and_nothing_times_out_early(stack_fa
     assert data_events(response.text)[-1] == "[DONE]"
 
 
-def test_backends_that_keep_failing_are_marked_unavailable_then_tried_again(stack_factory):
+def test_a_refusing_backend_is_ejected_but_the_last_one_in_service_is_always_tried(stack_factory):
     stack = stack_factory(backend_failure_threshold=2, backend_cooldown_seconds=0.5)
     org_id, key = stack.org()
-    body = {"model": "all-down-model", "messages": MESSAGES}
+    health = stack.gateway.upstream.health
+    body = {"model": "all-down-model", "messages": MESSAGES}  # "dead" refuses, "sick" answers 500
     assert [stack.post(CHAT, body, key).status_code for _ in range(2)] == [502, 502]
-    # both backends failed twice in a row: out of service, answered at once without trying them
-    marked = stack.post(CHAT, body, key)
-    assert marked.status_code == 503 and marked.json()["error"]["code"] == "no_backend_available"
-    assert "Retry-After" not in marked.headers
+    # "dead" refused twice: out of service. "sick" answered (500s never eject alone) and is the
+    # model's last backend in service: its requests are still tried, and get 502
+    assert health.out_of_service() == ["dead"]
+    skipped = stack.post(CHAT, body, key)
+    assert skipped.status_code == 502 and skipped.headers["content-type"].startswith("text/plain")
     time.sleep(0.6)
-    assert stack.post(CHAT, body, key).status_code == 502  # after the cooldown: tried again
-    statuses = [e.status for e in sorted(stack.events(org_id), key=lambda e: e.created_at)]
-    assert statuses == ["upstream_error", "upstream_error", "no_backend_available", "upstream_error"]
+    assert stack.post(CHAT, body, key).status_code == 502  # after the cooldown: "dead" probed again
+    errors = [e.error for e in sorted(stack.events(org_id), key=lambda e: e.created_at)]
+    assert errors == ["dead: connection failed; sick: HTTP 500"] * 2 + ["sick: HTTP 500",
+                                                                        "dead: connection failed; sick: HTTP 500"]
+    assert stack.org_info(org_id).in_flight == 0
 
 
 def test_one_failing_backend_is_skipped_while_the_other_serves(stack_factory):
@@ -87,3 +94,135 @@ def test_one_failing_backend_is_skipped_while_the_other_serves(stack_factory):
     failures = [json.loads(line)["UpstreamFailures"] for line in TELEMETRY.text()[mark:].splitlines()
                 if '"UpstreamFailures"' in line]
     assert failures == [[1.0], [0.0], [0.0]]
+
+
+# -- health by cause and by volume (contract §5) ------------------------------------------
+
+
+def production_health(stack_factory, mock, *models, **overrides):
+    """A stack whose backend health has the production defaults (the test stacks turn it off),
+    serving the test catalog plus `models`."""
+    defaults = Settings()
+    settings = {name: getattr(defaults, name) for name in (
+        "backend_failure_threshold", "backend_cooldown_seconds", "backend_max_cooldown_seconds",
+        "backend_error_window_seconds", "backend_error_min_requests", "backend_error_rate",
+        "backend_error_min_clients")}
+    document = catalog_for_tests(mock.url)
+    document["models"] += list(models)
+    stack = stack_factory(catalog=document, **{**settings, **overrides})
+    changes = StateChanges()
+    stack.gateway.upstream.health.on_change = changes
+    return stack, changes
+
+
+class StateChanges(list):
+    """(model, backend, state) of each change the gateway reports (log line and metric)."""
+
+    def __call__(self, model_id, backend, state, reason):
+        self.append((model_id, backend.name, state))
+
+
+def upstream_failures(mark):
+    """Backends that failed, per request logged since `mark` (the UpstreamFailures metric)."""
+    return [int(json.loads(line)["UpstreamFailures"][0]) for line in TELEMETRY.text()[mark:].splitlines()
+            if '"UpstreamFailures"' in line]
+
+
+def model(model_id, backends, **extra):
+    return {"id": model_id, "owned_by": "kiln-tests", "created": 1, "context_length": 4096,
+            "pricing": {"input": "1", "output": "2"}, "backends": backends, **extra}
+
+
+def failing(org_key_pairs, stack, model_id, count, *, distinct=True):
+    """`count` requests the model server answers 500 because of what they contain."""
+    statuses = []
+    for i in range(count):
+        _, key = org_key_pairs[i % len(org_key_pairs)]
+        content = f"crashes the server {i if distinct else 0}"
+        statuses.append(stack.post(CHAT, {"model": model_id, "messages": [{"role": "user", "content": content}],
+                                          "mock": {"status": 500}}, key).status_code)
+    return statuses
+
+
+@pytest.mark.parametrize("count", [3, 10])
+def test_another_org_is_served_right_after_one_orgs_request_specific_500s(stack_factory, mock, count):
+    stack, changes = production_health(stack_factory, mock)
+    org_a, org_b = stack.org(), stack.org()
+    # qwen3-32b has one backend, as in the default catalog
+    assert failing([org_a], stack, "qwen3-32b", count) == [502] * count
+    response = stack.post(CHAT, {"model": "qwen3-32b", "messages": MESSAGES}, org_b[1])
+    assert response.status_code == 200
+    assert changes == []
+    assert stack.org_info(org_a[0]).in_flight == stack.org_info(org_b[0]).in_flight == 0
+
+
+def test_the_openai_sdks_retries_of_one_failing_call_count_once(stack_factory, mock):
+    openai = pytest.importorskip("openai")
+    pair = model("pair-model", [{"name": "a", "url": mock.url}, {"name": "b", "url": mock.url}])
+    stack, changes = production_health(stack_factory, mock, pair, backend_error_min_requests=2,
+                                       backend_error_min_clients=1)
+    org_a, org_b = stack.org(), stack.org()
+    client = openai.OpenAI(base_url=stack.base_url, api_key=org_a[1], max_retries=2)
+    with pytest.raises(openai.InternalServerError):  # 502 after its 3 attempts, each tried on a and b
+        client.chat.completions.create(model="pair-model", messages=MESSAGES, extra_body={"mock": {"status": 500}})
+    # three attempts, one request: below even a minimum of 2 distinct requests
+    assert changes == []
+    response = stack.post(CHAT, {"model": "pair-model", "messages": MESSAGES}, org_b[1])
+    assert response.status_code == 200
+    (event,) = stack.events(org_b[0])
+    assert event.upstream == "a"
+
+
+def test_5xx_from_many_distinct_requests_of_several_orgs_do_eject_a_backend_while_another_serves(stack_factory, mock):
+    base = mock.url.rsplit("/v1", 1)[0]
+    pair = model("sick-pair-model", [{"name": "sick", "url": f"{base}/x/status=503/v1"}, {"name": "b", "url": mock.url}])
+    stack, changes = production_health(stack_factory, mock, pair, backend_error_min_requests=4,
+                                       backend_cooldown_seconds=60)
+    orgs = [stack.org(), stack.org()]
+    for i in range(4):  # each served by b after sick's 503: the clients see 200
+        response = stack.post(CHAT, {"model": "sick-pair-model", "messages": [{"role": "user", "content": f"q{i}"}]},
+                              orgs[i % 2][1])
+        assert response.status_code == 200
+    assert changes == [("sick-pair-model", "sick", "out_of_service")]
+    mark = len(TELEMETRY.text())
+    assert stack.post(CHAT, {"model": "sick-pair-model", "messages": MESSAGES}, orgs[0][1]).status_code == 200
+    assert upstream_failures(mark) == [0]  # sick no longer tried
+
+
+def test_a_backend_refusing_connections_is_skipped_then_comes_back_after_it_recovers(stack_factory, mock):
+    port = free_port()
+    pair = model("recovering-model", [{"name": "flaky", "url": f"http://127.0.0.1:{port}/v1"},
+                                      {"name": "b", "url": mock.url}])
+    stack, changes = production_health(stack_factory, mock, pair, backend_cooldown_seconds=0.5)
+    org_id, key = stack.org()
+    body = {"model": "recovering-model", "messages": MESSAGES}
+    mark = len(TELEMETRY.text())
+    for _ in range(6):
+        assert stack.post(CHAT, body, key).status_code == 200  # b serves throughout
+    # the default threshold: three refusals, then flaky is skipped
+    assert upstream_failures(mark) == [1, 1, 1, 0, 0, 0]
+    assert changes == [("recovering-model", "flaky", "out_of_service")]
+    assert stack.gateway.upstream.health.out_of_service() == ["flaky"]
+    server = ServerThread(MockUpstream(), port=port).start()  # flaky recovers
+    try:
+        time.sleep(0.6)
+        served_by = []
+        for _ in range(3):
+            assert stack.post(CHAT, body, key).status_code == 200
+            served_by.append(sorted(stack.events(org_id), key=lambda e: e.created_at)[-1].upstream)
+        assert served_by == ["flaky"] * 3  # the first request after the cooldown probed it: back in service
+        assert changes[-1] == ("recovering-model", "flaky", "in_service")
+    finally:
+        server.stop()
+
+
+def test_with_its_only_backend_refusing_connections_a_model_answers_502_not_503(stack_factory, mock):
+    lonely = model("lonely-model", [{"name": "dead", "url": dead_url()}])
+    stack, changes = production_health(stack_factory, mock, lonely)
+    org_id, key = stack.org()
+    for _ in range(6):  # twice the threshold: the only backend is never taken out
+        response = stack.post(CHAT, {"model": "lonely-model", "messages": MESSAGES}, key)
+        assert response.status_code == 502 and response.headers["content-type"].startswith("text/plain")
+    assert changes == []
+    assert [e.status for e in stack.events(org_id)] == ["upstream_error"] * 6
+    assert stack.org_info(org_id).in_flight == 0

@@ -117,9 +117,14 @@ def test_bad_document_raises_catalog_error(document, message):
         ({"pricing": {"input": "1"}}, "pricing.output"),
         ({"context_length": True}, "'context_length' is required"),
         ({"context_length": "8192"}, "'context_length' is required"),
-        ({"capabilities": ["json"]}, "capabilities and timeouts must be objects"),
+        ({"capabilities": ["json"]}, "capabilities, timeouts and limits must be objects"),
         ({"capabilities": {"vision": True}}, "vision"),
         ({"timeouts": {"forever": 1}}, "forever"),
+        ({"limits": {"header_bytes": 0}}, "limits.header_bytes"),
+        ({"limits": {"body_bytes": 1.5}}, "limits.body_bytes"),
+        ({"limits": {"event_bytes": "1MiB"}}, "limits.event_bytes"),
+        ({"limits": {"everything": 1}}, "everything"),
+        ({"limits": [1]}, "limits must be objects"),
         ({"backends": {"url": "http://x"}}, "backends an array"),
         ({"backends": ["http://x"]}, r"backends\[0\] must be an object"),
         ({"backends": [{"name": "n"}]}, "'url' is required"),
@@ -154,3 +159,21 @@ def test_capability_written_as_string_false_does_not_grant_it():
 def test_non_numeric_created_or_timeout_raises_catalog_error(changes):
     with pytest.raises(CatalogError, match="created|idle"):
         Catalog.from_document(one(**changes))
+
+
+def test_bounds_on_an_upstream_answer_have_defaults_and_each_model_may_set_its_own():
+    default = Catalog.from_document(one()).get("m")
+    assert (default.limits.header_bytes, default.limits.body_bytes, default.limits.event_bytes) == (
+        64 * 1024, 16 * 1024 * 1024, 1024 * 1024,
+    )
+    own = Catalog.from_document(one(limits={"event_bytes": 4096})).get("m")
+    assert own.limits.event_bytes == 4096 and own.limits.body_bytes == 16 * 1024 * 1024
+
+
+def test_the_repository_catalogs_timeouts_fit_in_the_function_timeout():
+    # docs/operations.md: the whole request (failover included) ends within `total`, which
+    # leaves the 900 s function time for the settle
+    for model in Catalog.from_json(CATALOG_FILE.read_bytes()):
+        timeouts = model.timeouts
+        assert timeouts.connect < timeouts.first_byte < timeouts.total < 900
+        assert timeouts.idle < timeouts.total

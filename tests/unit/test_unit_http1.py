@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from kiln.http1 import ConnectFailed, HttpClient, ProtocolFailure, Timeout
+from kiln.http1 import BodyTooLarge, ConnectFailed, HttpClient, ProtocolFailure, ResponseTooLarge, Timeout
 from kiln.tls import client_context
 
 
@@ -211,6 +211,98 @@ def test_a_connection_close_answer_is_not_pooled_and_a_close_delimited_body_is_w
         async with server(handler) as (url, _):
             response = await http.request("POST", url, headers={}, body=b"")
             assert await response.read() == b"until the end"
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+# -- bounds on what a server sends ---------------------------------------------------------
+
+
+def endless_header(name=b"X-Filler"):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + name + b": ")
+        for _ in range(10 * 1024):  # 10 MB of one header value, if the client kept reading
+            writer.write(b"a" * 1024)
+            await writer.drain()
+
+    return handler
+
+
+def test_response_headers_over_their_byte_bound_are_refused_having_read_little_more():
+    async def main():
+        http = client()
+        async with server(endless_header()) as (url, _):
+            with pytest.raises(ResponseTooLarge):
+                await http.request("POST", url, headers={}, body=b"", max_header_bytes=16 * 1024)
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_too_many_response_headers_are_refused():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"Content-Length: 0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            with pytest.raises(ResponseTooLarge):
+                await http.request("POST", url, headers={}, body=b"", max_headers=100)
+            response = await http.request("POST", url, headers={}, body=b"", max_headers=400)
+            assert response.status == 200 and len(response.headers) == 301
+        await http.aclose()
+
+    run(main())
+
+
+def test_headers_just_under_the_bound_with_the_body_in_the_same_read_are_whole():
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Pad: " + b"p" * 900 + b"\r\n\r\n"
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(head + b"hello")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", max_header_bytes=len(head))
+            assert await response.read() == b"hello"
+        await http.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_body_over_its_bound_is_refused_without_being_held(declared):
+    async def handler(reader, writer):
+        await read_request(reader)
+        size = 100 * 1024 * 1024
+        if declared:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+            for _ in range(size // 65536):
+                writer.write(b"a" * 65536)
+                await writer.drain()
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(size // 65536):
+                writer.write(b"10000\r\n" + b"a" * 65536 + b"\r\n")
+                await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"")
+            with pytest.raises(BodyTooLarge):
+                await response.read(max_bytes=1024 * 1024)
             assert http.open_connections == 0
         await http.aclose()
 

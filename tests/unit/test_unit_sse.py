@@ -6,7 +6,7 @@ from decimal import Decimal
 import pytest
 
 from kiln.metering import TokenUsage
-from kiln.sse import SseRelay, error_event, usage_event
+from kiln.sse import EventTooLarge, SseRelay, error_event, usage_event
 
 ROLE = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 HELLO = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
@@ -166,3 +166,48 @@ def test_usage_event_has_no_choices_and_exact_cost():
     assert chunk["choices"] == [] and chunk["id"] == "c1" and chunk["model"] == "m"
     assert chunk["usage"]["cost"] == Decimal("0.000000665")
     assert template["choices"]  # the template is not modified
+
+
+# -- bounds and linear cost (contract §5) -------------------------------------------------
+
+
+def fed_in_pieces(relay, data, piece=4096):
+    return b"".join(relay.feed(data[i : i + piece]) for i in range(0, len(data), piece))
+
+
+@pytest.mark.parametrize("shape", ["unterminated", "events"])
+def test_relay_work_grows_linearly_with_the_bytes_fed_in_small_pieces(shape):
+    # Regression: the relay re-scanned its whole pending buffer on every read, so an event
+    # without a blank line cost time quadratic in its size (50 MB: 12 s of CPU).
+    def work(size):
+        relay = SseRelay(client_wants_usage=False, max_event_bytes=64 * 1024 * 1024)
+        if shape == "unterminated":
+            data = b"data: " + b"a" * size
+        else:
+            data = HELLO * (size // len(HELLO))
+        fed_in_pieces(relay, data)
+        return relay.bytes_scanned / len(data)
+
+    small, large = work(1024 * 1024), work(8 * 1024 * 1024)
+    assert large <= small * 1.05  # per byte, 8 MB cost what 1 MB did
+    assert large <= 4  # each byte is touched a few times, not once per read
+
+
+def test_an_event_over_the_bound_without_a_blank_line_ends_the_relay_and_frees_it():
+    relay = SseRelay(client_wants_usage=False, max_event_bytes=64 * 1024)
+    assert relay.feed(HELLO) == HELLO
+    with pytest.raises(EventTooLarge):
+        fed_in_pieces(relay, b"data: " + b"a" * (65 * 1024))
+    assert relay.leftover() == b""  # nothing of it is kept
+
+
+def test_a_whole_event_over_the_bound_in_one_piece_is_refused_too():
+    relay = SseRelay(client_wants_usage=False, max_event_bytes=1024)
+    with pytest.raises(EventTooLarge):
+        relay.feed(b"data: " + b"a" * 2048 + b"\n\n")
+
+
+def test_an_event_just_under_the_bound_passes_whatever_the_pieces():
+    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 1000 + b'"}}]}\n\n'
+    relay = SseRelay(client_wants_usage=False, max_event_bytes=len(event))
+    assert fed_in_pieces(relay, event + event, piece=7) == event + event

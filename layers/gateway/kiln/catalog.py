@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from .jsonio import decimal_text, loads_strict
 
-__all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "ModelEntry", "Pricing", "Timeouts"]
+__all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "Limits", "ModelEntry", "Pricing", "Timeouts"]
 
 PER_MILLION = Decimal(1_000_000)
 
@@ -59,15 +59,31 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds. All of them stay under the function timeout."""
+    """Seconds. The whole request, failover included, fits in `total`, and `total` stays under
+    the function timeout (900 s): docs/operations.md has the reasoning and the worst cases."""
 
+    # TCP (and TLS) to one backend; past it, the next backend is tried
     connect: float = 5.0
-    # until the response headers arrive (buffered: until the whole body)
-    first_byte: float = 120.0
-    # longest silence between two reads of a stream
-    idle: float = 300.0
-    # the whole exchange with one backend
-    total: float = 840.0
+    # until a backend's response headers arrive (a buffered answer: until its whole body,
+    # within `total`); past it, the next backend is tried
+    first_byte: float = 30.0
+    # longest silence between two reads once the headers are in (a long prefill is silent)
+    idle: float = 120.0
+    # the whole request from the first attempt to the last byte, every backend included
+    total: float = 600.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bytes an upstream answer may take (contract §5); beyond one the answer is a 502 (before
+    the stream) or the error event (after)."""
+
+    # the status line and every header, together
+    header_bytes: int = 64 * 1024
+    # a buffered (non-streamed) body; error bodies are read to 64 KiB at most
+    body_bytes: int = 16 * 1024 * 1024
+    # one SSE event, up to its blank line
+    event_bytes: int = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,7 @@ class ModelEntry:
     pricing: Pricing
     capabilities: Capabilities = field(default_factory=Capabilities)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
     backends: tuple[Backend, ...] = ()
 
     def available_backends(self) -> tuple[Backend, ...]:
@@ -156,9 +173,15 @@ def _parse_model(entry: Any, index: int) -> ModelEntry:
     pricing = _require(entry, "pricing", Mapping, where)
     capabilities = entry.get("capabilities", {})
     timeouts = entry.get("timeouts", {})
+    limits = entry.get("limits", {})
     backends = entry.get("backends", [])
-    if not isinstance(capabilities, Mapping) or not isinstance(timeouts, Mapping) or not isinstance(backends, list):
-        raise CatalogError(f"{where}: capabilities and timeouts must be objects, backends an array")
+    if (
+        not isinstance(capabilities, Mapping)
+        or not isinstance(timeouts, Mapping)
+        or not isinstance(limits, Mapping)
+        or not isinstance(backends, list)
+    ):
+        raise CatalogError(f"{where}: capabilities, timeouts and limits must be objects, backends an array")
     for name, value in capabilities.items():
         if not isinstance(value, bool):
             raise CatalogError(f"{where}: capabilities.{name} must be true or false")
@@ -175,9 +198,10 @@ def _parse_model(entry: Any, index: int) -> ModelEntry:
             ),
             capabilities=Capabilities(**capabilities),
             timeouts=Timeouts(**{k: _number(v, f"timeouts.{k}", where) for k, v in timeouts.items()}),
+            limits=Limits(**{k: _size(v, f"limits.{k}", where) for k, v in limits.items()}),
             backends=tuple(_parse_backend(backend, i, where) for i, backend in enumerate(backends)),
         )
-    except TypeError as exc:  # an unknown capability or timeout name
+    except TypeError as exc:  # an unknown capability, timeout or limit name
         raise CatalogError(f"{where}: {exc}") from None
 
 
@@ -185,6 +209,12 @@ def _number(value: Any, name: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise CatalogError(f"{where}: {name} must be a non-negative number")
     return float(value)
+
+
+def _size(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CatalogError(f"{where}: {name} must be a positive whole number of bytes")
+    return value
 
 
 def _parse_backend(entry: Any, index: int, where: str) -> Backend:

@@ -59,7 +59,8 @@ class Exchange:
     async def respond(self) -> Response:
         try:
             upstream = await self.gateway.upstream.open(
-                self.call.model, self.call.endpoint.upstream_path, self.call.body, stream=self.call.stream
+                self.call.model, self.call.endpoint.upstream_path, self.call.body, stream=self.call.stream,
+                client=self.lease.org_id,
             )
         except GatewayError as error:
             return await self._refused(error)
@@ -174,7 +175,9 @@ class Exchange:
     # -- streamed --------------------------------------------------------------------------
 
     async def _relay(self, upstream: UpstreamExchange) -> AsyncGenerator[bytes, None]:
-        relay = SseRelay(client_wants_usage=self.call.client_wants_usage)
+        relay = SseRelay(
+            client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes
+        )
         deadline = upstream.sent_at + self.call.model.timeouts.total
         failure: str | None = None
         try:

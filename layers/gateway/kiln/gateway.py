@@ -18,7 +18,7 @@ from .auth import Authenticator
 from .aws import AwsClient, AwsError
 from .catalog import Catalog
 from .errors import GatewayError, StorageUnavailable
-from .health import BackendHealth
+from .health import BackendHealth, HealthPolicy
 from .http1 import HttpClient
 from .jsonio import dumps
 from .maintenance import MaintenanceFlag, parse_flag
@@ -56,7 +56,15 @@ class Gateway:
         self.aws = aws or AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=self.http)
         self.upstream = upstream or UpstreamClient(
             http=self.http,
-            health=BackendHealth(threshold=settings.backend_failure_threshold, cooldown=settings.backend_cooldown_seconds),
+            health=BackendHealth(HealthPolicy(
+                failure_threshold=settings.backend_failure_threshold,
+                cooldown=settings.backend_cooldown_seconds,
+                max_cooldown=settings.backend_max_cooldown_seconds,
+                error_window=settings.backend_error_window_seconds,
+                error_min_requests=settings.backend_error_min_requests,
+                error_rate=settings.backend_error_rate,
+                error_min_clients=settings.backend_error_min_clients,
+            )),
         )
         self.ledger = Ledger(
             self.aws,

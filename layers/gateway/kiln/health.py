@@ -1,62 +1,275 @@
-"""Which backends are in service, as this process sees them (contract §5: "marked unavailable").
+"""Which backends are in service, as this process sees them (contract §5, "backend health").
 
-A backend that failed `threshold` times in a row (refused, timed out, 5xx, cut a stream)
-is skipped for `cooldown` seconds; then one request may try it again (half-open): success
-puts it back in service, failure starts another cooldown. When every backend of a model is
-out of service the gateway answers 503 `no_backend_available` at once instead of waiting
-on backends known to be down. Operators mark a backend out for good in the catalog
-(`"enabled": false`).
+A failed request says as much about the request as about the backend, so failures are
+counted by cause:
+
+- **The backend itself failed** (connection refused or reset before any answer, a TLS
+  failure, a timeout before the first byte): `failure_threshold` of these in a row take the
+  backend out of service. Any HTTP answer starts the count again.
+- **The backend answered 5xx** (or broke after its 2xx: a cut stream, a body over its
+  bound): never enough on its own. Over the last `error_window` seconds, the backend goes out
+  only when at least `error_min_requests` distinct requests were answered, at least
+  `error_rate` of them failed, and the failed ones came from at least `error_min_clients`
+  clients (orgs). A request is known by its client and a hash of its body, so the openai
+  SDK's retries of one call (or any resend of the same body) count once.
+
+A backend out of service is skipped for a cooldown (`cooldown` seconds, doubled at each
+ejection in a row up to `max_cooldown`); then it is *probing*: one request at a time tries it,
+a success puts it back in service, a failure ejects it again. A model's last backend in
+service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its requests are
+tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
+models), all of them are tried.
+
+State is per process (a Lambda execution environment, or `kiln dev`): every state change is
+logged (`"event": "backend_state"`) and sent as the `BackendInService` metric (1 in service,
+0 out), dimensions `model` and `backend`. Operators take a backend out for good in the
+catalog (`"enabled": false`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from .catalog import Backend
 
-__all__ = ["BackendHealth"]
+__all__ = ["BackendHealth", "HealthPolicy", "IN_SERVICE", "OUT_OF_SERVICE", "PROBING"]
+
+log = logging.getLogger("kiln.health")
+
+IN_SERVICE = "in_service"
+OUT_OF_SERVICE = "out_of_service"
+PROBING = "probing"
+
+# distinct requests remembered per backend, at most (the window is also bounded in time)
+_MAX_REMEMBERED = 1024
+
+
+class HealthPolicy:
+    """The thresholds (KILN_BACKEND_* settings; README and docs/operations.md say why)."""
+
+    __slots__ = ("failure_threshold", "cooldown", "max_cooldown", "error_window", "error_min_requests",
+                 "error_rate", "error_min_clients")
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int = 3,
+        cooldown: float = 10.0,
+        max_cooldown: float = 120.0,
+        error_window: float = 60.0,
+        error_min_requests: int = 20,
+        error_rate: float = 0.5,
+        error_min_clients: int = 2,
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.cooldown = cooldown
+        self.max_cooldown = max(max_cooldown, cooldown)
+        self.error_window = error_window
+        self.error_min_requests = error_min_requests
+        self.error_rate = error_rate
+        self.error_min_clients = error_min_clients
 
 
 class _State:
-    __slots__ = ("failures", "open_until", "trial_in_flight")
+    __slots__ = ("backend", "models", "transport_failures", "answers", "out_until", "ejections", "trial_until",
+                 "reason")
 
-    def __init__(self) -> None:
-        self.failures = 0
-        self.open_until = 0.0
-        self.trial_in_flight = False
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.models: set[str] = set()
+        self.transport_failures = 0
+        # request fingerprint -> (when, client, failed), oldest first
+        self.answers: dict[str, tuple[float, str, bool]] = {}
+        self.out_until: float | None = None  # set while out of service or probing
+        self.ejections = 0  # in a row, for the growing cooldown
+        self.trial_until = 0.0  # a probe is in flight until then
+        self.reason = ""
+
+
+StateListener = Callable[[str, Backend, str, str], None]  # (model id, backend, state, reason)
 
 
 class BackendHealth:
-    def __init__(self, *, threshold: int, cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._threshold = threshold
-        self._cooldown = cooldown
+    def __init__(
+        self,
+        policy: HealthPolicy | None = None,
+        *,
+        threshold: int | None = None,
+        cooldown: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: StateListener | None = None,
+    ) -> None:
+        policy = policy or HealthPolicy()
+        if threshold is not None:
+            policy.failure_threshold = threshold
+        if cooldown is not None:
+            policy.cooldown = cooldown
+            policy.max_cooldown = max(policy.max_cooldown, cooldown)
+        self.policy = policy
         self._clock = clock
         self._states: dict[tuple[str, str], _State] = {}
+        self.on_change = on_change or log_state_change
 
-    def _state(self, backend: Backend) -> _State:
-        return self._states.setdefault((backend.name, backend.url), _State())
+    # -- choosing ---------------------------------------------------------------------------
 
-    def usable(self, backend: Backend) -> bool:
-        """In service, or due for its one trial request after a cooldown (which this call claims)."""
+    def _state(self, backend: Backend, model_id: str | None = None) -> _State:
+        key = (backend.name, backend.url)
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = _State(backend)
+        if model_id is not None:
+            state.models.add(model_id)
+        return state
+
+    def state_of(self, backend: Backend) -> str:
         state = self._states.get((backend.name, backend.url))
-        if state is None or state.failures < self._threshold:
+        if state is None or state.out_until is None:
+            return IN_SERVICE
+        return OUT_OF_SERVICE if self._clock() < state.out_until else PROBING
+
+    def candidates(self, model_id: str, backends: Iterable[Backend]) -> list[Backend]:
+        """The backends a request may try, in order: those in service, and those whose
+        cooldown is over (each tried by one request at a time). All of them when every one is
+        out of service (a panic: better a try than a model gone)."""
+        backends = list(backends)
+        now = self._clock()
+        chosen = []
+        for backend in backends:
+            state = self._state(backend, model_id)
+            if state.out_until is None:
+                chosen.append(backend)
+            elif now >= state.out_until and now >= state.trial_until:
+                chosen.append(backend)
+        return chosen or backends
+
+    def claim(self, backend: Backend) -> bool:
+        """Just before a request tries `backend`: False if another request is probing it."""
+        state = self._state(backend)
+        if state.out_until is None:
             return True
-        if self._clock() < state.open_until or state.trial_in_flight:
+        now = self._clock()
+        if now < state.out_until or now < state.trial_until:
             return False
-        state.trial_in_flight = True
+        # one probe at a time; if it never reports (cancelled), another may go after a cooldown
+        state.trial_until = now + self.policy.cooldown
         return True
 
-    def failed(self, backend: Backend) -> None:
-        state = self._state(backend)
-        state.failures += 1
-        state.trial_in_flight = False
-        if state.failures >= self._threshold:
-            state.open_until = self._clock() + self._cooldown
+    def released(self, backend: Backend) -> None:
+        """The attempt on `backend` ended without an outcome (the request was cancelled)."""
+        state = self._states.get((backend.name, backend.url))
+        if state is not None:
+            state.trial_until = 0.0
 
-    def succeeded(self, backend: Backend) -> None:
-        self._states.pop((backend.name, backend.url), None)
+    # -- outcomes ---------------------------------------------------------------------------
+
+    def transport_failed(self, model_id: str, backend: Backend, models_backends: Iterable[Backend]) -> None:
+        """Refused, reset before answering, TLS failure, timeout before the first byte."""
+        state = self._state(backend, model_id)
+        state.trial_until = 0.0
+        state.transport_failures += 1
+        if state.out_until is not None or state.transport_failures >= self.policy.failure_threshold:
+            self._eject(model_id, state, models_backends,
+                        f"{state.transport_failures} transport failures in a row")
+
+    def answered(self, model_id: str, backend: Backend, request: str, client: str, *, failed: bool,
+                 models_backends: Iterable[Backend]) -> None:
+        """The backend answered the request `request` (a fingerprint) of `client`: `failed` for
+        a 5xx, or a 2xx it could not finish (cut, silent, over a bound)."""
+        state = self._state(backend, model_id)
+        state.trial_until = 0.0
+        state.transport_failures = 0
+        now = self._clock()
+        answers = state.answers
+        answers.pop(request, None)  # a retry of the same request counts once, with its last outcome
+        answers[request] = (now, client, failed)
+        horizon = now - self.policy.error_window
+        while answers:
+            oldest = next(iter(answers))
+            if answers[oldest][0] >= horizon and len(answers) <= _MAX_REMEMBERED:
+                break
+            del answers[oldest]
+        if not failed:
+            if state.out_until is not None:
+                self._restore(model_id, state, "a request succeeded")
+            return
+        if state.out_until is not None:  # a probe that failed
+            self._eject(model_id, state, models_backends, "the probe request failed")
+            return
+        failures = [entry for entry in answers.values() if entry[2]]
+        policy = self.policy
+        if (
+            len(answers) >= policy.error_min_requests
+            and len(failures) >= policy.error_rate * len(answers)
+            and len({entry[1] for entry in failures}) >= policy.error_min_clients
+        ):
+            self._eject(model_id, state, models_backends,
+                        f"{len(failures)} of {len(answers)} distinct requests failed in {policy.error_window:g} s")
+
+    # -- changes ----------------------------------------------------------------------------
+
+    def _eject(self, model_id: str, state: _State, models_backends: Iterable[Backend], reason: str) -> None:
+        others = [b for b in models_backends if (b.name, b.url) != (state.backend.name, state.backend.url)]
+        if state.out_until is None and not any(self.state_of(b) == IN_SERVICE for b in others):
+            if state.reason != "last":
+                state.reason = "last"
+                log.warning(json.dumps({"event": "backend_kept", "model": model_id, "backend": state.backend.name,
+                                        "reason": f"{reason}; kept: the model's last backend in service"}))
+            return
+        policy = self.policy
+        was_out = state.out_until is not None
+        state.ejections += 1
+        cooldown = min(policy.cooldown * 2 ** (state.ejections - 1), policy.max_cooldown)
+        state.out_until = self._clock() + cooldown
+        state.trial_until = 0.0
+        state.transport_failures = 0
+        state.answers.clear()
+        state.reason = reason
+        if not was_out:
+            self._changed(state, OUT_OF_SERVICE, f"{reason}; out for {cooldown:g} s")
+
+    def _restore(self, model_id: str, state: _State, reason: str) -> None:
+        state.out_until = None
+        state.ejections = 0
+        state.trial_until = 0.0
+        state.reason = ""
+        self._changed(state, IN_SERVICE, reason)
+
+    def _changed(self, state: _State, new_state: str, reason: str) -> None:
+        for model_id in sorted(state.models):
+            try:
+                self.on_change(model_id, state.backend, new_state, reason)
+            except Exception:  # noqa: BLE001 - reporting must never fail a request
+                log.exception("could not report a backend state change")
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict]:
+        """Every backend this process has used, with its state (for `kiln admin backends`)."""
+        now = self._clock()
+        rows = []
+        for state in self._states.values():
+            current = self.state_of(state.backend)
+            row = {"backend": state.backend.name, "url": state.backend.url, "models": sorted(state.models),
+                   "state": current, "transport_failures": state.transport_failures,
+                   "recent_requests": len(state.answers),
+                   "recent_failures": sum(1 for entry in state.answers.values() if entry[2])}
+            if current != IN_SERVICE and state.out_until is not None:
+                row["out_for_seconds"] = round(max(0.0, state.out_until - now), 1)
+                row["reason"] = state.reason
+            rows.append(row)
+        return rows
 
     def out_of_service(self) -> list[str]:
-        now = self._clock()
-        return [name for (name, _), state in self._states.items() if state.failures >= self._threshold and now < state.open_until]
+        return [state.backend.name for state in self._states.values() if self.state_of(state.backend) == OUT_OF_SERVICE]
+
+
+def log_state_change(model_id: str, backend: Backend, state: str, reason: str) -> None:
+    """The default listener: one log line, and the BackendInService metric (EMF)."""
+    from .telemetry import metric
+
+    log.warning(json.dumps({"event": "backend_state", "model": model_id, "backend": backend.name, "state": state,
+                            "reason": reason}))
+    metric("BackendInService", 1 if state == IN_SERVICE else 0, model=model_id, backend=backend.name)

@@ -10,6 +10,10 @@ per call; this costs neither.
 A connection goes back to its pool only when its response was read to the end and the
 server allows keep-alive; anything else (an error, a timeout, a cancellation, a body left
 unread) closes it, so no pool ever holds a connection in an unknown state.
+
+What a server sends is bounded: the status line and headers by `max_header_bytes` and
+`max_headers` (checked before the bytes reach the parser, which would otherwise gather a
+header of any size), a body read whole by `Response.read(max_bytes=…)`.
 """
 
 from __future__ import annotations
@@ -23,9 +27,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["ConnectFailed", "HttpClient", "HttpError", "ProtocolFailure", "Response", "Timeout"]
+__all__ = [
+    "BodyTooLarge", "ConnectFailed", "ConnectTimeout", "HttpClient", "HttpError", "ProtocolFailure", "Response",
+    "ResponseTooLarge", "Timeout",
+]
 
 READ_SIZE = 64 * 1024
+# Defaults for any server; the model servers' come from the catalog (kiln.catalog.Limits).
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADERS = 256
 
 
 class HttpError(Exception):
@@ -40,6 +50,10 @@ class Timeout(HttpError):
     """Nothing arrived (or could be sent) in time."""
 
 
+class ConnectTimeout(Timeout):
+    """The connection (TCP, TLS) was not established in time."""
+
+
 class ProtocolFailure(HttpError):
     """The connection closed mid-response, or the response was not HTTP/1.1."""
 
@@ -47,6 +61,14 @@ class ProtocolFailure(HttpError):
         super().__init__(message)
         # the server closed before answering anything: on a reused connection, safe to retry
         self.nothing_received = nothing_received
+
+
+class ResponseTooLarge(ProtocolFailure):
+    """The status line and headers went beyond their bound (bytes or count)."""
+
+
+class BodyTooLarge(HttpError):
+    """A body read whole went beyond its bound."""
 
 
 class _Origin:
@@ -85,7 +107,7 @@ class _Connection:
 class _Message:
     """httptools' callbacks for one response."""
 
-    __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser")
+    __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser", "max_headers")
 
     def __init__(
         self,
@@ -102,9 +124,11 @@ class _Message:
         self.pending = pending if pending is not None else deque()
         self.keep_alive = False
         self.parser: object = None
+        self.max_headers = MAX_HEADERS
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        if len(self.headers) <= self.max_headers:  # one more than allowed is kept: the caller sees it and refuses
+            self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self.headers_complete = True
@@ -162,8 +186,15 @@ class Response:
             raise
         self._release()
 
-    async def read(self, limit: int | None = None) -> bytes:
-        """The whole body (at most `limit` bytes: the rest is dropped with the connection)."""
+    async def read(self, limit: int | None = None, *, max_bytes: int | None = None) -> bytes:
+        """The whole body. `limit`: keep that much, drop the rest with the connection (error
+        bodies). `max_bytes`: a longer body is refused (BodyTooLarge), at its declared length
+        already if it has one, and never held in memory beyond the bound."""
+        if max_bytes is not None:
+            declared = self.header("content-length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+                self._discard()
+                raise BodyTooLarge(f"the body is {int(declared)} bytes, more than {max_bytes}")
         parts, size = [], 0
         async for part in self.chunks():
             parts.append(part)
@@ -171,6 +202,9 @@ class Response:
             if limit is not None and size >= limit:
                 self._discard()
                 break
+            if max_bytes is not None and size > max_bytes:
+                self._discard()
+                raise BodyTooLarge(f"the body is more than {max_bytes} bytes")
         return b"".join(parts)[:limit] if limit is not None else b"".join(parts)
 
     async def _receive(self) -> None:
@@ -234,8 +268,16 @@ class HttpClient:
         body: bytes,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_headers: int = MAX_HEADERS,
+        head_timeout: float | None | str = "read_timeout",
     ) -> Response:
-        """Send the request and wait for the status line and headers (not the body)."""
+        """Send the request and wait for the status line and headers (not the body).
+
+        Each wait for the headers is bounded by `head_timeout` (by default the read timeout;
+        None when the caller bounds the whole wait itself), each read of the body by
+        `read_timeout`."""
+        head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
         parts = urlsplit(url)
         origin = _Origin(parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -246,7 +288,7 @@ class HttpClient:
         for attempt in range(2):
             connection = await self._connection(origin, connect_timeout)
             try:
-                return await self._exchange(connection, wire, read_timeout)
+                return await self._exchange(connection, wire, read_timeout, head_wait, max_header_bytes, max_headers)
             except ProtocolFailure as exc:
                 self._drop(connection)
                 # a kept-alive connection the server had already closed: once more on a new one
@@ -258,8 +300,12 @@ class HttpClient:
                 raise
         raise AssertionError("unreachable")
 
-    async def _exchange(self, connection: _Connection, wire: bytes, read_timeout: float | None) -> Response:
+    async def _exchange(
+        self, connection: _Connection, wire: bytes, read_timeout: float | None, head_timeout: float | None,
+        max_header_bytes: int, max_headers: int,
+    ) -> Response:
         message = _Message()
+        message.max_headers = max_headers
         parser = httptools.HttpResponseParser(message)
         message.parser = parser
         try:
@@ -270,13 +316,22 @@ class HttpClient:
             raise Timeout("the request could not be sent in time") from None
         except OSError as exc:
             raise ProtocolFailure(f"connection lost while sending: {exc}", nothing_received=True) from exc
-        received = False
+        head = 0  # bytes of the status line and headers fed so far
         while not message.headers_complete:
-            data = await _read(connection, read_timeout, "no response in time", nothing_received=not received)
+            data = await _read(connection, head_timeout, "no response in time", nothing_received=not head)
             if not data:
-                raise ProtocolFailure("the server closed the connection without answering", nothing_received=not received)
-            received = True
-            _feed(parser, data)
+                raise ProtocolFailure("the server closed the connection without answering", nothing_received=not head)
+            # never more than the bound reaches the parser before the headers are complete
+            piece = data[: max_header_bytes - head] if head + len(data) > max_header_bytes else data
+            head += len(piece)
+            _feed(parser, piece)
+            if len(message.headers) > max_headers:
+                raise ResponseTooLarge(f"more than {max_headers} response headers")
+            if not message.headers_complete:
+                if head >= max_header_bytes:
+                    raise ResponseTooLarge(f"response headers over {max_header_bytes} bytes")
+            elif len(piece) < len(data):
+                _feed(parser, data[len(piece):])  # the start of the body, read with the end of the headers
         message.status = parser.get_status_code()
         return Response(self, connection, parser, message, read_timeout)
 
@@ -297,7 +352,7 @@ class HttpClient:
                 else:
                     reader, writer = await asyncio.open_connection(origin.host, origin.port)
         except TimeoutError:
-            raise Timeout(f"could not connect to {origin.host}:{origin.port} in time") from None
+            raise ConnectTimeout(f"could not connect to {origin.host}:{origin.port} in time") from None
         except (OSError, ssl.SSLError) as exc:
             raise ConnectFailed(f"could not connect to {origin.host}:{origin.port}: {exc}") from exc
         connection = _Connection(origin, reader, writer)

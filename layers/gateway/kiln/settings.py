@@ -51,6 +51,13 @@ def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int = 
     return value
 
 
+def _rate(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _number(env, name, default, minimum=0.0)
+    if not 0.0 < value <= 1.0:
+        raise SettingsError(f"{name} must be a share above 0 and at most 1, got {env.get(name)!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything the gateway reads from its environment.
@@ -88,9 +95,18 @@ class Settings:
     default_concurrency: int = 8
     # usage events expire (DynamoDB TTL) this many days after the request; 0 keeps them
     usage_retention_days: int = 0
-    # a backend failing this many times in a row is out of service for the cooldown
+    # Backend health (kiln.health; README and docs/operations.md say why these values).
+    # transport failures in a row (refused, reset, TLS, no headers in time) that eject a backend…
     backend_failure_threshold: int = 3
+    # …for this long (doubled at each ejection in a row, up to the max), then one request probes it
     backend_cooldown_seconds: float = 10.0
+    backend_max_cooldown_seconds: float = 120.0
+    # 5xx answers eject only by rate: over this window, at least this many distinct requests
+    # answered, at least this share of them failed, from at least this many clients (orgs)
+    backend_error_window_seconds: float = 60.0
+    backend_error_min_requests: int = 20
+    backend_error_rate: float = 0.5
+    backend_error_min_clients: int = 2
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -129,6 +145,19 @@ class Settings:
                 env, "KILN_BACKEND_FAILURE_THRESHOLD", defaults.backend_failure_threshold, minimum=1
             ),
             backend_cooldown_seconds=_number(env, "KILN_BACKEND_COOLDOWN_SECONDS", defaults.backend_cooldown_seconds),
+            backend_max_cooldown_seconds=_number(
+                env, "KILN_BACKEND_MAX_COOLDOWN_SECONDS", defaults.backend_max_cooldown_seconds
+            ),
+            backend_error_window_seconds=_number(
+                env, "KILN_BACKEND_ERROR_WINDOW_SECONDS", defaults.backend_error_window_seconds, minimum=0.001
+            ),
+            backend_error_min_requests=_integer(
+                env, "KILN_BACKEND_ERROR_MIN_REQUESTS", defaults.backend_error_min_requests, minimum=1
+            ),
+            backend_error_rate=_rate(env, "KILN_BACKEND_ERROR_RATE", defaults.backend_error_rate),
+            backend_error_min_clients=_integer(
+                env, "KILN_BACKEND_ERROR_MIN_CLIENTS", defaults.backend_error_min_clients, minimum=1
+            ),
         )
 
     def to_env(self) -> dict[str, str]:

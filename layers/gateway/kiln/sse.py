@@ -15,8 +15,12 @@ from typing import Any
 
 from .jsonio import dumps
 from .metering import TokenUsage
+from .upstream import UpstreamStreamError
 
-__all__ = ["DONE", "KEEPALIVE", "SseRelay", "error_event", "usage_event"]
+__all__ = ["DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "error_event", "usage_event"]
+
+# the catalog's default (kiln.catalog.Limits.event_bytes); each model may set its own
+DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
@@ -39,13 +43,25 @@ def usage_event(template: dict[str, Any], usage: dict[str, Any]) -> bytes:
     return b"data: " + dumps(chunk) + b"\n\n"
 
 
-class SseRelay:
-    """Feed it the upstream's bytes; it returns what to send on now."""
+class EventTooLarge(UpstreamStreamError):
+    """One SSE event went beyond the model's bound (contract §5): the stream ends with the error event."""
 
-    def __init__(self, *, client_wants_usage: bool) -> None:
+
+class SseRelay:
+    """Feed it the upstream's bytes; it returns what to send on now.
+
+    Linear in the bytes fed: each byte is normalized, searched and split once, whatever the
+    pieces it comes in (an unfinished event is kept as a list of pieces, never re-scanned).
+    `bytes_scanned` counts that work, for the test that holds the relay to it.
+    """
+
+    def __init__(self, *, client_wants_usage: bool, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self._client_wants_usage = client_wants_usage
-        self._pending = b""
+        self._max_event_bytes = max_event_bytes
+        self._pending: list[bytes] = []  # pieces of the event not finished yet
+        self._pending_size = 0
         self._after_cr = False
+        self.bytes_scanned = 0
         self.done = False  # the upstream sent [DONE]
         self.usage_chunk: dict[str, Any] | None = None  # the upstream's usage chunk, held back
         self.usage: TokenUsage | None = None
@@ -56,27 +72,55 @@ class SseRelay:
     def feed(self, data: bytes) -> bytes:
         if not data:
             return b""
-        if b"\r" in data or self._after_cr:
+        if self._after_cr or b"\r" in data:
             # CRLF and CR line ends become LF. A CR that ends a chunk becomes LF at once; if
             # the next chunk starts with the LF of that CRLF, that LF is dropped.
             if self._after_cr and data.startswith(b"\n"):
                 data = data[1:]
             self._after_cr = data.endswith(b"\r")
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        buffer = self._pending + data if self._pending else data
-        end = buffer.rfind(b"\n\n")
+            self.bytes_scanned += len(data)
+        # the last blank line: in this piece, or across its start (the pending part ends in LF)
+        self.bytes_scanned += len(data)
+        end = data.rfind(b"\n\n")
+        if end >= 0:
+            end += 2
+        elif data.startswith(b"\n") and self._pending and self._pending[-1].endswith(b"\n"):
+            end = 1
         if end < 0:
-            self._pending = buffer
+            if data:
+                self._pending.append(data)
+                self._pending_size += len(data)
+                if self._pending_size > self._max_event_bytes:
+                    self._oversize()
             return b""
-        self._pending = buffer[end + 2 :]
+        if self._pending:
+            self._pending.append(data[:end])
+            complete = b"".join(self._pending)
+            self._pending = []
+        else:
+            complete = data[:end]
+        rest = data[end:]
+        self._pending_size = len(rest)
+        if rest:
+            self._pending.append(rest)
+            if self._pending_size > self._max_event_bytes:
+                self._oversize()
+        self.bytes_scanned += 2 * len(complete)  # joined, then split
         out = []
-        for event in buffer[: end + 2].split(b"\n\n"):
+        for event in complete.split(b"\n\n"):
+            if len(event) > self._max_event_bytes:
+                self._oversize()
             if event.strip(b"\n"):
                 forwarded = self._event(event.strip(b"\n"))
                 if forwarded:
                     out.append(forwarded)
                     out.append(b"\n\n")
         return b"".join(out)
+
+    def _oversize(self) -> None:
+        self._pending, self._pending_size = [], 0  # nothing of it is kept
+        raise EventTooLarge(f"an SSE event over {self._max_event_bytes} bytes")
 
     def _event(self, event: bytes) -> bytes | None:
         if self.done:
@@ -122,7 +166,7 @@ class SseRelay:
 
     def leftover(self) -> bytes:
         """Bytes of an event the upstream never finished (a cut stream)."""
-        return self._pending
+        return b"".join(self._pending)
 
 
 def _data_of(event: bytes) -> bytes | None:

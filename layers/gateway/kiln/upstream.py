@@ -1,24 +1,37 @@
-"""The model-server client: pooled connections, per-model timeouts, failover before the first byte.
+"""The model-server client: pooled connections, per-model timeouts and bounds, failover before the first byte.
 
 A backend that refuses the connection, times out before answering, or answers 5xx is
 skipped for the model's next one; when none is left the client gets 502 (contract §5).
 A 4xx is the request's own fault: it is passed on at once, never retried elsewhere.
-Once a backend has answered 2xx the exchange is committed to it. Backends that keep
-failing are taken out of service for a while (`kiln.health`).
+Once a backend has answered 2xx the exchange is committed to it. The whole request, every
+backend tried included, shares one deadline: the model's `total` timeout. What a backend
+sends is bounded by the model's `limits` (headers, a buffered body; one SSE event in
+`kiln.sse`). Each outcome is reported to `kiln.health` by its cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from .catalog import Backend, ModelEntry
 from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .health import BackendHealth
-from .http1 import ConnectFailed, HttpClient, HttpError, ProtocolFailure, Response, Timeout
+from .http1 import (
+    BodyTooLarge,
+    ConnectFailed,
+    ConnectTimeout,
+    HttpClient,
+    HttpError,
+    ProtocolFailure,
+    Response,
+    ResponseTooLarge,
+    Timeout,
+)
 from .jsonio import compact
 from .tls import client_context
 
@@ -29,18 +42,34 @@ log = logging.getLogger("kiln.upstream")
 # Error bodies are read up to this size; more is never useful and could be hostile.
 MAX_ERROR_BODY = 64 * 1024
 BAD_GATEWAY = "Bad gateway: the model backend returned an error or could not be reached. Retry with exponential backoff."
+# what ended a request, for the RequestsTimedOut metric's `timeout` dimension
+TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
 
 
 class UpstreamStreamError(Exception):
-    """The upstream failed after it had answered 200: cut, reset, silent for too long."""
+    """The upstream failed after it had answered 200: cut, reset, silent for too long, over a bound."""
+
+    def __init__(self, message: str, *, timeout: str | None = None) -> None:
+        super().__init__(message)
+        self.timeout = timeout  # which of the model's timeouts ended it, if one did
+
+
+class _TotalTimeExceeded(Exception):
+    """The request's deadline (the model's total time) passed."""
 
 
 def describe_transport_error(exc: BaseException) -> str:
     """One short, stable description per kind of transport failure (for logs and usage events)."""
+    if isinstance(exc, _TotalTimeExceeded):
+        return "exceeded the model's total time"
     if isinstance(exc, ConnectFailed):
         return "connection failed"
     if isinstance(exc, (Timeout, TimeoutError, asyncio.TimeoutError)):
         return "timed out"
+    if isinstance(exc, ResponseTooLarge):
+        return "response headers over the bound"
+    if isinstance(exc, BodyTooLarge):
+        return "response body over the bound"
     if isinstance(exc, ProtocolFailure):
         return "connection closed mid-response"
     if isinstance(exc, HttpError):
@@ -48,10 +77,29 @@ def describe_transport_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}"
 
 
+def _is_backend_failure(exc: BaseException) -> bool:
+    """The backend itself failed, whatever the request (contract §5): refused, reset before
+    any answer, TLS, a timeout before the first byte. Counted per backend by kiln.health."""
+    if isinstance(exc, (ConnectFailed, Timeout, TimeoutError)):
+        return True
+    return isinstance(exc, ProtocolFailure) and exc.nothing_received and not isinstance(exc, ResponseTooLarge)
+
+
+TimedOut = Callable[[str, str], None]  # (model id, timeout kind)
+
+
+def report_timeout(model_id: str, kind: str) -> None:
+    """The default: the RequestsTimedOut metric, dimension `timeout` (connect, first_byte, idle, total)."""
+    from .telemetry import metric
+
+    metric("RequestsTimedOut", 1, timeout=kind)
+
+
 class UpstreamExchange:
     """A committed (2xx) answer of one backend, body not read yet."""
 
-    __slots__ = ("backend", "response", "failures", "sent_at", "health")
+    __slots__ = ("backend", "response", "failures", "sent_at", "health", "model", "deadline", "request", "client",
+                 "timed_out")
 
     def __init__(
         self,
@@ -60,42 +108,111 @@ class UpstreamExchange:
         failures: list[str] | None = None,  # backends tried before this one, and why they failed
         sent_at: float = 0.0,
         health: BackendHealth | None = None,
+        *,
+        model: ModelEntry | None = None,
+        deadline: float | None = None,  # the request's, failover included (monotonic)
+        request: str = "",
+        client: str = "",
+        timed_out: TimedOut | None = None,
     ) -> None:
         self.backend = backend
         self.response = response
         self.failures = failures if failures is not None else []
         self.sent_at = sent_at
         self.health = health
+        self.model = model
+        self.deadline = deadline
+        self.request = request
+        self.client = client
+        self.timed_out = timed_out
 
     def broke(self) -> None:
-        """The backend failed after answering 2xx (a cut or silent stream, a truncated body)."""
-        if self.health is not None:
-            self.health.failed(self.backend)
+        """The backend failed after answering 2xx (a cut or silent stream, a truncated body,
+        an answer over its bound): counted with its 5xx answers, by rate (kiln.health)."""
+        if self.health is not None and self.model is not None:
+            self.health.answered(self.model.id, self.backend, self.request, self.client, failed=True,
+                                 models_backends=self.model.available_backends())
 
-    async def read_body(self, deadline: float) -> bytes:
-        """The whole body (buffered requests), within the model's total time."""
+    def _deadline(self, deadline: float | None = None) -> float | None:
+        if deadline is None:
+            return self.deadline
+        return deadline if self.deadline is None else min(deadline, self.deadline)
+
+    def _timed_out(self, kind: str) -> None:
+        if self.timed_out is not None and self.model is not None:
+            try:
+                self.timed_out(self.model.id, kind)
+            except Exception:  # noqa: BLE001 - reporting must never fail a request
+                log.exception("could not report a timeout")
+
+    async def read_body(self, deadline: float | None = None) -> bytes:
+        """The whole body (buffered requests), within the request's deadline and the model's body bound."""
+        limit = self.model.limits.body_bytes if self.model is not None else None
+        until = self._deadline(deadline)
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                return await self.response.read()
-        except (HttpError, TimeoutError) as exc:
+            try:
+                async with asyncio.timeout(None if until is None else max(0.0, until - time.monotonic())):
+                    return await self.response.read(max_bytes=limit)
+            except TimeoutError:
+                raise _TotalTimeExceeded() from None
+        except (HttpError, _TotalTimeExceeded) as exc:
+            if isinstance(exc, (Timeout, _TotalTimeExceeded)):
+                self._timed_out("total" if isinstance(exc, _TotalTimeExceeded) else "idle")
             self.broke()
             raise UpstreamFailed(BAD_GATEWAY, detail=f"{self.backend.name}: {describe_transport_error(exc)}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; transport failures become UpstreamStreamError."""
+        """The body as it arrives, until the request's deadline; transport failures become UpstreamStreamError."""
+        pieces = self.response.chunks()
         try:
-            async for chunk in self.response.chunks():
+            while True:
+                remaining = None if self.deadline is None else self.deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise _TotalTimeExceeded()
+                try:
+                    async with asyncio.timeout(remaining):
+                        chunk = await pieces.__anext__()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise _TotalTimeExceeded() from None
                 yield chunk
+        except _TotalTimeExceeded as exc:
+            self._timed_out("total")
+            raise UpstreamStreamError(describe_transport_error(exc), timeout="total") from None
         except HttpError as exc:
-            raise UpstreamStreamError(describe_transport_error(exc)) from exc
+            kind = "idle" if isinstance(exc, Timeout) else None
+            if kind:
+                self._timed_out(kind)
+            raise UpstreamStreamError(describe_transport_error(exc), timeout=kind) from exc
+        finally:
+            await pieces.aclose()
 
     async def aclose(self) -> None:
         await self.response.aclose()
 
 
+def fingerprint(client: str, path: str, content: bytes) -> str:
+    """Who sent what: a resend of the same body by the same client is the same request."""
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update(client.encode())
+    digest.update(b"\0")
+    digest.update(path.encode())
+    digest.update(b"\0")
+    digest.update(content)
+    return digest.hexdigest()
+
+
 class UpstreamClient:
-    def __init__(self, *, http: HttpClient | None = None, health: BackendHealth | None = None) -> None:
-        self.health = health or BackendHealth(threshold=3, cooldown=10.0)
+    def __init__(
+        self,
+        *,
+        http: HttpClient | None = None,
+        health: BackendHealth | None = None,
+        timed_out: TimedOut | None = None,
+    ) -> None:
+        self.health = health or BackendHealth()
+        self.timed_out = timed_out or report_timeout
         self._owns_http = http is None
         # the TLS context is made on the first https backend, if any
         self.http = http or HttpClient(ssl_context=client_context)
@@ -104,17 +221,30 @@ class UpstreamClient:
         if self._owns_http:
             await self.http.aclose()
 
-    async def open(self, model: ModelEntry, path: str, body: dict[str, Any], *, stream: bool) -> UpstreamExchange:
-        backends = [backend for backend in model.available_backends() if self.health.usable(backend)]
-        if not backends:
+    async def open(
+        self, model: ModelEntry, path: str, body: dict[str, Any], *, stream: bool, client: str = ""
+    ) -> UpstreamExchange:
+        """The first backend's 2xx, within the model's total time (shared by every backend
+        tried). `client` (the org) tells one client's requests from another's for kiln.health."""
+        enabled = model.available_backends()
+        if not enabled:
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
-        timeouts = model.timeouts
-        # A stream's headers come at once (then keepalives cover the wait); a buffered answer
-        # only arrives when generation is done, so it may take the whole budget.
-        header_budget = timeouts.first_byte if stream else timeouts.total
+        health = self.health
+        timeouts, limits = model.timeouts, model.limits
+        started = time.monotonic()
+        deadline = started + timeouts.total
         shared = compact(body)
+        request = fingerprint(client, path, shared)
         failures: list[str] = []
-        for backend in backends:
+        last_timeout: str | None = None
+        for backend in health.candidates(model.id, enabled):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.001:
+                failures.append(f"{backend.name}: not tried, the model's total time was spent")
+                last_timeout = "total"
+                break
+            if not health.claim(backend):
+                continue  # another request is probing it
             content = compact({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
             headers = {
                 "content-type": "application/json",
@@ -125,31 +255,63 @@ class UpstreamClient:
             api_key = backend.api_key()
             if api_key:
                 headers["authorization"] = f"Bearer {api_key}"
+            # A stream's headers come at once (then keepalives cover the wait); a buffered answer
+            # only arrives when generation is done, so it may take what is left of the total.
+            budget = min(timeouts.first_byte, remaining) if stream else remaining
             sent_at = time.monotonic()
             try:
-                async with asyncio.timeout(header_budget):
-                    response = await self.http.request(
-                        "POST",
-                        backend.url + path,
-                        headers=headers,
-                        body=content,
-                        connect_timeout=timeouts.connect,
-                        read_timeout=timeouts.idle,
-                    )
-            except (HttpError, TimeoutError) as exc:
+                try:
+                    async with asyncio.timeout(budget):
+                        response = await self.http.request(
+                            "POST",
+                            backend.url + path,
+                            headers=headers,
+                            body=content,
+                            connect_timeout=min(timeouts.connect, budget),
+                            read_timeout=timeouts.idle,
+                            head_timeout=None,  # bounded by the budget above
+                            max_header_bytes=limits.header_bytes,
+                        )
+                except TimeoutError:
+                    raise Timeout("no response headers in time") from None
+            except HttpError as exc:
                 failures.append(f"{backend.name}: {describe_transport_error(exc)}")
-                self.health.failed(backend)
+                if isinstance(exc, Timeout):
+                    if isinstance(exc, ConnectTimeout):
+                        last_timeout = "connect"
+                    else:
+                        last_timeout = "first_byte" if stream and budget < remaining else "total"
+                else:
+                    last_timeout = None
+                if _is_backend_failure(exc):
+                    health.transport_failed(model.id, backend, enabled)
+                else:  # an answer that broke its bounds or its framing
+                    health.answered(model.id, backend, request, client, failed=True, models_backends=enabled)
                 continue
+            except BaseException:
+                health.released(backend)
+                raise
+            last_timeout = None
             status = response.status
             if 200 <= status < 300:
-                self.health.succeeded(backend)
-                return UpstreamExchange(backend, response, failures, sent_at, self.health)
+                health.answered(model.id, backend, request, client, failed=False, models_backends=enabled)
+                return UpstreamExchange(
+                    backend, response, failures, sent_at, health,
+                    model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
+                )
             raw = await _read_error_body(response)
+            # any answer below 500 means the backend works: the request was at fault, not the backend
+            health.answered(model.id, backend, request, client, failed=status >= 500, models_backends=enabled)
             if 400 <= status < 500:
-                self.health.succeeded(backend)  # it answered: the request was at fault, not the backend
                 raise UpstreamRejected.from_upstream(status, raw)
             failures.append(f"{backend.name}: HTTP {status}")
-            self.health.failed(backend)
+        if not failures:  # every backend was out of service or being probed by another request
+            raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
+        if last_timeout is not None:
+            try:
+                self.timed_out(model.id, last_timeout)
+            except Exception:  # noqa: BLE001 - reporting must never fail a request
+                log.exception("could not report a timeout")
         log.warning(json.dumps({"event": "upstream_failed", "model": model.id, "failures": failures}))
         raise UpstreamFailed(BAD_GATEWAY, detail="; ".join(failures))
 

@@ -1,0 +1,130 @@
+"""kiln.health: backends out of service by cause and by volume, never the last one (contract §5)."""
+
+from __future__ import annotations
+
+import json
+
+from kiln.catalog import Backend
+from kiln.health import IN_SERVICE, OUT_OF_SERVICE, PROBING, BackendHealth, HealthPolicy
+from kiln.telemetry import metric_line
+
+A, B = Backend("a", "http://a/v1"), Backend("b", "http://b/v1")
+PAIR = (A, B)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def health(**policy):
+    clock, changes = Clock(), []
+    made = BackendHealth(HealthPolicy(**policy), clock=clock,
+                         on_change=lambda model, backend, state, reason: changes.append((backend.name, state)))
+    made.candidates("m", PAIR)
+    return made, clock, changes
+
+
+def answer(h, backend, request, client, failed=True):
+    h.answered("m", backend, request, client, failed=failed, models_backends=PAIR)
+
+
+def test_transport_failures_in_a_row_eject_and_any_answer_resets_the_count():
+    h, _, changes = health(failure_threshold=3)
+    h.transport_failed("m", A, PAIR)
+    h.transport_failed("m", A, PAIR)
+    answer(h, A, "r1", "org1", failed=True)  # a 5xx is an answer: the connection works
+    h.transport_failed("m", A, PAIR)
+    h.transport_failed("m", A, PAIR)
+    assert h.state_of(A) == IN_SERVICE
+    h.transport_failed("m", A, PAIR)
+    assert h.state_of(A) == OUT_OF_SERVICE and changes == [("a", OUT_OF_SERVICE)]
+    assert h.candidates("m", PAIR) == [B]
+
+
+def test_the_last_backend_in_service_is_never_ejected():
+    h, _, changes = health(failure_threshold=1)
+    h.transport_failed("m", A, PAIR)
+    for _ in range(10):
+        h.transport_failed("m", B, PAIR)
+    assert (h.state_of(A), h.state_of(B)) == (OUT_OF_SERVICE, IN_SERVICE)
+    assert changes == [("a", OUT_OF_SERVICE)]
+    only = (A,)
+    fresh = BackendHealth(HealthPolicy(failure_threshold=1))
+    for _ in range(10):
+        fresh.transport_failed("m", A, only)
+    assert fresh.state_of(A) == IN_SERVICE and fresh.candidates("m", only) == [A]
+
+
+def test_5xx_never_eject_alone_retries_count_once_and_one_client_is_not_enough():
+    h, _, changes = health(error_min_requests=4, error_rate=0.5, error_min_clients=2)
+    for _ in range(50):  # one request, retried and retried
+        answer(h, A, "same", "org1")
+    for i in range(10):  # one org's distinct requests, all failing
+        answer(h, A, f"r{i}", "org1")
+    assert h.state_of(A) == IN_SERVICE and changes == []
+    answer(h, A, "other", "org2")  # a second org fails too: many distinct requests, high rate
+    assert h.state_of(A) == OUT_OF_SERVICE
+
+
+def test_5xx_below_the_rate_or_outside_the_window_do_not_eject():
+    h, clock, _ = health(error_min_requests=4, error_rate=0.5, error_min_clients=1, error_window=60)
+    for i in range(6):
+        answer(h, A, f"ok{i}", "org1", failed=False)
+    for i in range(5):
+        answer(h, A, f"bad{i}", f"org{i}")
+    assert h.state_of(A) == IN_SERVICE  # 5 of 11
+    clock.now += 61  # the window moved on: what is left is too little volume
+    answer(h, A, "late", "org9")
+    assert h.state_of(A) == IN_SERVICE
+
+
+def test_after_the_cooldown_one_probe_at_a_time_decides_and_the_cooldown_grows():
+    h, clock, changes = health(failure_threshold=1, cooldown=10, max_cooldown=25)
+    h.transport_failed("m", A, PAIR)
+    clock.now += 10
+    assert h.state_of(A) == PROBING and h.candidates("m", PAIR) == [A, B]
+    assert h.claim(A) and not h.claim(A)  # the second request does not probe at the same time
+    h.transport_failed("m", A, PAIR)  # the probe failed: out again, for twice as long
+    clock.now += 10
+    assert h.state_of(A) == OUT_OF_SERVICE
+    clock.now += 10
+    assert h.claim(A)
+    h.released(A)  # that request was cancelled: another may probe at once
+    assert h.claim(A)
+    h.transport_failed("m", A, PAIR)
+    clock.now += 25  # capped at max_cooldown
+    assert h.claim(A)
+    answer(h, A, "probe", "org1", failed=False)
+    assert h.state_of(A) == IN_SERVICE
+    assert changes == [("a", OUT_OF_SERVICE), ("a", IN_SERVICE)]
+
+
+def test_a_probe_that_never_reports_does_not_keep_the_backend_out_forever():
+    h, clock, _ = health(failure_threshold=1, cooldown=5)
+    h.transport_failed("m", A, PAIR)
+    clock.now += 5
+    assert h.claim(A)
+    clock.now += 5
+    assert h.claim(A)
+
+
+def test_every_backend_out_of_service_means_all_are_tried():
+    h, clock, _ = health(failure_threshold=1)
+    shared = (A,)
+    h.transport_failed("m", A, PAIR)  # out, as a backend of m…
+    assert h.candidates("n", shared) == [A]  # …but n has nothing else: it is tried anyway
+
+
+def test_the_snapshot_and_the_metric_say_each_backends_state():
+    h, _, _ = health(failure_threshold=1)
+    h.transport_failed("m", A, PAIR)
+    rows = {row["backend"]: row for row in h.snapshot()}
+    assert rows["a"]["state"] == OUT_OF_SERVICE and rows["a"]["models"] == ["m"] and rows["a"]["reason"]
+    assert rows["b"]["state"] == IN_SERVICE
+    line = json.loads(metric_line("BackendInService", 0, model="m", backend="a"))
+    assert line["BackendInService"] == 0 and line["model"] == "m" and line["backend"] == "a"
+    assert line["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["service", "model", "backend"]]
