@@ -1,6 +1,11 @@
 """What `sam local start-api --parameter-overrides InvokeMode=buffered` would serve, read with
 SAM CLI's own providers and no AWS credentials: every route reaches its function, every
-function is a Mangum handler, and no layer has to be downloaded.
+function is a Mangum handler, and no layer has to be downloaded. And what `sam deploy
+--guided` would ask: nothing about routes without authorization (its default answer to
+that question aborts the deploy).
+
+This is SAM CLI's local view, which merges API events into the OpenAPI body; what a deploy
+creates is checked on the translated template (tests/ops/test_ops_sam_template.py).
 
 Run with the SAM CLI tool environment's Python (`make validate` does), on a built template:
     .tools/sam/bin/python infra/sam_local_check.py .aws-sam/build/template.yaml
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+from samcli.commands.deploy.auth_utils import auth_per_resource
 from samcli.lib.providers.api_provider import ApiProvider
 from samcli.lib.providers.sam_function_provider import SamFunctionProvider
 from samcli.lib.providers.sam_stack_provider import SamLocalStackProvider
@@ -39,6 +45,10 @@ def main(template: str) -> int:
         remote = [layer.arn for layer in function.layers if getattr(layer, "is_defined_within_template", True) is False]
         if remote:
             problems.append(f"{function.name}: layers to download: {remote}")
+    defaults, _ = SamLocalStackProvider.get_stacks(template)  # what --guided reads, with the defaults
+    for resource, authorized in auth_per_resource(defaults):
+        if not authorized:
+            problems.append(f"{resource}: sam deploy --guided would ask whether no authorization is OK")
     for problem in problems:
         print(f"sam-local-check: {problem}", file=sys.stderr)
     print(f"sam-local-check: buffered mode serves {len(routes)} routes locally: {'ok' if not problems else 'FAILED'}")

@@ -11,7 +11,7 @@ from typing import Any
 
 from kiln.settings import Settings
 
-from .template import PARAMETERS, TABLES, create_table_kwargs
+from .template import TABLES, create_table_kwargs
 
 __all__ = ["aws_clients", "provision"]
 
@@ -41,12 +41,13 @@ def provision(settings: Settings, *, catalog_json: str, dynamodb: Any, ssm: Any,
             dynamodb.create_table(**create_table_kwargs(logical_id, name))
             dynamodb.get_waiter("table_exists").wait(TableName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 60})
             created.append(f"table {name}")
-    initial = {"MaintenanceParameter": '{"enabled": false}', "CatalogParameter": catalog_json}
-    for logical_id, field in PARAMETERS.items():
+    # In AWS these are written by operators, never by the stack (template.yaml): here, by the local stack.
+    initial = {"maintenance_parameter": '{"enabled": false}', "catalog_parameter": catalog_json}
+    for field, value in initial.items():
         name = getattr(settings, field)
-        overwrite = replace_catalog and logical_id == "CatalogParameter"
+        overwrite = replace_catalog and field == "catalog_parameter"
         if overwrite or not _parameter_exists(ssm, name):
-            ssm.put_parameter(Name=name, Value=initial[logical_id], Type="String", Overwrite=True, Tier="Advanced")
+            ssm.put_parameter(Name=name, Value=value, Type="String", Overwrite=True, Tier="Advanced")
             created.append(f"parameter {name}")
     return created
 

@@ -1,242 +1,464 @@
-"""template.yaml: streaming and buffered wiring, REST API and Function URLs, IAM, alarms.
+"""template.yaml as CloudFormation receives it, in every mode of the template.
 
-The template serves both modes through the InvokeMode parameter. These tests resolve its
-conditions for each mode and check that every function's invoke mode matches the
-integration in front of it (a streaming function behind a buffered integration, or the
-reverse, corrupts bodies).
+Each mode is translated offline by SAM's own translator (`kiln_ops.template.translate`)
+and its conditions resolved: what is checked here is what a `sam deploy` creates, not the
+template's text nor SAM CLI's local view of it (which merges API events into an inline
+OpenAPI body that the deployed API never gets).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
 from typing import Any
 
 import pytest
 
-from kiln_ops.template import load_template
+from kiln_ops.template import PSEUDO_PARAMETERS, load_template, translate
 
 STREAMING_FUNCTIONS = ("ChatCompletionsFunction", "CompletionsFunction")
 BUFFERED_FUNCTIONS = ("ModelsFunction", "GenerationsFunction")
 FUNCTIONS = (*STREAMING_FUNCTIONS, *BUFFERED_FUNCTIONS)
-PATHS = {"ChatCompletionsFunction": "/v1/chat/completions", "CompletionsFunction": "/v1/completions"}
-NO_VALUE = object()
+# every route of the contract, and the function behind it
+ROUTES = {
+    ("post", "/v1/chat/completions"): "ChatCompletionsFunction",
+    ("post", "/v1/completions"): "CompletionsFunction",
+    ("get", "/v1/models"): "ModelsFunction",
+    ("get", "/v1/models/{model_id}"): "ModelsFunction",
+    ("get", "/v1/generations/{gen_id}"): "GenerationsFunction",
+}
+STACK, REGION, ACCOUNT = PSEUDO_PARAMETERS["AWS::StackName"], PSEUDO_PARAMETERS["AWS::Region"], PSEUDO_PARAMETERS["AWS::AccountId"]
+PARAMETER_ARN = f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/{STACK}/{{}}"
+KMS_KEY = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+
+# Every parameter value that changes which resources, routes or integrations exist.
+CHOICES = {
+    "InvokeMode": ["streaming", "buffered"],
+    "FunctionUrls": ["none", "iam", "public"],
+    "extras": ["defaults", "vpc-kms-existing-logs-role"],
+}
+EXTRAS = {
+    "defaults": {},
+    "vpc-kms-existing-logs-role": {
+        "SubnetIds": "subnet-0a1b2c3d,subnet-4e5f6a7b",
+        "SecurityGroupIds": "sg-0123456789abcdef0",
+        "UpstreamApiKeyKmsKeyArn": KMS_KEY,
+        "SetApiGatewayLogsRole": "false",
+    },
+}
+MODES = [
+    {"InvokeMode": invoke, "FunctionUrls": urls, **EXTRAS[extras]}
+    for invoke, urls, extras in itertools.product(*CHOICES.values())
+]
 
 
-def resolve(node: Any, mode: str) -> Any:
-    """The template as CloudFormation would see it with InvokeMode=mode (conditions only)."""
-    conditions = {"Streaming": mode == "streaming"}
-    if isinstance(node, dict):
-        if set(node) == {"Fn::If"}:
-            name, when_true, when_false = node["Fn::If"]
-            return resolve(when_true if conditions[name] else when_false, mode)
-        if node == {"Ref": "AWS::NoValue"}:
-            return NO_VALUE
-        resolved = {key: resolve(value, mode) for key, value in node.items()}
-        return {key: value for key, value in resolved.items() if value is not NO_VALUE}
-    if isinstance(node, list):
-        return [item for item in (resolve(item, mode) for item in node) if item is not NO_VALUE]
-    return node
+def mode_id(mode: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mode.items() if k in ("InvokeMode", "FunctionUrls")) + (
+        ",vpc+kms" if "SubnetIds" in mode else ""
+    )
 
 
-@pytest.fixture(scope="module")
-def template() -> dict[str, Any]:
-    return load_template()
+_TRANSLATED: dict[str, dict[str, Any]] = {}
 
 
-def function(template, name: str, mode: str) -> dict[str, Any]:
-    properties = dict(template["Globals"]["Function"])
-    properties.update(template["Resources"][name]["Properties"])
-    properties["Environment"] = {
-        "Variables": {
-            **template["Globals"]["Function"]["Environment"]["Variables"],
-            **template["Resources"][name]["Properties"].get("Environment", {}).get("Variables", {}),
-        }
-    }
-    return resolve(properties, mode)
+def deployed(mode: dict[str, Any]) -> dict[str, Any]:
+    key = json.dumps(mode, sort_keys=True)
+    if key not in _TRANSLATED:
+        _TRANSLATED[key] = translate(mode)
+    return _TRANSLATED[key]
 
 
-def integration(template, path: str, mode: str) -> dict[str, Any]:
-    body = template["Resources"]["GatewayApi"]["Properties"]["DefinitionBody"]
-    return resolve(body["paths"][path]["post"]["x-amazon-apigateway-integration"], mode)
+@pytest.fixture(params=MODES, ids=mode_id)
+def mode(request) -> dict[str, Any]:
+    return request.param
 
 
-def web_adapter_layers(layers) -> list:
-    return [layer for layer in layers if "LambdaAdapterLayer" in str(layer)]
+@pytest.fixture
+def cfn(mode) -> dict[str, Any]:
+    return deployed(mode)
 
 
-def test_runtime_architecture_memory_and_timeouts(template):
-    for name in FUNCTIONS:
-        props = function(template, name, "streaming")
-        assert props["Runtime"] == "python3.13"
-        assert props["Architectures"] == ["arm64"]
-        assert 512 <= props["MemorySize"] <= 3008
-        assert {"Ref": "GatewayLayer"} in props["Layers"]
-    for name in STREAMING_FUNCTIONS:
-        assert function(template, name, "streaming")["Timeout"] == 900  # Lambda's ceiling: streams run long
-    for name in BUFFERED_FUNCTIONS:
-        assert function(template, name, "streaming")["Timeout"] <= 29  # behind a buffered REST integration
+def of_type(cfn: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
+    return {name: r for name, r in cfn["Resources"].items() if r["Type"] == kind}
 
 
-@pytest.mark.parametrize("name", STREAMING_FUNCTIONS)
-def test_streaming_mode_runs_the_web_adapter_in_response_stream_mode(template, name):
-    props = function(template, name, "streaming")
-    env = props["Environment"]["Variables"]
-    assert props["Handler"] == "run.sh"
-    assert env["AWS_LAMBDA_EXEC_WRAPPER"] == "/opt/bootstrap"
-    assert env["AWS_LWA_INVOKE_MODE"] == "response_stream"
-    assert env["AWS_LWA_READINESS_CHECK_PATH"] == "/healthz"
-    (adapter,) = web_adapter_layers(props["Layers"])
-    assert "LambdaAdapterLayerArm64" in adapter["Fn::Sub"]
-    assert props["FunctionUrlConfig"] == {"AuthType": "NONE", "InvokeMode": "RESPONSE_STREAM"}
-    rest = integration(template, PATHS[name], "streaming")
-    assert rest["responseTransferMode"] == "STREAM"
-    assert rest["uri"]["Fn::Sub"].endswith(f"/2021-11-15/functions/${{{name}.Arn}}/response-streaming-invocations")
-    assert rest["timeoutInMillis"] == 900000
-    assert rest["type"] == "aws_proxy"
+def rest_api_body(cfn) -> dict[str, Any]:
+    (api,) = of_type(cfn, "AWS::ApiGateway::RestApi").values()
+    return api["Properties"]["Body"]
 
 
-@pytest.mark.parametrize("name", FUNCTIONS)
-def test_buffered_mode_is_a_mangum_handler_without_the_web_adapter(template, name):
-    props = function(template, name, "buffered")
-    env = props["Environment"]["Variables"]
-    assert props["Handler"] == "app.handler"
-    assert not web_adapter_layers(props["Layers"])  # sam local start-api downloads no layer
-    assert not [var for var in env if var.startswith(("AWS_LWA_", "AWS_LAMBDA_EXEC_WRAPPER"))]
-    if name in PATHS:
-        assert props["FunctionUrlConfig"]["InvokeMode"] == "BUFFERED"
-        rest = integration(template, PATHS[name], "buffered")
-        assert rest["responseTransferMode"] == "BUFFERED"
-        assert rest["uri"]["Fn::Sub"].endswith(f"/2015-03-31/functions/${{{name}.Arn}}/invocations")
-        assert rest["timeoutInMillis"] <= 29000
+def streaming(mode) -> bool:
+    return mode["InvokeMode"] == "streaming"
+
+
+def integration_uri(function: str, stream: bool) -> str:
+    if stream:
+        return (f"arn:aws:apigateway:{REGION}:lambda:path/2021-11-15/functions/${{{function}.Arn}}"
+                "/response-streaming-invocations")
+    return f"arn:aws:apigateway:{REGION}:lambda:path/2015-03-31/functions/${{{function}.Arn}}/invocations"
+
+
+def env(cfn, function: str) -> dict[str, Any]:
+    return cfn["Resources"][function]["Properties"]["Environment"]["Variables"]
+
+
+# -- the routes ---------------------------------------------------------------------------------
+
+
+def test_every_contract_route_is_on_the_deployed_rest_api_with_its_integration(cfn, mode):
+    body = rest_api_body(cfn)
+    routes = {(method, path) for path, item in body["paths"].items() for method in item}
+    assert routes == set(ROUTES)
+    for (method, path), function in ROUTES.items():
+        integration = body["paths"][path][method]["x-amazon-apigateway-integration"]
+        stream = streaming(mode) and function in STREAMING_FUNCTIONS
+        assert integration["type"] == "aws_proxy", (method, path)
+        assert integration["httpMethod"] == "POST", (method, path)  # Lambda is always invoked with POST
+        assert integration["uri"] == {"Fn::Sub": integration_uri(function, stream)}, (method, path)
+        assert integration["responseTransferMode"] == ("STREAM" if stream else "BUFFERED"), (method, path)
+        if stream:
+            assert integration["timeoutInMillis"] == 900_000
+        else:
+            assert integration["timeoutInMillis"] <= 29_000  # a buffered REST integration's ceiling
+
+
+def test_each_function_runs_in_the_mode_of_the_integration_in_front_of_it(cfn, mode):
+    """A streaming function behind a buffered integration (or the reverse) corrupts bodies."""
+    for function in FUNCTIONS:
+        props = cfn["Resources"][function]["Properties"]
+        variables = env(cfn, function)
+        adapter = [layer for layer in props["Layers"] if "LambdaAdapterLayer" in json.dumps(layer)]
+        if streaming(mode) and function in STREAMING_FUNCTIONS:
+            assert props["Handler"] == "run.sh"
+            assert variables["AWS_LAMBDA_EXEC_WRAPPER"] == "/opt/bootstrap"
+            assert variables["AWS_LWA_INVOKE_MODE"] == "response_stream"
+            assert variables["AWS_LWA_READINESS_CHECK_PATH"] == "/healthz"
+            assert adapter == [f"arn:aws:lambda:{REGION}:753240598075:layer:LambdaAdapterLayerArm64:27"]
+            assert props["Timeout"] == 900
+        else:
+            assert props["Handler"] == "app.handler"  # Mangum
+            assert adapter == []  # sam local start-api downloads no layer
+            assert not [name for name in variables if name.startswith(("AWS_LWA_", "AWS_LAMBDA_EXEC_WRAPPER"))]
+            assert props["Timeout"] <= 29 or function in STREAMING_FUNCTIONS
+
+
+def test_the_rest_api_may_invoke_the_function_of_every_route_and_nothing_else(cfn):
+    permissions = [
+        r["Properties"] for r in of_type(cfn, "AWS::Lambda::Permission").values()
+        if r["Properties"]["Principal"] == "apigateway.amazonaws.com"
+    ]
+    granted = {}
+    for permission in permissions:
+        source = permission["SourceArn"]["Fn::Sub"]
+        prefix = f"arn:aws:execute-api:{REGION}:{ACCOUNT}:${{GatewayApi}}/*/"
+        assert source.startswith(prefix), source
+        granted[source[len(prefix):]] = permission["FunctionName"]["Ref"]
+    for (method, path), function in ROUTES.items():
+        arn_path = f"{method.upper()}{re.sub(r'{[^}]+}', '*', path)}"
+        assert granted.get(arn_path) == function, arn_path
+    assert len(granted) == len(ROUTES)
+
+
+def test_one_stage_named_prod_and_no_extra_stage(cfn):
+    stages = of_type(cfn, "AWS::ApiGateway::Stage")
+    assert [stage["Properties"]["StageName"] for stage in stages.values()] == ["prod"]
+    for deployment in of_type(cfn, "AWS::ApiGateway::Deployment").values():
+        assert "StageName" not in deployment["Properties"]  # a deployment's StageName makes a stage "Stage"
+    assert cfn["Outputs"]["ApiUrl"]["Value"]["Fn::Sub"].endswith("/prod/v1")
+
+
+# -- the front door ---------------------------------------------------------------------------
+
+
+def test_every_function_has_reserved_concurrency_leaving_the_account_its_unreserved_100(cfn):
+    functions = of_type(cfn, "AWS::Lambda::Function")
+    assert set(functions) == set(FUNCTIONS)
+    reserved = {name: f["Properties"].get("ReservedConcurrentExecutions") for name, f in functions.items()}
+    assert all(isinstance(value, int) and value >= 1 for value in reserved.values()), reserved
+    assert sum(reserved.values()) <= 1000 - 100  # Lambda keeps 100 of the default 1 000 unreserved
+    assert reserved["ChatCompletionsFunction"] >= reserved["ModelsFunction"]
+
+
+def test_reserved_concurrency_follows_its_parameters():
+    cfn = translate({"ChatCompletionsConcurrency": 7, "CompletionsConcurrency": 6, "ModelsConcurrency": 5,
+                     "GenerationsConcurrency": 4})
+    reserved = {name: f["Properties"]["ReservedConcurrentExecutions"]
+                for name, f in of_type(cfn, "AWS::Lambda::Function").items()}
+    assert reserved == {"ChatCompletionsFunction": 7, "CompletionsFunction": 6, "ModelsFunction": 5,
+                        "GenerationsFunction": 4}
+
+
+def test_the_stage_throttles_and_writes_json_access_logs(cfn):
+    (stage,) = of_type(cfn, "AWS::ApiGateway::Stage").values()
+    (settings,) = stage["Properties"]["MethodSettings"]
+    assert (settings["ResourcePath"], settings["HttpMethod"]) == ("/*", "*")
+    assert settings["ThrottlingRateLimit"] == 500 and settings["ThrottlingBurstLimit"] == 1000
+    access = stage["Properties"]["AccessLogSetting"]
+    group = cfn["Resources"][access["DestinationArn"]["Fn::GetAtt"][0]]
+    assert group["Type"] == "AWS::Logs::LogGroup" and group["Properties"]["RetentionInDays"] == 30
+    line = json.loads(_render(access["Format"]))
+    assert {"requestId", "lambdaRequestId", "method", "path", "status", "latencyMs", "error"} <= set(line)
+    assert "$context.requestId" in access["Format"]  # API Gateway refuses a format without it
+
+
+def test_access_logs_need_the_account_role_the_stack_sets_unless_told_it_exists(cfn, mode):
+    account = of_type(cfn, "AWS::ApiGateway::Account")
+    if mode.get("SetApiGatewayLogsRole") == "false":
+        assert account == {}
+    else:
+        (setting,) = account.values()
+        role = cfn["Resources"][setting["Properties"]["CloudWatchRoleArn"]["Fn::GetAtt"][0]]
+        assert role["Properties"]["ManagedPolicyArns"] == [
+            "arn:aws:iam::aws:policy/service-role/AmazonAPIGatewayPushToCloudWatchLogs"]
+        assert role["DeletionPolicy"] == setting["DeletionPolicy"] == "Retain"  # other APIs may log with it
+        # the API (so its stage) is created once the account names the role
+        (api_name,) = of_type(cfn, "AWS::ApiGateway::RestApi")
+        handle = cfn["Resources"][cfn["Resources"][api_name]["DependsOn"]]
+        assert handle["Metadata"]["AccountSetting"] == {"Ref": next(iter(account))}
+
+
+def _render(template: str) -> str:
+    """A gateway response or access log template as API Gateway fills it in."""
+    text = template.replace("$context.error.messageString", json.dumps('Say "hi"'))
+    return re.sub(r"\$context\.[A-Za-z.]+", "value", text)
 
 
 @pytest.mark.parametrize(
-    "name,routes",
+    "response,status,error_type,code",
     [
-        ("ModelsFunction", {("GET", "/v1/models"), ("GET", "/v1/models/{model_id}")}),
-        ("GenerationsFunction", {("GET", "/v1/generations/{gen_id}")}),
+        ("MISSING_AUTHENTICATION_TOKEN", "404", "invalid_request_error", "unknown_url"),  # a route it lacks
+        ("THROTTLED", "429", "rate_limit_error", "rate_limit_exceeded"),
+        ("REQUEST_TOO_LARGE", "413", "invalid_request_error", "request_too_large"),
+        ("DEFAULT_4XX", None, "invalid_request_error", None),
+        ("DEFAULT_5XX", None, "server_error", "internal_error"),
     ],
 )
-def test_models_and_generations_are_buffered_in_both_modes_and_routed_by_the_rest_api(template, name, routes):
-    for mode in ("streaming", "buffered"):
-        props = function(template, name, mode)
-        assert props["Handler"] == "app.handler"
-        assert not web_adapter_layers(props["Layers"])
-        assert "FunctionUrlConfig" not in props
-    events = template["Resources"][name]["Properties"]["Events"]
-    assert {(e["Properties"]["Method"], e["Properties"]["Path"]) for e in events.values()} == routes
-    assert all(e["Type"] == "Api" and e["Properties"]["RestApiId"] == {"Ref": "GatewayApi"} for e in events.values())
+def test_api_gateways_own_errors_answer_in_the_contracts_error_shape(response, status, error_type, code):
+    for mode in ({"InvokeMode": "streaming"}, {"InvokeMode": "buffered"}):
+        responses = rest_api_body(deployed(mode))["x-amazon-apigateway-gateway-responses"]
+        answer = responses[response]
+        assert answer.get("statusCode") == status
+        body = json.loads(_render(answer["responseTemplates"]["application/json"]))
+        assert list(body) == ["error"]
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert (body["error"]["type"], body["error"]["code"], body["error"]["param"]) == (error_type, code, None)
+        assert body["error"]["message"]
 
 
-def test_the_rest_api_may_invoke_the_streaming_functions(template):
-    resources = template["Resources"]
-    for name, path in PATHS.items():
-        permissions = [
-            r["Properties"]
-            for r in resources.values()
-            if r["Type"] == "AWS::Lambda::Permission" and r["Properties"]["FunctionName"] == {"Ref": name}
-        ]
-        (permission,) = permissions
-        assert permission["Principal"] == "apigateway.amazonaws.com"
-        assert permission["SourceArn"]["Fn::Sub"].endswith(f"${{GatewayApi}}/*/POST{path}")
+def test_a_throttled_client_is_told_when_to_retry():
+    responses = rest_api_body(deployed({"InvokeMode": "streaming"}))["x-amazon-apigateway-gateway-responses"]
+    assert responses["THROTTLED"]["responseParameters"]["gatewayresponse.header.Retry-After"] == "'1'"
 
 
-def test_ssm_parameters_and_their_environment(template):
-    resources = template["Resources"]
-    assert resources["MaintenanceParameter"]["Properties"]["Value"] == '{"enabled": false}'
-    assert resources["CatalogParameter"]["Type"] == "AWS::SSM::Parameter"
-    env = template["Globals"]["Function"]["Environment"]["Variables"]
-    assert env["KILN_MAINTENANCE_PARAMETER"] == {"Ref": "MaintenanceParameter"}
-    assert env["KILN_CATALOG_PARAMETER"] == {"Ref": "CatalogParameter"}
-    for table in ("Keys", "Orgs", "Usage"):
-        assert env[f"KILN_{table.upper()}_TABLE"] == {"Ref": f"{table}Table"}
+def test_function_urls_only_when_asked_for_and_public_only_when_said(cfn, mode):
+    urls = of_type(cfn, "AWS::Lambda::Url")
+    public = [r["Properties"] for r in of_type(cfn, "AWS::Lambda::Permission").values()
+              if r["Properties"]["Principal"] == "*"]
+    outputs = {name for name in cfn["Outputs"] if name.endswith("FunctionUrl")}
+    if mode["FunctionUrls"] == "none":
+        assert urls == {} and public == [] and outputs == set()
+        return
+    assert {url["Properties"]["TargetFunctionArn"]["Ref"] for url in urls.values()} == set(STREAMING_FUNCTIONS)
+    assert outputs == {"ChatCompletionsFunctionUrl", "CompletionsFunctionUrl"}
+    for url in urls.values():
+        assert url["Properties"]["InvokeMode"] == ("RESPONSE_STREAM" if streaming(mode) else "BUFFERED")
+        assert url["Properties"]["AuthType"] == ("NONE" if mode["FunctionUrls"] == "public" else "AWS_IAM")
+    if mode["FunctionUrls"] == "iam":
+        assert public == []
+    else:
+        granted = {(p["FunctionName"]["Ref"], p["Action"]) for p in public}
+        assert granted == {(f, action) for f in STREAMING_FUNCTIONS
+                           for action in ("lambda:InvokeFunctionUrl", "lambda:InvokeFunction")}
 
 
-def test_usage_events_expire_through_ttl(template):
-    ttl = template["Resources"]["UsageTable"]["Properties"]["TimeToLiveSpecification"]
-    assert ttl == {"AttributeName": "expires_at", "Enabled": True}
-
-
-def _permission_statements(template) -> list[dict[str, Any]]:
-    statements = []
-    for name, resource in template["Resources"].items():
-        if resource["Type"] == "AWS::IAM::Role":
-            for policy in resource["Properties"].get("Policies", []):
-                statements += [(name, s) for s in policy["PolicyDocument"]["Statement"]]
+def test_guided_deploy_finds_no_route_without_authorization_to_ask_about():
+    """`sam deploy --guided` asks about every Api event and public Function URL, and its
+    default answer aborts: the template has neither (routes live in the OpenAPI body)."""
+    for name, resource in load_template()["Resources"].items():
         if resource["Type"] == "AWS::Serverless::Function":
-            assert "Policies" not in resource["Properties"], f"{name}: SAM's policies attach unscoped managed ones"
-            assert "Role" in resource["Properties"], f"{name} needs its own least-privilege role"
-    return statements
+            assert "Events" not in resource["Properties"], name
+            assert "FunctionUrlConfig" not in resource["Properties"], name
 
 
-def test_no_iam_statement_with_a_wildcard_action_or_an_unscoped_resource(template):
-    statements = _permission_statements(template)
-    assert len(statements) >= 10
-    for role, statement in statements:
-        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
-        assert all("*" not in action for action in actions), (role, statement["Sid"])
-        resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
-        assert all(resource != "*" for resource in resources), (role, statement["Sid"])
+# -- live data and secrets --------------------------------------------------------------------
 
 
-def test_each_role_grants_only_what_its_function_calls(template):
+def test_no_stack_resource_owns_a_live_value(cfn):
+    """An update or rollback resets whatever the stack owns: it owns no parameter, so a
+    catalog, switch or key that operators changed stays as they left it."""
+    assert of_type(cfn, "AWS::SSM::Parameter") == {}
+    names = {f"/{STACK}/catalog", f"/{STACK}/maintenance", f"/{STACK}/upstream-api-key"}
+    for name, resource in cfn["Resources"].items():
+        if resource["Type"].startswith(("AWS::SSM::", "AWS::SecretsManager::", "Custom::", "AWS::CloudFormation::Custom")):
+            raise AssertionError(f"{name} ({resource['Type']}) would own live data")
+        assert resource.get("Properties", {}).get("Name") not in names, name
+    for function in FUNCTIONS:
+        assert env(cfn, function)["KILN_CATALOG_PARAMETER"] == f"/{STACK}/catalog"
+        assert env(cfn, function)["KILN_MAINTENANCE_PARAMETER"] == f"/{STACK}/maintenance"
+    assert cfn["Outputs"]["CatalogParameterName"]["Value"] == f"/{STACK}/catalog"
+    assert cfn["Outputs"]["UpstreamApiKeyParameterName"]["Value"] == f"/{STACK}/upstream-api-key"
+
+
+def test_tables_are_retained_on_delete_and_on_replacement(cfn):
+    tables = of_type(cfn, "AWS::DynamoDB::Table")
+    assert set(tables) == {"KeysTable", "OrgsTable", "UsageTable"}
+    for name, table in tables.items():
+        assert table["DeletionPolicy"] == "Retain", name
+        assert table["UpdateReplacePolicy"] == "Retain", name
+        assert table["Properties"]["PointInTimeRecoverySpecification"] == {"PointInTimeRecoveryEnabled": True}
+
+
+SECRET_WORDS = re.compile(r"API_KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def test_no_secret_in_any_functions_configuration(cfn):
+    """Anyone allowed lambda:GetFunctionConfiguration reads a function's environment."""
+    template = load_template()
+    assert not [name for name, spec in template["Parameters"].items() if spec.get("NoEcho")]
+    for function in FUNCTIONS:
+        for name, value in env(cfn, function).items():
+            if SECRET_WORDS.search(name):
+                # only the name of the SecureString and its cache time, never a key
+                assert name in ("KILN_UPSTREAM_API_KEY_PARAMETER", "KILN_UPSTREAM_API_KEY_CACHE_SECONDS"), name
+            assert not str(value).startswith(("sk-", "Bearer")), name
+        assert "KILN_UPSTREAM_API_KEY" not in env(cfn, function)
+    for function in STREAMING_FUNCTIONS:  # the two that call model servers
+        assert env(cfn, function)["KILN_UPSTREAM_API_KEY_PARAMETER"] == f"/{STACK}/upstream-api-key"
+
+
+# -- IAM, network ---------------------------------------------------------------------------------
+
+
+def statements(cfn, role: str) -> list[dict[str, Any]]:
+    found = []
+    for policy in cfn["Resources"][role]["Properties"].get("Policies", []):
+        found += policy["PolicyDocument"]["Statement"]
+    return found
+
+
+def granted(cfn, role: str, action: str) -> list[Any]:
+    resources = []
+    for statement in statements(cfn, role):
+        if action in statement["Action"]:
+            resources += statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+    return resources
+
+
+ROLES = {f"{function[:-len('Function')]}Role": function for function in FUNCTIONS}
+
+
+def test_every_function_has_its_own_role_and_no_wildcard(cfn):
+    for role, function in ROLES.items():
+        assert cfn["Resources"][function]["Properties"]["Role"] == {"Fn::GetAtt": [role, "Arn"]}
+        for statement in statements(cfn, role):
+            actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+            assert all("*" not in action for action in actions), (role, statement["Sid"])
+            resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+            assert all(resource != "*" for resource in resources), (role, statement["Sid"])
+
+
+def test_each_role_reads_only_the_parameters_its_function_uses(cfn):
+    read = {role: sorted(granted(cfn, role, "ssm:GetParameter")) for role in ROLES}
+    assert read["ChatCompletionsRole"] == read["CompletionsRole"] == sorted(
+        PARAMETER_ARN.format(name) for name in ("maintenance", "catalog", "upstream-api-key"))
+    assert read["ModelsRole"] == sorted(PARAMETER_ARN.format(name) for name in ("maintenance", "catalog"))
+    assert read["GenerationsRole"] == [PARAMETER_ARN.format("maintenance")]
+
+
+def test_each_role_grants_only_what_its_function_calls(cfn):
     def actions(role: str) -> set[str]:
-        found = set()
-        for name, statement in _permission_statements(template):
-            if name == role:
-                found.update(statement["Action"])
-        return found
+        return {action for statement in statements(cfn, role) for action in statement["Action"]}
 
-    gateway = {"logs:CreateLogStream", "logs:PutLogEvents", "dynamodb:GetItem", "dynamodb:UpdateItem", "dynamodb:PutItem", "ssm:GetParameter"}
-    assert actions("ChatCompletionsRole") == gateway
-    assert actions("CompletionsRole") == gateway
+    gateway = {"logs:CreateLogStream", "logs:PutLogEvents", "dynamodb:GetItem", "dynamodb:UpdateItem",
+               "dynamodb:PutItem", "ssm:GetParameter"}
+    assert actions("ChatCompletionsRole") - {"kms:Decrypt"} == gateway
+    assert actions("CompletionsRole") - {"kms:Decrypt"} == gateway
     # the models and generations functions neither admit nor bill: they write only a key's last use
-    readers = gateway - {"dynamodb:PutItem"}
-    assert actions("ModelsRole") == readers
-    assert actions("GenerationsRole") == readers
-
-    def resources(role: str, action: str) -> list:
-        return [
-            statement["Resource"]
-            for name, statement in _permission_statements(template)
-            if name == role and action in statement["Action"]
-        ]
-
+    assert actions("ModelsRole") == actions("GenerationsRole") == gateway - {"dynamodb:PutItem"}
     for role in ("ModelsRole", "GenerationsRole"):
-        assert resources(role, "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
+        assert granted(cfn, role, "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
 
 
-def test_logs_alarms_dashboard_and_outputs(template):
-    resources = template["Resources"]
-    for name in FUNCTIONS:
-        group = resources[name]["Properties"]["LoggingConfig"]["LogGroup"]["Ref"]
-        assert resources[group]["Properties"]["RetentionInDays"] == {"Ref": "LogRetentionDays"}
-    alarms = {name for name, r in resources.items() if r["Type"] == "AWS::CloudWatch::Alarm"}
-    assert alarms == {
-        "Gateway5xxRateAlarm",
-        "UpstreamErrorsAlarm",
-        "LambdaThrottlesAlarm",
-        "DurationNearTimeoutAlarm",
-        "RateLimitSurgeAlarm",
-    }
+def test_kms_decrypt_only_for_a_customer_managed_key_and_only_through_ssm(cfn, mode):
+    for role in ROLES:
+        decrypt = [s for s in statements(cfn, role) if "kms:Decrypt" in s["Action"]]
+        if "UpstreamApiKeyKmsKeyArn" in mode and role in ("ChatCompletionsRole", "CompletionsRole"):
+            (statement,) = decrypt
+            assert statement["Resource"] == KMS_KEY
+            assert statement["Condition"] == {"StringEquals": {"kms:ViaService": f"ssm.{REGION}.amazonaws.com"}}
+        else:
+            assert decrypt == []  # the AWS managed aws/ssm key needs no grant
+
+
+def test_functions_join_the_vpc_only_when_subnets_are_given(cfn, mode):
+    for role, function in ROLES.items():
+        props = cfn["Resources"][function]["Properties"]
+        managed = cfn["Resources"][role]["Properties"].get("ManagedPolicyArns", [])
+        if "SubnetIds" in mode:
+            assert props["VpcConfig"] == {"SubnetIds": ["subnet-0a1b2c3d", "subnet-4e5f6a7b"],
+                                          "SecurityGroupIds": ["sg-0123456789abcdef0"]}
+            assert managed == ["arn:aws:iam::aws:policy/service-role/AWSLambdaVPCAccessExecutionRole"]
+        else:
+            assert "VpcConfig" not in props
+            assert managed == []
+
+
+# -- the rest -------------------------------------------------------------------------------------
+
+
+def test_runtime_architecture_memory_and_layer(cfn):
+    for function in FUNCTIONS:
+        props = cfn["Resources"][function]["Properties"]
+        assert props["Runtime"] == "python3.13"
+        assert props["Architectures"] == ["arm64"]
+        assert 512 <= props["MemorySize"] <= 3008
+        layers = of_type(cfn, "AWS::Lambda::LayerVersion")
+        assert any(layer == {"Ref": name} for layer in props["Layers"] for name in layers)
+
+
+def test_parameter_caches_are_sized_for_ssm_at_1000_environments(cfn):
+    """docs/deploy.md, "SSM reads": every busy environment reading every parameter at the
+    deployed cache times stays under SSM's default 40 TPS at 1 000 environments."""
+    chat = env(cfn, "ChatCompletionsFunction")
+    per_environment = sum(1 / float(chat[name]) for name in (
+        "KILN_MAINTENANCE_CACHE_SECONDS", "KILN_CATALOG_CACHE_SECONDS", "KILN_UPSTREAM_API_KEY_CACHE_SECONDS"))
+    jitter = 1 / 0.9  # refreshes fall due at 80-100% of the cache time: 90% on average
+    assert 1000 * per_environment * jitter < 40
+    assert "KILN_UPSTREAM_API_KEY_CACHE_SECONDS" not in env(cfn, "ModelsFunction")
+
+
+def test_logs_alarms_dashboard_and_outputs(cfn):
+    resources = cfn["Resources"]
+    for function in FUNCTIONS:
+        group = resources[function]["Properties"]["LoggingConfig"]["LogGroup"]["Ref"]
+        assert resources[group]["Properties"]["RetentionInDays"] == 30
+    alarms = set(of_type(cfn, "AWS::CloudWatch::Alarm"))
+    assert alarms == {"Gateway5xxRateAlarm", "UpstreamErrorsAlarm", "LambdaThrottlesAlarm", "DurationNearTimeoutAlarm",
+                      "RateLimitSurgeAlarm"}
     assert "Dashboard" in resources
-    outputs = template["Outputs"]
-    for name in ("ApiUrl", "ChatCompletionsFunctionUrl", "CompletionsFunctionUrl", "KeysTableName", "OrgsTableName",
-                 "UsageTableName", "MaintenanceParameterName", "CatalogParameterName"):
-        assert name in outputs
-    assert outputs["ApiUrl"]["Value"]["Fn::Sub"].endswith("/prod/v1")
+    for name in ("ApiUrl", "KeysTableName", "OrgsTableName", "UsageTableName", "MaintenanceParameterName",
+                 "CatalogParameterName", "UpstreamApiKeyParameterName", "ApiAccessLogGroupName", "Region"):
+        assert name in cfn["Outputs"], name
 
 
-def test_alarms_watch_metrics_the_gateway_emits(template):
+def test_usage_events_expire_through_ttl(cfn):
+    ttl = cfn["Resources"]["UsageTable"]["Properties"]["TimeToLiveSpecification"]
+    assert ttl == {"AttributeName": "expires_at", "Enabled": True}
+    assert env(cfn, "ChatCompletionsFunction")["KILN_USAGE_RETENTION_DAYS"] == 400
+    for table in ("Keys", "Orgs", "Usage"):
+        assert env(cfn, "ModelsFunction")[f"KILN_{table.upper()}_TABLE"] == {"Ref": f"{table}Table"}
+
+
+def test_alarms_watch_metrics_the_gateway_emits(cfn):
     """The custom alarms read metric names that kiln.observability really publishes."""
     import inspect
 
     from kiln import observability
 
     source = inspect.getsource(observability)
-    resources = template["Resources"]
-    names = []
-    for alarm in ("UpstreamErrorsAlarm", "RateLimitSurgeAlarm"):
-        names.append(resources[alarm]["Properties"]["MetricName"])
+    resources = cfn["Resources"]
+    names = [resources[alarm]["Properties"]["MetricName"] for alarm in ("UpstreamErrorsAlarm", "RateLimitSurgeAlarm")]
     for query in resources["Gateway5xxRateAlarm"]["Properties"]["Metrics"]:
         if "MetricStat" in query:
             names.append(query["MetricStat"]["Metric"]["MetricName"])

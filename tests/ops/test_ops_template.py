@@ -47,5 +47,5 @@ def test_the_emulator_tables_are_created_from_the_template(stack):
 
 def test_short_intrinsic_tags_are_read():
     template = load_template()
-    assert template["Resources"]["MaintenanceParameter"]["Properties"]["Name"] == {"Fn::Sub": "/${AWS::StackName}/maintenance"}
+    assert template["Resources"]["ApiAccessLogGroup"]["Properties"]["LogGroupName"] == {"Fn::Sub": "/${AWS::StackName}/api-access"}
     assert template["Outputs"]["KeysTableName"]["Value"] == {"Ref": "KeysTable"}

@@ -177,7 +177,7 @@ def test_throttled_refreshes_back_off_exponentially_while_serving_the_last_value
         return reads_at
 
     reads_at = asyncio.run(scenario())
-    gaps = [later - earlier for earlier, later in zip(reads_at, reads_at[1:])]
+    gaps = [later - earlier for earlier, later in zip(reads_at, reads_at[1:], strict=False)]
     assert gaps[:5] == pytest.approx([RETRY_AFTER * 2**i for i in range(5)], abs=1.01)
     assert max(gaps) <= 61 and gaps[-1] >= 59  # capped at max_age
     assert len(reads_at) <= 16  # not 540 reads
