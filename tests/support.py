@@ -16,7 +16,7 @@ import httpx
 
 from kiln.aws import AwsClient
 from kiln.gateway import Gateway
-from kiln.http1 import HttpClient, Response
+from kiln.http1 import HttpClient, ProtocolFailure, Response
 from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
@@ -92,11 +92,31 @@ class StorageFaults:
         self._rules: list[dict[str, Any]] = []
 
     def fail(self, operation: str, *, code: str = "ProvisionedThroughputExceededException",
-             when: Callable[[dict], bool] = lambda payload: True, times: int | None = None) -> list[int]:
-        """Fail `operation` calls whose payload matches `when` (`times` of them, or all)."""
-        rule = {"operation": operation, "code": code, "when": when, "times": times, "hits": []}
+             when: Callable[[dict], bool] = lambda payload: True, times: int | None = None,
+             reasons: list[str] | None = None) -> list[int]:
+        """Fail `operation` calls whose payload matches `when` (`times` of them, or all);
+        `reasons`: a TransactionCanceledException's cancellation reasons, item by item."""
+        rule = {"operation": operation, "code": code, "when": when, "times": times, "hits": [], "reasons": reasons}
         self._rules.append(rule)
         return rule["hits"]
+
+    def lose(self, operation: str, *, when: Callable[[dict], bool] = lambda payload: True,
+             times: int | None = None) -> list[int]:
+        """Apply matching `operation` calls, then lose their answers (a reset after the write)."""
+        rule = {"operation": operation, "code": None, "when": when, "times": times, "hits": []}
+        self._rules.append(rule)
+        return rule["hits"]
+
+    def lost(self, headers: dict[str, str], body: bytes) -> bool:
+        """Is the answer to this call, already applied, to be lost?"""
+        operation = headers.get("x-amz-target", "").rpartition(".")[2]
+        payload = json.loads(body or b"{}")
+        for rule in self._rules:
+            if rule["code"] is None and rule["operation"] == operation and rule["when"](payload):
+                rule["hits"].append(1)
+                if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
+                    return True
+        return False
 
     def clear(self) -> None:
         self._rules.clear()
@@ -109,10 +129,12 @@ class StorageFaults:
         payload = json.loads(body or b"{}")
         self.calls.append((operation, payload))
         for rule in self._rules:
-            if rule["operation"] == operation and rule["when"](payload):
+            if rule["code"] is not None and rule["operation"] == operation and rule["when"](payload):
                 rule["hits"].append(1)
                 if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
                     error = {"__type": f"com.amazonaws.dynamodb.v20120810#{rule['code']}", "message": "injected by the test"}
+                    if rule.get("reasons"):
+                        error["CancellationReasons"] = [{"Code": reason} for reason in rule["reasons"]]
                     return Response.complete(400, json.dumps(error).encode())
         return None
 
@@ -128,7 +150,11 @@ class FaultInjectingHttp(HttpClient):
         injected = self._faults.answer(headers, body)
         if injected is not None:
             return injected
-        return await super().request(method, url, headers=headers, body=body, **options)
+        response = await super().request(method, url, headers=headers, body=body, **options)
+        if self._faults.lost(headers, body):
+            await response.read()  # applied by DynamoDB; the answer never reaches the gateway
+            raise ProtocolFailure("connection reset after the request was sent (injected by the test)")
+        return response
 
 
 class SyncLedger:
@@ -144,8 +170,11 @@ class SyncLedger:
     def admit(self, **kwargs: Any):
         return with_ledger(self.settings, lambda ledger: ledger.admit(**kwargs), http=self._http())
 
-    def settle(self, lease, event) -> str:
-        return with_ledger(self.settings, lambda ledger: ledger.settle(lease, event), http=self._http())
+    def settle(self, lease, event, **options: Any) -> str:
+        return with_ledger(self.settings, lambda ledger: ledger.settle(lease, event, **options), http=self._http())
+
+    def renew(self, lease, progress=None):
+        return with_ledger(self.settings, lambda ledger: ledger.renew(lease, progress), http=self._http())
 
 
 @dataclass
@@ -244,16 +273,19 @@ class MockHandle:
 
 
 class EmulatorProcess:
-    """`kiln emulator` in its own process, as the local stack runs it (no GIL shared with the tests)."""
+    """`kiln emulator` in its own process, as the local stack runs it (no GIL shared with the tests);
+    `faults` turns on its DynamoDB fault mode (`kiln emulator --help`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, faults: str | None = None) -> None:
         import subprocess
         import sys
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.faults = faults
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "kiln_ops.cli", "emulator", "--port", str(self.port)],
+            [sys.executable, "-m", "kiln_ops.cli", "emulator", "--port", str(self.port),
+             *(["--faults", faults] if faults else [])],
             stdout=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30

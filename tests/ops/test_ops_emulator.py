@@ -10,7 +10,7 @@ import pytest
 
 from kiln.store import UsageEvent
 from kiln.store.codec import to_item
-from kiln.store.errors import TransactionConflict, translate_storage_error
+from kiln.store.errors import TransactionCancelled, translate_storage_error
 from kiln_ops import emulator
 
 
@@ -131,7 +131,7 @@ def test_a_cancelled_transaction_writes_nothing(stack):
     with pytest.raises(Exception) as caught:
         client.transact_write_items(TransactItems=[put, failing_check])
     conflict = translate_storage_error(caught.value)
-    assert isinstance(conflict, TransactionConflict)
+    assert isinstance(conflict, TransactionCancelled)
     assert conflict.reasons == [None, "ConditionalCheckFailed"]
     assert "Item" not in client.get_item(TableName=stack.settings.usage_table, Key={"gen_id": {"S": "gen-x"}})
 

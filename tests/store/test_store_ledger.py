@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from decimal import Decimal
+from decimal import Context, Decimal
 
 import pytest
 
 from kiln.errors import InsufficientCredits, OrganizationDisabled, RateLimitExceeded
-from kiln.store import UsageEvent
+from kiln.store import StorageError, UnstorableValue, UsageEvent
 from kiln.store.orgs import set_status
 from kiln.store.usage import get_event
 from support import StorageFaults, SyncLedger
@@ -91,3 +91,164 @@ def test_only_expired_leases_are_reclaimed(stack_factory):
     with pytest.raises(RateLimitExceeded):
         _admit(stack, org_id)
     assert stack.events(org_id) == []
+
+
+# -- idempotent admission -------------------------------------------------------------------
+
+
+def test_an_admission_whose_answer_was_lost_finds_its_own_lease_even_at_the_last_slot(stack):
+    org_id, _ = stack.org(concurrency=1)
+    faults = StorageFaults()
+    faults.lose("UpdateItem", times=1)  # applied by DynamoDB, the answer reset on the way back
+    lease = _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    assert faults.count("UpdateItem") == 2  # the retry met its own lease and was admitted
+    assert list(stack.org_info(org_id).leases) == [lease.gen_id]
+    assert stack.ledger.settle(lease, _event(lease)) == "settled"
+    assert stack.org_info(org_id).in_flight == 0 and len(stack.events(org_id)) == 1
+
+
+def test_a_settle_whose_answer_was_lost_is_not_applied_twice(stack):
+    org_id, _ = stack.org(credits="1")
+    lease = _admit(stack, org_id)
+    faults = StorageFaults()
+    faults.lose("TransactWriteItems", times=2)
+    assert SyncLedger(stack.settings, faults).settle(lease, _event(lease)) in ("settled", "already_settled")
+    assert stack.org_info(org_id).credits == Decimal("0.75")
+    assert [e.status for e in stack.events(org_id)] == ["success"]
+    tokens = {payload.get("ClientRequestToken") for op, payload in faults.calls if op == "TransactWriteItems"}
+    assert len(tokens) == 1 and len(tokens.pop()) <= 36  # one token, the same on every retry
+
+
+# -- conflicts and throttling are retried, validation is not --------------------------------
+
+
+@pytest.mark.parametrize("operation, code, reasons", [
+    ("UpdateItem", "TransactionConflictException", None),  # the org item is inside another settle
+    ("UpdateItem", "ThrottlingException", None),
+    ("TransactWriteItems", "TransactionCanceledException", ["TransactionConflict", "None"]),
+    ("TransactWriteItems", "InternalServerError", None),
+])
+def test_transient_refusals_are_retried_until_the_write_lands(stack, operation, code, reasons):
+    org_id, _ = stack.org(credits="1")
+    faults = StorageFaults()
+    refused = faults.fail(operation, code=code, times=6, reasons=reasons)
+    ledger = SyncLedger(stack.settings, faults)
+    lease = _admit(stack, org_id, ledger)
+    assert ledger.settle(lease, _event(lease)) == "settled"
+    assert len(refused) == 7  # six refused, the seventh landed
+    assert stack.org_info(org_id).credits == Decimal("0.75")
+    assert stack.org_info(org_id).in_flight == 0
+
+
+def test_a_validation_error_is_not_retried(stack):
+    org_id, _ = stack.org()
+    faults = StorageFaults()
+    refused = faults.fail("UpdateItem", code="ValidationException")
+    with pytest.raises(StorageError):
+        _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    assert len(refused) == 1
+
+
+def test_the_retry_budget_ends_in_a_storage_error(stack_factory):
+    stack = stack_factory(storage_retry_attempts=3)
+    org_id, _ = stack.org()
+    faults = StorageFaults()
+    refused = faults.fail("UpdateItem", code="TransactionConflictException")
+    with pytest.raises(StorageError):
+        _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    assert len(refused) == 3
+    assert stack.org_info(org_id).in_flight == 0
+
+
+# -- leases that follow their request ---------------------------------------------------------
+
+
+def test_a_renewed_lease_outlives_its_first_expiry(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=0.4, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(concurrency=1)
+    running = _admit(stack, org_id)
+    time.sleep(0.25)
+    assert stack.ledger.renew(running, (3, 5, Decimal("0.01"))) is not None
+    time.sleep(0.25)  # past the first expiry, not the renewed one
+    with pytest.raises(RateLimitExceeded):
+        _admit(stack, org_id)
+    assert stack.events(org_id) == [] and stack.org_info(org_id).in_flight == 1
+    assert stack.ledger.settle(running, _event(running)) == "settled"
+
+
+def test_a_dead_request_is_billed_for_what_its_last_renewal_recorded(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    dead = _admit(stack, org_id)
+    stack.ledger.renew(dead, (11, 40, Decimal("0.0000123")))
+    time.sleep(0.4)  # its gateway is gone: no more renewals
+    assert stack.org_info(org_id).in_flight == 0  # a dead lease is not counted as in flight
+    other = _admit(stack, org_id)  # at the limit: reclaims the dead lease first
+    abandoned = get_event(stack.tables, dead.gen_id)
+    assert (abandoned.status, abandoned.prompt_tokens, abandoned.completion_tokens, abandoned.cost) == (
+        "abandoned", 11, 40, Decimal("0.0000123"))
+    assert stack.org_info(org_id).credits == Decimal("1") - Decimal("0.0000123")  # debited in the same write
+    assert stack.ledger.settle(other, _event(other)) == "settled"
+
+
+def test_expired_leases_are_reclaimed_when_the_org_is_below_its_limit(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=8)
+    dead = [_admit(stack, org_id) for _ in range(3)]
+    stack.ledger.renew(dead[0], (1, 2, Decimal("0.5")))
+    time.sleep(0.4)
+    assert stack.org_info(org_id).in_flight == 0
+    assert stack.org_info(org_id).expired_leases == 3
+    live = _admit(stack, org_id)  # 3 of 8: admitted at once, the dead ones reclaimed off its path
+    info = stack.org_info(org_id)
+    assert list(info.leases) == [live.gen_id] and info.in_flight == 1
+    events = {e.gen_id: e for e in stack.events(org_id)}
+    assert {events[lease.gen_id].status for lease in dead} == {"abandoned"}
+    assert info.credits == Decimal("0.5")
+    assert stack.ledger.settle(live, _event(live)) == "settled"
+
+
+def test_a_late_settle_after_a_billed_reclaim_is_charged_the_difference_only(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    slow = _admit(stack, org_id)
+    stack.ledger.renew(slow, (3, 2, Decimal("0.1")))
+    time.sleep(0.4)
+    other = _admit(stack, org_id)  # reclaims it, billed 0.1
+    assert stack.org_info(org_id).credits == Decimal("0.9")
+    assert stack.ledger.settle(slow, _event(slow, cost="0.25")) == "replaced_abandoned"
+    assert stack.ledger.settle(slow, _event(slow, cost="0.25")) == "already_settled"
+    assert get_event(stack.tables, slow.gen_id).cost == Decimal("0.25")
+    assert stack.org_info(org_id).credits == Decimal("0.75")  # 0.25 in all, never 0.35
+    stack.ledger.settle(other, _event(other, cost="0"))
+
+
+def test_renewing_a_lease_that_is_gone_says_so_and_brings_nothing_back(stack):
+    org_id, _ = stack.org()
+    lease = _admit(stack, org_id)
+    assert stack.ledger.settle(lease, _event(lease)) == "settled"
+    assert stack.ledger.renew(lease, (1, 1, Decimal("1"))) is None
+    assert stack.org_info(org_id).leases == {}
+
+
+# -- exact numbers ----------------------------------------------------------------------------
+
+
+def test_a_cost_is_stored_exactly_to_38_digits(stack):
+    org_id, _ = stack.org(credits="1")
+    lease = _admit(stack, org_id)
+    cost = Decimal("0.123456789012345678901234567890123456789")  # 39 significant digits
+    assert stack.ledger.settle(lease, _event(lease, cost=str(cost))) == "settled"
+    stored = get_event(stack.tables, lease.gen_id).cost
+    assert stored == Decimal("0.12345678901234567890123456789012345679")  # rounded to 38, not to a float
+    exact = Context(prec=38)
+    assert stack.org_info(org_id).credits == exact.subtract(Decimal(1), stored)  # the debit is the event's cost
+
+
+def test_a_number_dynamodb_cannot_store_is_refused_before_any_write(stack):
+    org_id, _ = stack.org(credits="1")
+    lease = _admit(stack, org_id)
+    faults = StorageFaults()
+    with pytest.raises(UnstorableValue):
+        SyncLedger(stack.settings, faults).settle(lease, _event(lease, cost="1E+200"))
+    assert faults.calls == []

@@ -36,10 +36,10 @@ def test_values_are_parsed_and_stripped():
 
 
 def test_blank_optional_and_numeric_values_fall_back_to_defaults():
-    settings = Settings.from_env({"KILN_CATALOG_FILE": "   ", "KILN_AUTH_CACHE_SECONDS": "", "KILN_SETTLE_ATTEMPTS": " "})
+    settings = Settings.from_env({"KILN_CATALOG_FILE": "   ", "KILN_AUTH_CACHE_SECONDS": "", "KILN_STORAGE_RETRY_ATTEMPTS": " "})
     assert settings.catalog_file is None
     assert settings.auth_cache_seconds == Settings().auth_cache_seconds
-    assert settings.settle_attempts == Settings().settle_attempts
+    assert settings.storage_retry_attempts == Settings().storage_retry_attempts
 
 
 def test_region_and_endpoint_precedence():
@@ -58,7 +58,8 @@ def test_region_and_endpoint_precedence():
         ("KILN_DEFAULT_CONCURRENCY", "eight"),
         ("KILN_DEFAULT_CONCURRENCY", "8.5"),
         ("KILN_MAX_BODY_BYTES", "-1"),
-        ("KILN_SETTLE_ATTEMPTS", "0"),
+        ("KILN_STORAGE_RETRY_ATTEMPTS", "0"),
+        ("KILN_LEASE_RENEW_SECONDS", "60"),  # not below the default lease TTL
         ("KILN_MAINTENANCE_RETRY_AFTER_SECONDS", "-5"),
         ("KILN_KEEPALIVE_SECONDS", "0"),
         ("KILN_LEASE_TTL_SECONDS", "soon"),
@@ -94,7 +95,7 @@ def test_to_env_round_trips_non_default_settings():
         keepalive_seconds=0.1,
         max_body_bytes=4096,
         maintenance_retry_after_seconds=0,
-        settle_attempts=2,
+        storage_retry_attempts=2,
         default_concurrency=1,
     )
     assert Settings.from_env(custom.to_env()) == custom

@@ -20,11 +20,11 @@ from .catalog import Catalog
 from .errors import GatewayError, StorageUnavailable
 from .health import BackendHealth, HealthPolicy
 from .http1 import HttpClient
-from .jsonio import dumps
+from .jsonio import decimal_text, dumps
 from .maintenance import MaintenanceFlag, parse_flag
 from .parameters import CachedParameter, ParameterUnavailable
 from .settings import Settings
-from .store import Lease, Ledger, StorageError, UsageEvent
+from .store import Lease, StorageError, UsageEvent, ledger_of
 from .store.errors import translate_storage_error
 from .tls import client_context
 from .upstream import UpstreamClient
@@ -66,15 +66,7 @@ class Gateway:
                 error_min_clients=settings.backend_error_min_clients,
             )),
         )
-        self.ledger = Ledger(
-            self.aws,
-            orgs_table=settings.orgs_table,
-            usage_table=settings.usage_table,
-            lease_ttl=settings.lease_ttl_seconds,
-            settle_attempts=settings.settle_attempts,
-            retention_days=settings.usage_retention_days,
-            clock=clock,
-        )
+        self.ledger = ledger_of(self.aws, settings, clock=clock)
         self.auth = Authenticator(
             self.aws,
             keys_table=settings.keys_table,
@@ -178,16 +170,20 @@ class Gateway:
         """Settle; if storage keeps failing, the full event goes to the log, never lost.
 
         The log record (`"event": "usage_unsettled"`, the whole usage event under `usage`) is
-        what `kiln admin replay-usage` reads back to settle it later.
+        what `kiln admin replay-usage` reads back to settle it later. Its cost is written as a
+        string of the exact decimal: a log formatter that parses the message as JSON (Powertools
+        does) would turn a number into a float and lose digits.
         """
         try:
             return await self.ledger.settle(lease, event)
         except Exception as exc:  # noqa: BLE001 - whatever happened, keep the event
-            record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": event.as_dict()}
+            usage = {**event.as_dict(), "cost": decimal_text(event.cost)}
+            record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": usage}
             unsettled_log.error(dumps(record).decode())
             return "unsettled"
 
     async def aclose(self) -> None:
+        await self.ledger.drain()
         await self.upstream.aclose()
         await self.aws.aclose()
         await self.http.aclose()

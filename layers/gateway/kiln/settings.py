@@ -86,12 +86,16 @@ class Settings:
     upstream_api_key_cache_seconds: float = 300.0
     # a new environment retries its first read of a parameter this long before giving up (503)
     parameter_first_read_seconds: float = 3.0
-    # Longer than the Lambda timeout (15 min at most), so a live request never loses its lease.
-    lease_ttl_seconds: float = 960.0
+    # A request's lease lives this long unless renewed; a running request renews it every
+    # lease_renew_seconds, so a dead gateway's slots are free again within the TTL.
+    lease_ttl_seconds: float = 60.0
+    lease_renew_seconds: float = 20.0
     keepalive_seconds: float = 5.0
     max_body_bytes: int = 6 * 1024 * 1024
     maintenance_retry_after_seconds: int = 60
-    settle_attempts: int = 4
+    # the ledger's writes retry conflicts, throttling, 5xx and lost answers within this budget
+    storage_retry_attempts: int = 20
+    storage_retry_seconds: float = 5.0
     default_concurrency: int = 8
     # usage events expire (DynamoDB TTL) this many days after the request; 0 keeps them
     usage_retention_days: int = 0
@@ -113,6 +117,12 @@ class Settings:
         env = os.environ if env is None else env
         defaults = cls()
         region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or defaults.region
+        lease_ttl = _number(env, "KILN_LEASE_TTL_SECONDS", defaults.lease_ttl_seconds, minimum=0.001)
+        lease_renew = _number(env, "KILN_LEASE_RENEW_SECONDS", defaults.lease_renew_seconds, minimum=0.001)
+        if not lease_renew < lease_ttl:
+            raise SettingsError(
+                f"KILN_LEASE_RENEW_SECONDS ({lease_renew:g}) must be less than KILN_LEASE_TTL_SECONDS ({lease_ttl:g})"
+            )
         return cls(
             keys_table=_text(env, "KILN_KEYS_TABLE", defaults.keys_table),
             orgs_table=_text(env, "KILN_ORGS_TABLE", defaults.orgs_table),
@@ -132,13 +142,15 @@ class Settings:
             parameter_first_read_seconds=_number(
                 env, "KILN_PARAMETER_FIRST_READ_SECONDS", defaults.parameter_first_read_seconds
             ),
-            lease_ttl_seconds=_number(env, "KILN_LEASE_TTL_SECONDS", defaults.lease_ttl_seconds, minimum=0.001),
+            lease_ttl_seconds=lease_ttl,
+            lease_renew_seconds=lease_renew,
             keepalive_seconds=_number(env, "KILN_KEEPALIVE_SECONDS", defaults.keepalive_seconds, minimum=0.001),
             max_body_bytes=_integer(env, "KILN_MAX_BODY_BYTES", defaults.max_body_bytes, minimum=1),
             maintenance_retry_after_seconds=_integer(
                 env, "KILN_MAINTENANCE_RETRY_AFTER_SECONDS", defaults.maintenance_retry_after_seconds
             ),
-            settle_attempts=_integer(env, "KILN_SETTLE_ATTEMPTS", defaults.settle_attempts, minimum=1),
+            storage_retry_attempts=_integer(env, "KILN_STORAGE_RETRY_ATTEMPTS", defaults.storage_retry_attempts, minimum=1),
+            storage_retry_seconds=_number(env, "KILN_STORAGE_RETRY_SECONDS", defaults.storage_retry_seconds),
             default_concurrency=_integer(env, "KILN_DEFAULT_CONCURRENCY", defaults.default_concurrency, minimum=1),
             usage_retention_days=_integer(env, "KILN_USAGE_RETENTION_DAYS", defaults.usage_retention_days),
             backend_failure_threshold=_integer(

@@ -7,23 +7,40 @@ only when asked for.
 
 from typing import Any
 
-from .errors import AlreadyRevoked, ConditionFailed, RecordExists, RecordNotFound, StorageError, TransactionConflict
-from .ledger import Lease, Ledger, new_generation_id, with_ledger
+from .errors import (
+    AlreadyRevoked,
+    ConditionFailed,
+    RecordExists,
+    RecordNotFound,
+    StorageError,
+    TransactionCancelled,
+    TransientStorageError,
+    UnstorableValue,
+)
+from .ledger import Lease, Ledger, Progress, ledger_of, new_generation_id, with_ledger
+from .renewal import LeaseKeeper
+from .retry import RetryPolicy
 from .usage import STATUSES, UsageEvent
 
 __all__ = [
     "AlreadyRevoked",
     "ConditionFailed",
     "Lease",
+    "LeaseKeeper",
     "Ledger",
+    "Progress",
     "RecordExists",
     "RecordNotFound",
+    "RetryPolicy",
     "STATUSES",
     "StorageError",
     "Tables",
-    "TransactionConflict",
+    "TransactionCancelled",
+    "TransientStorageError",
+    "UnstorableValue",
     "UsageEvent",
     "bind",
+    "ledger_of",
     "new_generation_id",
     "with_ledger",
 ]

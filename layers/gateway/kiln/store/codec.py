@@ -8,19 +8,45 @@ A test checks that both encode every usage event identically.
 from __future__ import annotations
 
 from dataclasses import fields
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Context, Decimal
 from typing import Any
 
 from ..jsonio import decimal_text
+from .errors import UnstorableValue
 
-__all__ = ["decode", "encode", "from_item", "to_item"]
+__all__ = ["DIGITS", "decode", "encode", "from_item", "number", "to_item", "within_digits"]
+
+# DynamoDB numbers: up to 38 significant digits, magnitudes from 1E-130 to below 1E+126.
+DIGITS = 38
+_SMALLEST, _LARGEST = Decimal("1E-130"), Decimal("1E+126")
+_WIDE = Context(prec=400, Emax=999999, Emin=-999999)  # normalizes any number exactly
+
+
+def within_digits(value: Decimal) -> Decimal:
+    """`value` rounded (half even) to DynamoDB's 38 significant digits; unchanged when it fits."""
+    if not value.is_finite() or len(value.normalize(_WIDE).as_tuple().digits) <= DIGITS:
+        return value
+    return Context(prec=DIGITS, rounding=ROUND_HALF_EVEN).plus(value)
+
+
+def number(value: int | Decimal) -> str:
+    """A number as DynamoDB's N, exactly, or UnstorableValue if DynamoDB would refuse it."""
+    exact = Decimal(value)
+    if not exact.is_finite():
+        raise UnstorableValue(f"{value!r} is not a finite number")
+    if exact != 0:
+        if len(exact.normalize(_WIDE).as_tuple().digits) > DIGITS:
+            raise UnstorableValue(f"{value!r} has more than {DIGITS} significant digits")
+        if not _SMALLEST <= abs(exact) < _LARGEST:
+            raise UnstorableValue(f"{value!r} is outside DynamoDB's range of numbers")
+    return decimal_text(exact)
 
 
 def encode(value: Any) -> dict[str, Any]:
     if isinstance(value, bool):
         return {"BOOL": value}
     if isinstance(value, (int, Decimal)):
-        return {"N": decimal_text(Decimal(value))}
+        return {"N": number(value)}
     if isinstance(value, str):
         return {"S": value}
     if isinstance(value, dict):

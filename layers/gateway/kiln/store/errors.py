@@ -1,23 +1,73 @@
-"""Storage failures, translated from botocore and pynamodb in exactly one function."""
+"""Storage failures, translated from kiln.aws, botocore and pynamodb in exactly one place.
+
+    StorageError                DynamoDB (or SSM) refused the call or could not be reached
+     └── TransientStorageError  …in a way that another try may cure: a conflict with a
+                                transaction in flight, throttling, a 5xx, a lost answer
+    UnstorableValue             a value DynamoDB cannot store (a bug upstream of storage)
+    ConditionFailed             a conditional write's condition was false (an answer, not a fault)
+    TransactionCancelled        a transaction was cancelled; `reasons` says why, item by item
+
+`translate_storage_error` maps any exception a storage call raised onto this tree;
+`is_transient` says whether the ledger's retry policy (`kiln.store.retry`) tries again.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ..errors import StorageUnavailable
 
 __all__ = [
     "AlreadyRevoked",
+    "ConditionFailed",
     "RecordExists",
     "RecordNotFound",
-    "ConditionFailed", "StorageError", "TransactionConflict", "condition_failure", "translate_storage_error"]
+    "StorageError",
+    "TransactionCancelled",
+    "TransientStorageError",
+    "UnstorableValue",
+    "condition_failure",
+    "is_transient",
+    "translate_storage_error",
+]
+
+# Error codes of a refusal that says nothing about the request itself: the same call may pass.
+TRANSIENT_CODES = frozenset(
+    {
+        "TransactionConflictException",  # a plain write met an item inside a transaction in flight
+        "TransactionInProgressException",  # the same ClientRequestToken is still being applied
+        "ProvisionedThroughputExceededException",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "InternalServerError",
+        "InternalFailure",
+        "ServiceUnavailable",
+        "ConnectionError",  # kiln.aws: the answer never came (refused, reset, timed out)
+    }
+)
+# Cancellation reasons of a transaction that another try may cure.
+TRANSIENT_REASONS = frozenset({"TransactionConflict", "ThrottlingError", "ProvisionedThroughputExceeded"})
 
 
 class StorageError(Exception):
     """DynamoDB (or SSM) could not be reached or refused the call: throttled, down, misconfigured."""
 
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
     def as_gateway_error(self) -> StorageUnavailable:
         return StorageUnavailable("The gateway's storage is unavailable; retry with exponential backoff.")
+
+
+class TransientStorageError(StorageError):
+    """A refusal worth another try (conflict, throttling, 5xx, lost answer)."""
+
+
+class UnstorableValue(StorageError):
+    """A value DynamoDB would reject for good (a number beyond 38 digits or its range):
+    never sent, never retried; the caller keeps the record (the unsettled log)."""
 
 
 class RecordNotFound(LookupError):
@@ -47,12 +97,27 @@ class ConditionFailed(Exception):
         self.old_item = old_item
 
 
-class TransactionConflict(Exception):
+class TransactionCancelled(Exception):
     """A transaction was cancelled; `reasons` holds one code (or None) per item, in order."""
 
     def __init__(self, reasons: list[str | None]) -> None:
         super().__init__(f"transaction cancelled: {reasons}")
         self.reasons = reasons
+
+    @property
+    def transient(self) -> bool:
+        """Cancelled by a conflict or throttling on some item, not (only) by its conditions."""
+        return any(reason in TRANSIENT_REASONS for reason in self.reasons)
+
+    def failed_condition(self, index: int) -> bool:
+        return index < len(self.reasons) and self.reasons[index] == "ConditionalCheckFailed"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Would the same storage call, tried again a little later, possibly succeed?"""
+    if isinstance(exc, TransactionCancelled):
+        return exc.transient
+    return isinstance(exc, TransientStorageError)
 
 
 def condition_failure(exc: BaseException) -> BaseException | None:
@@ -72,18 +137,53 @@ def _from_code(code: str | None, body: dict[str, Any]) -> BaseException | None:
         return ConditionFailed(body.get("Item"))
     if code == "TransactionCanceledException":
         codes = [(reason or {}).get("Code") for reason in body.get("CancellationReasons") or []]
-        return TransactionConflict([None if code in (None, "None") else code for code in codes])
+        return TransactionCancelled([None if code in (None, "None") else code for code in codes])
     return None
 
 
 def translate_storage_error(exc: BaseException) -> BaseException:
-    """Map any exception raised by a storage call onto ConditionFailed / TransactionConflict / StorageError."""
+    """Map any exception raised by a storage call onto the tree above."""
     mapped = condition_failure(exc)
     if mapped is not None:
         return mapped
     if isinstance(exc, StorageError):
         return exc
-    return StorageError(f"{type(exc).__name__}: {getattr(exc, 'code', None) or _code(exc) or exc}")
+    code, status = _code_and_status(exc)
+    detail = f"{type(exc).__name__}: {code or exc}"
+    if code in TRANSIENT_CODES or (status is not None and status >= 500) or _lost_answer(exc):
+        return TransientStorageError(detail, code)
+    return StorageError(detail, code)
+
+
+def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
+    code = getattr(exc, "code", None)
+    if isinstance(getattr(exc, "body", None), dict) and isinstance(code, str):  # kiln.aws.AwsError
+        status = getattr(exc, "status", None)
+        # kiln.aws reports an answer that never came with status 0
+        return (code if status != 0 else "ConnectionError"), (status or None)
+    error = _client_error(exc)
+    if error is None:
+        return None, None
+    response = getattr(error, "response", {}) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return response.get("Error", {}).get("Code"), status if isinstance(status, int) else None
+
+
+def _lost_answer(exc: BaseException) -> bool:
+    """A transport failure: the call may or may not have been applied, its answer is lost."""
+    from ..http1 import HttpError
+
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 5:
+        if isinstance(current, (HttpError, ConnectionError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        name = type(current).__name__  # botocore's, without importing botocore on the request path
+        if name in ("ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError", "ConnectionClosedError"):
+            return True
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return False
 
 
 def _client_error(exc: BaseException) -> BaseException | None:
@@ -95,10 +195,3 @@ def _client_error(exc: BaseException) -> BaseException | None:
         exc = getattr(exc, "cause", None) or exc.__cause__
         seen += 1
     return None
-
-
-def _code(exc: BaseException) -> str | None:
-    error = _client_error(exc)
-    if error is None:
-        return None
-    return (getattr(error, "response", {}) or {}).get("Error", {}).get("Code")

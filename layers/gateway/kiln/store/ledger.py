@@ -1,21 +1,40 @@
-"""Admission and settlement: the org's concurrency slots and credits, without a sweeper.
+"""Admission, renewal and settlement: the org's concurrency slots and credits, without a sweeper.
 
-Admission is one conditional UpdateItem on the org: it adds a lease (generation id →
-expiry and what the request is) only while the org is active, has credits and holds fewer
-leases than its limit. When the condition fails, DynamoDB hands back the item as it was
-(ReturnValuesOnConditionCheckFailure=ALL_OLD), which tells 402 from 429 with no second
-read, and shows any lease that outlived its expiry: such leases are reclaimed on the spot
-(each gets an `abandoned` usage event) and the admission is tried once more.
+A lease is an entry of the org item's `leases` map (generation id → expiry, what the
+request is, and what it had relayed at its last renewal). Its life is short
+(`KILN_LEASE_TTL_SECONDS`, 60 s) and a running request renews it (`kiln.store.renewal`,
+every `KILN_LEASE_RENEW_SECONDS`, 20 s), so a request that outlives its gateway holds its
+slot for at most the TTL, and one that keeps running never loses it.
 
-Settling is one transaction: remove the lease and debit the cost from the org, and write
-the usage event. It is conditioned on the lease still being there, so a retried settle
-cannot charge twice; a request whose lease was already reclaimed replaces its
-`abandoned` event instead, so every generation id ends with exactly one event.
+- **Admission** is one conditional UpdateItem on the org: it adds the lease while the org
+  is active, has credits and holds fewer leases than its limit, *or* when the lease is
+  already there (a retry of an admission that was applied but whose answer was lost is
+  admitted, never refused). A refusal hands back the item as it was
+  (ReturnValuesOnConditionCheckFailure=ALL_OLD): 402 is told from 429 with no second read,
+  and leases past their expiry are reclaimed on the spot before one more try. A success
+  hands back the item as it was too (ReturnValues=ALL_OLD, no extra write): leases it shows
+  past their expiry are reclaimed in the background, off the request's path, so an org
+  that never reaches its limit keeps no dead lease either.
+- **Renewal** is one UpdateItem, conditioned on the lease being held: a later expiry, and
+  the tokens relayed so far and their cost.
+- **Reclaiming** is one transaction: remove the expired leases (conditioned on their expiry
+  being the one read, so a renewal in between wins), debit what their last renewals
+  recorded, and write one `abandoned` usage event each, billed for exactly that.
+- **Settling** is one transaction: remove the lease, debit the cost, write the usage event.
+  It is conditioned on the lease still being there, and carries a ClientRequestToken made
+  from the generation id: a retry after a lost answer is recognised, by DynamoDB (the token)
+  or by the conditions (no lease, an event already written: "already_settled"). A request
+  whose lease was reclaimed meanwhile replaces its `abandoned` event and is debited only
+  the difference, so every generation id ends with exactly one event and the org is
+  charged exactly the event's cost.
+
+Every write goes through one retry policy (`kiln.store.retry`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import secrets
@@ -26,13 +45,13 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from ..aws import AwsClient
 from ..errors import InsufficientCredits, InvalidApiKey, OrganizationDisabled, RateLimitExceeded
-from ..jsonio import decimal_text
 from .clock import iso_ms
-from .codec import to_item
-from .errors import ConditionFailed, StorageError, TransactionConflict, translate_storage_error
+from .codec import number, to_item, within_digits
+from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
+from .retry import RetryPolicy
 from .usage import UsageEvent
 
-__all__ = ["Lease", "Ledger", "new_generation_id", "with_ledger"]
+__all__ = ["Lease", "Ledger", "Progress", "new_generation_id", "with_ledger"]
 
 T = TypeVar("T")
 
@@ -43,18 +62,29 @@ ORG_EXISTS = "attribute_exists(#org_id)"
 ORG_ACTIVE = "#status = :active"
 HAS_CREDITS = "#credits > :zero"
 HAS_FREE_SLOT = "size(#leases) < #limit"
-ADMISSION = " AND ".join((ORG_EXISTS, ORG_ACTIVE, HAS_CREDITS, HAS_FREE_SLOT))
 LEASE_HELD = "attribute_exists(#leases.#gen)"
+ADMISSION = f"{LEASE_HELD} OR ({' AND '.join((ORG_EXISTS, ORG_ACTIVE, HAS_CREDITS, HAS_FREE_SLOT))})"
 EVENT_IS_NEW = "attribute_not_exists(#gen_id)"
 EVENT_IS_ABANDONED = "#status = :abandoned"
+EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
 
 # A reclaim is one transaction: at most this many leases at once (DynamoDB allows 100 items).
 MAX_RECLAIM = 49
+
+ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
+
+# (prompt tokens, completion tokens, cost so far): what a running request has relayed
+Progress = tuple[int, int, Decimal]
 
 
 def new_generation_id(now: float) -> str:
     """Unique, and sortable by creation time: gen- + 12 hex of milliseconds + 14 random hex."""
     return f"gen-{int(now * 1000):012x}{secrets.token_hex(7)}"
+
+
+def _token(kind: str, text: str) -> str:
+    """A ClientRequestToken (at most 36 characters), the same for the same text."""
+    return f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
 
 @dataclass(frozen=True)
@@ -67,6 +97,10 @@ class Lease:
     streamed: bool
     started: float
     expires: float
+    # what the request had relayed at its last renewal (None: never renewed)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost: Decimal | None = None
 
     def to_attribute(self) -> dict[str, Any]:
         return {
@@ -87,6 +121,11 @@ class Lease:
         def text(name: str) -> str:
             return fields.get(name, {}).get("S", "")
 
+        def count(name: str) -> int | None:
+            raw = fields.get(name, {}).get("N")
+            return int(Decimal(raw)) if raw is not None else None
+
+        cost = fields.get("cost", {}).get("N")
         return cls(
             gen_id=gen_id,
             org_id=org_id,
@@ -96,11 +135,33 @@ class Lease:
             streamed=bool(fields.get("streamed", {}).get("BOOL", False)),
             started=float(fields.get("started", {}).get("N", "0")),
             expires=float(fields.get("exp", {}).get("N", "0")),
+            prompt_tokens=count("pt"),
+            completion_tokens=count("ct"),
+            cost=Decimal(cost) if cost is not None else None,
+        )
+
+    def abandoned_event(self) -> UsageEvent:
+        """The usage event of this lease reclaimed: billed for what its last renewal recorded."""
+        renewed = self.cost is not None
+        return UsageEvent(
+            gen_id=self.gen_id,
+            org_id=self.org_id,
+            created_at=iso_ms(self.started),
+            key_id=self.key_id,
+            model=self.model,
+            endpoint=self.endpoint,
+            streamed=self.streamed,
+            status="abandoned",
+            cost=self.cost if renewed else Decimal(0),
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            usage_source="estimated" if renewed else None,
+            error=ABANDONED_ERROR,
         )
 
 
 class Ledger:
-    """Admission and settlement over DynamoDB, on the caller's event loop."""
+    """Admission, renewal and settlement over DynamoDB, on the caller's event loop."""
 
     def __init__(
         self,
@@ -109,7 +170,8 @@ class Ledger:
         orgs_table: str,
         usage_table: str,
         lease_ttl: float,
-        settle_attempts: int = 4,
+        lease_renew: float | None = None,
+        retry: RetryPolicy | None = None,
         retention_days: int = 0,
         clock: Callable[[], float] = time.time,
     ):
@@ -117,9 +179,16 @@ class Ledger:
         self._orgs_table = orgs_table
         self._usage_table = usage_table
         self._lease_ttl = lease_ttl
-        self._settle_attempts = settle_attempts
+        self.renew_seconds = lease_renew if lease_renew is not None else lease_ttl / 3
+        self._retry = retry or RetryPolicy()
         self._retention_seconds = retention_days * 86400
         self._clock = clock
+        self._background: set[asyncio.Task] = set()
+        self._reclaiming: set[str] = set()  # generation ids a reclaim of this process is working on
+
+    @property
+    def lease_ttl(self) -> float:
+        return self._lease_ttl
 
     # -- admission -------------------------------------------------------------------------
 
@@ -127,32 +196,30 @@ class Ledger:
         """Take one of the org's slots or raise 402 / 429 / 403 (StorageError if DynamoDB fails)."""
         now = self._clock()
         lease = Lease(new_generation_id(now), org_id, key_id, model, endpoint, streamed, now, now + self._lease_ttl)
+        payload = {
+            "TableName": self._orgs_table,
+            "Key": {"org_id": {"S": org_id}},
+            "UpdateExpression": "SET #leases.#gen = :lease",
+            "ConditionExpression": ADMISSION,
+            "ExpressionAttributeNames": {
+                "#org_id": "org_id",
+                "#status": "status",
+                "#credits": "credits",
+                "#leases": "leases",
+                "#limit": "concurrency_limit",
+                "#gen": lease.gen_id,
+            },
+            "ExpressionAttributeValues": {
+                ":active": {"S": "active"},
+                ":zero": {"N": "0"},
+                ":lease": lease.to_attribute(),
+            },
+            "ReturnValues": "ALL_OLD",
+            "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+        }
         for attempt in range(2):
             try:
-                await self._call(
-                    "UpdateItem",
-                    {
-                        "TableName": self._orgs_table,
-                        "Key": {"org_id": {"S": org_id}},
-                        "UpdateExpression": "SET #leases.#gen = :lease",
-                        "ConditionExpression": ADMISSION,
-                        "ExpressionAttributeNames": {
-                            "#org_id": "org_id",
-                            "#status": "status",
-                            "#credits": "credits",
-                            "#leases": "leases",
-                            "#limit": "concurrency_limit",
-                            "#gen": lease.gen_id,
-                        },
-                        "ExpressionAttributeValues": {
-                            ":active": {"S": "active"},
-                            ":zero": {"N": "0"},
-                            ":lease": lease.to_attribute(),
-                        },
-                        "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
-                    },
-                )
-                return lease
+                answer = await self._retried("admission", "UpdateItem", payload)
             except ConditionFailed as refused:
                 old = refused.old_item
                 if not old:
@@ -172,78 +239,129 @@ class Ledger:
                     f"Your organization already has {limit} requests in flight, its limit. "
                     "Retry with exponential backoff."
                 ) from None
+            old = (answer or {}).get("Attributes") or {}
+            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), keep=lease.gen_id))
+            return lease
         raise AssertionError("unreachable")
 
+    # -- renewal ---------------------------------------------------------------------------
+
+    async def renew(self, lease: Lease, progress: Progress | None = None) -> float | None:
+        """Push the lease's expiry to now + TTL and record `progress`; the new expiry, or None
+        when the lease is no longer held (settled, or reclaimed after it expired)."""
+        expires = self._clock() + self._lease_ttl
+        sets = ["#leases.#gen.#exp = :exp"]
+        names = {"#leases": "leases", "#gen": lease.gen_id, "#exp": "exp"}
+        values: dict[str, Any] = {":exp": {"N": repr(round(expires, 3))}}
+        if progress is not None:
+            prompt_tokens, completion_tokens, cost = progress
+            for name, value in (("pt", prompt_tokens), ("ct", completion_tokens), ("cost", within_digits(Decimal(cost)))):
+                sets.append(f"#leases.#gen.#{name} = :{name}")
+                names[f"#{name}"] = name
+                values[f":{name}"] = {"N": number(value)}
+        try:
+            await self._retried(
+                "renewal",
+                "UpdateItem",
+                {
+                    "TableName": self._orgs_table,
+                    "Key": {"org_id": {"S": lease.org_id}},
+                    "UpdateExpression": "SET " + ", ".join(sets),
+                    "ConditionExpression": LEASE_HELD,
+                    "ExpressionAttributeNames": names,
+                    "ExpressionAttributeValues": values,
+                },
+            )
+        except ConditionFailed:
+            return None
+        return expires
+
+    # -- reclaiming ------------------------------------------------------------------------
+
     @staticmethod
-    def _expired_leases(org_id: str, old: dict[str, Any], now: float) -> list[Lease]:
+    def _expired_leases(org_id: str, old: dict[str, Any], now: float, keep: str | None = None) -> list[Lease]:
         leases = old.get("leases", {}).get("M", {})
-        found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items()]
-        return [lease for lease in found if lease.expires <= now][:MAX_RECLAIM]
+        found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items() if gen != keep]
+        return sorted((lease for lease in found if lease.expires <= now), key=lambda lease: lease.expires)[:MAX_RECLAIM]
+
+    def _reclaim_later(self, org_id: str, leases: list[Lease]) -> None:
+        """Reclaim in a task of its own: the admission that noticed them does not wait."""
+        leases = [lease for lease in leases if lease.gen_id not in self._reclaiming]
+        if not leases:
+            return
+        task = asyncio.get_running_loop().create_task(self._reclaim_quietly(org_id, leases))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reclaim_quietly(self, org_id: str, leases: list[Lease]) -> None:
+        try:
+            await self._reclaim(org_id, leases)
+        except Exception as exc:  # noqa: BLE001 - the next admission tries again
+            log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id, "detail": f"{type(exc).__name__}: {exc}"}))
 
     async def _reclaim(self, org_id: str, leases: list[Lease]) -> None:
-        """Free expired leases; each gets an `abandoned` usage event (tokens unknown, cost 0)."""
-        names = {"#leases": "leases", "#exp": "exp"}
+        """Free expired leases; each gets an `abandoned` usage event billed as of its last renewal."""
+        names = {"#leases": "leases", "#exp": "exp", "#credits": "credits"}
         values: dict[str, Any] = {}
         removes, unchanged = [], []
+        events = [self._kept(lease.abandoned_event()) for lease in leases]
         for index, lease in enumerate(leases):
             names[f"#g{index}"] = lease.gen_id
             values[f":e{index}"] = {"N": repr(round(lease.expires, 3))}
             removes.append(f"#leases.#g{index}")
             unchanged.append(f"#leases.#g{index}.#exp = :e{index}")
+        update = "REMOVE " + ", ".join(removes)
+        billed = sum((event.cost for event in events), Decimal(0))
+        if billed:
+            update = f"SET #credits = #credits - :billed {update}"
+            values[":billed"] = {"N": number(billed)}
+        else:
+            del names["#credits"]
         items: list[dict[str, Any]] = [
             {
                 "Update": {
                     "TableName": self._orgs_table,
                     "Key": {"org_id": {"S": org_id}},
-                    "UpdateExpression": "REMOVE " + ", ".join(removes),
+                    "UpdateExpression": update,
                     "ConditionExpression": " AND ".join(unchanged),
                     "ExpressionAttributeNames": names,
                     "ExpressionAttributeValues": values,
                 }
             }
         ]
-        for lease in leases:
-            event = UsageEvent(
-                gen_id=lease.gen_id,
-                org_id=org_id,
-                created_at=iso_ms(lease.started),
-                key_id=lease.key_id,
-                model=lease.model,
-                endpoint=lease.endpoint,
-                streamed=lease.streamed,
-                status="abandoned",
-                cost=Decimal(0),
-                error="lease expired before the request settled (gateway crash or timeout)",
-            )
-            items.append(self._put_event(event, EVENT_IS_NEW))
+        items += [self._put_event(event, EVENT_IS_NEW) for event in events]
+        gen_ids = [lease.gen_id for lease in leases]
+        payload = {"TransactItems": items, "ClientRequestToken": _token("r", json.dumps(items, sort_keys=True))}
+        self._reclaiming.update(gen_ids)
         try:
-            await self._call("TransactWriteItems", {"TransactItems": items})
-            log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": [l.gen_id for l in leases]}))
-        except TransactionConflict as conflict:
-            # Another admission reclaimed them first, or one settled just now: nothing to do.
-            log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "reasons": conflict.reasons}))
+            await self._retried("reclaim", "TransactWriteItems", payload)
+            log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": gen_ids,
+                                    "billed": number(billed)}))
+        except TransactionCancelled as cancelled:
+            # Another admission reclaimed them first, one was renewed or settled just now: nothing to do.
+            log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "reasons": cancelled.reasons}))
+        finally:
+            self._reclaiming.difference_update(gen_ids)
+
+    async def drain(self) -> None:
+        """Wait for the background reclaims started so far (before a loop or client closes)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     # -- settlement ------------------------------------------------------------------------
 
-    async def settle(self, lease: Lease, event: UsageEvent) -> str:
-        """Release the lease, debit `event.cost`, write the event; retried with backoff.
+    async def settle(self, lease: Lease, event: UsageEvent, *, request_token: bool = True) -> str:
+        """Release the lease, debit `event.cost`, write the event; retried within the policy.
 
         Returns "settled", "replaced_abandoned" or "already_settled". Raises StorageError
-        only after every attempt failed; the caller must then keep the event (log it).
+        only after the retry budget is spent (or UnstorableValue, never sent); the caller
+        must then keep the event (log it). `request_token` (a ClientRequestToken made from
+        the generation id) is for the gateway's own settle; a replay of an event logged
+        earlier goes without, to be told "already_settled" rather than DynamoDB's silent
+        repeat of a success.
         """
-        delay = 0.05
-        for attempt in range(1, self._settle_attempts + 1):
-            try:
-                return await self._settle_once(lease, event)
-            except StorageError:
-                if attempt == self._settle_attempts:
-                    raise
-                await asyncio.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
-
-    async def _settle_once(self, lease: Lease, event: UsageEvent) -> str:
-        cost = {":cost": {"N": decimal_text(event.cost)}}
+        event = self._kept(event)
+        cost = {":cost": {"N": number(event.cost)}}
         release = {
             "Update": {
                 "TableName": self._orgs_table,
@@ -254,35 +372,67 @@ class Ledger:
                 "ExpressionAttributeValues": cost,
             }
         }
+        payload: dict[str, Any] = {"TransactItems": [release, self._put_event(event, EVENT_IS_NEW)]}
+        if request_token:
+            payload["ClientRequestToken"] = _token("s", lease.gen_id)
         try:
-            await self._call("TransactWriteItems", {"TransactItems": [release, self._put_event(event, EVENT_IS_NEW)]})
+            await self._retried("settle", "TransactWriteItems", payload)
             return "settled"
-        except TransactionConflict as conflict:
-            if conflict.reasons[:1] != ["ConditionalCheckFailed"]:
-                raise StorageError(f"settle cancelled: {conflict.reasons}") from None
-        # The lease is gone: either this settle already happened, or the lease expired and was
-        # reclaimed as `abandoned`. Replace the abandoned event and bill what was used.
+        except TransactionCancelled as cancelled:
+            if not cancelled.failed_condition(0):
+                raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
+        except StorageError as exc:
+            if exc.code != "IdempotentParameterMismatchException":
+                raise
+            # the token was spent on an earlier settle of this generation with another event
+        return await self._settle_late(lease, event)
+
+    async def _settle_late(self, lease: Lease, event: UsageEvent) -> str:
+        """The lease is gone: this settle already happened, or the lease expired and was
+        reclaimed as `abandoned` (already billed for its last renewal). Replace that event,
+        debiting only the difference."""
+        found = await self._read_event(event.gen_id)
+        if found is None or found.get("status", {}).get("S") != "abandoned":
+            return "already_settled"
+        billed = Decimal(found.get("cost", {}).get("N", "0"))
         debit = {
             "Update": {
                 "TableName": self._orgs_table,
                 "Key": {"org_id": {"S": lease.org_id}},
-                "UpdateExpression": "SET #credits = #credits - :cost",
+                "UpdateExpression": "SET #credits = #credits - :difference",
                 "ConditionExpression": ORG_EXISTS,
                 "ExpressionAttributeNames": {"#credits": "credits", "#org_id": "org_id"},
-                "ExpressionAttributeValues": cost,
+                "ExpressionAttributeValues": {":difference": {"N": number(event.cost - billed)}},
             }
         }
+        put = self._put_event(event, EVENT_IS_THE_ABANDONED_ONE, billed=billed)
         try:
-            await self._call("TransactWriteItems", {"TransactItems": [debit, self._put_event(event, EVENT_IS_ABANDONED)]})
+            await self._retried("settle", "TransactWriteItems", {"TransactItems": [debit, put]})
             return "replaced_abandoned"
-        except TransactionConflict as conflict:
-            if conflict.reasons[1:2] == ["ConditionalCheckFailed"]:
-                return "already_settled"
-            raise StorageError(f"settle cancelled: {conflict.reasons}") from None
+        except TransactionCancelled as cancelled:
+            if cancelled.failed_condition(1):
+                return "already_settled"  # replaced by another settle of the same generation
+            raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
 
-    def _put_event(self, event: UsageEvent, condition: str) -> dict[str, Any]:
+    async def _read_event(self, gen_id: str) -> dict[str, Any] | None:
+        answer = await self._retried(
+            "settle",
+            "GetItem",
+            {"TableName": self._usage_table, "Key": {"gen_id": {"S": gen_id}}, "ConsistentRead": True},
+        )
+        return (answer or {}).get("Item")
+
+    def _kept(self, event: UsageEvent) -> UsageEvent:
+        """The event as it will be stored: its expiry (retention) fixed, its cost within 38 digits."""
         if self._retention_seconds and event.expires_at is None:
             event = replace(event, expires_at=int(self._clock() + self._retention_seconds))
+        rounded = within_digits(event.cost)
+        if rounded != event.cost:
+            log.warning(json.dumps({"event": "cost_rounded", "gen_id": event.gen_id, "digits": 38}))
+            event = replace(event, cost=rounded)
+        return event
+
+    def _put_event(self, event: UsageEvent, condition: str, *, billed: Decimal | None = None) -> dict[str, Any]:
         put: dict[str, Any] = {
             "TableName": self._usage_table,
             "Item": to_item(event),
@@ -290,10 +440,16 @@ class Ledger:
         }
         if condition == EVENT_IS_NEW:
             put["ExpressionAttributeNames"] = {"#gen_id": "gen_id"}
+        elif condition == EVENT_IS_THE_ABANDONED_ONE:
+            put["ExpressionAttributeNames"] = {"#status": "status", "#cost": "cost"}
+            put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}, ":billed": {"N": number(billed or 0)}}
         else:
             put["ExpressionAttributeNames"] = {"#status": "status"}
             put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}}
         return {"Put": put}
+
+    async def _retried(self, what: str, operation: str, payload: dict[str, Any]) -> Any:
+        return await self._retry.run(lambda: self._call(operation, payload), what=what)
 
     async def _call(self, operation: str, payload: dict[str, Any]) -> Any:
         try:
@@ -302,22 +458,30 @@ class Ledger:
             raise translate_storage_error(exc) from exc
 
 
+def ledger_of(aws: AwsClient, settings: Any, *, clock: Callable[[], float] = time.time) -> Ledger:
+    """The ledger these settings describe."""
+    return Ledger(
+        aws,
+        orgs_table=settings.orgs_table,
+        usage_table=settings.usage_table,
+        lease_ttl=settings.lease_ttl_seconds,
+        lease_renew=settings.lease_renew_seconds,
+        retry=RetryPolicy(attempts=settings.storage_retry_attempts, budget_seconds=settings.storage_retry_seconds),
+        retention_days=settings.usage_retention_days,
+        clock=clock,
+    )
+
+
 def with_ledger(settings: Any, use: Callable[[Ledger], Awaitable[T]], *, http: Any = None) -> T:
     """For synchronous callers (operators' tools, tests): run `use(ledger)` on a fresh loop and client."""
 
     async def main() -> T:
         aws = AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=http)
+        ledger = ledger_of(aws, settings)
         try:
-            ledger = Ledger(
-                aws,
-                orgs_table=settings.orgs_table,
-                usage_table=settings.usage_table,
-                lease_ttl=settings.lease_ttl_seconds,
-                settle_attempts=settings.settle_attempts,
-                retention_days=settings.usage_retention_days,
-            )
             return await use(ledger)
         finally:
+            await ledger.drain()
             await aws.aclose()
             if http is not None:
                 await http.aclose()

@@ -32,7 +32,22 @@ class OrgInfo:
 
     @property
     def in_flight(self) -> int:
-        return len(self.leases)
+        """Requests in flight: leases not past their expiry (a dead gateway's lease stops
+        counting when it expires, before the next admission reclaims it)."""
+        moment = now()
+        return sum(1 for lease in self.leases.values() if _expiry(lease) > moment)
+
+    @property
+    def expired_leases(self) -> int:
+        """Leases past their expiry, still on the item until an admission reclaims them."""
+        return len(self.leases) - self.in_flight
+
+
+def _expiry(lease: object) -> float:
+    try:
+        return float(lease.get("exp", 0))  # type: ignore[union-attr]
+    except (AttributeError, TypeError, ValueError):
+        return 0.0
 
 
 def _info(record) -> OrgInfo:
