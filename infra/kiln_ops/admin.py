@@ -65,7 +65,8 @@ def add_admin_parser(subparsers: Any) -> None:
     admin = subparsers.add_parser("admin", help="manage orgs, keys, credits, usage, the catalog and maintenance")
     admin.add_argument("--stack", help="a deployed stack's name: its outputs name the tables and parameters")
     groups = admin.add_subparsers(
-        dest="group", required=True, metavar="{orgs,keys,credits,usage,generation,replay-usage,catalog,maintenance}"
+        dest="group", required=True,
+        metavar="{orgs,keys,credits,usage,generation,replay-usage,catalog,upstream-key,maintenance}"
     )
     formatted = argparse.ArgumentParser(add_help=False)
     formatted.add_argument("--format", choices=FORMATS, default="table", help="table (default), json or csv")
@@ -136,7 +137,22 @@ def add_admin_parser(subparsers: Any) -> None:
     put = catalog.add_parser("set", help="validate a catalog file and make it the stack's catalog")
     put.add_argument("file", help="a JSON catalog, in the format of infra/catalog.json")
     put.set_defaults(run=_catalog_set)
-    catalog.add_parser("show", help="print the stack's catalog").set_defaults(run=_catalog_show)
+    seed = catalog.add_parser("seed", help="create the catalog if there is none yet (first deploy); never overwrites")
+    seed.add_argument("file", nargs="?", help="a JSON catalog (default: infra/catalog.json)")
+    seed.set_defaults(run=_catalog_seed)
+    show = catalog.add_parser("show", help="print the stack's catalog (JSON, as stored), or --summary")
+    show.add_argument("--summary", action="store_true", help="one line per model: prices, backends")
+    show.set_defaults(run=_catalog_show)
+
+    upstream_key = groups.add_parser(
+        "upstream-key", help="the model servers' bearer token (SSM SecureString)"
+    ).add_subparsers(dest="action", required=True)
+    key_set = upstream_key.add_parser("set", help="store a new key, read from standard input (rotation: no deploy)")
+    key_set.add_argument("--kms-key-id", help="a customer managed KMS key (default: the AWS managed aws/ssm)")
+    key_set.set_defaults(run=_upstream_key_set)
+    upstream_key.add_parser("status", help="whether a key is stored, its version and date (never the key)").set_defaults(
+        run=_upstream_key_status
+    )
 
     maintenance = groups.add_parser("maintenance", help="the maintenance switch").add_subparsers(
         dest="action", required=True
@@ -377,30 +393,138 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
     out(f"replayed {total} unsettled usage events" + (f": {details}" if total else ""))
 
 
-def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:
+def _read_catalog_file(path: str) -> tuple[str, Any]:
+    """The file's text and its validated catalog; a bad file is an AdminError and writes nothing."""
     from kiln.catalog import Catalog, CatalogError
 
     try:
-        raw = open(args.file, encoding="utf-8").read()
+        raw = open(path, encoding="utf-8").read()
     except OSError as exc:
-        raise AdminError(f"cannot read {args.file}: {exc.strerror}") from None
+        raise AdminError(f"cannot read {path}: {exc.strerror}") from None
     try:
-        catalog = Catalog.from_json(raw)
+        return raw, Catalog.from_json(raw)
     except CatalogError as exc:
-        raise AdminError(f"{args.file}: {exc}") from None
+        raise AdminError(f"{path}: {exc}") from None
+
+
+def _stored_catalog(ctx: Context) -> str | None:
+    try:
+        return ctx.ssm.get_parameter(Name=ctx.settings.catalog_parameter)["Parameter"]["Value"]
+    except ctx.ssm.exceptions.ParameterNotFound:
+        return None
+
+
+def _model_lines(catalog: Any) -> list[str]:
+    lines = []
+    for model in catalog:
+        backends = ", ".join(
+            f"{backend.name}{'' if backend.enabled else ' (disabled)'}" for backend in model.backends
+        ) or "no backend"
+        prices = f"${decimal_text(model.pricing.input)} in / ${decimal_text(model.pricing.output)} out per 1M tokens"
+        lines.append(f"  {model.id}: {prices}; backends {backends}")
+    return lines
+
+
+def _changes(before: Any, after: Any) -> str:
+    """What a new catalog adds, removes and changes, by model id."""
+    old = {model.id: model for model in before} if before is not None else {}
+    new = {model.id: model for model in after}
+    parts = [
+        (label, ids)
+        for label, ids in (
+            ("added", [i for i in new if i not in old]),
+            ("removed", [i for i in old if i not in new]),
+            ("changed", [i for i in new if i in old and new[i] != old[i]]),
+        )
+        if ids
+    ]
+    return "; ".join(f"{label} {', '.join(ids)}" for label, ids in parts) or "no model changed"
+
+
+def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.catalog import Catalog, CatalogError
+
+    raw, catalog = _read_catalog_file(args.file)
+    stored = _stored_catalog(ctx)
+    try:
+        before = Catalog.from_json(stored) if stored is not None else None
+    except CatalogError:
+        before = None  # a broken stored catalog is what this replaces
     ctx.ssm.put_parameter(
         Name=ctx.settings.catalog_parameter, Value=raw, Type="String", Overwrite=True, Tier="Advanced"
     )
     models = ", ".join(model.id for model in catalog)
     out(f"catalog set: {len(catalog)} models ({models}); functions pick it up within their catalog cache time")
+    out(f"  {_changes(before, catalog)}")
+    for line in _model_lines(catalog):
+        out(line)
+
+
+def _catalog_seed(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.catalog import Catalog
+
+    from .template import repo_root
+
+    path = args.file or str(repo_root() / "infra" / "catalog.json")
+    raw, catalog = _read_catalog_file(path)
+    name = ctx.settings.catalog_parameter
+    try:
+        ctx.ssm.put_parameter(Name=name, Value=raw, Type="String", Overwrite=False, Tier="Advanced")
+    except ctx.ssm.exceptions.ParameterAlreadyExists:
+        existing = Catalog.from_json(_stored_catalog(ctx) or '{"models": []}')
+        out(f"catalog {name} already exists ({len(existing)} models): left as it is; change it with catalog set")
+        return
+    out(f"catalog seeded in {name} from {path}: {len(catalog)} models")
+    for line in _model_lines(catalog):
+        out(line)
 
 
 def _catalog_show(ctx: Context, args: argparse.Namespace, out) -> None:
-    try:
-        raw = ctx.ssm.get_parameter(Name=ctx.settings.catalog_parameter)["Parameter"]["Value"]
-    except ctx.ssm.exceptions.ParameterNotFound:
-        raise AdminError(f"no catalog parameter {ctx.settings.catalog_parameter}") from None
-    out(raw)
+    from kiln.catalog import Catalog
+
+    raw = _stored_catalog(ctx)
+    if raw is None:
+        raise AdminError(
+            f"no catalog parameter {ctx.settings.catalog_parameter}: create it with catalog seed (or catalog set FILE)"
+        )
+    if not args.summary:
+        return out(raw)
+    catalog = Catalog.from_json(raw)
+    out(f"catalog {ctx.settings.catalog_parameter}: {len(catalog)} models")
+    for line in _model_lines(catalog):
+        out(line)
+
+
+def _key_parameter(ctx: Context) -> str:
+    name = ctx.settings.upstream_api_key_parameter
+    if not name:
+        raise AdminError("no upstream key parameter: use --stack, or set KILN_UPSTREAM_API_KEY_PARAMETER")
+    return name
+
+
+def _upstream_key_set(ctx: Context, args: argparse.Namespace, out) -> None:
+    """The key comes from standard input, never the command line (shell history, ps)."""
+    import getpass
+
+    name = _key_parameter(ctx)
+    key = sys.stdin.readline().strip() if not sys.stdin.isatty() else getpass.getpass("upstream key: ").strip()
+    if not key:
+        raise AdminError("no key on standard input (pipe it in, e.g. from a password manager)")
+    extra = {"KeyId": args.kms_key_id} if args.kms_key_id else {}
+    answer = ctx.ssm.put_parameter(Name=name, Value=key, Type="SecureString", Overwrite=True, **extra)
+    out(f"upstream key stored in {name} (version {answer.get('Version', '?')}); "
+        "functions use it within their key cache time, with no deploy")
+
+
+def _upstream_key_status(ctx: Context, args: argparse.Namespace, out) -> None:
+    name = _key_parameter(ctx)
+    found = ctx.ssm.describe_parameters(ParameterFilters=[{"Key": "Name", "Values": [name]}]).get("Parameters", [])
+    if not found:
+        raise AdminError(f"no upstream key in {name}: store one with upstream-key set")
+    info = found[0]
+    changed = info.get("LastModifiedDate")
+    when = changed.isoformat() if hasattr(changed, "isoformat") else changed
+    out(f"upstream key {name}: {info.get('Type')}, version {info.get('Version')}, last changed {when}")
 
 
 def _maintenance_on(ctx: Context, args: argparse.Namespace, out) -> None:

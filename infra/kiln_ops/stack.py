@@ -21,6 +21,8 @@ OUTPUTS = {
     "MaintenanceParameterName": "maintenance_parameter",
     "CatalogParameterName": "catalog_parameter",
 }
+# outputs that stacks made before them lack
+OPTIONAL_OUTPUTS = {"UpstreamApiKeyParameterName": "upstream_api_key_parameter"}
 
 
 class StackNotFound(Exception):
@@ -49,4 +51,5 @@ def settings_from_stack(stack_name: str, base: Settings, session: Any = None) ->
         base,
         region=outputs.get("Region", region),
         **{field: outputs[output] for output, field in OUTPUTS.items()},
+        **{field: outputs[output] for output, field in OPTIONAL_OUTPUTS.items() if output in outputs},
     )
