@@ -27,6 +27,10 @@ or from the server's own defaults:
     spaced=true       write JSON with spaces after separators (byte-exact relaying shows)
     id=TEXT           use this completion id (and a fixed `created`), for comparing outputs
     tag=TEXT          count this request's concurrency under TEXT too (stats: in flight by tag)
+    header_bytes=N    answer 200 with about N bytes of response headers (a hostile model server…)
+    body_bytes=N      …a buffered 200 body of N bytes, sent in 1 MiB pieces
+    event_bytes=N     …a stream of one event of N bytes that never ends (no blank line)
+    endless=true      …a stream of content chunks until the client leaves (token_delay_ms apart)
 
 GET /mock/stats reports requests, in-flight (now and at most), disconnects and the last
 bodies received; POST /mock/reset clears them.
@@ -66,6 +70,10 @@ class MockOptions:
     spaced: bool = False
     id: str | None = None
     tag: str | None = None
+    header_bytes: int | None = None
+    body_bytes: int | None = None
+    event_bytes: int | None = None
+    endless: bool = False
 
     def merged(self, overrides: dict[str, Any]) -> "MockOptions":
         values = dict(self.__dict__)
@@ -77,6 +85,8 @@ class MockOptions:
 
 def _coerce(default: Any, value: Any, key: str) -> Any:
     if isinstance(value, str):
+        if isinstance(default, bool):
+            return value.lower() in ("1", "true", "yes")
         if key in ("plain_text", "no_done", "no_usage", "spaced"):
             return value.lower() in ("1", "true", "yes")
         if key in ("message", "id", "tag"):
@@ -178,6 +188,8 @@ class MockUpstream:
     async def _answer(self, chat: bool, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
         if options.headers_delay_ms:
             await asyncio.sleep(options.headers_delay_ms / 1000)
+        if options.header_bytes or options.body_bytes or options.event_bytes or options.endless:
+            return await _hostile(options, receive, send)
         if options.status is not None and options.status >= 400:
             if options.plain_text:
                 return await _send_text(send, options.status, options.message or "Internal Server Error")
@@ -407,3 +419,51 @@ async def _send_text(send: Any, status: int, text: str) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
     await send({"type": "http.response.body", "body": text.encode()})
+
+
+async def _hostile(options: MockOptions, receive: Any, send: Any) -> None:
+    """A model server that sends without end or bound; it stops once the client has left."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.ensure_future(watch())
+    stream = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    try:
+        if options.header_bytes:
+            pad = b"p" * 8192
+            headers = [(b"x-pad-%d" % i, pad) for i in range(options.header_bytes // (len(pad) + 12) + 1)]
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), *headers]})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        if options.body_bytes:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await _pour(send, gone, b'{"pad":"', options.body_bytes, 1024 * 1024)
+        elif options.event_bytes:
+            await send({"type": "http.response.start", "status": 200, "headers": stream})
+            await _pour(send, gone, b'data: {"pad":"', options.event_bytes, 64 * 1024)
+        else:
+            await send({"type": "http.response.start", "status": 200, "headers": stream})
+            chunk = _event({"id": "chatcmpl-endless", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                            "choices": [{"index": 0, "delta": {"content": "more"}, "finish_reason": None}]})
+            while not gone.is_set():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await asyncio.sleep(options.token_delay_ms / 1000)
+        if not gone.is_set():
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        watcher.cancel()
+
+
+async def _pour(send: Any, gone: asyncio.Event, start: bytes, size: int, piece: int) -> None:
+    """`size` bytes (`start`, then filler) in pieces, unless the client leaves first."""
+    await send({"type": "http.response.body", "body": start, "more_body": True})
+    filler, sent = b"a" * piece, len(start)
+    while sent < size and not gone.is_set():
+        await send({"type": "http.response.body", "body": filler[: size - sent], "more_body": True})
+        sent += piece
+        await asyncio.sleep(0)

@@ -507,3 +507,43 @@ def test_reset_clears_the_stats(api, root):
     assert httpx.post(f"{root}/mock/reset", timeout=10).json() == {"reset": True}
     assert stats(root) == {"requests": 0, "in_flight": 0, "max_in_flight": 0, "completed": 0, "disconnects": 0, "bodies": [],
                            "max_in_flight_by_tag": {}}
+
+
+# -- hostile model server (the gateway's bounds are tested against these) ------------------------
+
+
+def test_header_bytes_sends_that_many_bytes_of_response_headers(api, root):
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(root)
+    body = json.dumps(chat(mock={"header_bytes": 200_000})).encode()
+    with socket.create_connection((address.hostname, address.port), timeout=10) as raw:
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        head = b""
+        while b"\r\n\r\n" not in head:  # (httpx's parser refuses heads this big: so does the gateway's)
+            head += raw.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200") and head.index(b"\r\n\r\n") >= 200_000
+
+
+def test_body_bytes_sends_a_buffered_body_of_that_size(api):
+    response = api.post("/chat/completions", json=chat(mock={"body_bytes": 3 * 1024 * 1024}))
+    assert response.status_code == 200 and len(response.content) == 3 * 1024 * 1024
+
+
+def test_event_bytes_streams_one_event_that_never_ends(api):
+    response = api.post("/chat/completions", json=chat(stream=True, mock={"event_bytes": 300_000}))
+    assert response.text.startswith("data: ") and "\n\n" not in response.text
+    assert len(response.content) == 300_000
+
+
+def test_endless_streams_until_the_client_leaves(api, mock):
+    with api.stream("POST", "/chat/completions", json=chat(stream=True, mock={"endless": True, "token_delay_ms": 1})) as response:
+        events = 0
+        for text in response.iter_text():
+            events += text.count("\n\n")
+            if events >= 200:
+                break
+    assert events >= 200
+    mock.wait_for(lambda stats: stats["in_flight"] == 0)  # it noticed the client leave
