@@ -42,3 +42,119 @@ def test_the_first_requests_latency_leaves_out_the_telemetry_set_up_after_it(mon
     asyncio.run(middleware({"type": "http", "method": "GET", "path": "/v1/models"}, None, discard))
     (line,) = lines
     assert line["latency_ms"] == 250
+
+
+# -- the Lambda request id on every log line ---------------------------------------------------
+
+LAMBDA_CONTEXT = {"request_id": "8f7e2b1c-0d3a-4b5c-9e6f-1a2b3c4d5e6f", "deadline": 1764600000000,
+                  "invoked_function_arn": "arn:aws:lambda:us-east-1:123456789012:function:kiln-chat"}
+REQUEST_CONTEXT = {"requestId": "c0ffee00-1111-2222-3333-444455556666", "stage": "prod"}
+
+
+def _web_adapter_scope(path: str = "/v1/models", lambda_context=LAMBDA_CONTEXT, request_context=REQUEST_CONTEXT):
+    import json
+
+    headers = [(b"content-type", b"application/json")]
+    if lambda_context is not None:
+        headers.append((b"x-amzn-lambda-context", json.dumps(lambda_context).encode()))
+    if request_context is not None:
+        headers.append((b"x-amzn-request-context", json.dumps(request_context).encode()))
+    return {"type": "http", "method": "GET", "path": path, "headers": headers}
+
+
+def test_the_ids_come_from_the_web_adapters_headers():
+    assert observability.request_ids(_web_adapter_scope()) == {
+        "lambda_request_id": LAMBDA_CONTEXT["request_id"], "api_request_id": REQUEST_CONTEXT["requestId"]}
+
+
+def test_the_ids_come_from_mangums_scope_in_buffered_mode():
+    class Context:
+        aws_request_id = "b1b2b3b4-0000-1111-2222-333344445555"
+
+    scope = {"type": "http", "headers": [], "aws.context": Context(),
+             "aws.event": {"requestContext": {"requestId": "api-req-1"}}}
+    assert observability.request_ids(scope) == {"lambda_request_id": Context.aws_request_id,
+                                                "api_request_id": "api-req-1"}
+
+
+def test_a_request_without_or_with_broken_headers_has_no_ids_and_is_served():
+    assert observability.request_ids(_web_adapter_scope(lambda_context=None, request_context=None)) == {}
+    scope = _web_adapter_scope()
+    scope["headers"] = [(b"x-amzn-lambda-context", b"{not json"), (b"x-amzn-request-context", b"[1]")]
+    assert observability.request_ids(scope) == {}
+
+
+def _serve(middleware, scope):
+    async def discard(message):
+        return None
+
+    async def run():
+        await middleware(scope, None, discard)
+        await asyncio.sleep(0.01)  # let work spawned by the request finish
+
+    asyncio.run(run())
+
+
+def test_every_line_logged_during_a_request_carries_its_ids_and_lines_after_it_do_not():
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep()
+    handler.addFilter(observability.RequestIdFilter())
+    log = logging.getLogger("kiln-test-request-ids")
+    log.propagate, log.level = False, logging.INFO
+    log.addHandler(handler)
+
+    class _Recorder:
+        def emit(self, record):
+            log.info("request")
+
+    async def app(scope, receive, send):
+        log.warning("while handling")
+        asyncio.get_running_loop().create_task(_later())  # e.g. a settle that outlives the answer
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def _later():
+        await asyncio.sleep(0)
+        log.error("settled after the answer")
+
+    try:
+        _serve(observability.ObservabilityMiddleware(app, observer=_Recorder()), _web_adapter_scope())
+        log.info("between requests")
+    finally:
+        log.removeHandler(handler)
+    by_message = {record.getMessage(): record for record in records}
+    for message in ("while handling", "request", "settled after the answer"):
+        assert by_message[message].lambda_request_id == LAMBDA_CONTEXT["request_id"], message
+        assert by_message[message].api_request_id == REQUEST_CONTEXT["requestId"], message
+    assert not hasattr(by_message["between requests"], "lambda_request_id")
+
+
+def test_the_gateways_log_lines_carry_the_lambda_request_id_as_written():
+    """Through the real Observer (Powertools' JSON formatter), a line of any kiln.* logger."""
+    import json
+    import logging
+    import secrets
+
+    from support import TELEMETRY, observer
+
+    marker = f"probe-{secrets.token_hex(4)}"
+    context = {**LAMBDA_CONTEXT, "request_id": f"req-{secrets.token_hex(6)}"}
+
+    async def app(scope, receive, send):
+        logging.getLogger("kiln.gateway").warning("%s", marker)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    _serve(observability.ObservabilityMiddleware(app, observer=observer()), _web_adapter_scope(lambda_context=context))
+    lines = [json.loads(line) for line in TELEMETRY.text().splitlines() if context["request_id"] in line]
+    probe = [line for line in lines if line.get("message") == marker]
+    request = [line for line in lines if line.get("message") == "request"]
+    assert len(probe) == 1 and probe[0]["lambda_request_id"] == context["request_id"]
+    assert len(request) == 1 and request[0]["api_request_id"] == REQUEST_CONTEXT["requestId"]

@@ -4,6 +4,12 @@ Under the Lambda Web Adapter there is no handler to decorate, so this wraps the 
 times the request, sees the status and the first body byte go out, and when the response
 is done writes what the handlers noted on the request's `RequestRecord`. It never logs
 keys, prompts or completions: only ids, names, numbers and error codes.
+
+Every line logged while a request is handled (its request line, and whatever the gateway's
+modules log meanwhile, settles included) carries the invocation's Lambda request id, and
+API Gateway's: the Web Adapter passes them in the `x-amzn-lambda-context` and
+`x-amzn-request-context` headers, Mangum in the ASGI scope. They join a log line to the
+API's access log and to Lambda's own REPORT line.
 """
 
 from __future__ import annotations
@@ -13,26 +19,68 @@ import logging
 import os
 import sys
 import time
+from contextvars import ContextVar
 from typing import Any, TextIO
 
 from .store.usage import UsageEvent
 
-__all__ = ["ObservabilityMiddleware", "Observer", "RequestRecord", "record_of"]
+__all__ = ["ObservabilityMiddleware", "Observer", "RequestIdFilter", "RequestRecord", "record_of", "request_ids"]
 
 NAMESPACE = os.environ.get("POWERTOOLS_METRICS_NAMESPACE", "Kiln")
 SERVICE = os.environ.get("POWERTOOLS_SERVICE_NAME", "kiln")
 _UPSTREAM_FAILURES = ("upstream_error", "stream_interrupted")
+
+# the ids of the invocation being handled, for every log line written meanwhile
+_REQUEST_IDS: ContextVar[dict[str, str]] = ContextVar("kiln_request_ids", default={})  # noqa: B039 - never mutated
+_LAMBDA_CONTEXT = b"x-amzn-lambda-context"
+_REQUEST_CONTEXT = b"x-amzn-request-context"
+
+
+def request_ids(scope: dict) -> dict[str, str]:
+    """`lambda_request_id` and `api_request_id` of the invocation behind an ASGI request."""
+    ids: dict[str, Any] = {}
+    context = scope.get("aws.context")  # Mangum (buffered mode)
+    if context is not None:
+        ids["lambda_request_id"] = getattr(context, "aws_request_id", None)
+        event = scope.get("aws.event") or {}
+        ids["api_request_id"] = (event.get("requestContext") or {}).get("requestId")
+    else:  # the Web Adapter (streaming mode)
+        for name, value in scope.get("headers") or ():
+            if name == _LAMBDA_CONTEXT:
+                ids["lambda_request_id"] = _json_field(value, "request_id")
+            elif name == _REQUEST_CONTEXT:
+                ids["api_request_id"] = _json_field(value, "requestId")
+    return {key: value for key, value in ids.items() if isinstance(value, str) and value}
+
+
+def _json_field(raw: bytes, name: str) -> Any:
+    try:
+        document = json.loads(raw)
+    except ValueError:
+        return None
+    return document.get(name) if isinstance(document, dict) else None
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds the current invocation's ids to every record that passes (as extra keys)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in _REQUEST_IDS.get().items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
 
 
 class RequestRecord:
     """What the handlers learn about a request, for its log line and metrics."""
 
     __slots__ = ("method", "path", "started", "finished", "status", "first_byte_ms", "org_id", "model",
-                 "endpoint", "error_code", "usage", "backend_failures")
+                 "endpoint", "error_code", "usage", "backend_failures", "ids")
 
-    def __init__(self, method: str, path: str) -> None:
+    def __init__(self, method: str, path: str, ids: dict[str, str] | None = None) -> None:
         self.method = method
         self.path = path
+        self.ids = ids or {}
         self.started = time.monotonic()
         self.finished: float | None = None  # the response is over (set by the middleware)
         self.status: int | None = None
@@ -53,6 +101,7 @@ class RequestRecord:
             "org_id": self.org_id,
             "model": self.model,
             "error_code": self.error_code,
+            **self.ids,
         }
         if self.usage is not None:
             usage = self.usage
@@ -84,7 +133,9 @@ class Observer:
         from aws_lambda_powertools import Logger
 
         self._stream = stream or sys.stdout
-        self.logger = Logger(service=SERVICE, logger_handler=logging.StreamHandler(self._stream))
+        handler = logging.StreamHandler(self._stream)
+        handler.addFilter(RequestIdFilter())  # on the handler: it sees the records of kiln.* loggers too
+        self.logger = Logger(service=SERVICE, logger_handler=handler)
         disabled = os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() in ("1", "true")
         self.metrics_enabled = (not disabled) if metrics_enabled is None else metrics_enabled
 
@@ -143,8 +194,9 @@ class ObservabilityMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("path") in self.quiet_paths:
             return await self.app(scope, receive, send)
-        record = RequestRecord(scope.get("method", "-"), scope.get("path", "-"))
+        record = RequestRecord(scope.get("method", "-"), scope.get("path", "-"), request_ids(scope))
         scope.setdefault("state", {})["kiln_record"] = record
+        ids_token = _REQUEST_IDS.set(record.ids)
 
         async def observed_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -163,3 +215,5 @@ class ObservabilityMiddleware:
                 self.observer.emit(record)
             except Exception:  # noqa: BLE001 - telemetry must never fail a request
                 logging.getLogger("kiln.observability").exception("could not emit request telemetry")
+            finally:
+                _REQUEST_IDS.reset(ids_token)
