@@ -5,7 +5,7 @@ from decimal import Decimal
 
 import pytest
 
-from kiln.jsonio import decimal_text, dumps, loads_strict
+from kiln.jsonio import MAX_DEPTH, decimal_text, dumps, loads_strict
 
 
 def test_accepts_rfc8259_json_with_surrounding_whitespace():
@@ -31,11 +31,24 @@ def test_accepts_rfc8259_json_with_surrounding_whitespace():
         pytest.param(b"", id="empty"),
         pytest.param(b"   ", id="whitespace-only"),
         pytest.param(b"{'a': 1}", id="single-quotes"),
+        pytest.param(b'{"a": "\\ud800"}', id="lone-high-surrogate"),
+        pytest.param(b'{"a": ["x\\uDFFFy"]}', id="lone-low-surrogate"),
+        pytest.param(b'{"\\ud83d": 1}', id="lone-surrogate-in-key"),
+        pytest.param(b'{"a": "\\ude00\\ud83d"}', id="surrogates-in-the-wrong-order"),
+        pytest.param(b"[" * 201 + b"]" * 201, id="deeper-than-max-depth"),
+        pytest.param(b'{"a":' * 960 + b"1" + b"}" * 960, id="depth-the-parser-accepts"),
     ],
 )
 def test_rejects_bad_input_with_value_error(raw):
     with pytest.raises(ValueError):
         loads_strict(raw)
+
+
+def test_accepts_surrogate_pairs_and_nesting_up_to_max_depth():
+    assert loads_strict(b'"\\ud83d\\ude00"') == "\U0001F600"
+    assert loads_strict(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None
+    # many brackets, little depth: no false alarm
+    assert len(loads_strict(b"[" + b"[],{}," * 1000 + b"[]]")) == 2001
 
 
 def exact(raw: bytes):

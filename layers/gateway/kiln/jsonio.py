@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["compact", "decimal_text", "dumps", "loads_strict"]
+__all__ = ["MAX_DEPTH", "compact", "decimal_text", "dumps", "loads_strict"]
+
+# Deeper than this is no request anyone means to send, and everything the gateway does with
+# a body afterwards (copying, encoding, estimating) must stay far from the recursion limit.
+MAX_DEPTH = 200
+# A \uD800-\uDFFF escape: the only way a parsed JSON string can hold a surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _reject_constant(name: str) -> Any:
@@ -29,18 +36,41 @@ def loads_strict(raw: bytes) -> Any:
     """Parse RFC 8259 JSON; raises ValueError (never anything else) on any bad input.
 
     Rejects invalid UTF-8, NaN/Infinity, numbers that overflow a float, integers too long
-    to convert, and nesting deep enough to exhaust the recursion limit.
+    to convert, nesting deeper than MAX_DEPTH, and strings (keys included) with a lone
+    surrogate escape such as "\\ud800", which no UTF-8 request to a model server can carry.
+    The two last checks cost a scan only of bodies that could fail them.
     """
     try:
         text = raw.decode("utf-8")
         value, end = _decoder.raw_decode(text, _skip_ws(text, 0))
         if _skip_ws(text, end) != len(text):
             raise ValueError("extra data after the JSON value")
+        if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+        if _SURROGATE_ESCAPE.search(raw):
+            try:
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone surrogate escape (not encodable as UTF-8)") from None
         return value
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(str(exc)) from None
+
+
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a parsed value (iteratively: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in item)
+    return deepest
 
 
 def _skip_ws(text: str, index: int) -> int:
