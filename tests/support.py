@@ -395,4 +395,44 @@ def data_events(text: str) -> list[Any]:
     return out
 
 
-__all__ = ["TELEMETRY", "EmulatorProcess", "FaultInjectingHttp", "MockHandle", "StorageFaults", "SyncLedger", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
+__all__ = ["TELEMETRY", "EmulatorProcess", "FaultInjectingHttp", "LedgerCheck", "MockHandle", "StorageFaults", "SyncLedger", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
+
+
+class LedgerCheck:
+    """The ledger's invariants for one org, checked after every hostile request.
+
+    Whatever a request did, once it is over: the org's in-flight count is back where it
+    started, every generation id a client saw has exactly one usage event (and no event
+    exists that no client saw), and the credits debited equal the events' costs, exactly.
+    """
+
+    def __init__(self, stack: "Stack", org_id: str) -> None:
+        self.stack, self.org_id = stack, org_id
+        start = stack.org_info(org_id)
+        self.credits, self.in_flight = start.credits, start.in_flight
+        self.before = {event.gen_id for event in stack.events(org_id)}  # events of earlier requests
+        self.gen_ids: list[str] = []
+
+    def saw(self, response: httpx.Response) -> httpx.Response:
+        gen_id = response.headers.get("X-Neocloud-Generation-Id")
+        if gen_id:
+            self.gen_ids.append(gen_id)
+        return response
+
+    def check(self, timeout: float = 5.0) -> list[UsageEvent]:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.stack.org_info(self.org_id)
+            events = [event for event in self.stack.events(self.org_id) if event.gen_id not in self.before]
+            settled = info.in_flight == self.in_flight and len(events) >= len(self.gen_ids)
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert info.in_flight == self.in_flight, f"{info.in_flight - self.in_flight} slot(s) leaked: {info.leases}"
+        counts: dict[str, int] = {}
+        for event in events:
+            counts[event.gen_id] = counts.get(event.gen_id, 0) + 1
+        assert counts == {gen_id: 1 for gen_id in self.gen_ids}, f"events {counts} for the ids seen {self.gen_ids}"
+        debited = self.credits - info.credits
+        assert debited == sum((event.cost for event in events), Decimal(0)), (debited, [e.cost for e in events])
+        return events

@@ -31,6 +31,8 @@ or from the server's own defaults:
     body_bytes=N      …a buffered 200 body of N bytes, sent in 1 MiB pieces
     event_bytes=N     …a stream of one event of N bytes that never ends (no blank line)
     endless=true      …a stream of content chunks until the client leaves (token_delay_ms apart)
+    raw_body=TEXT     answer 200 with exactly these bytes as the buffered body (a hostile model server)
+    raw_events=[...]  stream exactly these `data:` payloads (strings), then [DONE] unless no_done
 
 GET /mock/stats reports requests, in-flight (now and at most), disconnects and the last
 bodies received; POST /mock/reset clears them.
@@ -74,6 +76,8 @@ class MockOptions:
     body_bytes: int | None = None
     event_bytes: int | None = None
     endless: bool = False
+    raw_body: str | None = None
+    raw_events: list | None = None
 
     def merged(self, overrides: dict[str, Any]) -> "MockOptions":
         values = dict(self.__dict__)
@@ -89,7 +93,7 @@ def _coerce(default: Any, value: Any, key: str) -> Any:
             return value.lower() in ("1", "true", "yes")
         if key in ("plain_text", "no_done", "no_usage", "spaced"):
             return value.lower() in ("1", "true", "yes")
-        if key in ("message", "id", "tag"):
+        if key in ("message", "id", "tag", "raw_body"):
             return value
         return float(value) if "." in value else int(value)
     return value
@@ -196,7 +200,13 @@ class MockUpstream:
             return await _send_json(send, options.status, _error(options.message or "mock failure", options.status))
         if not chat and "prompt" not in body:
             return await _send_json(send, 400, _error("'prompt' is a required property", 400))
-        reply = Reply.plan(chat, body, options)
+        if options.raw_body is not None or options.raw_events is not None:
+            return await self._scripted(body, options, send)
+        try:
+            reply = Reply.plan(chat, body, options)
+        except (TypeError, ValueError, AttributeError):
+            # fields of types it cannot use: a validation error, as vLLM's is
+            return await _send_json(send, 400, _error("Invalid request: a field has the wrong type", 400))
         if body.get("stream") is True:
             return await self._stream(reply, body, options, receive, send)
         if options.ttft_ms:
@@ -215,6 +225,24 @@ class MockUpstream:
             return
         self.stats.completed += 1
         await _send_json(send, 200, answer)
+
+    async def _scripted(self, body: dict, options: MockOptions, send: Any) -> None:
+        """Exactly the bytes a test asked for: what a broken or hostile model server sends."""
+        self.stats.completed += 1
+        if body.get("stream") is not True:
+            data = (options.raw_body or "").encode("utf-8", "surrogatepass")
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        for payload in options.raw_events or []:
+            event = b"data: " + str(payload).encode("utf-8", "surrogatepass") + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        if options.cut_after is not None:
+            return  # drop the connection
+        await send({"type": "http.response.body", "body": b"" if options.no_done else b"data: [DONE]\n\n",
+                    "more_body": False})
 
     async def _stream(self, reply: "Reply", body: dict, options: MockOptions, receive: Any, send: Any) -> None:
         gone = asyncio.Event()

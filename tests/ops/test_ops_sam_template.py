@@ -464,3 +464,25 @@ def test_alarms_watch_metrics_the_gateway_emits(cfn):
             names.append(query["MetricStat"]["Metric"]["MetricName"])
     for name in names:
         assert f'name="{name}"' in source, name
+
+
+def test_sam_deploy_guided_deploys_when_every_prompt_is_answered_with_enter():
+    """samconfig.toml gives --guided its defaults: each one must lead to a deployed stack."""
+    import tomllib
+
+    from kiln_ops.template import repo_root
+
+    config = tomllib.loads((repo_root() / "samconfig.toml").read_text())["default"]
+    deploy = config["deploy"]["parameters"]
+    assert config["global"]["parameters"]["stack_name"] == STACK
+    # "Deploy this changeset? [y/N]" follows a confirmed change set, and Enter there aborts
+    assert deploy["confirm_changeset"] is False
+    assert deploy["resolve_s3"] is True  # SAM's managed bucket: nothing to create by hand
+    assert deploy["disable_rollback"] is False
+    # the roles have no fixed names, so CAPABILITY_IAM (the guided default) is enough
+    assert deploy["capabilities"] == "CAPABILITY_IAM"
+    for name, resource in of_type(deployed({}), "AWS::IAM::Role").items():
+        assert "RoleName" not in resource["Properties"], name
+    # a parameter without a default (or NoEcho) makes --guided insist on an answer
+    for name, spec in load_template()["Parameters"].items():
+        assert "Default" in spec and not spec.get("NoEcho"), name

@@ -1,13 +1,20 @@
 """kiln.metering: cost in Decimal (contract §4), upstream usage, estimates."""
 
-from decimal import Decimal
+from decimal import Decimal, localcontext
 from pathlib import Path
 
 import pytest
 
 from kiln.catalog import Catalog, Pricing
 from kiln.jsonio import dumps
-from kiln.metering import TokenUsage, cost_of, estimate_prompt_tokens, estimate_text_tokens
+from kiln.metering import (
+    TokenUsage,
+    UsageBounds,
+    billable_usage,
+    cost_of,
+    estimate_prompt_tokens,
+    estimate_text_tokens,
+)
 
 GPT_OSS = Pricing(input=Decimal("0.035"), output=Decimal("0.07"))
 QWEN = Pricing(input=Decimal("0.08"), output=Decimal("0.24"), cached_input=Decimal("0.04"))
@@ -94,24 +101,108 @@ def test_text_estimate_is_about_four_characters_per_token():
 
 
 def test_prompt_estimate_never_zero_for_a_chat_and_grows_with_text():
-    short = estimate_prompt_tokens({"messages": [{"role": "user", "content": ""}]})
-    long = estimate_prompt_tokens({"messages": [{"role": "user", "content": "x" * 4000}]})
+    short = estimate_prompt_tokens({"messages": [{"role": "user", "content": ""}]}, chat=True)
+    long = estimate_prompt_tokens({"messages": [{"role": "user", "content": "x" * 4000}]}, chat=True)
     assert short > 0
     assert long >= 1000 > short
-    two = estimate_prompt_tokens({"messages": [{"role": "user", "content": ""}] * 2})
+    two = estimate_prompt_tokens({"messages": [{"role": "user", "content": ""}] * 2}, chat=True)
     assert two > short
 
 
 def test_prompt_estimate_reads_content_parts_and_tool_calls():
     parts = {"role": "user", "content": [{"type": "text", "text": "y" * 800}]}
     tool = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "z" * 800}}]}
-    empty = estimate_prompt_tokens({"messages": [{"role": "user", "content": []}]})
-    assert estimate_prompt_tokens({"messages": [parts]}) >= empty + 200
-    assert estimate_prompt_tokens({"messages": [tool]}) >= empty + 200
+    empty = estimate_prompt_tokens({"messages": [{"role": "user", "content": []}]}, chat=True)
+    assert estimate_prompt_tokens({"messages": [parts]}, chat=True) >= empty + 200
+    assert estimate_prompt_tokens({"messages": [tool]}, chat=True) >= empty + 200
 
 
 def test_completion_prompt_estimates():
-    assert estimate_prompt_tokens({"prompt": "a" * 40}) == 10
-    assert estimate_prompt_tokens({"prompt": ["a" * 20, "b" * 20]}) == 10
-    assert estimate_prompt_tokens({"prompt": [101, 102, 103]}) == 3  # token ids: one each
-    assert estimate_prompt_tokens({}) == 0
+    assert estimate_prompt_tokens({"prompt": "a" * 40}, chat=False) == 10
+    assert estimate_prompt_tokens({"prompt": ["a" * 20, "b" * 20]}, chat=False) == 10
+    assert estimate_prompt_tokens({"prompt": [101, 102, 103]}, chat=False) == 3  # token ids: one each
+    assert estimate_prompt_tokens({}, chat=False) == 0
+
+
+@pytest.mark.parametrize("messages", [5, "a b", {"content": "x"}, [1, None, True, {"content": 7}], None, 1.5])
+def test_prompt_estimate_of_odd_messages_never_fails(messages):
+    assert estimate_prompt_tokens({"messages": messages}, chat=True) >= 0
+
+
+def test_a_completion_request_is_estimated_from_its_prompt_whatever_else_it_holds():
+    body = {"prompt": "a" * 40, "messages": 5}
+    assert estimate_prompt_tokens(body, chat=False) == 10
+
+
+def test_bounds_take_the_smallest_token_limit_and_every_choice():
+    assert UsageBounds.of_request({}, 4096) == UsageBounds(4096, 4096)
+    assert UsageBounds.of_request({"max_tokens": 16}, 4096) == UsageBounds(4096, 16)
+    assert UsageBounds.of_request({"max_tokens": 99999}, 4096) == UsageBounds(4096, 4096)
+    assert UsageBounds.of_request({"max_tokens": 64, "max_completion_tokens": 32}, 4096).completion == 32
+    assert UsageBounds.of_request({"max_output_tokens": 8, "n": 3}, 4096).completion == 24
+    # types a client may send that bound nothing
+    assert UsageBounds.of_request({"max_tokens": "16", "n": True}, 4096).completion == 4096
+    assert UsageBounds.of_request({"n": 10**9}, 10).completion == 10 * 128
+
+
+BOUNDS = UsageBounds(prompt=100, completion=16)
+
+
+def bill(reported):
+    return billable_usage(reported, BOUNDS, prompt_estimate=lambda: 7, completion_count=lambda: 5)
+
+
+def test_plausible_usage_is_believed():
+    usage, problems = bill({"prompt_tokens": 100, "completion_tokens": 16, "prompt_tokens_details": {"cached_tokens": 100}})
+    assert (usage, problems) == (TokenUsage(100, 16, 100, "upstream"), [])
+
+
+@pytest.mark.parametrize("reported", [None, "xx", [1], 5, {}, {"prompt_tokens": None, "completion_tokens": None}])
+def test_no_usage_is_estimated(reported):
+    assert bill(reported) == (TokenUsage(7, 5, None, "estimated"), [])
+
+
+def test_estimates_are_capped_too():
+    usage, _ = billable_usage(None, BOUNDS, prompt_estimate=lambda: 10**6, completion_count=lambda: 10**6)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (100, 16)
+
+
+@pytest.mark.parametrize(
+    "reported, expected",
+    [
+        ({"prompt_tokens": 3, "completion_tokens": 17}, (3, 5)),
+        ({"prompt_tokens": 3, "completion_tokens": 10**200}, (3, 5)),
+        ({"prompt_tokens": 101, "completion_tokens": 4}, (7, 4)),
+        ({"prompt_tokens": -1, "completion_tokens": 4}, (7, 4)),
+        ({"prompt_tokens": "3", "completion_tokens": 4.0}, (7, 5)),
+        ({"prompt_tokens": 3}, (3, 5)),
+    ],
+)
+def test_implausible_counts_are_replaced_by_our_own_and_marked_capped(reported, expected):
+    usage, problems = bill(reported)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.source) == (*expected, "capped")
+    assert problems and all(len(problem) < 80 for problem in problems)  # the log never holds a 200-digit number
+
+
+def test_cached_tokens_above_the_prompt_are_dropped():
+    usage, _ = bill({"prompt_tokens": 3, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 4}})
+    assert usage == TokenUsage(3, 4, None, "upstream")
+
+
+def test_cost_is_exact_beyond_the_default_decimal_precision():
+    """28 significant digits (Python's default context) would round this; DynamoDB keeps 38."""
+    pricing = Pricing(input=Decimal("0.123456789012345678901"), output=Decimal("0.987654321098765432109"))
+    usage = TokenUsage(123456789, 987654321)
+    exact = (123456789 * Decimal("0.123456789012345678901") + 987654321 * Decimal("0.987654321098765432109"))
+    with localcontext() as context:
+        context.prec = 100
+        expected = (123456789 * Decimal("0.123456789012345678901") + 987654321 * Decimal("0.987654321098765432109")) / 1_000_000
+    assert exact != expected  # the default context rounds
+    cost = cost_of(usage, pricing)
+    assert cost == expected and len(cost.as_tuple().digits) <= 38
+
+
+def test_cost_keeps_at_most_the_38_digits_dynamodb_stores():
+    pricing = Pricing(input=Decimal("0." + "3" * 45), output=Decimal(0))
+    cost = cost_of(TokenUsage(7, 0), pricing)
+    assert len(cost.as_tuple().digits) == 38 and cost == Decimal("0.000002" + "3" * 37)

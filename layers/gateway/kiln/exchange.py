@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import aclosing
 from decimal import Decimal
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import anyio
 from starlette.responses import Response
@@ -22,7 +22,7 @@ from .auth import Principal
 from .errors import GatewayError, InternalError, NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
 from .jsonio import dumps
-from .metering import TokenUsage, cost_of, estimate_prompt_tokens, estimate_text_tokens
+from .metering import TokenUsage, UsageBounds, billable_usage, cost_of, estimate_prompt_tokens, estimate_text_tokens
 from .normalize import ModelCall
 from .observability import RequestRecord
 from .responses import RelayResponse, error_response, json_response
@@ -36,6 +36,8 @@ __all__ = ["Exchange"]
 log = logging.getLogger("kiln.exchange")
 
 STREAM_CUT = "The model backend failed while streaming the response."
+GATEWAY_CUT = "The gateway failed while streaming the response."
+INVALID_ANSWER = "Bad gateway: the model backend returned an invalid response."
 
 
 class Exchange:
@@ -50,6 +52,9 @@ class Exchange:
         self.started = time.monotonic()
         self.ttfb_ms: int | None = None
         self.upstream_name: str | None = None
+        self.bounds = UsageBounds.of_request(call.body, call.model.context_length)
+        self._prompt_estimate: int | None = None
+        self._upstream: UpstreamExchange | None = None
         self._settled = False
 
     @property
@@ -57,6 +62,7 @@ class Exchange:
         return self.lease.gen_id
 
     async def respond(self) -> Response:
+        """Forward the request and answer; every way out of here settles exactly once."""
         try:
             upstream = await self.gateway.upstream.open(
                 self.call.model, self.call.endpoint.upstream_path, self.call.body, stream=self.call.stream,
@@ -66,10 +72,11 @@ class Exchange:
             return await self._refused(error)
         except BaseException as exc:
             return await self._crashed(exc)
+        self._upstream = upstream
         self.upstream_name = upstream.backend.name
         self.record.backend_failures = len(upstream.failures)
         if self.call.stream:
-            return RelayResponse(self._relay(upstream), self.gen_id)
+            return RelayResponse(self._relay(upstream), self.gen_id, on_close=self._never_relayed)
         try:
             return await self._buffered(upstream)
         except GatewayError as error:
@@ -78,6 +85,14 @@ class Exchange:
             return await self._crashed(exc)
         finally:
             await upstream.aclose()
+
+    async def _never_relayed(self) -> None:
+        """The stream's response ended before its body ran (the client left first): settle it."""
+        if self._settled:
+            return
+        if self._upstream is not None:
+            await self._upstream.aclose()
+        await self._settle("client_disconnected", http_status=None, error="the client left before the stream began")
 
     # -- the ways an exchange ends ---------------------------------------------------------
 
@@ -88,7 +103,7 @@ class Exchange:
             NoBackendAvailable: "no_backend_available",
         }.get(type(error), "gateway_error")
         self.record.error_code = error.code
-        await self._settle(status, http_status=error.status, error=error.detail or error.message)
+        await self._settle(status, http_status=error.status, error=_stored_error(error))
         return error_response(error, self.gen_id)
 
     async def _crashed(self, exc: BaseException) -> Response:
@@ -144,33 +159,43 @@ class Exchange:
     def _price(self, usage: TokenUsage) -> Decimal:
         return cost_of(usage, self.call.model.pricing)
 
+    def prompt_estimate(self) -> int:
+        """The request's prompt tokens by the gateway's own rule (computed once, when needed)."""
+        if self._prompt_estimate is None:
+            self._prompt_estimate = estimate_prompt_tokens(self.call.body, chat=self.call.endpoint.is_chat)
+        return self._prompt_estimate
+
+    def _billable(self, reported: Any, completion_count: Callable[[], int]) -> TokenUsage:
+        usage, problems = billable_usage(
+            reported, self.bounds, prompt_estimate=self.prompt_estimate, completion_count=completion_count
+        )
+        if problems:
+            log.warning(json.dumps({"event": "usage_capped", "generation_id": self.gen_id, "model": self.call.model.id,
+                                    "problems": problems}))
+        return usage
+
     # -- buffered --------------------------------------------------------------------------
 
     async def _buffered(self, upstream: UpstreamExchange) -> Response:
         self.ttfb_ms = int((time.monotonic() - self.started) * 1000)
         deadline = upstream.sent_at + self.call.model.timeouts.total
         raw = await upstream.read_body(deadline)
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise UpstreamFailed(
-                "Bad gateway: the model backend returned an invalid response.", detail="upstream body is not a JSON object"
-            )
-        upstream_usage = answer.get("usage")
-        usage = TokenUsage.from_upstream(upstream_usage)
-        if usage is None:
-            usage = TokenUsage(
-                estimate_prompt_tokens(self.call.body), _estimate_completion(answer.get("choices")), None, "estimated"
-            )
-            answer["usage"] = usage.as_openai(Decimal(0))
+        answer = _parse_answer(raw)
+        choices = answer.get("choices")
+        usage = self._billable(answer.get("usage"), lambda: _estimate_completion(choices))
         cost = self._price(usage)
-        answer["usage"]["cost"] = cost
+        if usage.source == "upstream":
+            answer["usage"] = {**answer["usage"], "cost": cost}
+        else:
+            answer["usage"] = usage.as_openai(cost)
+        try:
+            body = dumps(answer)
+        except ValueError:  # text that cannot be UTF-8 (a lone surrogate escape)
+            raise UpstreamFailed(INVALID_ANSWER, detail="upstream body cannot be re-encoded as UTF-8") from None
         await self._settle(
-            "success", http_status=200, usage=usage, cost=cost, finish_reason=_first_finish_reason(answer.get("choices"))
+            "success", http_status=200, usage=usage, cost=cost, finish_reason=_first_finish_reason(choices)
         )
-        return json_response(dumps(answer), self.gen_id)
+        return json_response(body, self.gen_id)
 
     # -- streamed --------------------------------------------------------------------------
 
@@ -179,7 +204,7 @@ class Exchange:
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes
         )
         deadline = upstream.sent_at + self.call.model.timeouts.total
-        failure: str | None = None
+        status, failure = "success", None
         try:
             async with aclosing(_with_keepalive(upstream.chunks(), self.gateway.settings.keepalive_seconds)) as pieces:
                 async for piece in pieces:
@@ -198,42 +223,52 @@ class Exchange:
                 else:
                     raise UpstreamStreamError("the stream ended before [DONE]")
         except UpstreamStreamError as exc:
-            failure = str(exc)
+            upstream.broke()
+            status, failure = "stream_interrupted", str(exc)
         except (asyncio.CancelledError, GeneratorExit):
             await self._end_stream(upstream, relay, "client_disconnected", "the client disconnected")
             raise
         except Exception as exc:  # a fault of ours: still settle, still end the stream clearly
             log.exception("stream %s failed inside the gateway", self.gen_id)
-            failure = f"gateway error: {type(exc).__name__}"
-            await self._end_stream(upstream, relay, "gateway_error", failure)
-            yield error_event(STREAM_CUT)
-            return
-        if failure is not None:
-            upstream.broke()
-            await self._end_stream(upstream, relay, "stream_interrupted", failure)
-            yield error_event(STREAM_CUT)
-            return
-        tail = await self._end_stream(upstream, relay, "success", None)
-        yield tail + DONE
+            status, failure = "gateway_error", f"gateway error: {type(exc).__name__}"
+        yield await self._end_stream(upstream, relay, status, failure)
 
     async def _end_stream(self, upstream: UpstreamExchange, relay: SseRelay, status: str, error: str | None) -> bytes:
-        """Close the upstream, settle, and return the usage chunk the client should get (if any)."""
+        """Close the upstream, settle, and return the stream's last bytes; never raises.
+
+        A success ends with the usage chunk (if the client asked) and `[DONE]`; any other
+        end with the §5 error event (nothing, for a client that is gone). Should billing or
+        the usage chunk fail, the request still settles, as `gateway_error`.
+        """
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
-        usage = relay.usage
-        if usage is None:
-            usage = TokenUsage(estimate_prompt_tokens(self.call.body), relay.relayed_tokens, None, "estimated")
-        cost = self._price(usage)
+        try:
+            usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens)
+            cost = self._price(usage)
+            tail = self._usage_tail(relay, usage, cost) if status == "success" else b""
+        except Exception as exc:  # noqa: BLE001 - a bug here must not skip the settle
+            log.exception("stream %s could not be billed as reported", self.gen_id)
+            status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
+            usage = TokenUsage(0, min(relay.relayed_tokens, self.bounds.completion), None, "estimated")
+            cost = self._price(usage)
+            tail = b""
         await self._settle(
             status, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )
-        if status != "success" or not self.call.client_wants_usage:
+        if status == "success":
+            return tail + DONE
+        if status == "client_disconnected":
             return b""
-        if relay.usage_chunk is not None and relay.usage is not None:
-            chunk_usage = dict(relay.usage_chunk["usage"])
-            chunk_usage["cost"] = cost
-            return usage_event(relay.usage_chunk, chunk_usage)
-        return usage_event(relay.first_chunk or {}, usage.as_openai(cost))
+        return error_event(GATEWAY_CUT if status == "gateway_error" else STREAM_CUT)
+
+    def _usage_tail(self, relay: SseRelay, usage: TokenUsage, cost: Decimal) -> bytes:
+        """The usage chunk for a client that asked for it: the upstream's own (cost added) if it
+        was believed, else one the gateway writes with what it billed."""
+        if not self.call.client_wants_usage:
+            return b""
+        if relay.usage_chunk is not None and usage.source == "upstream":
+            return usage_event(relay.usage_chunk, {**relay.usage_chunk["usage"], "cost": cost})
+        return usage_event(relay.usage_chunk or relay.first_chunk or {}, usage.as_openai(cost))
 
 
 async def _with_keepalive(chunks: AsyncIterator[bytes], interval: float) -> AsyncGenerator[bytes | None, None]:
@@ -269,6 +304,42 @@ async def _with_keepalive(chunks: AsyncIterator[bytes], interval: float) -> Asyn
                     pass
 
 
+def _parse_answer(raw: bytes) -> dict[str, Any]:
+    """A buffered answer, if it has the shape the gateway reads; otherwise 502 (§5).
+
+    The gateway reads `choices[].message` (its text and tool calls) and `usage`; a body
+    where those have other types is not an answer the client's SDK could read either.
+    """
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise UpstreamFailed(INVALID_ANSWER, detail="upstream body is not a JSON object")
+    problem = _shape_problem(answer)
+    if problem:
+        raise UpstreamFailed(INVALID_ANSWER, detail=f"upstream body: {problem}")
+    return answer
+
+
+def _shape_problem(answer: dict[str, Any]) -> str | None:
+    choices = answer.get("choices", [])
+    if not isinstance(choices, list):
+        return "choices is not an array"
+    for choice in choices:
+        if not isinstance(choice, dict):
+            return "a choice is not an object"
+        message = choice.get("message")
+        if message is None:
+            continue
+        if not isinstance(message, dict):
+            return "a message is not an object"
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(call, dict) for call in calls)):
+            return "tool_calls is not an array of objects"
+    return None
+
+
 def _estimate_completion(choices: Any) -> int:
     total = 0
     for choice in choices if isinstance(choices, list) else []:
@@ -276,7 +347,8 @@ def _estimate_completion(choices: Any) -> int:
             continue
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
         texts = [choice.get("text"), message.get("content"), message.get("reasoning_content")]
-        for call in message.get("tool_calls") or []:
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
             if isinstance(call, dict) and isinstance(call.get("function"), dict):
                 texts.append(call["function"].get("arguments"))
         total += sum(estimate_text_tokens(text) for text in texts if isinstance(text, str))
@@ -288,3 +360,12 @@ def _first_finish_reason(choices: Any) -> str | None:
         reason = choices[0].get("finish_reason")
         return reason if isinstance(reason, str) else None
     return None
+
+
+def _stored_error(error: GatewayError) -> str:
+    """What the usage event keeps of an error: never a model server's message, which may quote
+    the prompt (§4), only its status and error code; the gateway's own words otherwise."""
+    if isinstance(error, UpstreamRejected):
+        code = f" {error.code[:64]}" if error.code else ""
+        return f"upstream HTTP {error.status}{code}"
+    return error.detail or error.message

@@ -1,14 +1,37 @@
-"""Token counts and their price (contract §4). All money is Decimal, never float."""
+"""Token counts and their price (contract §4). All money is Decimal, never float.
+
+What a model server reports is believed only within what the request could have produced
+(`UsageBounds`): a count that is not a non-negative integer, or beyond the bounds, is
+replaced by the gateway's own count or estimate, capped (`billable_usage`). So a bill is
+always a finite number that DynamoDB can store, whatever the upstream says.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from decimal import Decimal
-from typing import Any, Iterable
+from decimal import Context, Decimal
+from typing import Any, Callable, Iterable
 
 from .catalog import PER_MILLION, Pricing
 
-__all__ = ["TokenUsage", "cost_of", "estimate_prompt_tokens", "estimate_text_tokens"]
+__all__ = [
+    "TokenUsage",
+    "UsageBounds",
+    "billable_usage",
+    "cost_of",
+    "estimate_prompt_tokens",
+    "estimate_text_tokens",
+]
+
+# Costs are computed exactly (bounded counts × catalog prices need far fewer digits than
+# this), then kept to the 38 significant digits a DynamoDB number holds, so what is billed
+# is exactly what is stored.
+_EXACT = Context(prec=120)
+_STORED = Context(prec=38)
+# `n` beyond this is no request a model server serves; it bounds the completion tokens.
+MAX_CHOICES = 128
+# the request fields that cap a reply's tokens, per endpoint's naming
+_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 # A rough but stable rule for text we cannot tokenize: ~4 characters per token.
 CHARS_PER_TOKEN = 4
@@ -57,28 +80,97 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+@dataclass(frozen=True)
+class UsageBounds:
+    """The most a request can have used: its prompt within the model's context, its reply
+    within its own token limit (per choice) and the context, for each of its `n` choices."""
+
+    prompt: int
+    completion: int
+
+    @classmethod
+    def of_request(cls, body: dict[str, Any], context_length: int) -> "UsageBounds":
+        per_choice = context_length
+        for name in _TOKEN_LIMITS:
+            limit = body.get(name)
+            if _count(limit):
+                per_choice = min(per_choice, limit)
+        n = body.get("n")
+        choices = min(n, MAX_CHOICES) if _count(n) and n >= 1 else 1
+        return cls(prompt=context_length, completion=per_choice * choices)
+
+
+def billable_usage(
+    reported: Any,
+    bounds: UsageBounds,
+    *,
+    prompt_estimate: Callable[[], int],
+    completion_count: Callable[[], int],
+) -> tuple[TokenUsage, list[str]]:
+    """The usage to bill, and what was wrong with the reported one (empty when believed).
+
+    No usage reported: the gateway's own count and estimate (`estimated`). A reported count
+    that is not a non-negative integer or exceeds its bound: that count is replaced by the
+    gateway's own, capped at the bound (`capped`). Cached tokens count only when plausible.
+    """
+    if not isinstance(reported, dict) or (
+        reported.get("prompt_tokens") is None and reported.get("completion_tokens") is None
+    ):
+        usage = TokenUsage(min(prompt_estimate(), bounds.prompt), min(completion_count(), bounds.completion), None, "estimated")
+        return usage, []
+    problems: list[str] = []
+    prompt = reported.get("prompt_tokens")
+    if not (_count(prompt) and prompt <= bounds.prompt):
+        problems.append(f"prompt_tokens {_implausible(prompt, bounds.prompt)}")
+        prompt = min(prompt_estimate(), bounds.prompt)
+    completion = reported.get("completion_tokens")
+    if not (_count(completion) and completion <= bounds.completion):
+        problems.append(f"completion_tokens {_implausible(completion, bounds.completion)}")
+        completion = min(completion_count(), bounds.completion)
+    details = reported.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not (_count(cached) and cached <= prompt):
+        cached = None
+    return TokenUsage(prompt, completion, cached, "capped" if problems else "upstream"), problems
+
+
+def _implausible(value: Any, bound: int) -> str:
+    if _count(value):
+        return f"above the bound of {bound}"
+    return f"not a count ({type(value).__name__})"
+
+
 def cost_of(usage: TokenUsage, pricing: Pricing) -> Decimal:
     """prompt × input + completion × output, cached prompt tokens at the cached price if any."""
     cached = usage.cached_tokens or 0
+    exact = _EXACT
     if pricing.cached_input is None or cached == 0:
-        prompt_cost = usage.prompt_tokens * pricing.input
+        prompt_cost = exact.multiply(usage.prompt_tokens, pricing.input)
     else:
         cached = min(cached, usage.prompt_tokens)
-        prompt_cost = (usage.prompt_tokens - cached) * pricing.input + cached * pricing.cached_input
-    return (prompt_cost + usage.completion_tokens * pricing.output) / PER_MILLION
+        prompt_cost = exact.add(
+            exact.multiply(usage.prompt_tokens - cached, pricing.input), exact.multiply(cached, pricing.cached_input)
+        )
+    total = exact.add(prompt_cost, exact.multiply(usage.completion_tokens, pricing.output))
+    return _STORED.plus(exact.divide(total, PER_MILLION))
 
 
 def estimate_text_tokens(text: str) -> int:
     return -(-len(text) // CHARS_PER_TOKEN) if text else 0
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens of a request whose model server did not report usage."""
-    if "messages" in body:
-        messages = body.get("messages") or []
+def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
+    """Prompt tokens of a request whose model server did not report usage.
+
+    Chat reads `messages`, text completions `prompt`, whatever else the body holds (a
+    completion request may carry a `messages` field of any type: it is only forwarded).
+    """
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            messages = [messages] if messages is not None else []
         return sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(_texts(m))) for m in messages)
-    prompt = body.get("prompt")
-    return estimate_text_tokens("".join(_texts(prompt)))
+    return estimate_text_tokens("".join(_texts(body.get("prompt"))))
 
 
 def _texts(value: Any) -> Iterable[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncGenerator, Mapping
+from typing import AsyncGenerator, Awaitable, Callable, Mapping
 
 import anyio
 from starlette.responses import Response
@@ -34,12 +34,21 @@ class RelayResponse(Response):
     While it streams, it also listens for `http.disconnect`: a client that goes away while
     the upstream is silent is noticed at once (the generator is cancelled, so it can close
     the upstream request and settle). A failed write closes the generator the same way.
+    `on_close` runs last, whatever happened: a generator that never started (the client
+    left before the first byte) never ran its own clean-up, and this is its owner's chance.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncGenerator[bytes, None], gen_id: str, headers: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        gen_id: str,
+        headers: Mapping[str, str] | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ):
         self.body_iterator = body
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.init_headers(
@@ -75,3 +84,5 @@ class RelayResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                if self.on_close is not None:
+                    await self.on_close()

@@ -64,6 +64,7 @@ class SseRelay:
         self.bytes_scanned = 0
         self.done = False  # the upstream sent [DONE]
         self.usage_chunk: dict[str, Any] | None = None  # the upstream's usage chunk, held back
+        self.reported_usage: dict[str, Any] | None = None  # its usage object, as the upstream sent it
         self.usage: TokenUsage | None = None
         self.first_chunk: dict[str, Any] | None = None
         self.relayed_tokens = 0
@@ -123,6 +124,11 @@ class SseRelay:
         raise EventTooLarge(f"an SSE event over {self._max_event_bytes} bytes")
 
     def _event(self, event: bytes) -> bytes | None:
+        """One upstream event: relayed as it came, unless it is [DONE] or carries usage.
+
+        Whatever the event holds (not JSON, an array, usage of the wrong type), the relay
+        only reads what has the type it expects; the rest is the upstream's to answer for.
+        """
         if self.done:
             return None  # nothing after [DONE] is relayed
         if event.startswith(b":"):
@@ -134,25 +140,29 @@ class SseRelay:
             self.done = True
             return None
         if self.first_chunk is None:
-            self.first_chunk = _parse(payload) or {}
+            first = _parse(payload)
+            if isinstance(first, dict):
+                self.first_chunk = first
         if _USAGE_PRESENT.search(payload):
             return self._usage(event, payload)
         self.relayed_tokens += len(_TEXT_DELTA.findall(payload))
         finish = _FINISH_REASON.findall(payload)
         if finish:
-            self.finish_reason = finish[-1].decode()
+            self.finish_reason = finish[-1].decode(errors="replace")
         return event
 
     def _usage(self, event: bytes, payload: bytes) -> bytes | None:
         chunk = _parse(payload)
         if not isinstance(chunk, dict):
             return event
-        usage = TokenUsage.from_upstream(chunk.get("usage"))
-        if usage is not None:
-            self.usage = usage
+        if isinstance(chunk.get("usage"), dict):
+            self.reported_usage = chunk["usage"]
+            self.usage = TokenUsage.from_upstream(self.reported_usage)  # well-formed; bounds are the caller's
         choices = chunk.get("choices")
-        if not choices:
-            self.usage_chunk = chunk
+        if not isinstance(choices, list) or not choices:
+            # the usage chunk (or one whose choices are unusable): held back, rewritten at the end
+            if self.reported_usage is chunk.get("usage"):
+                self.usage_chunk = chunk
             return None
         # usage riding on a content chunk (continuous usage stats): keep the content
         self.relayed_tokens += len(_TEXT_DELTA.findall(payload))

@@ -1,0 +1,293 @@
+"""Hostile clients and hostile model servers: every admitted request settles exactly once (§4, §8).
+
+Each case is a request that once leaked a slot, lost its usage event, billed an absurd sum
+or answered 500. After each, `LedgerCheck` asserts the ledger's invariants: the org's
+in-flight count is back, every generation id the client saw has exactly one usage event,
+and the credits debited equal the events' costs exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import pytest
+
+from support import LedgerCheck, data_events
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MODEL = "qwen3-32b"  # context length 40 960; $0.08 / $0.24 per million tokens
+CONTEXT = 40960
+MESSAGES = [{"role": "user", "content": "x y z"}]
+ESTIMATED_PROMPT = 6  # "user" and "x y z": 9 characters, ~4 per token, + 3 for the message
+
+
+@pytest.fixture
+def ledger(stack):
+    org_id, key = stack.org(credits="100000000")
+    check = LedgerCheck(stack, org_id)
+    check.key = key
+    return check
+
+
+def post(stack, ledger: LedgerCheck, path: str, body, **kwargs):
+    return ledger.saw(stack.post(path, body, ledger.key, **kwargs))
+
+
+def assert_stream_ends_cleanly(text: str) -> None:
+    """A stream ends with `[DONE]` or with the §5 error event, never cut mid-event."""
+    assert text.endswith("\n\n"), text[-200:]
+    last = text.rstrip("\n").rsplit("\n\n", 1)[-1]
+    assert last == "data: [DONE]" or json.loads(last[len("data: "):])["error"]["code"] == "upstream_error", last
+
+
+def last_events(text: str, count: int) -> list:
+    """The stream's last `count` data payloads, parsed (an upstream's own events may not be JSON)."""
+    blocks = [block for block in text.split("\n\n") if block.startswith("data: ")][-count:]
+    return [block[6:] if block == "data: [DONE]" else json.loads(block[6:]) for block in blocks]
+
+
+# -- hostile clients --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+@pytest.mark.parametrize("messages", [5, "text", {"a": 1}, [1, None, {"content": 7}], True])
+def test_odd_extra_fields_on_completions_are_forwarded_and_billed_by_estimate(stack, ledger, stream, messages):
+    """`messages` is not a completions field: whatever it holds, the estimate must not fail."""
+    body = {"model": MODEL, "prompt": "a b c d", "messages": messages, "stream": stream, "mock": {"no_usage": True}}
+    response = post(stack, ledger, COMPLETIONS, body)
+    assert response.status_code == 200
+    if stream:
+        assert_stream_ends_cleanly(response.text)
+        assert data_events(response.text)[-1] == "[DONE]"
+    (event,) = ledger.check()
+    assert event.status == "success" and event.usage_source == "estimated"
+    assert event.completion_tokens > 0 and event.cost > 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "qwen3-32b", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"model": "\\udfff", "messages": [{"role": "user", "content": "x"}]}',
+        b'{"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "user": "a\\ud800b"}',
+        b'{"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "\\ud83d": 1}',
+    ],
+    ids=["content", "model", "extra-field", "key"],
+)
+def test_a_lone_surrogate_anywhere_is_400_invalid_json(stack, ledger, raw):
+    response = post(stack, ledger, CHAT, raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+    assert "X-Neocloud-Generation-Id" not in response.headers
+    assert ledger.check() == []
+
+
+@pytest.mark.parametrize("depth", [300, 959, 960, 961, 962, 990])
+def test_deep_nesting_that_the_parser_accepts_is_still_a_400(stack, ledger, depth):
+    nested = "[" * depth + "]" * depth
+    raw = ('{"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "extra": ' + nested + "}").encode()
+    response = post(stack, ledger, CHAT, raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+    assert ledger.check() == []
+
+
+def test_moderate_nesting_is_forwarded(stack, ledger):
+    nested = {"a": None}
+    for _ in range(60):
+        nested = {"a": nested}
+    response = post(stack, ledger, CHAT, {"model": MODEL, "messages": MESSAGES, "extra": nested})
+    assert response.status_code == 200
+    ledger.check()
+
+
+# -- hostile model servers: buffered ------------------------------------------------------------
+
+
+def _answer(**fields) -> str:
+    base = {"id": "x", "object": "chat.completion", "created": 1, "model": MODEL}
+    return json.dumps({**base, **fields})
+
+
+GOOD_CHOICE = {"index": 0, "message": {"role": "assistant", "content": "one two three four"}, "finish_reason": "stop"}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _answer(choices=[{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": 5}}]),
+        _answer(choices=[{"index": 0, "message": {"tool_calls": [5, {"function": 3}, {"function": {"arguments": 9}}]}}]),
+        _answer(choices=5),
+        _answer(choices=[5, "x", None]),
+        _answer(choices=[{"message": "text"}]),
+        "[1, 2, 3]",
+        '"a string"',
+        "{not json",
+        "",
+    ],
+    ids=["tool_calls-int", "tool_calls-items", "choices-int", "choices-items", "message-str", "array", "string",
+         "invalid", "empty"],
+)
+def test_a_malformed_buffered_answer_is_502_and_settled(stack, ledger, raw):
+    body = {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": raw}}
+    response = post(stack, ledger, CHAT, body)
+    assert response.status_code == 502, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    (event,) = ledger.check()
+    assert event.status == "upstream_error" and event.http_status == 502
+
+
+@pytest.mark.parametrize(
+    "usage",
+    ["xx", [1, 2], 5, {"prompt_tokens": "3", "completion_tokens": 4}, {"prompt_tokens": -1, "completion_tokens": 4},
+     {"prompt_tokens": 1.5, "completion_tokens": 4}, {"prompt_tokens": True, "completion_tokens": 4},
+     {"prompt_tokens": 3, "completion_tokens": 4, "prompt_tokens_details": "x"},
+     {"prompt_tokens": 3, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": "x"}}],
+    ids=["str", "list", "int", "str-count", "negative", "float", "bool", "details-str", "cached-str"],
+)
+def test_unusable_upstream_usage_is_replaced_by_the_estimate(stack, ledger, usage):
+    """No usage object: estimated. A count that is not a non-negative integer: that count is ours, capped."""
+    raw = _answer(choices=[GOOD_CHOICE], usage=usage)
+    response = post(stack, ledger, CHAT, {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": raw}})
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert event.status == "success"
+    if not isinstance(usage, dict):
+        # 18 characters of reply, ~4 per token
+        assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("estimated", ESTIMATED_PROMPT, 5)
+    elif usage["prompt_tokens"] == 3:
+        assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 3, 4)
+        assert event.cached_tokens is None
+    else:
+        assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("capped", ESTIMATED_PROMPT, 4)
+    assert json.loads(response.text, parse_float=Decimal)["usage"]["cost"] == event.cost
+
+
+@pytest.mark.parametrize(
+    "usage,expected",
+    [
+        # above max_tokens: the gateway's own estimate of the reply (5) is billed
+        ({"prompt_tokens": 3, "completion_tokens": 10**15}, (3, 5)),
+        ({"prompt_tokens": 3, "completion_tokens": 17}, (3, 5)),
+        ({"prompt_tokens": 3, "completion_tokens": 10**200}, (3, 5)),
+        # above the context length: the estimate of the prompt
+        ({"prompt_tokens": 10**200, "completion_tokens": 4}, (ESTIMATED_PROMPT, 4)),
+        ({"prompt_tokens": 10**15, "completion_tokens": 10**15, "prompt_tokens_details": {"cached_tokens": 10**18}},
+         (ESTIMATED_PROMPT, 5)),
+    ],
+    ids=["completion-1e15", "completion-max-plus-1", "completion-1e200", "prompt-1e200", "all-absurd"],
+)
+def test_usage_the_model_cannot_have_produced_is_capped(stack, ledger, usage, expected):
+    raw = _answer(choices=[GOOD_CHOICE], usage=usage)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "mock": {"raw_body": raw}}
+    response = post(stack, ledger, CHAT, body)
+    assert response.status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "capped"
+    assert (event.prompt_tokens, event.completion_tokens) == expected
+    assert event.cached_tokens is None
+    # never more than the bounds allow: the whole context at the input price, max_tokens at the output price
+    assert event.cost <= (CONTEXT * Decimal("0.08") + 16 * Decimal("0.24")) / 1_000_000
+    answered = json.loads(response.text, parse_float=Decimal)["usage"]
+    assert (answered["prompt_tokens"], answered["completion_tokens"], answered["cost"]) == (*expected, event.cost)
+
+
+def test_usage_at_the_bounds_is_believed(stack, ledger):
+    raw = _answer(choices=[GOOD_CHOICE], usage={"prompt_tokens": CONTEXT, "completion_tokens": 16})
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "mock": {"raw_body": raw}}
+    post(stack, ledger, CHAT, body)
+    (event,) = ledger.check()
+    assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", CONTEXT, 16)
+
+
+def test_completion_tokens_above_the_context_length_are_capped_without_max_tokens(stack, ledger):
+    raw = _answer(choices=[GOOD_CHOICE], usage={"prompt_tokens": 3, "completion_tokens": 10**9})
+    response = post(stack, ledger, CHAT, {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": raw}})
+    assert response.status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("capped", 3, 5)
+
+
+def test_the_usage_event_keeps_the_upstream_status_not_its_message(stack, ledger):
+    """A model server's 400 often quotes the prompt back: the client sees it, storage does not."""
+    secret = "my secret prompt text"
+    body = {"model": MODEL, "messages": MESSAGES, "mock": {"status": 400, "message": f"bad input: {secret}"}}
+    response = post(stack, ledger, CHAT, body)
+    assert response.status_code == 400 and secret in response.json()["error"]["message"]
+    (event,) = ledger.check()
+    assert event.status == "upstream_rejected" and event.http_status == 400
+    assert secret not in json.dumps(event.as_dict(), default=str)
+
+
+# -- hostile model servers: streamed ------------------------------------------------------------
+
+
+def _chunk(**fields) -> str:
+    return json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL, **fields})
+
+
+CONTENT = _chunk(choices=[{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}])
+FINISH = _chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}])
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["usage-hidden", "usage-asked"])
+@pytest.mark.parametrize(
+    "events",
+    [
+        ["[1, 2]", CONTENT, FINISH],
+        ['"text"', CONTENT, FINISH],
+        ["5", "null", CONTENT],
+        [CONTENT, FINISH, _chunk(choices=[], usage={"prompt_tokens": 3, "completion_tokens": 2}), _chunk(choices=[], usage="xx")],
+        [CONTENT, _chunk(choices=[], usage="xx")],
+        [CONTENT, _chunk(choices=[], usage=[1])],
+        [CONTENT, _chunk(choices=5, usage={"prompt_tokens": 3, "completion_tokens": 2})],
+        [CONTENT, _chunk(choices=[5, None], usage={"prompt_tokens": 3, "completion_tokens": 2})],
+        [CONTENT, _chunk(choices="x", usage={"prompt_tokens": 3, "completion_tokens": 2})],
+        [CONTENT, "{not json", FINISH],
+        [_chunk(choices=[{"delta": 5}]), _chunk(choices=[{"finish_reason": 7}]), CONTENT],
+    ],
+    ids=["first-array", "first-string", "scalars", "later-usage-str", "usage-str", "usage-list", "choices-int",
+         "choices-items", "choices-str", "invalid-json", "odd-deltas"],
+)
+def test_malformed_stream_events_never_cut_the_stream(stack, ledger, events, include_usage):
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": events}}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    response = post(stack, ledger, CHAT, body)
+    assert response.status_code == 200
+    assert_stream_ends_cleanly(response.text)
+    (event,) = ledger.check()
+    assert event.status in ("success", "stream_interrupted")
+    if include_usage and last_events(response.text, 1) == ["[DONE]"]:
+        usage = last_events(response.text, 2)[0]["usage"]
+        assert Decimal(str(usage["cost"])) == event.cost
+
+
+@pytest.mark.parametrize(
+    "usage,expected",
+    # the relayed count (one text delta) or the prompt's estimate replaces what cannot be
+    [({"prompt_tokens": 3, "completion_tokens": 10**15}, (3, 1)),
+     ({"prompt_tokens": 10**200, "completion_tokens": 2}, (ESTIMATED_PROMPT, 2))],
+    ids=["completion-1e15", "prompt-1e200"],
+)
+def test_absurd_streamed_usage_is_capped(stack, ledger, usage, expected):
+    events = [CONTENT, FINISH, _chunk(choices=[], usage=usage)]
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 16,
+            "stream_options": {"include_usage": True}, "mock": {"raw_events": events}}
+    response = post(stack, ledger, CHAT, body)
+    assert data_events(response.text)[-1] == "[DONE]"
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and (event.prompt_tokens, event.completion_tokens) == expected
+    answered = data_events(response.text)[-2]["usage"]
+    assert (answered["prompt_tokens"], answered["completion_tokens"]) == expected
+
+
+def test_a_stream_cut_after_odd_events_ends_with_the_error_event(stack, ledger):
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True,
+            "mock": {"raw_events": ["[1]", CONTENT], "cut_after": 0}}
+    response = post(stack, ledger, CHAT, body)
+    assert data_events(response.text)[-1]["error"]["code"] == "upstream_error"
+    (event,) = ledger.check()
+    assert event.status == "stream_interrupted" and event.completion_tokens == 1
