@@ -28,6 +28,7 @@ from .observability import RequestRecord
 from .responses import RelayResponse, error_response, json_response
 from .sse import DONE, KEEPALIVE, SseRelay, error_event, usage_event
 from .store import Lease, UsageEvent
+from .store.renewal import LeaseKeeper
 from .store.clock import iso_ms
 from .upstream import UpstreamExchange, UpstreamStreamError
 
@@ -55,6 +56,9 @@ class Exchange:
         self.bounds = UsageBounds.of_request(call.body, call.model.context_length)
         self._prompt_estimate: int | None = None
         self._upstream: UpstreamExchange | None = None
+        self._relay_state: SseRelay | None = None
+        # renews the lease while the request runs, recording what it has relayed (§4)
+        self._keeper = LeaseKeeper(gateway.ledger, lease, progress=self._progress)
         self._settled = False
 
     @property
@@ -63,6 +67,7 @@ class Exchange:
 
     async def respond(self) -> Response:
         """Forward the request and answer; every way out of here settles exactly once."""
+        self._keeper.start()
         try:
             upstream = await self.gateway.upstream.open(
                 self.call.model, self.call.endpoint.upstream_path, self.call.body, stream=self.call.stream,
@@ -154,10 +159,18 @@ class Exchange:
         self.record.usage = event
         # A settle must finish even when the client's disconnect cancels this task.
         with anyio.CancelScope(shield=True):
+            await self._keeper.stop()  # no renewal may race the settle
             await self.gateway.settle(self.lease, event)
 
     def _price(self, usage: TokenUsage) -> Decimal:
         return cost_of(usage, self.call.model.pricing)
+
+    def _progress(self) -> tuple[int, int, Decimal]:
+        """What the request has used so far, as its lease renewal records it: the prompt and
+        the tokens relayed (a buffered answer relays nothing before it is whole)."""
+        relayed = self._relay_state.relayed_tokens if self._relay_state is not None else 0
+        usage = TokenUsage(min(self.prompt_estimate(), self.bounds.prompt), min(relayed, self.bounds.completion))
+        return usage.prompt_tokens, usage.completion_tokens, self._price(usage)
 
     def prompt_estimate(self) -> int:
         """The request's prompt tokens by the gateway's own rule (computed once, when needed)."""
@@ -200,7 +213,7 @@ class Exchange:
     # -- streamed --------------------------------------------------------------------------
 
     async def _relay(self, upstream: UpstreamExchange) -> AsyncGenerator[bytes, None]:
-        relay = SseRelay(
+        relay = self._relay_state = SseRelay(
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes
         )
         deadline = upstream.sent_at + self.call.model.timeouts.total

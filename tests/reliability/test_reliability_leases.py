@@ -1,0 +1,59 @@
+"""A running request keeps its lease (contract §4: leases live as long as their request).
+
+With a lease far shorter than the request, the gateway's renewals keep it: the org stays at
+its limit while the request runs, no `abandoned` event is written for it, and each renewal
+records what the request has relayed so far (what an `abandoned` event would bill).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from decimal import Decimal
+
+from support import LedgerCheck, data_events
+
+CHAT = "/v1/chat/completions"
+LEASE_TTL = 1.0
+RENEW = 0.25
+
+
+def test_a_stream_longer_than_its_lease_keeps_it_and_records_its_progress(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=LEASE_TTL, lease_renew_seconds=RENEW)
+    org_id, key = stack.org(concurrency=1)
+    ledger = LedgerCheck(stack, org_id)
+    # 12 tokens, 250 ms apart: about 3 s, three times the lease's life
+    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "mock": {"token_delay_ms": 250}}
+    answers: list = []
+    streaming = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, body, key))))
+    streaming.start()
+    progress, refused = [], []
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        leases = stack.org_info(org_id).leases
+        progress += [int(lease.get("ct", 0)) for lease in leases.values()]
+        # the one slot is still taken: the lease was never reclaimed while its request ran
+        refused.append(ledger.saw(stack.post(CHAT, {**body, "stream": False, "mock": {}}, key)).status_code)
+    streaming.join(timeout=10)
+    assert answers and answers[0].status_code == 200
+    assert data_events(answers[0].text)[-1] == "[DONE]"
+    assert set(refused) == {429}
+    assert max(progress) >= 4 and progress == sorted(progress), progress  # renewals record relayed tokens
+    (event,) = ledger.check()
+    assert event.status == "success" and event.cost > Decimal(0)
+
+
+def test_a_short_request_costs_no_renewal(stack_factory):
+    """A request shorter than the renewal interval writes twice: admission and settle."""
+    stack = stack_factory(lease_ttl_seconds=60.0, lease_renew_seconds=20.0)
+    org_id, key = stack.org()
+    stack.faults.calls.clear()
+    response = stack.post(CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}],
+                                 "stream": True}, key)
+    assert response.status_code == 200
+    # the ledger's writes (the key's last-used time is the authenticator's, not the ledger's)
+    writes = [op for op, payload in stack.faults.calls
+              if op == "TransactWriteItems" or payload.get("TableName") == stack.settings.orgs_table and op != "GetItem"]
+    assert writes == ["UpdateItem", "TransactWriteItems"]
