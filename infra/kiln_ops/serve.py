@@ -1,15 +1,106 @@
-"""Serving ASGI apps with uvicorn: in the foreground (the CLI) or in a thread (tests)."""
+"""Serving ASGI apps with uvicorn: in the foreground (the CLI) or in a thread (tests).
+
+uvicorn waits for a request's headers and body as long as the client likes (a client that
+sends one byte a minute holds a connection for ever) and answers a malformed request with a
+plain-text 400. The protocol here bounds both waits (`header_timeout`, `body_timeout`: 408
+in the contract's JSON error shape, or a plain close when nothing was received) and answers
+what httptools cannot parse (bad framing, oversized or invalid headers) with a JSON 400.
+What it cannot do: a request whose method or URL uvicorn's own code refuses after parsing
+(a non-ASCII path) still gets uvicorn's answer, and a client that stops reading a response
+is bounded only by the app's own write timeouts.
+"""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from typing import Any, Callable
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["ServerThread", "free_port", "serve"]
+__all__ = ["HEADER_TIMEOUT", "BODY_TIMEOUT", "BoundedHttpProtocol", "ServerThread", "free_port", "serve"]
+
+# A client's whole request head must arrive within this, and its body within the next.
+HEADER_TIMEOUT = 10.0
+BODY_TIMEOUT = 30.0
+
+
+def _error_response(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+                      separators=(",", ":")).encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode() + body
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with read timeouts and the contract's error shape."""
+
+    header_timeout = HEADER_TIMEOUT
+    body_timeout = BODY_TIMEOUT
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._read_timer: Any = None
+        self._received = False
+        self._arm(self.header_timeout, "headers")
+
+    def _arm(self, seconds: float, what: str) -> None:
+        self._disarm()
+        self._read_timer = self.loop.call_later(seconds, self._read_timed_out, what)
+
+    def _disarm(self) -> None:
+        timer = getattr(self, "_read_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._read_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        self._received = True
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._read_timer is None:  # a kept-alive connection's next request
+            self._arm(self.header_timeout, "headers")
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._arm(self.body_timeout, "body")
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _read_timed_out(self, what: str) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete) and what == "headers" and not self._received:
+            self.transport.close()  # an idle connection that never sent a byte
+            return
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            self.transport.write(_error_response(
+                408, "Request Timeout", f"The request's {what} did not arrive in time.", "request_timeout"))
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app sees the client gone, and its answer goes nowhere
+            cycle.message_event.set()
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        self._disarm()
+        self.transport.write(_error_response(
+            400, "Bad Request", "The request is not valid HTTP/1.1 (framing or headers).", "invalid_http_request"))
+        self.transport.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -19,6 +110,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
+    protocol = type("Protocol", (BoundedHttpProtocol,), {
+        "header_timeout": options.pop("header_timeout", HEADER_TIMEOUT),
+        "body_timeout": options.pop("body_timeout", BODY_TIMEOUT),
+    })
     return uvicorn.Config(
         app,
         host=host,
@@ -26,6 +121,7 @@ def _config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
         log_level=options.pop("log_level", "warning"),
         access_log=False,
         timeout_keep_alive=75,
+        http=protocol,
         **options,
     )
 

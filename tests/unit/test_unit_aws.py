@@ -6,11 +6,14 @@ import asyncio
 import json
 from datetime import datetime, timezone
 from unittest import mock
+from urllib.parse import urlsplit
 
 import pytest
 from botocore.auth import SigV4Auth
-from botocore.awsrequest import AWSRequest
+from botocore.awsrequest import AWSRequest, AWSResponse
 from botocore.credentials import Credentials as BotoCredentials
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.aws import AwsClient, AwsError, Credentials, sign
 from kiln.http1 import ConnectFailed, Response
@@ -18,24 +21,117 @@ from kiln.http1 import ConnectFailed, Response
 NOW = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
 
 
+def botocore_signed(url, headers, body, token, service="dynamodb", region="eu-west-1"):
+    request = AWSRequest(method="POST", url=url, data=body, headers=headers)
+    with mock.patch("botocore.auth.get_current_datetime", return_value=NOW.replace(tzinfo=None)):
+        SigV4Auth(BotoCredentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG", token), service, region).add_auth(request)
+    return request.headers
+
+
 @pytest.mark.parametrize("token", [None, "session-token"])
 @pytest.mark.parametrize("service,target", [("dynamodb", "DynamoDB_20120810.UpdateItem"), ("ssm", "AmazonSSM.GetParameter")])
 def test_signatures_match_botocore(token, service, target):
     body = json.dumps({"TableName": "t", "Key": {"k": {"S": "ü"}}}).encode()
     content_type = "application/x-amz-json-1.0"
+    url = f"https://{service}.eu-west-1.amazonaws.com/"
     ours = sign(
         credentials=Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG", token),
-        region="eu-west-1", service=service, host=f"{service}.eu-west-1.amazonaws.com",
+        region="eu-west-1", service=service, url=url,
         headers={"content-type": content_type, "x-amz-target": target}, body=body, now=NOW,
     )
-    request = AWSRequest(method="POST", url=f"https://{service}.eu-west-1.amazonaws.com/", data=body,
-                         headers={"Content-Type": content_type, "X-Amz-Target": target})
-    with mock.patch("botocore.auth.get_current_datetime", return_value=NOW.replace(tzinfo=None)):
-        SigV4Auth(BotoCredentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG", token), service, "eu-west-1").add_auth(request)
-    assert ours["authorization"] == request.headers["Authorization"]
-    assert ours["x-amz-date"] == request.headers["X-Amz-Date"]
+    theirs = botocore_signed(url, {"Content-Type": content_type, "X-Amz-Target": target}, body, token, service)
+    assert ours["authorization"] == theirs["Authorization"]
+    assert ours["x-amz-date"] == theirs["X-Amz-Date"]
     if token:
         assert ours["x-amz-security-token"] == token
+
+
+# -- any endpoint the settings accept, any header (hypothesis) -------------------------------
+
+SEGMENT = st.sampled_from(["a", "B", "..", ".", "", "~x", "a%20b", "T%C3%BC", "x-y_z", "emu"])
+ENDPOINTS = st.builds(
+    lambda scheme, userinfo, host, port, segments, trailing, query: (
+        f"{scheme}://{userinfo}{host}{port}" + ("/" + "/".join(segments) if segments is not None else "")
+        + ("/" if trailing and segments is not None else "") + (f"?{query}" if query else "")
+    ),
+    st.sampled_from(["http", "https"]),
+    st.sampled_from(["", "user@", "User:Secret@"]),
+    st.sampled_from(["localhost", "LocalHost", "127.0.0.1", "[::1]", "DynamoDB.EU-West-1.amazonaws.com", "emu.internal"]),
+    st.one_of(st.just(""), st.sampled_from([":80", ":443", ":4566", ":8000"]),
+              st.integers(1, 65535).map(lambda port: f":{port}")),
+    st.one_of(st.none(), st.lists(SEGMENT, max_size=4)),
+    st.booleans(),
+    st.one_of(st.just(""), st.sampled_from(["x=1&a=2", "b=&a=1", "Action=Go&a=2&a=1"])),
+)
+SPACED = st.text(st.sampled_from("aZ09/+=- \t"), max_size=24)
+TOKENS = st.one_of(st.none(), SPACED.filter(lambda token: token.strip()))
+HEADERS = st.dictionaries(st.sampled_from(["content-type", "x-amz-target", "x-custom", "x-amz-meta-thing"]),
+                          SPACED, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(url=ENDPOINTS, headers=HEADERS, token=TOKENS, body=st.binary(max_size=64))
+def test_the_signer_matches_botocores_sigv4auth_for_any_endpoint_and_headers(url, headers, token, body):
+    ours = sign(credentials=Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG", token), region="eu-west-1",
+                service="dynamodb", url=url, headers=headers, body=body, now=NOW)
+    theirs = botocore_signed(url, dict(headers), body, token)
+    assert ours["authorization"] == theirs["Authorization"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(url=ENDPOINTS, token=TOKENS)
+def test_the_client_sends_what_a_botocore_client_sends_to_the_same_endpoint(url, token):
+    """The URL, the Host and the signature of a whole call, against botocore's own client."""
+    import botocore.session
+
+    sent = {}
+
+    def capture(request, **_):
+        sent.update(url=request.url, headers=dict(request.headers))
+        return AWSResponse(request.url, 200, {}, RawBody(b"{}"))
+
+    client = botocore.session.get_session().create_client(
+        "dynamodb", region_name="eu-west-1", endpoint_url=url, aws_access_key_id="AKIDEXAMPLE",
+        aws_secret_access_key="wJalrXUtnFEMI/K7MDENG", aws_session_token=token)
+    client.meta.events.register("before-send.dynamodb", capture)
+    with mock.patch("botocore.auth.get_current_datetime", return_value=NOW.replace(tzinfo=None)):
+        client.describe_limits()
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        return 200, {}
+
+    ours = AwsClient(region="eu-west-1", endpoint_url=url, http=FakeHttp(handler), clock=lambda: NOW,
+                     credentials=lambda: Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG", token))
+    asyncio.run(ours.dynamodb("DescribeLimits", {}))
+    (request,) = seen
+    assert request.url == sent["url"]
+    assert request.headers["authorization"] == sent["headers"]["Authorization"].decode()
+    assert request.headers.get("x-amz-security-token") == (token or None)
+    parts = urlsplit(url)
+    assert request.headers["host"] == (f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname) + (
+        f":{parts.port}" if parts.port not in (None, {"http": 80, "https": 443}[parts.scheme]) else "")
+
+
+class RawBody:
+    """What botocore reads an answer's body from."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def stream(self, **_):
+        yield self._data
+
+    def read(self, *_):
+        data, self._data = self._data, b""
+        return data
+
+
+@pytest.mark.parametrize("url", ["ftp://x/", "http://", "localhost:4566", "http://h:port/"])
+def test_an_endpoint_that_cannot_be_signed_is_refused_at_once(url):
+    with pytest.raises(AwsError, match="endpoint URL"):
+        AwsClient(region="us-east-1", endpoint_url=url, credentials=lambda: Credentials("a", "b"))
 
 
 class Seen:

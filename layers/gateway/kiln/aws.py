@@ -18,12 +18,12 @@ import os
 import random
 from datetime import datetime, timezone
 from typing import Any, Callable
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from .http1 import HttpClient, HttpError, Response
+from .http1 import HttpClient, HttpError, Response, canonical_host
 from .tls import client_context
 
-__all__ = ["AwsClient", "AwsError", "Credentials", "resolve_credentials", "sign"]
+__all__ = ["AwsClient", "AwsError", "Credentials", "canonical_query", "canonical_uri", "resolve_credentials", "sign"]
 
 _SERVICES = {
     # service: (X-Amz-Target prefix, content type)
@@ -94,32 +94,66 @@ def _hmac(key: bytes, text: str) -> bytes:
     return hmac.new(key, text.encode(), hashlib.sha256).digest()
 
 
+def _trimall(value: str) -> str:
+    """A header value as SigV4 signs it: trimmed, inner runs of whitespace made one space."""
+    return " ".join(value.split())
+
+
+def _without_dot_segments(path: str) -> str:
+    """RFC 3986 §5.2.4, and no empty segments (AWS services want `//` collapsed)."""
+    kept: list[str] = []
+    for segment in path.split("/"):
+        if segment == "..":
+            if kept:
+                kept.pop()
+        elif segment and segment != ".":
+            kept.append(segment)
+    lead = "/" if path.startswith("/") else ""
+    trail = "/" if path.endswith("/") and kept else ""
+    return lead + "/".join(kept) + trail
+
+
+def canonical_uri(path: str) -> str:
+    """The path as SigV4 signs it for every service but S3: normalized, then URI-encoded (an
+    encoded path is encoded once more)."""
+    return quote(_without_dot_segments(path) or "/", safe="/~")
+
+
+def canonical_query(query: str) -> str:
+    """The URL's query as SigV4 signs it: its pairs sorted, as written."""
+    if not query:
+        return ""
+    pairs = sorted(pair.partition("=")[::2] for pair in query.split("&"))
+    return "&".join(f"{key}={value}" for key, value in pairs)
+
+
 def sign(
     *,
     credentials: Credentials,
     region: str,
     service: str,
-    host: str,
+    url: str,
     headers: dict[str, str],
     body: bytes,
     now: datetime,
     signing_keys: dict[tuple[str, str, str, str], bytes] | None = None,
 ) -> dict[str, str]:
-    """SigV4 headers for a POST of `body` to https://{host}/ (the JSON protocol's only path)."""
+    """SigV4 headers (Host included: send it as it is) for a POST of `body` to `url`."""
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     date = amz_date[:8]
-    signed = {name.lower(): value.strip() for name, value in headers.items()}
-    signed["host"] = host
-    signed["x-amz-date"] = amz_date
+    parts = urlsplit(url)
+    sent = {name.lower(): value for name, value in headers.items()}
+    sent["host"] = canonical_host(parts)
+    sent["x-amz-date"] = amz_date
     if credentials.token:
-        signed["x-amz-security-token"] = credentials.token
-    names = sorted(signed)
+        sent["x-amz-security-token"] = credentials.token  # sent as given, signed trimmed
+    names = sorted(sent)
     canonical = "\n".join(
         [
             "POST",
-            "/",
-            "",
-            "".join(f"{name}:{signed[name]}\n" for name in names),
+            canonical_uri(parts.path),
+            canonical_query(parts.query),
+            "".join(f"{name}:{_trimall(sent[name])}\n" for name in names),
             ";".join(names),
             hashlib.sha256(body).hexdigest(),
         ]
@@ -134,12 +168,11 @@ def sign(
             signing_keys.clear()  # one day's keys at a time
             signing_keys[cache_key] = key
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    out = {name: value for name, value in signed.items() if name != "host"}
-    out["authorization"] = (
+    sent["authorization"] = (
         f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
         f"SignedHeaders={';'.join(names)}, Signature={signature}"
     )
-    return out
+    return sent
 
 
 class AwsClient:
@@ -154,10 +187,12 @@ class AwsClient:
         credentials: Callable[[], Credentials] | None = None,
         timeout: float = 5.0,
         max_attempts: int = 3,
+        clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
     ) -> None:
         self._region = region
-        # each service's URL and Host, worked out once
-        self._urls = {service: _url(service, region, endpoint_url) for service in _SERVICES}
+        # each service's URL, worked out once
+        self._urls = {service: endpoint(service, region, endpoint_url) for service in _SERVICES}
+        self._clock = clock
         self._credentials = credentials or resolve_credentials(endpoint_url)
         self._timeout = timeout
         self._max_attempts = max_attempts
@@ -169,17 +204,17 @@ class AwsClient:
     async def call(self, service: str, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
         prefix, content_type = _SERVICES[service]
         body = json.dumps(payload, separators=(",", ":")).encode()
-        url, host = self._urls[service]
+        url = self._urls[service]
         delay = 0.025
         for attempt in range(1, self._max_attempts + 1):
             headers = sign(
                 credentials=self._credentials(),
                 region=self._region,
                 service=service,
-                host=host,
+                url=url,
                 headers={"content-type": content_type, "x-amz-target": f"{prefix}.{operation}"},
                 body=body,
-                now=datetime.now(timezone.utc),
+                now=self._clock(),
                 signing_keys=self._signing_keys,
             )
             try:
@@ -211,9 +246,19 @@ class AwsClient:
             await self._http.aclose()
 
 
-def _url(service: str, region: str, endpoint_url: str | None) -> tuple[str, str]:
-    url = endpoint_url.rstrip("/") + "/" if endpoint_url else f"https://{service}.{region}.amazonaws.com/"
-    return url, urlsplit(url).netloc
+def endpoint(service: str, region: str, endpoint_url: str | None) -> str:
+    """Where a service's calls go: its regional endpoint, or `endpoint_url` as botocore uses it
+    (path, port and query kept; `/` only when it has no path)."""
+    if not endpoint_url:
+        return f"https://{service}.{region}.amazonaws.com/"
+    parts = urlsplit(endpoint_url.strip())
+    try:
+        parts.port  # noqa: B018 - a port that is not a number raises here, not on the first call
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise AwsError("InvalidEndpoint", f"the endpoint URL must be http:// or https:// with a host: {endpoint_url!r}")
+    return urlunsplit((parts.scheme, parts.netloc, parts.path or "/", parts.query, ""))
 
 
 def _error_of(response: Response, content: bytes) -> AwsError:

@@ -23,13 +23,13 @@ import ssl
 import time
 from collections import deque
 from typing import AsyncIterator, Callable
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httptools
 
 __all__ = [
     "BodyTooLarge", "ConnectFailed", "ConnectTimeout", "HttpClient", "HttpError", "ProtocolFailure", "Response",
-    "ResponseTooLarge", "Timeout",
+    "ResponseTooLarge", "Timeout", "canonical_host",
 ]
 
 READ_SIZE = 64 * 1024
@@ -281,7 +281,7 @@ class HttpClient:
         parts = urlsplit(url)
         origin = _Origin(parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host = parts.netloc
+        host = next((value for name, value in headers.items() if name.lower() == "host"), None) or canonical_host(parts)
         head = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
         head += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in ("host", "content-length")]
         wire = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
@@ -376,6 +376,16 @@ class HttpClient:
             connection.close()
         self._open.clear()
         self._idle.clear()
+
+
+def canonical_host(parts: SplitResult) -> str:
+    """The Host of a URL: lower case, no user info, the port only when not the scheme's own."""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"  # IPv6
+    if parts.port is not None and parts.port != {"http": 80, "https": 443}.get(parts.scheme):
+        host = f"{host}:{parts.port}"
+    return host
 
 
 async def _read(connection: _Connection, timeout: float | None, timeout_message: str, *,

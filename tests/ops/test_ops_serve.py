@@ -1,0 +1,89 @@
+"""kiln_ops.serve: the local server bounds how long a request may take to arrive, and answers
+what it cannot parse in the contract's error shape (`kiln dev` and the tests' stacks use it)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from kiln_ops.serve import ServerThread
+
+
+async def echo(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = ServerThread(echo, header_timeout=0.3, body_timeout=0.3).start()
+    yield running
+    running.stop()
+
+
+def exchange(server, *parts: bytes, pause: float = 0.0) -> bytes:
+    """Send the parts (pausing between them), then read until the server closes."""
+    with socket.create_connection((server.host, server.port), timeout=5) as raw:
+        for part in parts:
+            raw.sendall(part)
+            time.sleep(pause)
+        received = b""
+        while chunk := raw.recv(65536):
+            received += chunk
+        return received
+
+
+def json_error(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1])
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return status, error
+
+
+def test_headers_that_do_not_arrive_in_time_get_408_in_the_contract_shape(server):
+    # a slow client: one header line, then nothing
+    status, error = json_error(exchange(server, b"POST / HTTP/1.1\r\nHost: x\r\n"))
+    assert status == 408 and error["code"] == "request_timeout"
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(server):
+    status, error = json_error(exchange(server, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc"))
+    assert status == 408 and "body" in error["message"]
+
+
+def test_a_connection_that_never_sends_anything_is_closed(server):
+    assert exchange(server) == b""
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",  # framing
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # a bad chunk size
+    b"HELLO\r\n\r\n",  # not HTTP at all
+    b"POST / HTTP/1.1\r\nBad Header\r\n\r\n",
+])
+def test_malformed_requests_get_a_json_400(server, request_bytes):
+    status, error = json_error(exchange(server, request_bytes))
+    assert status == 400 and error["code"] == "invalid_http_request"
+
+
+def test_a_kept_alive_connection_may_wait_between_requests_longer_than_the_header_timeout(server):
+    request = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nok"
+    with socket.create_connection((server.host, server.port), timeout=5) as raw:
+        for _ in range(2):
+            raw.sendall(request)
+            answer = raw.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
+            time.sleep(0.5)  # idle between requests: uvicorn's keep-alive timeout applies, not ours
