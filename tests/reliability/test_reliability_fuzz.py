@@ -1,14 +1,19 @@
-"""Bad input never makes the gateway answer 5xx, and every error it makes is in the contract's shape."""
+"""Bad input never makes the gateway answer 5xx, every error it makes is in the contract's shape,
+and after every request, the ledger still adds up (`support.LedgerCheck`): the org's slots are
+back, each generation id has exactly one usage event, and Σ event cost = credits debited."""
 
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from support import LedgerCheck
 
 CHAT = "/v1/chat/completions"
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -27,6 +32,8 @@ bodies = st.fixed_dictionaries(
         "model": st.sampled_from(["qwen3-32b", "gpt-oss-120b", "not-a-model", ""]) | json_values,
         "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": json_values}),
                              max_size=3) | json_values,
+        # a model server that reports no usage makes the gateway estimate from whatever the body holds
+        "mock": st.just({"no_usage": True}),
     },
 )
 
@@ -45,18 +52,61 @@ def assert_answer(status: int, body: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def fuzz_key(shared_stack):
-    return shared_stack.org(credits="1000", concurrency=64)[1]
+def fuzz_org(shared_stack):
+    return shared_stack.org(credits="1000", concurrency=64)
+
+
+@pytest.fixture(scope="module")
+def fuzz_key(fuzz_org):
+    return fuzz_org[1]
 
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
-def test_fuzzed_bodies(shared_stack, fuzz_key, path):
+def test_fuzzed_bodies(shared_stack, fuzz_org, path):
+    ledger = LedgerCheck(shared_stack, fuzz_org[0])
+
     @FUZZ
     @given(body=bodies)
     def check(body):
-        response = shared_stack.post(path, body, fuzz_key)
+        response = ledger.saw(shared_stack.post(path, body, fuzz_org[1]))
         assert_gateway_answer(response)
         assert response.status_code not in (502, 503)  # the mock is healthy: nothing upstream can fail
+        ledger.check()
+
+    check()
+
+
+# What a broken or hostile model server may answer 200 with: any JSON, or none.
+upstream_bodies = json_values.map(json.dumps) | st.text(max_size=40) | st.fixed_dictionaries(
+    {"choices": json_values, "usage": json_values | st.fixed_dictionaries(
+        {"prompt_tokens": json_values | st.integers(min_value=-5, max_value=10**30),
+         "completion_tokens": json_values | st.integers(min_value=-5, max_value=10**30)})},
+).map(json.dumps)
+upstream_events = st.lists(upstream_bodies | st.sampled_from(["[DONE]", ""]), max_size=6)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_fuzzed_upstream_answers(shared_stack, fuzz_org, stream):
+    """A model server answering 200 with anything: never a 500 or a cut stream, the ledger exact."""
+    ledger = LedgerCheck(shared_stack, fuzz_org[0])
+
+    @FUZZ
+    @given(answer=upstream_bodies, events=upstream_events, include_usage=st.booleans(), max_tokens=st.integers(1, 64))
+    def check(answer, events, include_usage, max_tokens):
+        mock = {"raw_events": events} if stream else {"raw_body": answer}
+        body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": stream,
+                "max_tokens": max_tokens, "mock": mock}
+        if stream:
+            body["stream_options"] = {"include_usage": include_usage}
+        response = ledger.saw(shared_stack.post(CHAT, body, fuzz_org[1]))
+        assert response.status_code in (200, 502), response.text[:300]
+        if stream:
+            assert response.text.endswith("\n\n")  # never cut mid-event
+            last = response.text.rstrip("\n").rsplit("\n\n", 1)[-1]
+            assert last == "data: [DONE]" or json.loads(last[6:])["error"]["code"] == "upstream_error", last
+        for event in ledger.check():
+            # a bill within what the request could have produced: the whole context, max_tokens of reply
+            assert event.cost <= (40960 * Decimal("0.08") + max_tokens * Decimal("0.24")) / 1_000_000
 
     check()
 
