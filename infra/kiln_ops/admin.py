@@ -18,6 +18,7 @@ from typing import Any, Callable
 from kiln.jsonio import decimal_text
 
 from .argtypes import bounded_int, usd
+from .backends import add_backends_parser
 from .output import FORMATS, render
 from .reports import GROUPINGS, parse_time, summarize
 
@@ -66,7 +67,7 @@ def add_admin_parser(subparsers: Any) -> None:
     admin.add_argument("--stack", help="a deployed stack's name: its outputs name the tables and parameters")
     groups = admin.add_subparsers(
         dest="group", required=True,
-        metavar="{orgs,keys,credits,usage,generation,replay-usage,catalog,upstream-key,maintenance}"
+        metavar="{orgs,keys,credits,usage,generation,replay-usage,catalog,backends,upstream-key,maintenance}"
     )
     formatted = argparse.ArgumentParser(add_help=False)
     formatted.add_argument("--format", choices=FORMATS, default="table", help="table (default), json or csv")
@@ -143,6 +144,8 @@ def add_admin_parser(subparsers: Any) -> None:
     show = catalog.add_parser("show", help="print the stack's catalog (JSON, as stored), or --summary")
     show.add_argument("--summary", action="store_true", help="one line per model: prices, backends")
     show.set_defaults(run=_catalog_show)
+
+    add_backends_parser(groups, formatted)
 
     upstream_key = groups.add_parser(
         "upstream-key", help="the model servers' bearer token (SSM SecureString)"

@@ -14,5 +14,10 @@ def combined_app(gateway: Any = None, observer: Any = None):
     from kiln_functions.generations.app import routes as generation_routes
     from kiln_functions.models.app import routes as model_routes
 
+    from .backends import STATE_PATH, state_endpoint
+
     routes = [*chat_routes, *completion_routes, *model_routes, *generation_routes]
-    return create_app(routes, gateway, observer)
+    app = create_app(routes, gateway, observer)
+    # the local stack only: its gateway's backend health, for `kiln admin backends`
+    app.add_route(STATE_PATH, state_endpoint, methods=["GET"], include_in_schema=False)
+    return app
