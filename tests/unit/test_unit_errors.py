@@ -124,3 +124,46 @@ def test_reshapes_other_upstream_bodies(raw, message):
 def test_empty_upstream_message_still_explains(raw):
     message = parsed(e.UpstreamRejected.from_upstream(413, raw))["error"]["message"]
     assert "413" in message
+
+
+# -- the error table of docs/design.md is the tree's stable API ------------------------------
+
+
+def _documented_errors() -> dict[str, tuple[int, str]]:
+    """code → (status, type) for every row of the design notes' error table with one code and status."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    table = text[text.index("| status | code | type | when |"):].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        status, code, type_ = (cell.strip() for cell in line.strip("|").split("|")[:3])
+        for one_status, one_code in zip(status.split(" / "), re.findall(r"`([a-z_]+)`", code), strict=False):
+            if one_status.isdigit():
+                rows[one_code] = (int(one_status), type_.strip("`"))
+    return rows
+
+
+def _tree() -> list[type]:
+    found, pending = [], [e.GatewayError]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return [cls for cls in found if cls.code is not None]
+
+
+def test_every_error_of_the_tree_has_the_status_and_type_of_the_documented_table():
+    documented = _documented_errors()
+    assert len(documented) >= 17  # the table was read
+    tree = {cls.code: cls for cls in _tree()}
+    for code, cls in tree.items():
+        if code == "upstream_unavailable":
+            continue  # the 502 is plain text: no code reaches the client
+        assert code in documented, f"{cls.__name__} ({code}) is not in docs/design.md's error table"
+        assert (cls.status, cls.type) == documented[code], cls.__name__
+        error = cls("x", retry_after="60") if cls is e.Maintenance else cls("x")
+        assert parsed(error)["error"]["type"] == documented[code][1]
+    # and every documented code the gateway makes itself has its class
+    assert set(documented) - set(tree) <= {"upstream_error"}  # an SSE event, written by kiln.sse
