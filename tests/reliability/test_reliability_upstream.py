@@ -226,3 +226,24 @@ def test_with_its_only_backend_refusing_connections_a_model_answers_502_not_503(
     assert changes == []
     assert [e.status for e in stack.events(org_id)] == ["upstream_error"] * 6
     assert stack.org_info(org_id).in_flight == 0
+
+
+def test_requests_ended_by_each_timeout_are_counted_by_kind(stack_factory, mock):
+    base = mock.url.rsplit("/v1", 1)[0]
+    endless = model("endless-model", [{"name": "b", "url": f"{base}/x/endless=1,token_delay_ms=20/v1"}],
+                    timeouts={"total": 0.5})
+    stack, _ = production_health(stack_factory, mock, endless)
+    ended = []
+    stack.gateway.upstream.timed_out = lambda model_id, kind: ended.append((model_id, kind))
+    org_id, key = stack.org()
+    cases = [
+        ("hung-model", {"stream": True}, 502),  # no headers within first_byte (0.3 s)
+        ("hung-then-ok-model", {}, 502),  # buffered: the request's total (1 s) spent on the hung backend
+        ("idle-model", {"stream": True, "mock": {"ttft_ms": 1500}}, 200),  # silent past idle (0.3 s)
+        ("endless-model", {"stream": True}, 200),  # streaming past total (0.5 s)
+    ]
+    for model_id, extra, status in cases:
+        assert stack.post(CHAT, {"model": model_id, "messages": MESSAGES, **extra}, key).status_code == status
+    assert ended == [("hung-model", "first_byte"), ("hung-then-ok-model", "total"), ("idle-model", "idle"),
+                     ("endless-model", "total")]
+    assert stack.org_info(org_id).in_flight == 0

@@ -280,7 +280,8 @@ class UpstreamClient:
                     if isinstance(exc, ConnectTimeout):
                         last_timeout = "connect"
                     else:
-                        last_timeout = "first_byte" if stream and budget < remaining else "total"
+                        # the first byte's bound, unless what was left of the total was shorter
+                        last_timeout = "first_byte" if stream and timeouts.first_byte < remaining + 0.01 else "total"
                 else:
                     last_timeout = None
                 if _is_backend_failure(exc):
