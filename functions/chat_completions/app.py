@@ -1,8 +1,8 @@
 """POST /v1/chat/completions."""
 
-from kiln.normalize import CHAT
-from kiln.web import completion_routes, create_app, lambda_handler
+from kiln.endpoints import CHAT
+from kiln.web import create_app, lambda_handler, routes_of
 
-routes = completion_routes("/v1/chat/completions", CHAT, "Create a chat completion")
+routes = routes_of(CHAT)
 app = create_app(routes)
 handler = lambda_handler(app)

@@ -1,8 +1,8 @@
 """POST /v1/completions."""
 
-from kiln.normalize import COMPLETIONS
-from kiln.web import completion_routes, create_app, lambda_handler
+from kiln.endpoints import COMPLETIONS
+from kiln.web import create_app, lambda_handler, routes_of
 
-routes = completion_routes("/v1/completions", COMPLETIONS, "Create a text completion")
+routes = routes_of(COMPLETIONS)
 app = create_app(routes)
 handler = lambda_handler(app)

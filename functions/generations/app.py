@@ -1,7 +1,8 @@
 """GET /v1/generations/{gen_id}."""
 
-from kiln.web import create_app, generation_routes, lambda_handler
+from kiln.endpoints import GENERATIONS
+from kiln.web import create_app, lambda_handler, routes_of
 
-routes = generation_routes()
+routes = routes_of(GENERATIONS)
 app = create_app(routes)
 handler = lambda_handler(app)

@@ -2,7 +2,8 @@
 
 Chat and text completions, buffered and streamed: a role chunk first (chat), one token per
 chunk, a finish chunk, a usage chunk only when `stream_options.include_usage` is true,
-then `data: [DONE]`. `n` choices, tool calls when tools are given, cached tokens on request.
+then `data: [DONE]`. The Responses API (`/v1/responses`, `kiln_ops.mock_responses`): a
+response object, or its event stream ending in `response.completed` with the usage. `n` choices, tool calls when tools are given, cached tokens on request.
 
 Token counts are deterministic: a prompt costs one token per whitespace-separated word
 (plus 3 per chat message); the reply is a fixed sentence (12 tokens for chat, 7 for text
@@ -169,7 +170,7 @@ class MockUpstream:
             return await _send_json(send, 200, {"reset": True})
         if method == "GET" and path == "/v1/models":
             return await _send_json(send, 200, {"object": "list", "data": []})
-        if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
+        if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
             return await _send_json(send, 404, _error(f"no route {method} {path}", 404))
         raw = await _read_body(receive)
         try:
@@ -185,7 +186,10 @@ class MockUpstream:
         stats = self.stats  # a reset during this request must not take it off the new counters
         stats.enter(options.tag)
         try:
-            await self._answer(path == "/v1/chat/completions", body, options, receive, send)
+            if path == "/v1/responses":
+                await self._respond(body, options, receive, send)
+            else:
+                await self._answer(path == "/v1/chat/completions", body, options, receive, send)
         finally:
             stats.leave(options.tag)
 
@@ -244,7 +248,41 @@ class MockUpstream:
         await send({"type": "http.response.body", "body": b"" if options.no_done else b"data: [DONE]\n\n",
                     "more_body": False})
 
+    async def _respond(self, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
+        """POST /v1/responses, as vLLM serves it (kiln_ops.mock_responses)."""
+        from .mock_responses import ResponsesReply
+
+        if options.headers_delay_ms:
+            await asyncio.sleep(options.headers_delay_ms / 1000)
+        if options.status is not None and options.status >= 400:
+            if options.plain_text:
+                return await _send_text(send, options.status, options.message or "Internal Server Error")
+            return await _send_json(send, options.status, _error(options.message or "mock failure", options.status))
+        if options.raw_body is not None or options.raw_events is not None:
+            return await self._scripted(body, options, send)
+        if "input" not in body:
+            return await _send_json(send, 400, _error("'input' is a required property", 400))
+        try:
+            reply = ResponsesReply.plan(body, options, CHAT_REPLY)
+        except (TypeError, ValueError, AttributeError):
+            return await _send_json(send, 400, _error("Invalid request: a field has the wrong type", 400))
+        if body.get("stream") is True:
+            return await self._stream_events(reply.events(), b"", options, receive, send)
+        if options.ttft_ms:
+            await asyncio.sleep(options.ttft_ms / 1000)
+        self.stats.completed += 1
+        await _send_json(send, 200, reply.response("completed"))
+
     async def _stream(self, reply: "Reply", body: dict, options: MockOptions, receive: Any, send: Any) -> None:
+        include_usage = (body.get("stream_options") or {}).get("include_usage") is True and not options.no_usage
+        tail = _event(reply.usage_chunk(), options.spaced) if include_usage else b""
+        if not options.no_done:
+            tail += b"data: [DONE]\n\n"
+        events = (_event(chunk, options.spaced) for chunk in reply.chunks())
+        await self._stream_events(events, tail, options, receive, send)
+
+    async def _stream_events(self, events: Any, tail: bytes, options: MockOptions, receive: Any, send: Any) -> None:
+        """Send `events` (bytes each) with the options' delays, faults and disconnect watch, then `tail`."""
         gone = asyncio.Event()
 
         async def watch() -> None:
@@ -257,9 +295,8 @@ class MockUpstream:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
             await send({"type": "http.response.body", "body": b"", "more_body": True})
-            include_usage = (body.get("stream_options") or {}).get("include_usage") is True and not options.no_usage
             sent = 0
-            for index, chunk in enumerate(reply.chunks()):
+            for index, event in enumerate(events):
                 delay = options.ttft_ms if index == 0 else options.token_delay_ms
                 if delay:
                     try:
@@ -271,13 +308,8 @@ class MockUpstream:
                     return
                 if options.cut_after is not None and sent >= options.cut_after:
                     return  # returning without finishing the body drops the connection
-                await send({"type": "http.response.body", "body": _event(chunk, options.spaced), "more_body": True})
+                await send({"type": "http.response.body", "body": event, "more_body": True})
                 sent += 1
-            tail = b""
-            if include_usage:
-                tail += _event(reply.usage_chunk(), options.spaced)
-            if not options.no_done:
-                tail += b"data: [DONE]\n\n"
             self.stats.completed += 1
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         finally:

@@ -166,8 +166,8 @@ def test_openapi_operations(shared_stack, fuzz_key):
     schema = schemathesis.openapi.from_url(f"{shared_stack.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} == {
-        "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model_id}",
-        "GET /v1/generations/{gen_id}",
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models",
+        "GET /v1/models/{model_id}", "GET /v1/generations/{gen_id}",
     }
     for operation in operations:
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

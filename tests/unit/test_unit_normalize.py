@@ -5,9 +5,11 @@ import json
 
 import pytest
 
+from kiln.apis.chat import API as CHAT
+from kiln.apis.completions import API as COMPLETIONS
 from kiln.catalog import Catalog
 from kiln.errors import GatewayError
-from kiln.normalize import CHAT, COMPLETIONS, normalize
+from kiln.normalize import normalize
 
 
 def model(model_id, **capabilities):
@@ -104,7 +106,7 @@ def test_content_parts_and_unknown_fields_forwarded_unchanged():
     call = normalize(CHAT, body, CATALOG)
     assert call.body == original
     assert body == original  # the client's body is not mutated
-    assert call.model is CATALOG.get("plain") and call.endpoint is CHAT
+    assert call.model is CATALOG.get("plain") and call.api is CHAT
 
 
 # -- stream and stream_options ------------------------------------------------------------

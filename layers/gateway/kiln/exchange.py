@@ -18,18 +18,19 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable
 import anyio
 from starlette.responses import Response
 
+from .apis import ModelApi
 from .auth import Principal
 from .errors import GatewayError, InternalError, NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
 from .jsonio import dumps
-from .metering import TokenUsage, UsageBounds, billable_usage, cost_of, estimate_prompt_tokens, estimate_text_tokens
+from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
 from .observability import RequestRecord
 from .responses import RelayResponse, error_response, json_response
-from .sse import DONE, KEEPALIVE, SseRelay, error_event, usage_event
+from .sse import KEEPALIVE, SseRelay
 from .store import Lease, UsageEvent
-from .store.renewal import LeaseKeeper
 from .store.clock import iso_ms
+from .store.renewal import LeaseKeeper
 from .upstream import UpstreamExchange, UpstreamStreamError
 
 __all__ = ["Exchange"]
@@ -70,7 +71,7 @@ class Exchange:
         self._keeper.start()
         try:
             upstream = await self.gateway.upstream.open(
-                self.call.model, self.call.endpoint.upstream_path, self.call.body, stream=self.call.stream,
+                self.call.model, self.call.api.upstream_path, self.call.body, stream=self.call.stream,
                 client=self.lease.org_id,
             )
         except GatewayError as error:
@@ -141,7 +142,7 @@ class Exchange:
             created_at=iso_ms(self.lease.started),
             key_id=self.lease.key_id,
             model=self.call.model.id,
-            endpoint=self.call.endpoint.name,
+            endpoint=self.call.api.name,
             streamed=self.call.stream,
             status=status,
             cost=cost,
@@ -175,12 +176,12 @@ class Exchange:
     def prompt_estimate(self) -> int:
         """The request's prompt tokens by the gateway's own rule (computed once, when needed)."""
         if self._prompt_estimate is None:
-            self._prompt_estimate = estimate_prompt_tokens(self.call.body, chat=self.call.endpoint.is_chat)
+            self._prompt_estimate = self.call.api.estimate_prompt(self.call.body)
         return self._prompt_estimate
 
     def _billable(self, reported: Any, completion_count: Callable[[], int]) -> TokenUsage:
         usage, problems = billable_usage(
-            reported, self.bounds, prompt_estimate=self.prompt_estimate, completion_count=completion_count
+            self.call.api.reported_usage(reported), self.bounds, prompt_estimate=self.prompt_estimate, completion_count=completion_count
         )
         if problems:
             log.warning(json.dumps({"event": "usage_capped", "generation_id": self.gen_id, "model": self.call.model.id,
@@ -193,27 +194,24 @@ class Exchange:
         self.ttfb_ms = int((time.monotonic() - self.started) * 1000)
         deadline = upstream.sent_at + self.call.model.timeouts.total
         raw = await upstream.read_body(deadline)
-        answer = _parse_answer(raw)
-        choices = answer.get("choices")
-        usage = self._billable(answer.get("usage"), lambda: _estimate_completion(choices))
+        api = self.call.api
+        answer = _parse_answer(raw, api)
+        usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(answer))
         cost = self._price(usage)
-        if usage.source == "upstream":
-            answer["usage"] = {**answer["usage"], "cost": cost}
-        else:
-            answer["usage"] = usage.as_openai(cost)
+        api.with_usage(answer, usage, cost)
         try:
             body = dumps(answer)
         except ValueError:  # text that cannot be UTF-8 (a lone surrogate escape)
             raise UpstreamFailed(INVALID_ANSWER, detail="upstream body cannot be re-encoded as UTF-8") from None
         await self._settle(
-            "success", http_status=200, usage=usage, cost=cost, finish_reason=_first_finish_reason(choices)
+            "success", http_status=200, usage=usage, cost=cost, finish_reason=api.finish_reason(answer)
         )
         return json_response(body, self.gen_id)
 
     # -- streamed --------------------------------------------------------------------------
 
     async def _relay(self, upstream: UpstreamExchange) -> AsyncGenerator[bytes, None]:
-        relay = self._relay_state = SseRelay(
+        relay = self._relay_state = self.call.api.relay(
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes
         )
         deadline = upstream.sent_at + self.call.model.timeouts.total
@@ -234,7 +232,7 @@ class Exchange:
                     if relay.done:
                         break
                 else:
-                    raise UpstreamStreamError("the stream ended before [DONE]")
+                    raise UpstreamStreamError(self.call.api.unfinished)
         except UpstreamStreamError as exc:
             upstream.broke()
             status, failure = "stream_interrupted", str(exc)
@@ -258,7 +256,7 @@ class Exchange:
         try:
             usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens)
             cost = self._price(usage)
-            tail = self._usage_tail(relay, usage, cost) if status == "success" else b""
+            tail = self.call.api.stream_tail(relay, usage, cost, self.call.client_wants_usage) if status == "success" else b""
         except Exception as exc:  # noqa: BLE001 - a bug here must not skip the settle
             log.exception("stream %s could not be billed as reported", self.gen_id)
             status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
@@ -269,19 +267,10 @@ class Exchange:
             status, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )
         if status == "success":
-            return tail + DONE
+            return tail
         if status == "client_disconnected":
             return b""
-        return error_event(GATEWAY_CUT if status == "gateway_error" else STREAM_CUT)
-
-    def _usage_tail(self, relay: SseRelay, usage: TokenUsage, cost: Decimal) -> bytes:
-        """The usage chunk for a client that asked for it: the upstream's own (cost added) if it
-        was believed, else one the gateway writes with what it billed."""
-        if not self.call.client_wants_usage:
-            return b""
-        if relay.usage_chunk is not None and usage.source == "upstream":
-            return usage_event(relay.usage_chunk, {**relay.usage_chunk["usage"], "cost": cost})
-        return usage_event(relay.usage_chunk or relay.first_chunk or {}, usage.as_openai(cost))
+        return self.call.api.stream_error(GATEWAY_CUT if status == "gateway_error" else STREAM_CUT)
 
 
 async def _with_keepalive(chunks: AsyncIterator[bytes], interval: float) -> AsyncGenerator[bytes | None, None]:
@@ -317,11 +306,11 @@ async def _with_keepalive(chunks: AsyncIterator[bytes], interval: float) -> Asyn
                     pass
 
 
-def _parse_answer(raw: bytes) -> dict[str, Any]:
+def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
     """A buffered answer, if it has the shape the gateway reads; otherwise 502 (§5).
 
-    The gateway reads `choices[].message` (its text and tool calls) and `usage`; a body
-    where those have other types is not an answer the client's SDK could read either.
+    The gateway reads the answer's content (to estimate it) and `usage`; a body where those
+    have other types than the endpoint's is not an answer the client's SDK could read either.
     """
     try:
         answer = json.loads(raw)
@@ -329,50 +318,10 @@ def _parse_answer(raw: bytes) -> dict[str, Any]:
         answer = None
     if not isinstance(answer, dict):
         raise UpstreamFailed(INVALID_ANSWER, detail="upstream body is not a JSON object")
-    problem = _shape_problem(answer)
+    problem = api.shape_problem(answer)
     if problem:
         raise UpstreamFailed(INVALID_ANSWER, detail=f"upstream body: {problem}")
     return answer
-
-
-def _shape_problem(answer: dict[str, Any]) -> str | None:
-    choices = answer.get("choices", [])
-    if not isinstance(choices, list):
-        return "choices is not an array"
-    for choice in choices:
-        if not isinstance(choice, dict):
-            return "a choice is not an object"
-        message = choice.get("message")
-        if message is None:
-            continue
-        if not isinstance(message, dict):
-            return "a message is not an object"
-        calls = message.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list) and all(isinstance(call, dict) for call in calls)):
-            return "tool_calls is not an array of objects"
-    return None
-
-
-def _estimate_completion(choices: Any) -> int:
-    total = 0
-    for choice in choices if isinstance(choices, list) else []:
-        if not isinstance(choice, dict):
-            continue
-        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
-        texts = [choice.get("text"), message.get("content"), message.get("reasoning_content")]
-        calls = message.get("tool_calls")
-        for call in calls if isinstance(calls, list) else []:
-            if isinstance(call, dict) and isinstance(call.get("function"), dict):
-                texts.append(call["function"].get("arguments"))
-        total += sum(estimate_text_tokens(text) for text in texts if isinstance(text, str))
-    return total
-
-
-def _first_finish_reason(choices: Any) -> str | None:
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        reason = choices[0].get("finish_reason")
-        return reason if isinstance(reason, str) else None
-    return None
 
 
 def _stored_error(error: GatewayError) -> str:

@@ -9,12 +9,13 @@ from typing import Awaitable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from .apis import ModelApi
 from .auth import Principal
 from .errors import GatewayError, GenerationNotFound, InvalidJson, ModelNotFound, RequestTooLarge
 from .exchange import Exchange
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
-from .normalize import Endpoint, normalize
+from .normalize import normalize
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
 from .store.usage import get_event_of_org
@@ -30,24 +31,24 @@ def get_gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-async def complete(request: Request, endpoint: Endpoint) -> Response:
-    """POST /v1/chat/completions and /v1/completions."""
+async def complete(request: Request, api: ModelApi) -> Response:
+    """POST to a model endpoint (chat and text completions, responses)."""
     gateway = get_gateway(request)
     record = record_of(request)
-    record.endpoint = endpoint.name
+    record.endpoint = api.name
     try:
         await gateway.check_maintenance()  # 1
         body = await read_json(request, gateway.settings.max_body_bytes)  # 2
         principal, catalog = await _key_and_catalog(gateway, request)  # 3 (and what 4 needs)
         record.org_id = principal.org_id
-        call = normalize(endpoint, body, catalog)  # 4
+        call = normalize(api, body, catalog)  # 4
         record.model = call.model.id
         lease = await gateway.storage(  # 5
             gateway.ledger.admit(
                 org_id=principal.org_id,
                 key_id=principal.key_id,
                 model=call.model.id,
-                endpoint=endpoint.name,
+                endpoint=api.name,
                 streamed=call.stream,
             )
         )

@@ -21,6 +21,7 @@ __all__ = [
     "cost_of",
     "estimate_prompt_tokens",
     "estimate_text_tokens",
+    "texts_of",
 ]
 
 # Costs are computed exactly (bounded counts × catalog prices need far fewer digits than
@@ -169,20 +170,20 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
         messages = body.get("messages")
         if not isinstance(messages, list):
             messages = [messages] if messages is not None else []
-        return sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(_texts(m))) for m in messages)
-    return estimate_text_tokens("".join(_texts(body.get("prompt"))))
+        return sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(texts_of(m))) for m in messages)
+    return estimate_text_tokens("".join(texts_of(body.get("prompt"))))
 
 
-def _texts(value: Any) -> Iterable[str]:
+def texts_of(value: Any) -> Iterable[str]:
     """Every string inside a message or prompt (content parts, tool calls, token arrays)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _texts(item)
+            yield from texts_of(item)
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, int) and not isinstance(item, bool):
                 yield "tokn"  # a token id counts as one token
             else:
-                yield from _texts(item)
+                yield from texts_of(item)

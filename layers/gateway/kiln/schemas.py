@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ERROR_RESPONSES", "chat_body", "completion_body"]
+__all__ = ["ERROR_RESPONSES", "chat_body", "completion_body", "responses_body"]
 
 _COMMON: dict[str, Any] = {
     "model": {"type": "string", "description": "A model id of GET /v1/models."},
@@ -79,6 +79,29 @@ def completion_body() -> dict[str, Any]:
                 "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
                 "echo": {"type": "boolean"},
                 "ignore_eos": {"type": "boolean"},
+            },
+        }
+    )
+
+
+def responses_body() -> dict[str, Any]:
+    return _body(
+        {
+            "type": "object",
+            "required": ["model"],
+            "properties": {
+                "model": _COMMON["model"],
+                "stream": _COMMON["stream"],
+                "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                "instructions": {"type": "string"},
+                "max_output_tokens": {"type": "integer", "minimum": 1},
+                "temperature": _COMMON["temperature"],
+                "top_p": _COMMON["top_p"],
+                "tools": {"type": "array", "items": {"type": "object"}},
+                "tool_choice": {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]}, {"type": "object"}]},
+                "text": {"type": "object", "properties": {"format": {"type": "object"}}},
+                "store": {"type": "boolean"},
+                "previous_response_id": {"type": "string"},
             },
         }
     )

@@ -12,14 +12,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from . import schemas
+from .endpoints import Endpoint
 from .errors import GatewayError, InternalError, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
 from .handlers import complete, list_models, retrieve_generation, retrieve_model
-from .normalize import Endpoint
 from .observability import ObservabilityMiddleware, Observer, record_of
 from .responses import error_response
 
-__all__ = ["RouteSpec", "completion_routes", "create_app", "generation_routes", "lambda_handler", "model_routes"]
+__all__ = ["RouteSpec", "create_app", "lambda_handler", "routes_of"]
 
 HEALTH_PATH = "/healthz"  # the Web Adapter's readiness check (AWS_LWA_READINESS_CHECK_PATH in template.yaml)
 
@@ -52,29 +52,27 @@ class RouteSpec:
         self.responses = responses or {}
 
 
-def completion_routes(path: str, endpoint: Endpoint, summary: str) -> list[RouteSpec]:
+# the read endpoints' handlers, by route name (kiln.endpoints)
+READERS: dict[str, Handler] = {
+    "models.list": list_models,
+    "models.retrieve": retrieve_model,
+    "generations.retrieve": retrieve_generation,
+}
+
+
+def routes_of(endpoint: Endpoint) -> list[RouteSpec]:
+    """The routes of one endpoint of the registry, bound to their handlers."""
+    api = endpoint.api
+    if api is None:
+        return [RouteSpec(route.path, READERS[route.name], (route.method,), route.name, route.summary,
+                          responses=schemas.ERROR_RESPONSES) for route in endpoint.routes]
+
     async def handle(request: Request) -> Response:
-        return await complete(request, endpoint)
+        return await complete(request, api)
 
-    body = schemas.chat_body() if endpoint.is_chat else schemas.completion_body()
     responses = {**schemas.ERROR_RESPONSES, 502: {"description": "no backend answered (plain text)"}}
-    return [RouteSpec(path, handle, ("POST",), endpoint.name, summary, body, responses)]
-
-
-def model_routes() -> list[RouteSpec]:
-    return [
-        RouteSpec("/v1/models", list_models, ("GET",), "models.list", "List the models in the catalog",
-                  responses=schemas.ERROR_RESPONSES),
-        RouteSpec("/v1/models/{model_id}", retrieve_model, ("GET",), "models.retrieve", "One model of the catalog",
-                  responses=schemas.ERROR_RESPONSES),
-    ]
-
-
-def generation_routes() -> list[RouteSpec]:
-    return [
-        RouteSpec("/v1/generations/{gen_id}", retrieve_generation, ("GET",), "generations.retrieve",
-                  "One of your usage events", responses=schemas.ERROR_RESPONSES)
-    ]
+    return [RouteSpec(route.path, handle, (route.method,), route.name, route.summary, api.openapi_body(), responses)
+            for route in endpoint.routes]
 
 
 def create_app(

@@ -1,0 +1,1 @@
+"""Lambda function package; the handler is app.handler."""

@@ -1,0 +1,181 @@
+"""What a model endpoint declares, and what the chat-style endpoints share.
+
+`kiln.normalize` and `kiln.exchange` know nothing of any one endpoint: they ask its
+`ModelApi` which fields to check, how to forward, where its usage is, how to estimate it when
+the model server reports none, and how its stream ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidType, UnsupportedParameter
+from ..metering import TokenUsage, estimate_text_tokens, texts_of
+from ..sse import DONE, SseRelay, error_event, usage_event
+
+__all__ = ["ChatStyleApi", "ModelApi", "stream_flag"]
+
+
+def stream_flag(value: Any) -> bool:
+    """true, "true", 1 → True; false, "false", 0, absent → False (contract §3)."""
+    if value is True or value == "true" or (type(value) is int and value == 1):
+        return True
+    if value is False or value == "false" or (type(value) is int and value == 0):
+        return False
+    raise InvalidType(
+        "Invalid type for 'stream': expected a boolean (true/false, \"true\"/\"false\" or 1/0).", param="stream"
+    )
+
+
+class ModelApi:
+    """One model endpoint's rules. Subclasses fill in what differs."""
+
+    name: str = ""  # as recorded in usage events
+    openapi_body: Any = None  # () -> the OpenAPI description of its request body (kiln.schemas)
+    upstream_path: str = ""  # appended to a backend's base URL
+    # the message of the stream's error when the upstream's body ends before its last event
+    unfinished = "the stream ended before [DONE]"
+
+    # -- validation (contract §2 step 4) ---------------------------------------------------
+
+    def check_before_model(self, body: dict[str, Any]) -> None:
+        """Checks the contract puts before the model lookup."""
+
+    def check(self, body: dict[str, Any], model: Any) -> None:
+        """Checks that need the catalog entry (capabilities) and field types."""
+
+    def forward(self, body: dict[str, Any], stream: bool) -> tuple[dict[str, Any], bool]:
+        """The body to send upstream, and whether the client itself asked for the usage chunk."""
+        forwarded = dict(body)
+        if "stream" in body:
+            forwarded["stream"] = stream
+        return forwarded, False
+
+    # -- metering (contract §4) --------------------------------------------------------------
+
+    def reported_usage(self, usage: Any) -> Any:
+        """The upstream's usage object in the chat names (prompt_tokens, …); anything else as is."""
+        return usage
+
+    def estimate_prompt(self, body: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def estimate_completion(self, answer: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def shape_problem(self, answer: dict[str, Any]) -> str | None:
+        """What makes a buffered 200 answer unreadable (→ 502), or None."""
+        return None
+
+    def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
+        """Write the billed usage, with its cost, into a buffered answer."""
+        raise NotImplementedError
+
+    def finish_reason(self, answer: dict[str, Any]) -> str | None:
+        return None
+
+    # -- streaming (contract §7, §9) -----------------------------------------------------------
+
+    def relay(self, *, client_wants_usage: bool, max_event_bytes: int) -> SseRelay:
+        return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes)
+
+    def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
+        """The last bytes of a stream that ended well (after the settle)."""
+        raise NotImplementedError
+
+    def stream_error(self, message: str) -> bytes:
+        """The one event that ends a stream that failed (§5)."""
+        return error_event(message)
+
+
+class ChatStyleApi(ModelApi):
+    """Chat and text completions: `choices`, `usage` in prompt/completion tokens, SSE `data:`
+    events ending in `[DONE]`, usage forced upstream and hidden unless asked for."""
+
+    def forward(self, body: dict[str, Any], stream: bool) -> tuple[dict[str, Any], bool]:
+        forwarded, _ = super().forward(body, stream)
+        if not stream:
+            return forwarded, False
+        options = body.get("stream_options")
+        if options is None:
+            options = {}
+        elif not isinstance(options, dict):
+            raise InvalidType("Invalid type for 'stream_options': expected an object.", param="stream_options")
+        forwarded["stream_options"] = {**options, "include_usage": True}
+        return forwarded, options.get("include_usage") is True
+
+    def shape_problem(self, answer: dict[str, Any]) -> str | None:
+        choices = answer.get("choices", [])
+        if not isinstance(choices, list):
+            return "choices is not an array"
+        for choice in choices:
+            if not isinstance(choice, dict):
+                return "a choice is not an object"
+            message = choice.get("message")
+            if message is None:
+                continue
+            if not isinstance(message, dict):
+                return "a message is not an object"
+            calls = message.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(isinstance(call, dict) for call in calls)):
+                return "tool_calls is not an array of objects"
+        return None
+
+    def estimate_completion(self, answer: dict[str, Any]) -> int:
+        total = 0
+        choices = answer.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
+            if not isinstance(choice, dict):
+                continue
+            message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+            texts = [choice.get("text"), message.get("content"), message.get("reasoning_content")]
+            calls = message.get("tool_calls")
+            for call in calls if isinstance(calls, list) else []:
+                if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                    texts.append(call["function"].get("arguments"))
+            total += sum(estimate_text_tokens(text) for text in texts if isinstance(text, str))
+        return total
+
+    def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
+        if usage.source == "upstream":
+            answer["usage"] = {**answer["usage"], "cost": cost}
+        else:
+            answer["usage"] = usage.as_openai(cost)
+
+    def finish_reason(self, answer: dict[str, Any]) -> str | None:
+        choices = answer.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            reason = choices[0].get("finish_reason")
+            return reason if isinstance(reason, str) else None
+        return None
+
+    def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
+        """The usage chunk for a client that asked for it (the upstream's own, cost added, if it
+        was believed; else one the gateway writes with what it billed), then `[DONE]`."""
+        if not client_wants_usage:
+            return DONE
+        if relay.usage_chunk is not None and usage.source == "upstream":
+            return usage_event(relay.usage_chunk, {**relay.usage_chunk["usage"], "cost": cost}) + DONE
+        return usage_event(relay.usage_chunk or relay.first_chunk or {}, usage.as_openai(cost)) + DONE
+
+
+def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> None:
+    """Forced tool choice and JSON output, on a model whose catalog entry lacks them (§3, §9)."""
+    caps = model.capabilities
+    forced = tool_choice == "required" or (isinstance(tool_choice, dict) and tool_choice.get("type") == "function")
+    if forced and not caps.forced_tool_choice:
+        raise UnsupportedParameter(
+            f"The model `{model.id}` does not support forced tool choice; send tool_choice \"auto\" instead.",
+            param="tool_choice",
+        )
+    value, param = formats
+    if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema") and not caps.json_response_format:
+        raise UnsupportedParameter(
+            f"The model `{model.id}` does not support {param} {value['type']!r}; "
+            "ask for JSON in the prompt and validate it client-side.",
+            param=param,
+        )
+
+
+def prompt_texts_tokens(*values: Any) -> int:
+    return estimate_text_tokens("".join(text for value in values for text in texts_of(value)))

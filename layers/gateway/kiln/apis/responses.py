@@ -1,0 +1,152 @@
+"""POST /v1/responses, the OpenAI Responses API (contract §9).
+
+The body is forwarded as sent (`input` is not validated), except for the capability checks
+chat has (forced `tool_choice`, `text.format` of JSON types). Usage comes as
+`input_tokens`/`output_tokens`; the stream is `event:`/`data:` pairs with no `[DONE]`, and
+its final event (`response.completed`, `response.incomplete` or `response.failed`) carries
+the usage under `response.usage`: that event is held back, settled, and sent with
+`usage.cost` added. The gateway keeps no conversation state: `store` and
+`previous_response_id` are the model server's business.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .. import schemas
+from ..jsonio import dumps
+from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, texts_of
+from ..sse import SseRelay, _data_of, _parse
+from .base import ModelApi, capability_check
+
+__all__ = ["API", "ResponsesApi", "ResponsesRelay"]
+
+FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+_FINAL = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"')
+# one token per non-empty delta of text, reasoning or tool-call arguments
+_DELTA = re.compile(rb'"delta"\s*:\s*"(?!")')
+
+
+class ResponsesApi(ModelApi):
+    name = "responses"
+    openapi_body = staticmethod(schemas.responses_body)
+    upstream_path = "/responses"
+    unfinished = "the stream ended before its final event"
+
+    def check(self, body: dict[str, Any], model: Any) -> None:
+        text = body.get("text")
+        capability_check(model, body.get("tool_choice"), (text.get("format") if isinstance(text, dict) else None,
+                                                          "text.format"))
+
+    def reported_usage(self, usage: Any) -> Any:
+        if not isinstance(usage, dict):
+            return usage
+        details = usage.get("input_tokens_details")
+        return {
+            "prompt_tokens": usage.get("input_tokens"),
+            "completion_tokens": usage.get("output_tokens"),
+            "prompt_tokens_details": {"cached_tokens": details.get("cached_tokens")} if isinstance(details, dict) else None,
+        }
+
+    def estimate_prompt(self, body: dict[str, Any]) -> int:
+        items = body.get("input")
+        if not isinstance(items, list):
+            items = [items] if items is not None else []
+        instructions = body.get("instructions")
+        tokens = estimate_text_tokens(instructions) if isinstance(instructions, str) else 0
+        return tokens + sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(texts_of(item))) for item in items)
+
+    def shape_problem(self, answer: dict[str, Any]) -> str | None:
+        output = answer.get("output", [])
+        if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
+            return "output is not an array of objects"
+        return None
+
+    def estimate_completion(self, answer: dict[str, Any]) -> int:
+        return sum(_item_tokens(item) for item in answer.get("output") or [] if isinstance(item, dict))
+
+    def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
+        answer["usage"] = _with_cost(answer.get("usage"), usage, cost)
+
+    def finish_reason(self, answer: dict[str, Any]) -> str | None:
+        status = answer.get("status")
+        return status if isinstance(status, str) else None
+
+    def relay(self, *, client_wants_usage: bool, max_event_bytes: int) -> SseRelay:
+        return ResponsesRelay(max_event_bytes=max_event_bytes)
+
+    def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
+        assert isinstance(relay, ResponsesRelay) and relay.final is not None
+        response = dict(relay.final["response"])
+        response["usage"] = _with_cost(response.get("usage"), usage, cost)
+        return relay.final_name + b"data: " + dumps({**relay.final, "response": response}) + b"\n\n"
+
+    def stream_error(self, message: str) -> bytes:
+        return b"event: error\ndata: " + dumps({"type": "error", "code": "upstream_error", "message": message}) + b"\n\n"
+
+
+def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
+    """The upstream's usage object with `cost`, if it was believed; else the billed one."""
+    if usage.source == "upstream" and isinstance(reported, dict):
+        return {**reported, "cost": cost}
+    billed: dict[str, Any] = {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+        "cost": cost,
+    }
+    return billed
+
+
+def _item_tokens(item: dict[str, Any]) -> int:
+    """The completion tokens of one output item: its texts, reasoning and tool-call arguments."""
+    texts: list[Any] = [item.get("arguments")]
+    for part_list in (item.get("content"), item.get("summary")):
+        for part in part_list if isinstance(part_list, list) else []:
+            if isinstance(part, dict):
+                texts.append(part.get("text"))
+    return sum(estimate_text_tokens(text) for text in texts if isinstance(text, str))
+
+
+class ResponsesRelay(SseRelay):
+    """The Responses API's stream: every event relayed as sent, but the final one, held back
+    (its `response.usage` is billed, then sent with `cost`). It has no `[DONE]`: the final
+    event is the end (`done`)."""
+
+    def __init__(self, *, max_event_bytes: int) -> None:
+        super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes)
+        self.final: dict[str, Any] | None = None  # the final event's data
+        self.final_name = b""  # its `event:` line, as the upstream wrote it
+
+    def _event(self, event: bytes) -> bytes | None:
+        if self.done:
+            return None  # nothing after the final event is relayed
+        if event.startswith(b":"):
+            return event
+        payload = _data_of(event)
+        if payload is None:
+            return event
+        if _FINAL.search(payload):
+            data = _parse(payload)
+            if isinstance(data, dict) and data.get("type") in FINAL_EVENTS and isinstance(data.get("response"), dict):
+                self.final = data
+                self.final_name = b"".join(line + b"\n" for line in event.split(b"\n") if line.startswith(b"event:"))
+                usage = data["response"].get("usage")
+                if isinstance(usage, dict):
+                    self.reported_usage = usage
+                status = data["response"].get("status")
+                self.finish_reason = status if isinstance(status, str) else None
+                self.done = True
+                return None
+        if self.first_chunk is None:
+            first = _parse(payload)
+            if isinstance(first, dict):
+                self.first_chunk = first
+        self.relayed_tokens += len(_DELTA.findall(payload))
+        return event
+
+
+API = ResponsesApi()

@@ -1,0 +1,197 @@
+"""Contract §9: POST /v1/responses, through the official openai SDK and raw HTTP.
+
+Same keys, admission, generation-id header, errors and billing as chat; usage read from
+`input_tokens`/`output_tokens`, `usage.cost` added to the buffered response and to the final
+`response.completed` event; the stream relayed as `event:`/`data:` pairs, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from decimal import Decimal
+
+import httpx
+import openai
+import pytest
+
+from support import LedgerCheck, sse_events
+
+RESPONSES = "/v1/responses"
+MODEL = "gpt-oss-120b"  # $0.035 / $0.07 per million tokens, $0.0175 cached
+PRICE_IN, PRICE_OUT, PRICE_CACHED = Decimal("0.035"), Decimal("0.07"), Decimal("0.0175")
+BODY = {"model": MODEL, "input": "The capital of France is"}
+
+
+def price(input_tokens: int, output_tokens: int, cached: int = 0) -> Decimal:
+    return ((input_tokens - cached) * PRICE_IN + cached * PRICE_CACHED + output_tokens * PRICE_OUT) / 1_000_000
+
+
+@pytest.fixture
+def client(stack, org):
+    return openai.OpenAI(base_url=stack.base_url, api_key=org[1], max_retries=0)
+
+
+def test_buffered_response_through_the_sdk_is_billed_and_recorded(stack, org, client):
+    ledger = LedgerCheck(stack, org[0])
+    raw = client.responses.with_raw_response.create(model=MODEL, input="The capital of France is")
+    ledger.saw(httpx.Response(raw.status_code, headers=raw.headers))
+    response = raw.parse()
+    assert response.output_text == "Hello! How can I help you today? Ask me anything."
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (8, 12)  # 5 words + 3 for the item; the 12-token reply
+    cost = json.loads(raw.http_response.text, parse_float=Decimal)["usage"]["cost"]
+    assert cost == price(8, 12)
+    (event,) = ledger.check()
+    assert (event.endpoint, event.status, event.streamed, event.usage_source) == ("responses", "success", False, "upstream")
+    assert (event.prompt_tokens, event.completion_tokens, event.cost) == (8, 12, cost)
+    assert event.gen_id == raw.headers["X-Neocloud-Generation-Id"]
+
+
+def test_streamed_response_through_the_sdk_ends_with_usage_and_cost(stack, org, client):
+    ledger = LedgerCheck(stack, org[0])
+    with client.responses.with_streaming_response.create(model=MODEL, input="The capital of France is", stream=True,
+                                                          extra_body={"mock": {"cached_tokens": 3}}) as raw:
+        ledger.saw(httpx.Response(raw.status_code, headers=raw.headers))
+        events = list(raw.parse())
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        "Hello! How can I help you today? Ask me anything.")
+    final = events[-1].response
+    assert final.usage.input_tokens_details.cached_tokens == 3
+    cost = Decimal(str(final.usage.model_extra["cost"]))
+    (event,) = ledger.check()
+    assert event.streamed and event.endpoint == "responses" and event.cost == price(8, 12, cached=3)
+    assert cost == event.cost
+
+
+def test_the_stream_is_relayed_as_sent_but_for_the_final_usage(stack, org, mock):
+    """Byte for byte against the mock itself, except `cost` in the final event's usage."""
+    body = {**BODY, "stream": True, "mock": {"id": "fixed"}}
+    through = stack.post(RESPONSES, body, org[1])
+    direct = httpx.post(f"{mock.url}/responses", json=body)
+    assert through.headers["content-type"].startswith("text/event-stream")
+    ours, theirs = list(sse_events(through.text)), list(sse_events(direct.text))
+    assert ours[:-1] == theirs[:-1]
+    assert ours[-1].split("\n")[0] == theirs[-1].split("\n")[0] == "event: response.completed"
+    final = json.loads(ours[-1].split("\n", 1)[1][len("data: "):], parse_float=Decimal)
+    expected = json.loads(theirs[-1].split("\n", 1)[1][len("data: "):], parse_float=Decimal)
+    cost = final["response"]["usage"].pop("cost")
+    assert final == expected and cost == price(8, 12)
+    assert "[DONE]" not in through.text
+
+
+def test_usage_not_reported_is_estimated_and_still_in_the_final_event(stack, org):
+    ledger = LedgerCheck(stack, org[0])
+    for stream in (False, True):
+        response = ledger.saw(stack.post(RESPONSES, {**BODY, "stream": stream, "mock": {"no_usage": True}}, org[1]))
+        assert response.status_code == 200
+        if stream:
+            final = json.loads(list(sse_events(response.text))[-1].split("\n", 1)[1][6:], parse_float=Decimal)
+            usage = final["response"]["usage"]
+        else:
+            usage = json.loads(response.text, parse_float=Decimal)["usage"]
+        assert usage["output_tokens"] > 0 and usage["cost"] > 0
+    events = ledger.check()
+    assert [event.usage_source for event in events] == ["estimated", "estimated"]
+    assert all(event.completion_tokens == 12 for event in events if event.streamed)  # one token per delta
+
+
+def test_an_unknown_model_is_404_with_the_exact_body(stack, org):
+    response = stack.post(RESPONSES, {**BODY, "model": "nope"}, org[1])
+    assert response.status_code == 404
+    assert response.json() == {"error": {
+        "message": "The model `nope` does not exist or you do not have access to it.",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert "X-Neocloud-Generation-Id" not in response.headers
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"model": "qwen3-32b", "tool_choice": "required"}, "tool_choice"),
+        ({"model": "qwen3-32b", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ],
+)
+def test_capabilities_are_checked_as_for_chat(stack, org, extra, param):
+    response = stack.post(RESPONSES, {**BODY, **extra}, org[1])
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", param)
+    assert stack.events(org[0]) == []
+
+
+def test_other_fields_are_forwarded_unchanged(stack, org, mock):
+    body = {**BODY, "model": "gpt-oss-120b", "tool_choice": "required", "text": {"format": {"type": "text"}},
+            "store": True, "previous_response_id": "resp_1", "max_output_tokens": 5, "input": [{"role": "user",
+                                                                                               "content": "hi"}]}
+    assert stack.post(RESPONSES, body, org[1]).status_code == 200
+    forwarded = mock.last_body()
+    assert forwarded == {**body, "model": "gpt-oss-120b"}
+
+
+def test_a_missing_input_is_the_model_servers_400(stack, org):
+    response = stack.post(RESPONSES, {"model": MODEL}, org[1])
+    assert response.status_code == 400 and "input" in response.json()["error"]["message"]
+
+
+def test_a_failure_mid_stream_ends_with_one_error_event(stack, org):
+    ledger = LedgerCheck(stack, org[0])
+    response = ledger.saw(stack.post(RESPONSES, {**BODY, "stream": True, "mock": {"cut_after": 5}}, org[1]))
+    last = list(sse_events(response.text))[-1]
+    name, data = last.split("\n")
+    assert name == "event: error"
+    payload = json.loads(data[len("data: "):])
+    assert (payload["type"], payload["code"]) == ("error", "upstream_error") and payload["message"]
+    (event,) = ledger.check()
+    # created, in_progress, the item and its part, one delta: then the cut
+    assert event.status == "stream_interrupted" and event.completion_tokens == 1
+
+
+def test_keepalives_while_the_model_server_is_silent(stack_factory):
+    stack = stack_factory(keepalive_seconds=0.2)
+    _, key = stack.org()
+    response = stack.post(RESPONSES, {**BODY, "stream": True, "mock": {"ttft_ms": 700}}, key)
+    events = list(sse_events(response.text))
+    assert ": keepalive" in events and events[-1].startswith("event: response.completed")
+    client = openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0)
+    streamed = list(client.responses.create(model=MODEL, input="x", stream=True, extra_body={"mock": {"ttft_ms": 500}}))
+    assert streamed[-1].type == "response.completed"
+
+
+def test_the_ninth_request_in_flight_is_429(stack, org):
+    ledger = LedgerCheck(stack, org[0])
+    slow = {**BODY, "stream": True, "mock": {"ttft_ms": 1500}}
+    threads = [threading.Thread(target=lambda: ledger.saw(stack.post(RESPONSES, slow, org[1]))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while stack.org_info(org[0]).in_flight < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    ninth = stack.post(RESPONSES, BODY, org[1])
+    assert ninth.status_code == 429 and ninth.json()["error"]["code"] == "rate_limit_exceeded"
+    for thread in threads:
+        thread.join()
+    assert len(ledger.check()) == 8
+
+
+def test_buffered_tool_calls_pass_through(stack, org):
+    tools = [{"type": "function", "name": "weather", "description": "d", "parameters": {"type": "object"}}]
+    response = stack.post(RESPONSES, {**BODY, "tools": tools, "mock": {"tool_calls": 2}}, org[1])
+    output = response.json()["output"]
+    assert [item["type"] for item in output] == ["function_call", "function_call"]
+    assert output[0]["name"] == "weather" and json.loads(output[1]["arguments"]) == {"city": "Paris", "n": 1}
+
+
+def test_a_malformed_answer_is_502_and_settled(stack, org):
+    ledger = LedgerCheck(stack, org[0])
+    raw = json.dumps({"id": "r", "object": "response", "output": 5})
+    response = ledger.saw(stack.post(RESPONSES, {**BODY, "mock": {"raw_body": raw}}, org[1]))
+    assert response.status_code == 502
+    (event,) = ledger.check()
+    assert event.status == "upstream_error"
