@@ -29,7 +29,12 @@ EXAMPLES_JS := tests/examples/js
 $(EXAMPLES_JS)/node_modules/.package-lock.json: $(EXAMPLES_JS)/package-lock.json
 	cd $(EXAMPLES_JS) && npm ci --no-audit --no-fund --loglevel=error
 
-setup: $(BIN)/.installed $(EXAMPLES_JS)/node_modules/.package-lock.json
+# real clients the tests run in Node: the Vercel AI SDK's default OpenAI provider
+CLIENTS_JS := tests/clients/js
+$(CLIENTS_JS)/node_modules/.package-lock.json: $(CLIENTS_JS)/package-lock.json
+	cd $(CLIENTS_JS) && npm ci --no-audit --no-fund --loglevel=error
+
+setup: $(BIN)/.installed $(EXAMPLES_JS)/node_modules/.package-lock.json $(CLIENTS_JS)/node_modules/.package-lock.json
 
 dev: setup
 	$(BIN)/kiln dev $(ARGS)
