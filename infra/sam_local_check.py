@@ -20,9 +20,11 @@ from samcli.lib.providers.api_provider import ApiProvider
 from samcli.lib.providers.sam_function_provider import SamFunctionProvider
 from samcli.lib.providers.sam_stack_provider import SamLocalStackProvider
 
+# kiln.endpoints' routes (SAM CLI's environment cannot import the layer; a test compares them)
 EXPECTED_ROUTES = {
     ("POST", "/v1/chat/completions"): "ChatCompletionsFunction",
     ("POST", "/v1/completions"): "CompletionsFunction",
+    ("POST", "/v1/responses"): "ResponsesFunction",
     ("GET", "/v1/models"): "ModelsFunction",
     ("GET", "/v1/models/{model_id}"): "ModelsFunction",
     ("GET", "/v1/generations/{gen_id}"): "GenerationsFunction",

@@ -15,19 +15,14 @@ from typing import Any
 
 import pytest
 
+from kiln.endpoints import ENDPOINTS
 from kiln_ops.template import PSEUDO_PARAMETERS, load_template, translate
 
-STREAMING_FUNCTIONS = ("ChatCompletionsFunction", "CompletionsFunction")
-BUFFERED_FUNCTIONS = ("ModelsFunction", "GenerationsFunction")
+# every route of the contract and the function behind it, as kiln.endpoints declares them
+STREAMING_FUNCTIONS = tuple(endpoint.resource for endpoint in ENDPOINTS if endpoint.streaming)
+BUFFERED_FUNCTIONS = tuple(endpoint.resource for endpoint in ENDPOINTS if not endpoint.streaming)
 FUNCTIONS = (*STREAMING_FUNCTIONS, *BUFFERED_FUNCTIONS)
-# every route of the contract, and the function behind it
-ROUTES = {
-    ("post", "/v1/chat/completions"): "ChatCompletionsFunction",
-    ("post", "/v1/completions"): "CompletionsFunction",
-    ("get", "/v1/models"): "ModelsFunction",
-    ("get", "/v1/models/{model_id}"): "ModelsFunction",
-    ("get", "/v1/generations/{gen_id}"): "GenerationsFunction",
-}
+ROUTES = {(route.method.lower(), route.path): endpoint.resource for endpoint in ENDPOINTS for route in endpoint.routes}
 STACK, REGION, ACCOUNT = PSEUDO_PARAMETERS["AWS::StackName"], PSEUDO_PARAMETERS["AWS::Region"], PSEUDO_PARAMETERS["AWS::AccountId"]
 PARAMETER_ARN = f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/{STACK}/{{}}"
 KMS_KEY = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
@@ -106,6 +101,25 @@ def env(cfn, function: str) -> dict[str, Any]:
 # -- the routes ---------------------------------------------------------------------------------
 
 
+def test_the_registry_holds_at_least_the_contracts_five_routes():
+    assert {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
+            ("get", "/v1/models/{model_id}"), ("get", "/v1/generations/{gen_id}")} <= set(ROUTES)
+    assert {"ChatCompletionsFunction", "CompletionsFunction"} <= set(STREAMING_FUNCTIONS)
+
+
+def test_the_sam_local_check_expects_the_registrys_routes():
+    """infra/sam_local_check.py runs in SAM CLI's environment, without the layer: its list is a copy."""
+    import ast
+
+    from kiln_ops.template import repo_root
+
+    source = ast.parse((repo_root() / "infra" / "sam_local_check.py").read_text())
+    (expected,) = [node.value for node in source.body
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "EXPECTED_ROUTES"]
+    routes = {(method.lower(), path): function for (method, path), function in ast.literal_eval(expected).items()}
+    assert routes == ROUTES
+
+
 def test_every_contract_route_is_on_the_deployed_rest_api_with_its_integration(cfn, mode):
     body = rest_api_body(cfn)
     routes = {(method, path) for path, item in body["paths"].items() for method in item}
@@ -181,12 +195,11 @@ def test_every_function_has_reserved_concurrency_leaving_the_account_its_unreser
 
 
 def test_reserved_concurrency_follows_its_parameters():
-    cfn = translate({"ChatCompletionsConcurrency": 7, "CompletionsConcurrency": 6, "ModelsConcurrency": 5,
-                     "GenerationsConcurrency": 4})
+    shares = {function: 3 + index for index, function in enumerate(FUNCTIONS)}
+    cfn = translate({f"{function[:-len('Function')]}Concurrency": share for function, share in shares.items()})
     reserved = {name: f["Properties"]["ReservedConcurrentExecutions"]
                 for name, f in of_type(cfn, "AWS::Lambda::Function").items()}
-    assert reserved == {"ChatCompletionsFunction": 7, "CompletionsFunction": 6, "ModelsFunction": 5,
-                        "GenerationsFunction": 4}
+    assert reserved == shares
 
 
 def test_the_stage_throttles_and_writes_json_access_logs(cfn):
@@ -260,7 +273,7 @@ def test_function_urls_only_when_asked_for_and_public_only_when_said(cfn, mode):
         assert urls == {} and public == [] and outputs == set()
         return
     assert {url["Properties"]["TargetFunctionArn"]["Ref"] for url in urls.values()} == set(STREAMING_FUNCTIONS)
-    assert outputs == {"ChatCompletionsFunctionUrl", "CompletionsFunctionUrl"}
+    assert outputs == {f"{function}Url" for function in STREAMING_FUNCTIONS}
     for url in urls.values():
         assert url["Properties"]["InvokeMode"] == ("RESPONSE_STREAM" if streaming(mode) else "BUFFERED")
         assert url["Properties"]["AuthType"] == ("NONE" if mode["FunctionUrls"] == "public" else "AWS_IAM")
@@ -323,8 +336,12 @@ def test_no_secret_in_any_functions_configuration(cfn):
                 assert name in ("KILN_UPSTREAM_API_KEY_PARAMETER", "KILN_UPSTREAM_API_KEY_CACHE_SECONDS"), name
             assert not str(value).startswith(("sk-", "Bearer")), name
         assert "KILN_UPSTREAM_API_KEY" not in env(cfn, function)
-    for function in STREAMING_FUNCTIONS:  # the two that call model servers
-        assert env(cfn, function)["KILN_UPSTREAM_API_KEY_PARAMETER"] == f"/{STACK}/upstream-api-key"
+    for endpoint in ENDPOINTS:  # the key's name only where model servers are called
+        variables = env(cfn, endpoint.resource)
+        if endpoint.api is not None:
+            assert variables["KILN_UPSTREAM_API_KEY_PARAMETER"] == f"/{STACK}/upstream-api-key"
+        else:
+            assert "KILN_UPSTREAM_API_KEY_PARAMETER" not in variables
 
 
 # -- IAM, network ---------------------------------------------------------------------------------
@@ -346,6 +363,8 @@ def granted(cfn, role: str, action: str) -> list[Any]:
 
 
 ROLES = {f"{function[:-len('Function')]}Role": function for function in FUNCTIONS}
+# the roles of the model endpoints: they admit, bill and call model servers
+MODEL_ROLES = tuple(f"{e.resource[:-len('Function')]}Role" for e in ENDPOINTS if e.api is not None)
 
 
 def test_every_function_has_its_own_role_and_no_wildcard(cfn):
@@ -360,8 +379,9 @@ def test_every_function_has_its_own_role_and_no_wildcard(cfn):
 
 def test_each_role_reads_only_the_parameters_its_function_uses(cfn):
     read = {role: sorted(granted(cfn, role, "ssm:GetParameter")) for role in ROLES}
-    assert read["ChatCompletionsRole"] == read["CompletionsRole"] == sorted(
-        PARAMETER_ARN.format(name) for name in ("maintenance", "catalog", "upstream-api-key"))
+    assert {"ChatCompletionsRole", "CompletionsRole"} <= set(MODEL_ROLES)
+    for role in MODEL_ROLES:
+        assert read[role] == sorted(PARAMETER_ARN.format(name) for name in ("maintenance", "catalog", "upstream-api-key"))
     assert read["ModelsRole"] == sorted(PARAMETER_ARN.format(name) for name in ("maintenance", "catalog"))
     assert read["GenerationsRole"] == [PARAMETER_ARN.format("maintenance")]
 
@@ -372,8 +392,8 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
 
     gateway = {"logs:CreateLogStream", "logs:PutLogEvents", "dynamodb:GetItem", "dynamodb:UpdateItem",
                "dynamodb:PutItem", "ssm:GetParameter"}
-    assert actions("ChatCompletionsRole") - {"kms:Decrypt"} == gateway
-    assert actions("CompletionsRole") - {"kms:Decrypt"} == gateway
+    for role in MODEL_ROLES:
+        assert actions(role) - {"kms:Decrypt"} == gateway, role
     # the models and generations functions neither admit nor bill: they write only a key's last use
     assert actions("ModelsRole") == actions("GenerationsRole") == gateway - {"dynamodb:PutItem"}
     for role in ("ModelsRole", "GenerationsRole"):
@@ -383,7 +403,7 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
 def test_kms_decrypt_only_for_a_customer_managed_key_and_only_through_ssm(cfn, mode):
     for role in ROLES:
         decrypt = [s for s in statements(cfn, role) if "kms:Decrypt" in s["Action"]]
-        if "UpstreamApiKeyKmsKeyArn" in mode and role in ("ChatCompletionsRole", "CompletionsRole"):
+        if "UpstreamApiKeyKmsKeyArn" in mode and role in MODEL_ROLES:
             (statement,) = decrypt
             assert statement["Resource"] == KMS_KEY
             assert statement["Condition"] == {"StringEquals": {"kms:ViaService": f"ssm.{REGION}.amazonaws.com"}}
@@ -437,6 +457,14 @@ def test_logs_alarms_dashboard_and_outputs(cfn):
     assert alarms == {"Gateway5xxRateAlarm", "UpstreamErrorsAlarm", "LambdaThrottlesAlarm", "DurationNearTimeoutAlarm",
                       "RateLimitSurgeAlarm"}
     assert "Dashboard" in resources
+
+    def watched(alarm: str, metric: str) -> set:
+        return {query["MetricStat"]["Metric"]["Dimensions"][0]["Value"]["Ref"]
+                for query in resources[alarm]["Properties"]["Metrics"]
+                if "MetricStat" in query and query["MetricStat"]["Metric"]["MetricName"] == metric}
+
+    assert watched("LambdaThrottlesAlarm", "Throttles") == set(FUNCTIONS)
+    assert watched("DurationNearTimeoutAlarm", "Duration") == set(STREAMING_FUNCTIONS)
     for name in ("ApiUrl", "KeysTableName", "OrgsTableName", "UsageTableName", "MaintenanceParameterName",
                  "CatalogParameterName", "UpstreamApiKeyParameterName", "ApiAccessLogGroupName", "Region"):
         assert name in cfn["Outputs"], name
