@@ -13,6 +13,25 @@ __all__ = ["main"]
 
 _port = bounded_int("a port number", 0, 65535)
 
+FAULTS_HELP = (
+    "DynamoDB under contention, e.g. conflict=0.5,throttle=0.05,lost=0.05,txn_ms=5,seed=7,scope=gateway: "
+    "conflict = rate at which a write to an item that transactions write meets another transaction "
+    "(TransactionConflictException, or a cancellation with reason TransactionConflict); throttle = rate of "
+    "ProvisionedThroughputExceededException; lost = rate of writes applied whose answer is cut off; txn_ms = how "
+    "long a transaction holds its items (writes meeting them conflict); seed = the draws' seed; scope = all calls "
+    "or only the gateway's (not botocore's: operators' tools). Default: the KILN_EMULATOR_FAULTS environment "
+    "variable, else off"
+)
+
+
+def _faults(text: str):
+    from .emulator import Faults
+
+    try:
+        return Faults.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln gateway: local stack and operator tools.")
@@ -24,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--upstream-url", help="serve every model from this OpenAI-compatible server (…/v1) instead of the mock")
     dev.add_argument("--mock-token-delay-ms", type=non_negative, default=20.0, help="the mock's delay between tokens (default 20)")
     dev.add_argument("--aws-endpoint-url", help="use this DynamoDB/SSM endpoint instead of starting the embedded AWS")
+    dev.add_argument("--faults", type=_faults, help="the embedded AWS's fault mode: " + FAULTS_HELP)
 
     mock = commands.add_parser("mock-upstream", help="an OpenAI-compatible model server with fault injection")
     mock.add_argument("--host", default="127.0.0.1")
@@ -34,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     emulator = commands.add_parser("emulator", help="the embedded AWS alone (serialized moto: DynamoDB, SSM)")
     emulator.add_argument("--host", default="127.0.0.1")
     emulator.add_argument("--port", type=_port, default=4566)
+    emulator.add_argument("--faults", type=_faults, help=FAULTS_HELP)
 
     e2e = commands.add_parser(
         "e2e-real", help="run tests/e2e_real against a real model server (llama.cpp, Gemma 3 270M) behind the stack"
@@ -60,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             upstream_url=args.upstream_url,
             mock_token_delay_ms=args.mock_token_delay_ms,
             aws_endpoint_url=args.aws_endpoint_url,
+            faults=args.faults,
         )
     if args.command == "e2e-real":
         from .e2e_real import run_e2e_real
@@ -77,11 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         serve(MockUpstream(token_delay_ms=args.token_delay_ms, ttft_ms=args.ttft_ms), args.host, args.port)
         return 0
     if args.command == "emulator":
-        from .emulator import serialized_app
+        from .emulator import Faults, serialized_app
         from .serve import serve
 
-        print(f"kiln emulator: embedded AWS on http://{args.host}:{args.port}", flush=True)
-        serve(serialized_app(), args.host, args.port)
+        try:
+            faults = args.faults or Faults.from_env()
+        except ValueError as exc:
+            print(f"kiln emulator: KILN_EMULATOR_FAULTS: {exc}", file=sys.stderr)
+            return 2
+        print(f"kiln emulator: embedded AWS on http://{args.host}:{args.port} (faults: {faults.describe()})", flush=True)
+        serve(serialized_app(faults), args.host, args.port)
         return 0
     raise AssertionError(args.command)
 

@@ -1,6 +1,7 @@
 """`kiln dev`: the whole stack on this machine, in one process tree, with no AWS account.
 
     embedded AWS (serialized moto)  ─ child process, unless --aws-endpoint-url is given
+                                      (--faults or KILN_EMULATOR_FAULTS: its DynamoDB fault mode)
     mock model server               ─ child process, unless --upstream-url is given
     the gateway (all endpoints)     ─ this process, uvicorn
 
@@ -73,6 +74,7 @@ def run_dev(
     upstream_url: str | None,
     mock_token_delay_ms: float,
     aws_endpoint_url: str | None,
+    faults: Any = None,
 ) -> int:
     from kiln.settings import Settings
 
@@ -94,9 +96,12 @@ def run_dev(
                 child.kill()
 
     try:
+        if faults is not None and aws_endpoint_url is not None:
+            raise SystemExit("kiln dev: --faults applies to the embedded AWS, not to --aws-endpoint-url")
         if aws_endpoint_url is None:
             aws_port = free_port()
-            children.append(_child(["emulator", "--host", "127.0.0.1", "--port", str(aws_port)]))
+            fault_args = ["--faults", faults.describe()] if faults is not None and faults.enabled else []
+            children.append(_child(["emulator", "--host", "127.0.0.1", "--port", str(aws_port), *fault_args]))
             aws_endpoint_url = f"http://127.0.0.1:{aws_port}"
             wait_until_up(aws_endpoint_url, "embedded AWS", children[-1])
         if upstream_url is None:

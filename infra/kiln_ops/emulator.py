@@ -12,16 +12,37 @@ Three things are changed from plain moto, each because the gateway depends on it
 3. **Exact numbers.** Arithmetic in update expressions is done in Decimal whatever the
    spelling of the operands (moto reads `1E-7` as an integer and fails), and results are
    written without exponents, as DynamoDB returns them.
+4. **Idempotent transactions.** A `TransactWriteItems` with a `ClientRequestToken` seen in
+   the last 10 minutes is answered as the first one was and not applied again (the same
+   parameters), refused with `IdempotentParameterMismatchException` (others), or with
+   `TransactionInProgressException` while the first is still being applied.
+
+And, only when asked (`kiln emulator --faults …`, `kiln dev --faults …`, or
+`KILN_EMULATOR_FAULTS`), DynamoDB under contention (`Faults`): transactions that take time,
+during which a plain write to one of their items gets `TransactionConflictException` and a
+transaction meeting them is cancelled with reason `TransactionConflict`; conflicts with
+transactions of other clients at a given rate; random throttling; and answers lost after the
+write was applied (the connection closed mid-answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import hashlib
+import json
+import logging
+import os
+import random
 import threading
+import time
+from dataclasses import dataclass, fields
 from decimal import Decimal, localcontext
 from typing import Any
 
-__all__ = ["EmbeddedAws", "patch_moto", "serialized_app"]
+__all__ = ["FAULTS_ENV", "EmbeddedAws", "Faults", "FaultyDynamoDB", "patch_moto", "serialized_app"]
+
+FAULTS_ENV = "KILN_EMULATOR_FAULTS"
 
 _patched = False
 
@@ -160,8 +181,9 @@ class _Serialized:
             return list(self._app(environ, start_response))
 
 
-def serialized_app() -> Any:
-    """moto's WSGI app, patched and serialized, as an ASGI app for uvicorn.
+def serialized_app(faults: "Faults | None" = None) -> Any:
+    """moto's WSGI app, patched and serialized, as an ASGI app for uvicorn (with DynamoDB's
+    idempotency tokens, and its behaviour under contention when `faults` are on).
 
     Served by uvicorn rather than werkzeug's development server, which answers every
     request with `Connection: close` (a TCP connection and a server thread per call)."""
@@ -169,14 +191,16 @@ def serialized_app() -> Any:
     from a2wsgi import WSGIMiddleware
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 
-    return WSGIMiddleware(_Serialized(DomainDispatcherApplication(create_backend_app)), workers=16)
+    app = WSGIMiddleware(_Serialized(DomainDispatcherApplication(create_backend_app)), workers=16)
+    return FaultyDynamoDB(app, faults or Faults())
 
 
 class EmbeddedAws:
     """moto's server (DynamoDB, SSM, …), serialized and patched, on a loopback port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, faults: "Faults | None" = None) -> None:
         self._host, self._port = host, port
+        self._faults = faults
         self._server: Any = None
 
     @property
@@ -186,9 +210,283 @@ class EmbeddedAws:
     def start(self) -> "EmbeddedAws":
         from .serve import ServerThread
 
-        self._server = ServerThread(serialized_app(), host=self._host, port=self._port).start()
+        self.faults_layer = serialized_app(self._faults)
+        self._server = ServerThread(self.faults_layer, host=self._host, port=self._port).start()
         return self
 
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop()
+
+
+# -- DynamoDB under contention ------------------------------------------------------------------
+
+_WRITES = frozenset({"PutItem", "UpdateItem", "DeleteItem"})
+_DATA_CALLS = frozenset(
+    {"GetItem", "PutItem", "UpdateItem", "DeleteItem", "TransactWriteItems", "TransactGetItems", "Query", "Scan",
+     "BatchGetItem", "BatchWriteItem"}
+)
+_TOKEN_SECONDS = 600  # DynamoDB keeps a ClientRequestToken for 10 minutes
+_ERROR_PREFIX = "com.amazonaws.dynamodb.v20120810#"
+
+
+@dataclass(frozen=True)
+class Faults:
+    """How hostile the emulator's DynamoDB is; all rates are per call, in [0, 1].
+
+    conflict  a write (plain or in a transaction) to an item that transactions write meets
+              another client's transaction: a plain write gets TransactionConflictException,
+              a transaction is cancelled with reason TransactionConflict on that item
+    throttle  a data-plane call gets ProvisionedThroughputExceededException
+    lost      a write is applied, then its answer is cut off (the connection closes mid-answer)
+    txn_ms    how long a transaction holds its items (always, also at rate 0): a plain write to
+              one of them meanwhile conflicts, and so does another transaction
+    seed      the random draws' seed (runs under concurrency still interleave differently)
+    scope     `all` calls, or only the `gateway`'s (not botocore's: operators' tools and set-up)
+    """
+
+    conflict: float = 0.0
+    throttle: float = 0.0
+    lost: float = 0.0
+    txn_ms: float = 0.0
+    seed: int | None = None
+    scope: str = "all"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.conflict or self.throttle or self.lost or self.txn_ms)
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Faults":
+        """`conflict=0.5,throttle=0.05,lost=0.05,txn_ms=5,seed=7,scope=gateway` (any subset;
+        an empty text turns nothing on). ValueError names what is wrong."""
+        values: dict[str, Any] = {}
+        known = {field.name for field in fields(cls)}
+        for part in (text or "").replace(" ", "").split(","):
+            if not part:
+                continue
+            name, sep, raw = part.partition("=")
+            if not sep or name not in known:
+                raise ValueError(f"unknown fault {part!r}: use {', '.join(sorted(known))} as name=value")
+            if name == "scope":
+                if raw not in ("all", "gateway"):
+                    raise ValueError("scope is all or gateway")
+                values[name] = raw
+                continue
+            try:
+                number = int(raw) if name == "seed" else float(raw)
+            except ValueError:
+                raise ValueError(f"{name} needs a number, got {raw!r}") from None
+            if name in ("conflict", "throttle", "lost") and not 0.0 <= number <= 1.0:
+                raise ValueError(f"{name} is a rate between 0 and 1, got {raw}")
+            if name == "txn_ms" and not 0.0 <= number <= 60_000:
+                raise ValueError(f"txn_ms is between 0 and 60000, got {raw}")
+            values[name] = number
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Faults":
+        return cls.parse((os.environ if env is None else env).get(FAULTS_ENV))
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "off"
+        parts = [f"conflict={self.conflict:g}", f"throttle={self.throttle:g}", f"lost={self.lost:g}",
+                 f"txn_ms={self.txn_ms:g}", f"scope={self.scope}"]
+        return ",".join(parts + ([f"seed={self.seed}"] if self.seed is not None else []))
+
+
+class _LostAnswers(logging.Filter):
+    """uvicorn logs each answer cut off on purpose as an error; those are not errors here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "without completing response" not in record.getMessage()
+
+
+class FaultyDynamoDB:
+    """ASGI middleware in front of the serialized moto app: ClientRequestToken idempotency,
+    and, when `faults` are on, DynamoDB's behaviour under contention (see `Faults`).
+
+    Transactions hold their items *outside* the serialization lock for `txn_ms`, so that
+    other calls can meet them, as they meet a transaction in flight in DynamoDB."""
+
+    def __init__(self, app: Any, faults: Faults) -> None:
+        self._app = app
+        self.faults = faults
+        self._random = random.Random(faults.seed)
+        self._held: dict[tuple[str, str], int] = {}  # items inside a transaction in flight
+        self._transactional: set[tuple[str, str]] = set()  # items some transaction has written
+        self._tokens: dict[str, tuple[str, float, tuple[int, list, bytes] | None]] = {}
+        self._key_names: dict[str, list[str]] = {}
+        if faults.lost:
+            logging.getLogger("uvicorn.error").addFilter(_LostAnswers())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self._app(scope, receive, send)
+        body = await _read_body(receive)
+        headers = {name.decode().lower(): value.decode() for name, value in scope.get("headers", [])}
+        service, _, operation = headers.get("x-amz-target", "").partition(".")
+        if not service.startswith("DynamoDB"):
+            return await self._forward(scope, body, send)
+        try:
+            payload = json.loads(body or b"{}")
+        except ValueError:
+            return await self._forward(scope, body, send)
+        faulty = self.faults.enabled and (self.faults.scope == "all" or "botocore" not in headers.get("user-agent", "").lower())
+        if faulty and operation in _DATA_CALLS and self._draw(self.faults.throttle):
+            return await _error(send, "ProvisionedThroughputExceededException",
+                                "The level of configured provisioned throughput for the table was exceeded.")
+        if operation == "TransactWriteItems":
+            return await self._transaction(scope, body, payload, send, faulty)
+        if faulty and operation in _WRITES:
+            item = self._item(payload.get("TableName", ""), payload.get("Item") or payload.get("Key") or {})
+            if item in self._held or (item in self._transactional and self._draw(self.faults.conflict)):
+                return await _error(send, "TransactionConflictException",
+                                    "Transaction is ongoing for the item")
+        await self._forward(scope, body, send, lose=faulty and operation in _WRITES and self._draw(self.faults.lost))
+
+    async def _transaction(self, scope: dict, body: bytes, payload: dict, send: Any, faulty: bool) -> None:
+        token = payload.get("ClientRequestToken")
+        digest = hashlib.sha256(body).hexdigest()
+        now = time.monotonic()
+        if token:
+            for old in [key for key, (_, expires, _) in self._tokens.items() if expires < now]:
+                del self._tokens[old]
+            seen = self._tokens.get(token)
+            if seen is not None:
+                if seen[0] != digest:
+                    return await _error(send, "IdempotentParameterMismatchException",
+                                        "The ClientRequestToken was used with different parameters")
+                if seen[2] is None:
+                    return await _error(send, "TransactionInProgressException", "The transaction is still in progress")
+                return await _answer(send, *seen[2])
+            self._tokens[token] = (digest, now + _TOKEN_SECONDS, None)
+        items = [self._transact_item(entry) for entry in payload.get("TransactItems") or []]
+        if faulty:
+            reasons = [
+                "TransactionConflict" if item in self._held or (item in self._transactional and self._draw(self.faults.conflict))
+                else None
+                for item in items
+            ]
+            if any(reasons):
+                if token:
+                    del self._tokens[token]
+                return await _error(send, "TransactionCanceledException",
+                                    f"Transaction cancelled, please refer cancellation reasons for specific reasons {reasons}",
+                                    CancellationReasons=[{"Code": "TransactionConflict", "Message": "Transaction is ongoing for the item"}
+                                                         if reason else {"Code": "None"} for reason in reasons])
+        for item in items:
+            self._held[item] = self._held.get(item, 0) + 1
+            self._transactional.add(item)
+        try:
+            if self.faults.txn_ms:
+                await asyncio.sleep(self.faults.txn_ms / 1000)
+            answer = await _capture(self._app, scope, body)
+        finally:
+            for item in items:
+                self._held[item] -= 1
+                if not self._held[item]:
+                    del self._held[item]
+        if token:
+            if answer[0] == 200:
+                self._tokens[token] = (digest, now + _TOKEN_SECONDS, answer)
+            else:
+                del self._tokens[token]  # a refused transaction leaves its token free
+        await _answer(send, *answer, lose=faulty and self._draw(self.faults.lost))
+
+    def _transact_item(self, entry: dict) -> tuple[str, str]:
+        (kind, op), = entry.items()
+        return self._item(op.get("TableName", ""), op.get("Item") if kind == "Put" else op.get("Key") or {})
+
+    def _item(self, table: str, item: dict) -> tuple[str, str]:
+        """The item's identity: its table and key (a Put's item holds more than its key)."""
+        names = self._key_names.get(table)
+        if names is None:
+            names = self._describe_key(table)
+            if names is None:
+                names = sorted(item)
+            else:
+                self._key_names[table] = names
+        return table, json.dumps({name: item.get(name) for name in names}, sort_keys=True)
+
+    @staticmethod
+    def _describe_key(table: str) -> list[str] | None:
+        try:
+            from moto.core import DEFAULT_ACCOUNT_ID
+            from moto.dynamodb.models import dynamodb_backends
+
+            for backend in dynamodb_backends[DEFAULT_ACCOUNT_ID].values():
+                if table in backend.tables:
+                    found = backend.tables[table]
+                    return [name for name in (found.hash_key_attr, found.range_key_attr) if name]
+        except Exception:  # noqa: BLE001 - fall back to the attributes given
+            return None
+        return None
+
+    def holding(self) -> bool:
+        """Is some transaction in flight, holding its items?"""
+        return bool(self._held)
+
+    def _draw(self, rate: float) -> bool:
+        return rate > 0 and self._random.random() < rate
+
+    async def _forward(self, scope: dict, body: bytes, send: Any, *, lose: bool = False) -> None:
+        if not lose:
+            return await self._app(scope, _replay(body), send)
+        await _answer(send, *await _capture(self._app, scope, body), lose=True)
+
+
+async def _read_body(receive: Any) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(parts)
+
+
+def _replay(body: bytes) -> Any:
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # nothing more: the client stays connected
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def _capture(app: Any, scope: dict, body: bytes) -> tuple[int, list, bytes]:
+    status, headers, parts = 500, [], []
+
+    async def send(message: dict) -> None:
+        nonlocal status, headers
+        if message["type"] == "http.response.start":
+            status, headers = message["status"], list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            parts.append(message.get("body", b""))
+
+    await app(scope, _replay(body), send)
+    return status, headers, b"".join(parts)
+
+
+async def _answer(send: Any, status: int, headers: list, body: bytes, *, lose: bool = False) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    if lose:  # half an answer, then the server closes the connection: the call was applied
+        await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+        return
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _error(send: Any, code: str, message: str, **extra: Any) -> None:
+    body = json.dumps({"__type": _ERROR_PREFIX + code, "message": message, **extra}).encode()
+    headers = [(b"content-type", b"application/x-amz-json-1.0"), (b"content-length", str(len(body)).encode()),
+               (b"x-amzn-errortype", code.encode())]
+    await _answer(send, 400, headers, body)

@@ -7,12 +7,16 @@ usage_unsettled --query 'events[].message' --output text`) and feed them here. E
 is settled exactly as the gateway would have: lease released, cost debited, event written
 — or, if its lease was since reclaimed as `abandoned`, that event replaced. Replaying the
 same lines twice changes nothing the second time.
+
+Costs are read exactly: the gateway writes the record's cost as a decimal string, and a cost
+written as a JSON number is read as a Decimal, never through a float.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from decimal import Decimal
 from typing import Any, Iterable, Iterator
 
 from kiln.gateway import UNSETTLED
@@ -28,7 +32,7 @@ def _records(line: str) -> Iterator[dict[str, Any]]:
     if start < 0:
         return
     try:
-        record = json.loads(line[start:])
+        record = json.loads(line[start:], parse_float=Decimal)
     except ValueError:
         return
     if not isinstance(record, dict):
@@ -39,7 +43,7 @@ def _records(line: str) -> Iterator[dict[str, Any]]:
         yield message
     elif isinstance(message, str) and message.startswith("{"):
         try:
-            inner = json.loads(message)
+            inner = json.loads(message, parse_float=Decimal)
         except ValueError:
             return
         if isinstance(inner, dict):
@@ -58,5 +62,7 @@ async def replay(ledger: Ledger, events: Iterable[UsageEvent]) -> Counter:
     outcomes: Counter = Counter()
     for event in events:
         lease = Lease(event.gen_id, event.org_id, event.key_id, event.model, event.endpoint, event.streamed, 0.0, 0.0)
-        outcomes[await ledger.settle(lease, event)] += 1
+        # no ClientRequestToken: DynamoDB would repeat an earlier success silently, and the
+        # operator is to be told "already settled"
+        outcomes[await ledger.settle(lease, event, request_token=False)] += 1
     return outcomes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import secrets
 import threading
 from decimal import Decimal
 
@@ -10,7 +11,7 @@ import pytest
 
 from kiln.store import UsageEvent
 from kiln.store.codec import to_item
-from kiln.store.errors import TransactionCancelled, translate_storage_error
+from kiln.store.errors import StorageError, TransactionCancelled, TransientStorageError, translate_storage_error
 from kiln_ops import emulator
 
 
@@ -153,3 +154,149 @@ def test_a_write_that_fails_half_way_is_rolled_back(stack):
         client.transact_write_items(TransactItems=[put, bad_update])
     assert "Item" not in client.get_item(TableName=stack.settings.usage_table, Key={"gen_id": {"S": "gen-y"}})
     assert stack.org_info(org_id).status == "active"
+
+
+# -- the fault mode: DynamoDB under contention ----------------------------------------------------
+
+
+TABLE = f"faults-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def faulty():
+    """start(spec) → (the emulator's fault layer, a gateway-side client call, a botocore client)."""
+    import asyncio
+
+    import botocore.session
+
+    from kiln.aws import AwsClient
+
+    started = []
+
+    def start(spec: str):
+        aws = emulator.EmbeddedAws(faults=emulator.Faults.parse(spec)).start()
+        started.append(aws)
+        session = botocore.session.get_session()
+        session.set_credentials("testing", "testing")
+        client = session.create_client("dynamodb", region_name="us-east-1", endpoint_url=aws.url)
+        if TABLE not in client.list_tables()["TableNames"]:  # moto's tables live as long as the process
+            client.create_table(
+                TableName=TABLE, KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
+                AttributeDefinitions=[{"AttributeName": "id", "AttributeType": "S"}], BillingMode="PAY_PER_REQUEST",
+            )
+        client.delete_item(TableName=TABLE, Key={"id": {"S": "org"}})
+        client.put_item(TableName=TABLE, Item={"id": {"S": "org"}, "n": {"N": "10"}})
+
+        def call(operation: str, payload: dict):
+            async def main():
+                gateway_client = AwsClient(region="us-east-1", endpoint_url=aws.url, max_attempts=1)
+                try:
+                    return await gateway_client.dynamodb(operation, payload)
+                except Exception as exc:  # noqa: BLE001 - the test looks at it
+                    return translate_storage_error(exc)
+                finally:
+                    await gateway_client.aclose()
+
+            return asyncio.run(main())
+
+        return aws.faults_layer, call, client
+
+    yield start
+    for aws in started:
+        aws.stop()
+
+
+def _decrement(key: str = "org") -> dict:
+    return {"TableName": TABLE, "Key": {"id": {"S": key}}, "UpdateExpression": "SET n = n - :one",
+            "ExpressionAttributeValues": {":one": {"N": "1"}}}
+
+
+def _transaction(key: str = "org", token: str | None = None, amount: str = "1") -> dict:
+    payload = {"TransactItems": [{"Update": {**_decrement(key), "ExpressionAttributeValues": {":one": {"N": amount}}}}]}
+    if token:
+        payload["ClientRequestToken"] = token
+    return payload
+
+
+def _n(client, key: str = "org") -> str:
+    return client.get_item(TableName=TABLE, Key={"id": {"S": key}}, ConsistentRead=True)["Item"]["n"]["N"]
+
+
+def test_a_write_meeting_a_transaction_in_flight_conflicts_as_in_dynamodb(faulty):
+    layer, call, client = faulty("txn_ms=1500,scope=gateway")
+    slow = threading.Thread(target=call, args=("TransactWriteItems", _transaction()))
+    slow.start()
+    while not layer.holding():
+        pass
+    plain = call("UpdateItem", _decrement())
+    other = call("TransactWriteItems", _transaction())
+    slow.join()
+    assert isinstance(plain, TransientStorageError) and plain.code == "TransactionConflictException"
+    assert isinstance(other, TransactionCancelled) and other.reasons == ["TransactionConflict"] and other.transient
+    assert _n(client) == "9"  # only the transaction that held the item was applied
+    assert not isinstance(call("UpdateItem", _decrement()), Exception) and _n(client) == "8"  # the item is free again
+
+
+def test_conflicts_at_a_rate_hit_only_items_that_transactions_write(faulty):
+    layer, call, client = faulty("conflict=1,seed=7,scope=gateway")
+    assert not isinstance(call("UpdateItem", _decrement()), Exception)  # no transaction ever wrote it
+    assert not isinstance(call("TransactWriteItems", _transaction()), Exception)
+    refused = call("UpdateItem", _decrement())
+    assert isinstance(refused, TransientStorageError) and refused.code == "TransactionConflictException"
+    cancelled = call("TransactWriteItems", _transaction())
+    assert isinstance(cancelled, TransactionCancelled) and cancelled.reasons == ["TransactionConflict"]
+    client.update_item(**_decrement())  # scope=gateway: operators' tools (botocore) are not faulted
+    assert _n(client) == "7"
+
+
+def test_throttling_and_lost_answers(faulty):
+    _, call, client = faulty("throttle=1,scope=gateway")
+    throttled = call("GetItem", {"TableName": TABLE, "Key": {"id": {"S": "org"}}})
+    assert isinstance(throttled, TransientStorageError) and throttled.code == "ProvisionedThroughputExceededException"
+
+    _, call, client = faulty("lost=1,scope=gateway")
+    lost = call("UpdateItem", _decrement())
+    assert isinstance(lost, TransientStorageError) and lost.code == "ConnectionError"  # no answer…
+    assert _n(client) == "9"  # …but the write was applied
+
+
+def test_a_client_request_token_makes_a_transaction_idempotent(faulty):
+    _, call, client = faulty("")
+    assert not isinstance(call("TransactWriteItems", _transaction(token="tok-1")), Exception)
+    assert not isinstance(call("TransactWriteItems", _transaction(token="tok-1")), Exception)  # answered, not applied
+    assert _n(client) == "9"
+    mismatch = call("TransactWriteItems", _transaction(token="tok-1", amount="2"))
+    assert isinstance(mismatch, StorageError) and mismatch.code == "IdempotentParameterMismatchException"
+    assert not isinstance(mismatch, TransientStorageError)
+    assert _n(client) == "9"
+
+
+@pytest.mark.parametrize("spec, error", [
+    ("conflict=1.5", "between 0 and 1"), ("storm=1", "unknown fault"), ("seed=x", "needs a number"),
+    ("scope=some", "scope is all or gateway"), ("conflict", "unknown fault"),
+])
+def test_a_bad_fault_spec_is_refused_with_a_reason(spec, error):
+    with pytest.raises(ValueError, match=error):
+        emulator.Faults.parse(spec)
+
+
+def test_a_fault_spec_reads_back_the_same():
+    faults = emulator.Faults.parse("conflict=0.5, throttle=0.05,lost=0.05,txn_ms=5,seed=7,scope=gateway")
+    assert emulator.Faults.parse(faults.describe()) == faults
+    assert emulator.Faults.from_env({emulator.FAULTS_ENV: "lost=0.1"}).lost == 0.1
+    assert not emulator.Faults.parse("").enabled
+
+
+def test_kiln_emulator_and_kiln_dev_take_the_fault_mode_and_document_it(capsys):
+    from kiln_ops.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["dev", "--faults", "conflict=0.5,seed=3"]).faults == emulator.Faults(conflict=0.5, seed=3)
+    assert parser.parse_args(["emulator", "--faults", "lost=0.1"]).faults.lost == 0.1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["emulator", "--faults", "conflict=2"])
+    assert "between 0 and 1" in capsys.readouterr().err
+    for command in ("emulator", "dev"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        assert "KILN_EMULATOR_FAULTS" in capsys.readouterr().out

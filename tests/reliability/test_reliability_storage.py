@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from dataclasses import replace
 from decimal import Decimal
 
+import httpx
+
 from conftest import involves_org
+from kiln.aws import AwsClient
+from kiln.gateway import Gateway
+from kiln.store import UsageEvent
 from kiln.store.usage import get_event
 from kiln_ops.admin import run_admin
 from kiln_ops.cli import build_parser
-from support import TELEMETRY, data_events
+from support import TELEMETRY, FaultInjectingHttp, StorageFaults, data_events, make_stack, observer, wait_for_events
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "x"}]}
 
 
-def test_admission_failing_is_a_clear_503_and_no_upstream_call(stack, storage_faults):
+def test_admission_failing_is_a_clear_503_and_no_upstream_call(stack_factory):
+    stack = stack_factory(storage_retry_seconds=0.5)  # a short budget, spent on every attempt here
+    storage_faults = stack.faults
     org_id, key = stack.org()
     storage_faults.fail("UpdateItem", when=involves_org(org_id))
     for body in (BODY, {**BODY, "stream": True}):
@@ -53,7 +62,9 @@ def _unsettled_records(since: int) -> list[dict]:
     return [record["message"] for record in records]
 
 
-def test_a_settle_that_keeps_failing_is_logged_whole_and_replayed_by_the_operator(stack, storage_faults, tmp_path, capsys):
+def test_a_settle_that_keeps_failing_is_logged_whole_and_replayed_by_the_operator(stack_factory, tmp_path, capsys):
+    stack = stack_factory(storage_retry_seconds=0.5)  # a short budget, spent on every attempt here
+    storage_faults = stack.faults
     org_id, key = stack.org(credits="1")
     mark = len(TELEMETRY.text())
     storage_faults.fail("TransactWriteItems", when=involves_org(org_id))
@@ -112,3 +123,100 @@ def test_replay_after_the_lease_was_reclaimed_replaces_the_abandoned_event(stack
     events = stack.events(org_id)
     assert len(events) == 2
     assert stack.org_info(org_id).credits == Decimal(1) - sum(e.cost for e in events)
+
+
+# -- DynamoDB under contention, and answers lost on the way back ---------------------------------
+
+
+def test_half_of_all_org_writes_conflicting_every_request_still_answers_200(faulty_aws, mock):
+    """The emulator's fault mode: half of all writes to the org item meet another transaction."""
+    stack = make_stack(faulty_aws.url, mock)
+    try:
+        org_id, key = stack.org(credits="10", concurrency=8)
+        bodies = [{**BODY, "stream": index % 2 == 1, "mock": {"tokens": 3, "token_delay_ms": 5}} for index in range(48)]
+
+        async def run() -> list[httpx.Response]:
+            gate = asyncio.Semaphore(4)
+            async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+                async def one(body: dict) -> httpx.Response:
+                    async with gate:
+                        return await client.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
+
+                return await asyncio.gather(*(one(body) for body in bodies))
+
+        responses = asyncio.run(run())
+        assert [response.status_code for response in responses] == [200] * 48
+        admissions = stack.faults.count("UpdateItem", involves_org(org_id))
+        assert admissions > 48  # conflicts happened, and were retried
+        gen_ids = {response.headers["X-Neocloud-Generation-Id"] for response in responses}
+        events = wait_for_events(stack, org_id, 48)
+        assert sorted(e.gen_id for e in events) == sorted(gen_ids)  # one event each
+        assert all(e.status == "success" for e in events)
+        info = stack.org_info(org_id)
+        assert info.leases == {}  # nothing left in flight
+        assert Decimal(10) - info.credits == sum(e.cost for e in events)  # the ledger is exact
+    finally:
+        stack.close()
+
+
+def test_an_admission_answer_lost_at_7_of_8_in_flight_still_serves_the_request(stack, storage_faults):
+    org_id, key = stack.org(credits="10", concurrency=8)
+    slow = {**BODY, "stream": True, "mock": {"tokens": 10, "token_delay_ms": 150}}
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            headers = {"Authorization": f"Bearer {key}"}
+            running = [asyncio.create_task(client.post(CHAT, json=slow, headers=headers)) for _ in range(7)]
+            while stack.mock.stats["in_flight"] < 7:
+                await asyncio.sleep(0.02)
+            lost = storage_faults.lose("UpdateItem", when=involves_org(org_id), times=1)
+            last = await client.post(CHAT, json=BODY, headers=headers)  # the eighth, at the last free slot
+            assert len(lost) == 2  # the first answer lost, the retry's received
+            return list(await asyncio.gather(*running)), last
+
+    running, last = asyncio.run(run())
+    assert last.status_code == 200  # admitted by its retry, which found its own lease
+    assert [response.status_code for response in running] == [200] * 7
+    gen_ids = {r.headers["X-Neocloud-Generation-Id"] for r in running + [last]}
+    events = wait_for_events(stack, org_id, 8)
+    assert sorted(e.gen_id for e in events) == sorted(gen_ids)
+    assert {e.status for e in events} == {"success"}  # nothing abandoned, nothing leaked
+    info = stack.org_info(org_id)
+    assert info.leases == {} and Decimal(10) - info.credits == sum(e.cost for e in events)
+
+
+def test_the_unsettled_record_keeps_its_cost_exact_through_the_log_and_the_replay(stack, tmp_path, capsys):
+    """The replay record goes through Powertools' formatter, which parses the message as JSON."""
+    org_id, _ = stack.org(credits="1")
+    cost = Decimal("0.000001234567890123456789")  # 19 significant digits: beyond a float
+    faults = StorageFaults()
+    faults.fail("TransactWriteItems")
+    settings = replace(stack.settings, storage_retry_attempts=2)
+    observer()  # the gateway's log handler and formatter, as in production
+    mark = len(TELEMETRY.text())
+
+    async def settle_with_storage_down() -> str:
+        gateway = Gateway(settings, aws=AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url,
+                                                  http=FaultInjectingHttp(faults)))
+        try:
+            lease = await gateway.ledger.admit(org_id=org_id, key_id="k", model="gpt-oss-120b",
+                                               endpoint="chat.completions", streamed=False)
+            event = UsageEvent(gen_id=lease.gen_id, org_id=org_id, created_at="2026-12-01T00:00:00.000Z", key_id="k",
+                               model="gpt-oss-120b", endpoint="chat.completions", streamed=False, status="success",
+                               cost=cost, prompt_tokens=5, completion_tokens=7)
+            return await gateway.settle(lease, event)
+        finally:
+            await gateway.aclose()
+
+    assert asyncio.run(settle_with_storage_down()) == "unsettled"
+    (record,) = _unsettled_records(mark)
+    assert Decimal(str(record["usage"]["cost"])) == cost  # exactly as computed, not a float's 17 digits
+    exported = tmp_path / "unsettled.log"
+    exported.write_text(TELEMETRY.text()[mark:])
+    lines: list[str] = []
+    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
+    assert run_admin(args, settings=stack.settings, out=lines.append) == 0, capsys.readouterr().err
+    assert lines == ["replayed 1 unsettled usage events: 1 settled"]
+    (event,) = stack.events(org_id)
+    assert event.cost == cost
+    assert stack.org_info(org_id).credits == Decimal(1) - cost
