@@ -290,3 +290,37 @@ def test_missing_parameter_reaches_parse_as_none():
     absent = Source(value=None)
     param = CachedParameter("/kiln/maintenance", absent, parse_flag, max_age=5, clock=Clock())
     assert asyncio.run(param.get()) == MaintenanceFlag()
+
+
+# -- through a gateway, against the embedded AWS ----------------------------------------------
+
+CHAT = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _catalog_reads(stack):
+    return lambda payload: payload.get("Name") == stack.settings.catalog_parameter
+
+
+def test_a_new_environment_throttled_at_its_first_catalog_read_answers_after_retrying_not_503(stack_factory):
+    stack = stack_factory(parameter_first_read_seconds=3.0)
+    _, secret = stack.org()
+    # more refusals than the AWS client's own attempts: only the cache's retry gets through
+    hits = stack.faults.fail("GetParameter", code="ThrottlingException", when=_catalog_reads(stack), times=5)
+    response = stack.post("/v1/chat/completions", CHAT, secret)
+    assert response.status_code == 200, response.text
+    assert len(hits) >= 6  # five refused, then read
+
+
+def test_a_new_environment_that_cannot_read_the_catalog_within_its_budget_answers_503(stack_factory):
+    import time
+
+    stack = stack_factory(parameter_first_read_seconds=0.5)
+    _, secret = stack.org()
+    stack.faults.fail("GetParameter", code="ThrottlingException", when=_catalog_reads(stack))
+    started = time.monotonic()
+    response = stack.post("/v1/chat/completions", CHAT, secret)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "storage_unavailable"
+    assert time.monotonic() - started < 3.0  # the budget, plus one attempt of the AWS client
+    reads = stack.faults.count("GetParameter", _catalog_reads(stack))
+    assert 3 <= reads <= 40  # retried with back-off, not in a tight loop
