@@ -300,3 +300,28 @@ def test_kiln_emulator_and_kiln_dev_take_the_fault_mode_and_document_it(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--help"])
         assert "KILN_EMULATOR_FAULTS" in capsys.readouterr().out
+
+
+def test_an_operators_top_up_is_retried_past_the_settles_it_conflicts_with(faulty, tmp_path):
+    """`kiln admin credits add` on a busy org: half its writes meet a settle transaction."""
+    from kiln.settings import Settings
+    from kiln.store import bind
+    from kiln.store.orgs import add_credits, create_org, get_org
+
+    layer, call, client = faulty("conflict=0.5,seed=11")  # scope=all: operators' tools too
+    settings = Settings(orgs_table=f"{TABLE}-orgs", keys_table=f"{TABLE}-keys", usage_table=f"{TABLE}-usage",
+                        aws_endpoint_url=client.meta.endpoint_url)
+    client.create_table(
+        TableName=settings.orgs_table, KeySchema=[{"AttributeName": "org_id", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "org_id", "AttributeType": "S"}], BillingMode="PAY_PER_REQUEST",
+    )
+    tables = bind(settings)
+    create_org(tables, "busy", concurrency=8, credits=Decimal("1"))
+    settle = {"TransactItems": [{"Update": {"TableName": settings.orgs_table, "Key": {"org_id": {"S": "busy"}},
+                                            "UpdateExpression": "SET credits = credits - :c",
+                                            "ExpressionAttributeValues": {":c": {"N": "0.5"}}}}]}
+    while isinstance(call("TransactWriteItems", settle), Exception):
+        pass  # a settle lands: from now on the org item is one that transactions write
+    for _ in range(10):
+        add_credits(tables, "busy", Decimal("0.1"))
+    assert get_org(tables, "busy").credits == Decimal("1.5")  # each top-up applied exactly once

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import random
 import re
+import time
 from dataclasses import dataclass, field
 from decimal import Decimal
 
 from pynamodb.exceptions import DoesNotExist, PutError, UpdateError
 
 from .clock import iso_ms, now
-from .errors import RecordExists, RecordNotFound, condition_failure
+from .errors import RecordExists, RecordNotFound, condition_failure, translate_storage_error
 from .records import Tables
 
 __all__ = ["OrgInfo", "add_credits", "create_org", "get_org", "list_orgs", "set_limit", "set_status", "valid_org_id"]
@@ -86,15 +88,27 @@ def list_orgs(tables: Tables) -> list[OrgInfo]:
     return sorted((_info(record) for record in tables.orgs.scan()), key=lambda org: org.org_id)
 
 
+# An operator's write to an org item meets the settle transactions of its requests: DynamoDB
+# refuses it with TransactionConflictException, which botocore does not retry. Such a refusal
+# was not applied, so trying again is safe even for ADD (a lost answer would not be: never
+# retried here).
+_CONFLICT_ATTEMPTS = 20
+
+
 def _update(tables: Tables, org_id: str, actions) -> OrgInfo:
     record = tables.orgs(org_id=org_id)
-    try:
-        record.update(actions=actions, condition=tables.orgs.org_id.exists())
-    except UpdateError as exc:
-        if condition_failure(exc) is not None:
-            raise RecordNotFound("org", org_id) from None
-        raise
-    return _info(record)
+    for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+        try:
+            record.update(actions=actions, condition=tables.orgs.org_id.exists())
+            return _info(record)
+        except UpdateError as exc:
+            if condition_failure(exc) is not None:
+                raise RecordNotFound("org", org_id) from None
+            mapped = translate_storage_error(exc)
+            if getattr(mapped, "code", None) != "TransactionConflictException" or attempt == _CONFLICT_ATTEMPTS:
+                raise
+            time.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
+    raise AssertionError("unreachable")
 
 
 def set_status(tables: Tables, org_id: str, status: str) -> OrgInfo:
