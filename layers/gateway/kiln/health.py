@@ -97,18 +97,10 @@ class BackendHealth:
         self,
         policy: HealthPolicy | None = None,
         *,
-        threshold: int | None = None,
-        cooldown: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_change: StateListener | None = None,
     ) -> None:
-        policy = policy or HealthPolicy()
-        if threshold is not None:
-            policy.failure_threshold = threshold
-        if cooldown is not None:
-            policy.cooldown = cooldown
-            policy.max_cooldown = max(policy.max_cooldown, cooldown)
-        self.policy = policy
+        self.policy = policy or HealthPolicy()
         self._clock = clock
         self._states: dict[tuple[str, str], _State] = {}
         self.on_change = on_change or log_state_change
