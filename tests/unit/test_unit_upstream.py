@@ -1,0 +1,93 @@
+"""kiln.upstream with an injected HTTP client: what each failure costs, and what it reports."""
+
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+
+import pytest
+
+from kiln.catalog import Backend, ModelEntry, Pricing, Timeouts
+from kiln.errors import UpstreamFailed
+from kiln.health import IN_SERVICE, OUT_OF_SERVICE, BackendHealth, HealthPolicy
+from kiln.http1 import ConnectFailed, ConnectTimeout, Response, ResponseTooLarge
+from kiln.upstream import UpstreamClient
+
+A, B = Backend("a", "http://a/v1"), Backend("b", "http://b/v1")
+
+
+def model(*backends, **timeouts):
+    return ModelEntry("m", "kiln", 0, 4096, Pricing(Decimal(1), Decimal(1)), timeouts=Timeouts(**timeouts),
+                      backends=backends)
+
+
+class FakeHttp:
+    """Each backend's answer: an exception to raise, or (status, body)."""
+
+    def __init__(self, answers):
+        self.answers, self.calls = answers, []
+
+    async def request(self, method, url, **options):
+        self.calls.append((url, options))
+        answer = self.answers[url.split("/v1")[0]]
+        if isinstance(answer, BaseException):
+            raise answer
+        if answer == "hang":
+            await asyncio.sleep(60)
+        return Response.complete(*answer)
+
+    async def aclose(self):
+        pass
+
+
+def client(answers, **policy):
+    ended = []
+    health = BackendHealth(HealthPolicy(**policy), on_change=lambda *change: None)
+    upstream = UpstreamClient(http=FakeHttp(answers), health=health, timed_out=lambda m, kind: ended.append(kind))
+    return upstream, health, ended
+
+
+def test_a_connect_timeout_that_ends_a_request_is_counted_as_connect():
+    upstream, _, ended = client({"http://a": ConnectTimeout("no")})
+    with pytest.raises(UpstreamFailed):
+        asyncio.run(upstream.open(model(A), "/chat/completions", {}, stream=True))
+    assert ended == ["connect"]
+
+
+def test_headers_over_their_bound_count_as_a_bad_answer_not_as_the_backend_being_down():
+    upstream, health, _ = client({"http://a": ResponseTooLarge("big"), "http://b": (200, b"{}")}, failure_threshold=1)
+    for _ in range(3):
+        exchange = asyncio.run(upstream.open(model(A, B), "/chat/completions", {"n": 1}, stream=False))
+        assert exchange.backend == B
+    assert health.state_of(A) == IN_SERVICE  # one request's answer, three times: never a rate
+
+
+def test_every_backend_shares_the_requests_total_time():
+    upstream, _, ended = client({"http://a": "hang", "http://b": "hang"})
+    with pytest.raises(UpstreamFailed) as failed:
+        asyncio.run(upstream.open(model(A, B, first_byte=10, total=0.2), "/chat/completions", {}, stream=False))
+    assert "b: not tried" in failed.value.detail
+    assert ended == ["total"]
+
+
+def test_the_model_bounds_and_timeouts_reach_the_http_client():
+    upstream, _, _ = client({"http://a": (200, b"{}")})
+    asyncio.run(upstream.open(model(A, connect=1.5, idle=7), "/chat/completions", {}, stream=True))
+    ((_, options),) = upstream.http.calls
+    assert options["connect_timeout"] == 1.5 and options["read_timeout"] == 7
+    assert options["max_header_bytes"] == 64 * 1024
+
+
+def test_refusals_take_a_backend_out_only_while_another_is_in_service():
+    upstream, health, _ = client({"http://a": ConnectFailed("refused"), "http://b": (200, b"{}")})
+    for _ in range(3):
+        asyncio.run(upstream.open(model(A, B), "/chat/completions", {}, stream=True))
+    assert health.state_of(A) == OUT_OF_SERVICE
+    assert [url for url, _ in upstream.http.calls] == ["http://a/v1/chat/completions", "http://b/v1/chat/completions"] * 3
+    asyncio.run(upstream.open(model(A, B), "/chat/completions", {}, stream=True))
+    assert upstream.http.calls[-1][0] == "http://b/v1/chat/completions"  # skipped now
+    for _ in range(5):  # b refuses too: it is the model's last backend in service, so it stays
+        upstream.http.answers["http://b"] = ConnectFailed("refused")
+        with pytest.raises(UpstreamFailed):
+            asyncio.run(upstream.open(model(A, B), "/chat/completions", {}, stream=True))
+    assert health.state_of(B) == IN_SERVICE
