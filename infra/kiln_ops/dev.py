@@ -113,6 +113,8 @@ def run_dev(
             wait_until_up(f"http://127.0.0.1:{mock_port}/mock/stats", "mock model server", children[-1])
 
         os.environ.update({key: os.environ.get(key, value) for key, value in FAKE_CREDENTIALS.items()})
+        # request logs on the console; EMF metrics only mean something in CloudWatch
+        os.environ.setdefault("POWERTOOLS_METRICS_DISABLED", "true")
         settings = replace(Settings.from_env(), aws_endpoint_url=aws_endpoint_url)
         catalog_json = local_catalog(repo_root() / "infra" / "catalog.json", upstream_url)
         dynamodb, ssm = aws_clients(settings)
@@ -132,8 +134,6 @@ def run_dev(
             "KILN_UPSTREAM_URL": upstream_url,
         }
         os.environ.update(exports)
-        # request logs on the console; EMF metrics only mean something in CloudWatch
-        os.environ.setdefault("POWERTOOLS_METRICS_DISABLED", "true")
         _print_exports(exports)
 
         from .app import combined_app

@@ -107,3 +107,45 @@ def test_to_env_round_trips_defaults_and_omits_unset_optionals():
     assert env["AWS_REGION"] == "us-east-1"
     assert all(isinstance(value, str) for value in env.values())
     assert Settings.from_env(env) == Settings()
+
+
+def test_the_readmes_configuration_table_is_the_declarations():
+    from pathlib import Path
+
+    from kiln.settings import markdown_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("| variable | default | meaning |")
+    table = readme[start:readme.index("\n\n", start)]
+    assert table == markdown_table(), "README.md's configuration table: paste kiln.settings.markdown_table()"
+
+
+def test_every_declared_setting_is_read_from_its_variable():
+    """Each declaration's variable, set to a value other than the default, changes that setting."""
+    from dataclasses import fields
+
+    from kiln.settings import variable
+
+    for declared in fields(Settings):
+        default = declared.default
+        if isinstance(default, bool):
+            raw, expected = ("false", False) if default else ("true", True)
+        elif isinstance(default, int):
+            raw, expected = str(default + 1), default + 1
+        elif isinstance(default, float):
+            expected = default / 2 if declared.name == "backend_error_rate" else default + 0.5
+            raw = str(expected)
+        else:
+            raw = expected = f"/custom-{declared.name}"
+        env = {variable(declared): raw}
+        if declared.name == "lease_renew_seconds":
+            env["KILN_LEASE_TTL_SECONDS"] = "100"
+        assert getattr(Settings.from_env(env), declared.name) == expected, variable(declared)
+
+
+def test_telemetry_variables_are_settings_too():
+    settings = Settings.from_env({"POWERTOOLS_METRICS_DISABLED": "true", "POWERTOOLS_SERVICE_NAME": "gw",
+                                  "POWERTOOLS_METRICS_NAMESPACE": "Ns"})
+    assert (settings.metrics_disabled, settings.service_name, settings.metrics_namespace) == (True, "gw", "Ns")
+    with pytest.raises(SettingsError, match="POWERTOOLS_METRICS_DISABLED"):
+        Settings.from_env({"POWERTOOLS_METRICS_DISABLED": "perhaps"})

@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from contextvars import ContextVar
 from typing import Any, TextIO
 
 from .store.usage import UsageEvent
+from .telemetry import telemetry_settings
 
 __all__ = ["ObservabilityMiddleware", "Observer", "RequestIdFilter", "RequestRecord", "record_of", "request_ids"]
 
-NAMESPACE = os.environ.get("POWERTOOLS_METRICS_NAMESPACE", "Kiln")
-SERVICE = os.environ.get("POWERTOOLS_SERVICE_NAME", "kiln")
 _UPSTREAM_FAILURES = ("upstream_error", "stream_interrupted")
 
 # the ids of the invocation being handled, for every log line written meanwhile
@@ -135,9 +133,10 @@ class Observer:
         self._stream = stream or sys.stdout
         handler = logging.StreamHandler(self._stream)
         handler.addFilter(RequestIdFilter())  # on the handler: it sees the records of kiln.* loggers too
-        self.logger = Logger(service=SERVICE, logger_handler=handler)
-        disabled = os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() in ("1", "true")
-        self.metrics_enabled = (not disabled) if metrics_enabled is None else metrics_enabled
+        settings = telemetry_settings()
+        self.namespace, self.service = settings.metrics_namespace, settings.service_name
+        self.logger = Logger(service=self.service, logger_handler=handler)
+        self.metrics_enabled = (not settings.metrics_disabled) if metrics_enabled is None else metrics_enabled
 
     def emit(self, record: RequestRecord) -> None:
         entry = record.as_log()
@@ -149,9 +148,9 @@ class Observer:
     def _metrics(self, record: RequestRecord, latency_ms: int) -> None:
         from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
-        metrics = EphemeralMetrics(namespace=NAMESPACE, service=SERVICE)
+        metrics = EphemeralMetrics(namespace=self.namespace, service=self.service)
         # published twice: per service (what the alarms watch) and per service and endpoint
-        metrics.add_dimensions(service=SERVICE, endpoint=record.endpoint or record.path)
+        metrics.add_dimensions(service=self.service, endpoint=record.endpoint or record.path)
         metrics.add_metric(name="Requests", unit=MetricUnit.Count, value=1)
         metrics.add_metric(name="Latency", unit=MetricUnit.Milliseconds, value=latency_ms)
         status = record.status or 500
@@ -171,8 +170,8 @@ class Observer:
             )
         self._flush(metrics)
         if record.error_code:
-            errors = EphemeralMetrics(namespace=NAMESPACE, service=SERVICE)
-            errors.add_dimensions(service=SERVICE, code=record.error_code)
+            errors = EphemeralMetrics(namespace=self.namespace, service=self.service)
+            errors.add_dimensions(service=self.service, code=record.error_code)
             errors.add_metric(name="Errors", unit=MetricUnit.Count, value=1)
             self._flush(errors)
 

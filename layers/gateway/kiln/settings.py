@@ -1,184 +1,216 @@
-"""Typed settings, read once from the environment; a bad value fails loudly at start-up."""
+"""Typed settings, read once from the environment; a bad value fails loudly at start-up.
+
+Each setting is declared once, below: its default, what it means, and how it is checked.
+Its environment variable is ``KILN_`` + its name in upper case unless the declaration names
+another. `Settings.from_env` reads every declaration the same way, `to_env` writes them
+back, and `markdown_table()` renders them as the README's configuration table (a test holds
+the README to it).
+"""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, fields
-from typing import Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Mapping
 
-__all__ = ["Settings", "SettingsError"]
+__all__ = ["Settings", "SettingsError", "markdown_table"]
 
 
 class SettingsError(ValueError):
     """An environment variable holds a value the gateway cannot use."""
 
 
-def _text(env: Mapping[str, str], name: str, default: str) -> str:
-    value = env.get(name, default).strip()
-    if not value:
-        raise SettingsError(f"{name} must not be empty")
-    return value
-
-
-def _optional_text(env: Mapping[str, str], name: str) -> str | None:
-    value = env.get(name, "").strip()
-    return value or None
-
-
-def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
-    if not value >= minimum:
-        raise SettingsError(f"{name} must be >= {minimum}, got {raw!r}")
-    return value
-
-
-def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise SettingsError(f"{name} must be >= {minimum}, got {raw!r}")
-    return value
-
-
-def _rate(env: Mapping[str, str], name: str, default: float) -> float:
-    value = _number(env, name, default, minimum=0.0)
-    if not 0.0 < value <= 1.0:
-        raise SettingsError(f"{name} must be a share above 0 and at most 1, got {env.get(name)!r}")
-    return value
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    env: str | None = None,
+    also: tuple[str, ...] = (),
+    minimum: float | None = None,
+    share: bool = False,
+    shown: str | None = None,
+) -> Any:
+    """One setting: `env` overrides the variable's name, `also` names fallbacks read in order,
+    `minimum` bounds a number, `share` asks for 0 < value <= 1, `shown` is the README's default."""
+    metadata = {"doc": doc, "env": env, "also": also, "minimum": minimum, "share": share, "shown": shown}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything the gateway reads from its environment.
+    """Everything the gateway reads from its environment."""
 
-    Names mirror the environment variables (``KILN_`` + upper case) so that
-    `template.yaml`, the local stack and the docs all speak of the same thing.
-    """
-
-    keys_table: str = "kiln-keys"
-    orgs_table: str = "kiln-orgs"
-    usage_table: str = "kiln-usage"
-    maintenance_parameter: str = "/kiln/maintenance"
-    catalog_parameter: str = "/kiln/catalog"
-    # A catalog file replaces the SSM catalog parameter (tests, the local stack).
-    catalog_file: str | None = None
-    region: str = "us-east-1"
-    # Points DynamoDB and SSM at an emulator; None means real AWS.
-    aws_endpoint_url: str | None = None
-
-    maintenance_cache_seconds: float = 5.0
-    catalog_cache_seconds: float = 60.0
-    auth_cache_seconds: float = 10.0
-    # The model servers' bearer token: the name of an SSM SecureString (kiln.upstream_key),
-    # never the key itself; unset, KILN_UPSTREAM_API_KEY is read from the environment.
-    upstream_api_key_parameter: str | None = None
-    upstream_api_key_cache_seconds: float = 300.0
-    # a new environment retries its first read of a parameter this long before giving up (503)
-    parameter_first_read_seconds: float = 3.0
-    # A request's lease lives this long unless renewed; a running request renews it every
-    # lease_renew_seconds, so a dead gateway's slots are free again within the TTL.
-    lease_ttl_seconds: float = 60.0
-    lease_renew_seconds: float = 20.0
-    keepalive_seconds: float = 5.0
-    max_body_bytes: int = 6 * 1024 * 1024
-    maintenance_retry_after_seconds: int = 60
-    # the ledger's writes retry conflicts, throttling, 5xx and lost answers within this budget
-    storage_retry_attempts: int = 20
-    storage_retry_seconds: float = 5.0
-    default_concurrency: int = 8
-    # usage events expire (DynamoDB TTL) this many days after the request; 0 keeps them
-    usage_retention_days: int = 0
-    # Backend health (kiln.health; README and docs/operations.md say why these values).
-    # transport failures in a row (refused, reset, TLS, no headers in time) that eject a backend…
-    backend_failure_threshold: int = 3
-    # …for this long (doubled at each ejection in a row, up to the max), then one request probes it
-    backend_cooldown_seconds: float = 10.0
-    backend_max_cooldown_seconds: float = 120.0
-    # 5xx answers eject only by rate: over this window, at least this many distinct requests
-    # answered, at least this share of them failed, from at least this many clients (orgs)
-    backend_error_window_seconds: float = 60.0
-    backend_error_min_requests: int = 20
-    backend_error_rate: float = 0.5
-    backend_error_min_clients: int = 2
+    keys_table: str = setting("kiln-keys", "DynamoDB table of the API keys (hashed)")
+    orgs_table: str = setting("kiln-orgs", "DynamoDB table of the orgs: credits, limits, leases")
+    usage_table: str = setting("kiln-usage", "DynamoDB table of the usage events")
+    maintenance_parameter: str = setting("/kiln/maintenance", "SSM parameter of the maintenance flag")
+    catalog_parameter: str = setting("/kiln/catalog", "SSM parameter of the model catalog")
+    catalog_file: str | None = setting(None, "a catalog file instead of the SSM parameter (tests, the local stack)")
+    region: str = setting("us-east-1", "the AWS region", env="AWS_REGION", also=("AWS_DEFAULT_REGION",))
+    aws_endpoint_url: str | None = setting(
+        None, "DynamoDB and SSM at an emulator instead of AWS", also=("AWS_ENDPOINT_URL",)
+    )
+    maintenance_cache_seconds: float = setting(
+        5.0,
+        "how long the maintenance flag is cached (the template deploys 60: SSM's 40 TPS, "
+        "[docs/deploy.md](docs/deploy.md#ssm-reads))",
+    )
+    catalog_cache_seconds: float = setting(60.0, "how long the catalog is cached (deployed: 300)")
+    upstream_api_key_parameter: str | None = setting(
+        None,
+        "SSM SecureString holding the bearer token for backends whose catalog entry says "
+        '`"api_key_env": "KILN_UPSTREAM_API_KEY"`; unset, that variable itself is read',
+    )
+    upstream_api_key_cache_seconds: float = setting(
+        300.0, "how long that key is cached (a rotation reaches every environment within it)"
+    )
+    parameter_first_read_seconds: float = setting(
+        3.0,
+        "how long a new environment retries its first read of the catalog and the key (with back-off) "
+        "before answering 503",
+    )
+    auth_cache_seconds: float = setting(10.0, "how long a key lookup is cached (a revoked key works at most this long)")
+    lease_ttl_seconds: float = setting(
+        60.0,
+        "a request's lease expires this long after its admission or last renewal: a dead gateway's "
+        "slots are free again within it",
+        minimum=0.001,
+    )
+    lease_renew_seconds: float = setting(
+        20.0,
+        "a running request renews its lease this often (must be below the TTL); a request shorter "
+        "than this costs no renewal",
+        minimum=0.001,
+    )
+    keepalive_seconds: float = setting(5.0, "`: keepalive` interval while the upstream is silent", minimum=0.001)
+    max_body_bytes: int = setting(6 * 1024 * 1024, "request body limit (413 above)", minimum=1)
+    maintenance_retry_after_seconds: int = setting(60, "`Retry-After` when maintenance has no `until`")
+    storage_retry_attempts: int = setting(
+        20,
+        "attempts of each ledger write (admission, renewal, settle, reclaim) refused by a transaction "
+        "conflict, throttling, a 5xx or a lost answer, with jittered exponential backoff (10 ms doubling, "
+        "capped at 250 ms)…",
+        minimum=1,
+    )
+    storage_retry_seconds: float = setting(
+        5.0,
+        "…and the time they may take in all; then 503 `storage_unavailable` (admission) or the event "
+        "logged for replay (settle)",
+    )
+    default_concurrency: int = setting(8, "limit given to new orgs", minimum=1)
+    usage_retention_days: int = setting(
+        0, "usage events expire (DynamoDB TTL) after this many days; 0 keeps them"
+    )
+    # Backend health (kiln.health; docs/operations.md says why these values).
+    backend_failure_threshold: int = setting(
+        3,
+        "failures of the backend itself in a row (refused, reset before answering, TLS, no headers in "
+        "time) that take it out of service: three rule out one unlucky connection…",
+        minimum=1,
+    )
+    backend_cooldown_seconds: float = setting(
+        10.0, "…for this long, doubled at each ejection in a row; then one request at a time probes it…"
+    )
+    backend_max_cooldown_seconds: float = setting(
+        120.0, "…up to this (a backend down for good is probed every 2 minutes, at the cost of one failover)"
+    )
+    backend_error_window_seconds: float = setting(
+        60.0, "5xx answers never eject alone: over this window…", minimum=0.001
+    )
+    backend_error_min_requests: int = setting(
+        20,
+        "…at least this many distinct requests answered (a retry of the same body by the same org "
+        "counts once: an SDK call's 3 attempts are one)…",
+        minimum=1,
+    )
+    backend_error_rate: float = setting(0.5, "…at least this share of them failed…", share=True)
+    backend_error_min_clients: int = setting(
+        2,
+        "…from at least this many orgs: one org's bad requests never take a backend away from the "
+        "others. A model's last backend in service is never ejected "
+        "([docs/operations.md](docs/operations.md#backend-health))",
+        minimum=1,
+    )
+    # Telemetry: Powertools' own variables, read here like every other setting.
+    metrics_disabled: bool = setting(
+        False, "no EMF metrics on stdout", env="POWERTOOLS_METRICS_DISABLED", shown="unset (`true` under `kiln dev`)"
+    )
+    metrics_namespace: str = setting("Kiln", "CloudWatch namespace of the metrics", env="POWERTOOLS_METRICS_NAMESPACE")
+    service_name: str = setting("kiln", "the `service` of log lines and metrics", env="POWERTOOLS_SERVICE_NAME")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
         env = os.environ if env is None else env
-        defaults = cls()
-        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or defaults.region
-        lease_ttl = _number(env, "KILN_LEASE_TTL_SECONDS", defaults.lease_ttl_seconds, minimum=0.001)
-        lease_renew = _number(env, "KILN_LEASE_RENEW_SECONDS", defaults.lease_renew_seconds, minimum=0.001)
-        if not lease_renew < lease_ttl:
+        settings = cls(**{declared.name: _read(env, declared) for declared in fields(cls)})
+        if not settings.lease_renew_seconds < settings.lease_ttl_seconds:
             raise SettingsError(
-                f"KILN_LEASE_RENEW_SECONDS ({lease_renew:g}) must be less than KILN_LEASE_TTL_SECONDS ({lease_ttl:g})"
+                f"KILN_LEASE_RENEW_SECONDS ({settings.lease_renew_seconds:g}) must be less than "
+                f"KILN_LEASE_TTL_SECONDS ({settings.lease_ttl_seconds:g})"
             )
-        return cls(
-            keys_table=_text(env, "KILN_KEYS_TABLE", defaults.keys_table),
-            orgs_table=_text(env, "KILN_ORGS_TABLE", defaults.orgs_table),
-            usage_table=_text(env, "KILN_USAGE_TABLE", defaults.usage_table),
-            maintenance_parameter=_text(env, "KILN_MAINTENANCE_PARAMETER", defaults.maintenance_parameter),
-            catalog_parameter=_text(env, "KILN_CATALOG_PARAMETER", defaults.catalog_parameter),
-            catalog_file=_optional_text(env, "KILN_CATALOG_FILE"),
-            region=region,
-            aws_endpoint_url=_optional_text(env, "KILN_AWS_ENDPOINT_URL") or _optional_text(env, "AWS_ENDPOINT_URL"),
-            maintenance_cache_seconds=_number(env, "KILN_MAINTENANCE_CACHE_SECONDS", defaults.maintenance_cache_seconds),
-            catalog_cache_seconds=_number(env, "KILN_CATALOG_CACHE_SECONDS", defaults.catalog_cache_seconds),
-            auth_cache_seconds=_number(env, "KILN_AUTH_CACHE_SECONDS", defaults.auth_cache_seconds),
-            upstream_api_key_parameter=_optional_text(env, "KILN_UPSTREAM_API_KEY_PARAMETER"),
-            upstream_api_key_cache_seconds=_number(
-                env, "KILN_UPSTREAM_API_KEY_CACHE_SECONDS", defaults.upstream_api_key_cache_seconds
-            ),
-            parameter_first_read_seconds=_number(
-                env, "KILN_PARAMETER_FIRST_READ_SECONDS", defaults.parameter_first_read_seconds
-            ),
-            lease_ttl_seconds=lease_ttl,
-            lease_renew_seconds=lease_renew,
-            keepalive_seconds=_number(env, "KILN_KEEPALIVE_SECONDS", defaults.keepalive_seconds, minimum=0.001),
-            max_body_bytes=_integer(env, "KILN_MAX_BODY_BYTES", defaults.max_body_bytes, minimum=1),
-            maintenance_retry_after_seconds=_integer(
-                env, "KILN_MAINTENANCE_RETRY_AFTER_SECONDS", defaults.maintenance_retry_after_seconds
-            ),
-            storage_retry_attempts=_integer(env, "KILN_STORAGE_RETRY_ATTEMPTS", defaults.storage_retry_attempts, minimum=1),
-            storage_retry_seconds=_number(env, "KILN_STORAGE_RETRY_SECONDS", defaults.storage_retry_seconds),
-            default_concurrency=_integer(env, "KILN_DEFAULT_CONCURRENCY", defaults.default_concurrency, minimum=1),
-            usage_retention_days=_integer(env, "KILN_USAGE_RETENTION_DAYS", defaults.usage_retention_days),
-            backend_failure_threshold=_integer(
-                env, "KILN_BACKEND_FAILURE_THRESHOLD", defaults.backend_failure_threshold, minimum=1
-            ),
-            backend_cooldown_seconds=_number(env, "KILN_BACKEND_COOLDOWN_SECONDS", defaults.backend_cooldown_seconds),
-            backend_max_cooldown_seconds=_number(
-                env, "KILN_BACKEND_MAX_COOLDOWN_SECONDS", defaults.backend_max_cooldown_seconds
-            ),
-            backend_error_window_seconds=_number(
-                env, "KILN_BACKEND_ERROR_WINDOW_SECONDS", defaults.backend_error_window_seconds, minimum=0.001
-            ),
-            backend_error_min_requests=_integer(
-                env, "KILN_BACKEND_ERROR_MIN_REQUESTS", defaults.backend_error_min_requests, minimum=1
-            ),
-            backend_error_rate=_rate(env, "KILN_BACKEND_ERROR_RATE", defaults.backend_error_rate),
-            backend_error_min_clients=_integer(
-                env, "KILN_BACKEND_ERROR_MIN_CLIENTS", defaults.backend_error_min_clients, minimum=1
-            ),
-        )
+        return settings
 
     def to_env(self) -> dict[str, str]:
         """The environment that reproduces these settings (for child processes and exports)."""
         env: dict[str, str] = {}
-        for field in fields(self):
-            value = getattr(self, field.name)
+        for declared in fields(self):
+            value = getattr(self, declared.name)
             if value is None:
                 continue
-            name = "AWS_REGION" if field.name == "region" else f"KILN_{field.name.upper()}"
-            env[name] = str(value)
+            env[variable(declared)] = ("true" if value else "false") if isinstance(value, bool) else str(value)
         return env
+
+
+def variable(declared: Field) -> str:
+    """The environment variable of a setting."""
+    return declared.metadata["env"] or f"KILN_{declared.name.upper()}"
+
+
+def _read(env: Mapping[str, str], declared: Field) -> Any:
+    name = variable(declared)
+    raw = next((env[key] for key in (name, *declared.metadata["also"]) if (env.get(key) or "").strip()), None)
+    default = declared.default if declared.default is not MISSING else None
+    kind = str(declared.type)
+    if raw is None:
+        if kind == "str" and name in env:
+            raise SettingsError(f"{name} must not be empty")
+        return default
+    raw = raw.strip()
+    if kind in ("str", "str | None"):
+        return raw
+    if kind == "bool":
+        if raw.lower() in ("1", "true", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "no"):
+            return False
+        raise SettingsError(f"{name} must be true or false, got {raw!r}")
+    try:
+        value: float = int(raw) if kind == "int" else float(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be {'an integer' if kind == 'int' else 'a number'}, got {raw!r}") from None
+    minimum = declared.metadata["minimum"]
+    if not math.isfinite(value) or not value >= (minimum if minimum is not None else 0):
+        raise SettingsError(f"{name} must be >= {minimum if minimum is not None else 0}, got {raw!r}")
+    if declared.metadata["share"] and not 0.0 < value <= 1.0:
+        raise SettingsError(f"{name} must be a share above 0 and at most 1, got {raw!r}")
+    return value
+
+
+def markdown_table() -> str:
+    """The README's configuration table: one row per variable, from the declarations."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for declared in fields(Settings):
+        names = " / ".join(f"`{name}`" for name in (variable(declared), *declared.metadata["also"]))
+        rows.append(f"| {names} | {_shown(declared)} | {declared.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+def _shown(declared: Field) -> str:
+    if declared.metadata["shown"]:
+        return declared.metadata["shown"]
+    default = declared.default
+    if default is None:
+        return "unset"
+    if isinstance(default, str):
+        return f"`{default}`"
+    return f"{default:g}" if isinstance(default, float) else str(default)

@@ -6,16 +6,24 @@ of `kiln.observability`, and off when POWERTOOLS_METRICS_DISABLED is set (`kiln 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
+from functools import cache
 
-__all__ = ["metric", "metric_line"]
+from .settings import Settings
+
+__all__ = ["metric", "metric_line", "telemetry_settings"]
+
+
+@cache
+def telemetry_settings() -> Settings:
+    """The process's settings, for telemetry (Powertools' own variables among them): read once."""
+    return Settings.from_env()
 
 
 def metric_line(name: str, value: float, unit: str = "Count", **dimensions: str) -> str:
-    namespace = os.environ.get("POWERTOOLS_METRICS_NAMESPACE", "Kiln")
-    service = os.environ.get("POWERTOOLS_SERVICE_NAME", "kiln")
+    settings = telemetry_settings()
+    namespace, service = settings.metrics_namespace, settings.service_name
     dims = {"service": service, **dimensions}
     document = {
         "_aws": {
@@ -31,7 +39,7 @@ def metric_line(name: str, value: float, unit: str = "Count", **dimensions: str)
 
 
 def metric(name: str, value: float, unit: str = "Count", **dimensions: str) -> None:
-    if os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() in ("1", "true"):
+    if telemetry_settings().metrics_disabled:
         return
     sys.stdout.write(metric_line(name, value, unit, **dimensions) + "\n")
     sys.stdout.flush()
