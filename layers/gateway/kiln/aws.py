@@ -3,8 +3,8 @@
 DynamoDB and SSM speak JSON over HTTPS, signed with Signature Version 4. The request path
 needs five of their operations (GetItem, UpdateItem, TransactWriteItems, PutItem,
 GetParameter), so it talks to them directly on the gateway's own event loop (`kiln.http1`):
-no botocore (about 115 ms of imports and a client to build at every cold start, ~1.3 ms of
-CPU per call, and a worker thread per call since it blocks). Operators' tools keep using
+no botocore (its imports and a client to build at every cold start, more CPU per call, and
+a worker thread per call since it blocks). Operators' tools keep using
 pynamodb and botocore, which remain the schema of record.
 """
 

@@ -22,9 +22,11 @@
     └── InternalError                 500 internal_error
 
 Clients branch on status and ``error.code``: both are stable API. Messages may change.
-Transport failures and AWS errors are translated into this tree in one place each
-(`kiln.upstream.describe_transport_error` with `UpstreamFailed`, and
-`kiln.store.errors.translate_storage_error`).
+Foreign failures are translated into this tree at the edges: a model server's transport
+failures in `kiln.upstream` (`describe_transport_error`, then `UpstreamFailed`) and its error
+bodies by `UpstreamRejected.from_upstream`; storage failures in
+`kiln.store.errors.translate_storage_error`, made a 503 by `Gateway.storage`; and the web
+framework's own 404/405/500 by `kiln.web`'s exception handlers.
 """
 
 from __future__ import annotations

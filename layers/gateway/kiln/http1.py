@@ -4,8 +4,8 @@ Both of the gateway's outgoing conversations are plain HTTP/1.1 POSTs: to Dynamo
 SSM (small JSON answers) and to model servers (JSON answers or SSE streams). This does
 exactly that on asyncio streams, parsing responses with httptools (llhttp, which uvicorn
 already loads to serve the function). A general-purpose client (httpx, with httpcore, h11
-and anyio's socket layer) cost the function ~55 ms of every cold start and ~0.8 ms of CPU
-per call; this costs neither.
+and anyio's socket layer) adds its imports to every cold start and more CPU per call
+(docs/performance.md compares the two on one storage call).
 
 A connection goes back to its pool only when its response was read to the end and the
 server allows keep-alive; anything else (an error, a timeout, a cancellation, a body left
