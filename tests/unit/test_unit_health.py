@@ -128,3 +128,17 @@ def test_the_snapshot_and_the_metric_say_each_backends_state():
     line = json.loads(metric_line("BackendInService", 0, model="m", backend="a"))
     assert line["BackendInService"] == 0 and line["model"] == "m" and line["backend"] == "a"
     assert line["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["service", "model", "backend"]]
+
+
+def test_the_health_settings_are_read_loudly_and_round_trip():
+    import pytest
+
+    from kiln.settings import Settings, SettingsError
+
+    settings = Settings.from_env({"KILN_BACKEND_ERROR_RATE": "0.25", "KILN_BACKEND_ERROR_MIN_CLIENTS": "3"})
+    assert (settings.backend_error_rate, settings.backend_error_min_clients) == (0.25, 3)
+    assert Settings.from_env(settings.to_env()) == settings
+    for name, value in [("KILN_BACKEND_ERROR_RATE", "0"), ("KILN_BACKEND_ERROR_RATE", "1.5"),
+                        ("KILN_BACKEND_ERROR_MIN_REQUESTS", "0"), ("KILN_BACKEND_ERROR_WINDOW_SECONDS", "0")]:
+        with pytest.raises(SettingsError, match=name):
+            Settings.from_env({name: value})
