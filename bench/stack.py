@@ -6,7 +6,9 @@
 - tables, parameters and the catalog (in SSM, as deployed) from template.yaml and
   infra/catalog.json; an org `bench` with a concurrency limit of 64 and a key;
 - Kiln's chat/completions function started by the real functions/run.sh, as the Lambda Web
-  Adapter starts it (AWS_LWA_PORT, LAMBDA_TASK_ROOT, `python` on PATH: the project venv's).
+  Adapter starts it (AWS_LWA_PORT, LAMBDA_TASK_ROOT, `python` on PATH: the project venv's);
+- on demand, the storage stand-in (bench/standin.py: a fixed service time, no lock), seeded
+  from the embedded AWS, for the cells that must measure the gateway rather than the emulator.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from pathlib import Path
 
 from .procs import Child, Procs, free_port, wait_http
 
-__all__ = ["GAP_MODEL", "MODEL", "Stack", "clean_env"]
+__all__ = ["GAP_MODEL", "LONG_MODEL", "MODEL", "Stack", "clean_env"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "gpt-oss-120b"
 GAP_MODEL = "bench-gaps"
 GAP_TOKENS = 60
 GAP_DELAY_MS = 20
+# the long stream of the Lambda sizes: a token every 100 ms, 300 tokens (30 s; max_tokens cuts it shorter)
+LONG_MODEL = "bench-long"
+LONG_DELAY_MS = 100
+LONG_TOKENS = 300
 ORG = "bench"
 FAKE_AWS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -83,6 +89,10 @@ class Stack:
         gaps = {**json.loads(json.dumps(base)), "id": GAP_MODEL}
         gaps["backends"] = [{"name": "local-gaps", "url": self.gap_base}]
         document["models"].append(gaps)
+        long = {**json.loads(json.dumps(base)), "id": LONG_MODEL}
+        long["backends"] = [{"name": "local-long",
+                             "url": f"{self.mock_url}/x/token_delay_ms={LONG_DELAY_MS},tokens={LONG_TOKENS}/v1"}]
+        document["models"].append(long)
         return json.dumps(document)
 
     def _provision(self) -> None:
@@ -100,6 +110,21 @@ class Stack:
         create_org(tables, ORG, concurrency=64, credits=Decimal("100000"))
         self.key = create_key(tables, ORG).secret
         self.settings_env = settings.to_env()
+        self._clients = (dynamodb, ssm)
+
+    def start_standin(self, service_ms: float) -> str:
+        """The storage stand-in with the embedded AWS's tables and parameters as they are now; its URL."""
+        from .standin import seed_from
+
+        seed = self.procs.log_dir / "standin-seed.json"
+        seed.write_text(json.dumps(seed_from(*self._clients)))
+        port = free_port()
+        self.standin = self.procs.start(
+            "standin", [self.python, "-m", "bench.standin", "--port", str(port), "--service-ms", str(service_ms),
+                        "--seed", str(seed)], env=clean_env(), cwd=ROOT)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/__standin/stats", child=self.standin, ok=lambda status: status == 200)
+        return url
 
     def function_env(self, port: int, task_root: Path, *, python_dir: str | None = None, pythonpath: str | None = None,
                      **extra: str) -> dict[str, str]:
@@ -128,10 +153,14 @@ class Stack:
         wait_http(f"{url}/healthz", child=child, ok=lambda status: status == 200)
         return child, url
 
-    def start_function(self, name: str, function: str = "chat_completions", *, probe: bool = False) -> tuple[Child, str]:
-        """One function served by the real functions/run.sh with the project venv's python."""
+    def start_function(self, name: str, function: str = "chat_completions", *, probe: bool = False,
+                       aws_url: str | None = None) -> tuple[Child, str]:
+        """One function served by the real functions/run.sh with the project venv's python (its storage
+        at `aws_url`: the stand-in, or by default the embedded AWS)."""
         port = free_port()
         extra = {"BENCH_PROBE": "1"} if probe else {}
+        if aws_url:
+            extra["KILN_AWS_ENDPOINT_URL"] = aws_url
         pythonpath = str(ROOT / "bench" / "instrument") if probe else None
         env = self.function_env(port, ROOT / "functions" / function, pythonpath=pythonpath, **extra)
         child = self.procs.start(name, ["sh", str(ROOT / "functions" / "run.sh")], env=env, cwd=ROOT / "functions" / function)
