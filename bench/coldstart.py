@@ -9,6 +9,14 @@ functions are copied and precompiled as functions/Makefile does. "Without .pyc" 
 tree with every __pycache__ removed and PYTHONDONTWRITEBYTECODE=1 (the interpreter's own
 standard library keeps its .pyc in both: Lambda's runtime ships it precompiled too).
 
+In production only chat/completions and completions take that path (template.yaml: `Handler:
+run.sh` with the Web Adapter in streaming mode); models and generations are buffered Mangum
+handlers in both modes (`Handler: app.handler`). Their production path is measured too: a
+process that imports the function's module, as Lambda's Python runtime does at init, and calls
+`handler(event, context)` with an API Gateway REST event, against a bare FastAPI app behind
+Mangum started the same way; then a second invocation in the same process, as a warm
+environment gets it.
+
 The harness's own HTTP client is made before the clock starts, without a TLS context (every
 URL is http://127.0.0.1): made inside the window, as before 2026-11-30T12:00Z, it added ~17 ms
 to every start, the bare app's included.
@@ -52,6 +60,49 @@ async def healthz():
 async def hello():
     return {"hello": "world"}
 '''
+BARE_MANGUM_APP = BARE_APP.replace('"""A bare FastAPI hello-world app: the cold-start baseline."""', '"""A bare FastAPI hello-world app behind Mangum: the buffered cold-start baseline."""') + '''
+
+from mangum import Mangum  # noqa: E402
+
+handler = Mangum(app, lifespan="off")
+'''
+# What Lambda's Python runtime does for a buffered function, cut to the bone: import the handler's
+# module (init), then invoke it twice with an API Gateway REST event; one JSON line on stdout.
+MANGUM_RUNNER = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import app
+t1 = time.perf_counter()
+class Context:
+    function_name = "bench"
+    function_version = "$LATEST"
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:bench"
+    memory_limit_in_mb = 1024
+    aws_request_id = "bench-request"
+    log_group_name = "/aws/lambda/bench"
+    log_stream_name = "bench"
+    def get_remaining_time_in_millis(self):
+        return 29000
+path, key = sys.argv[1], sys.argv[2]
+headers = {"authorization": "Bearer " + key, "host": "bench.execute-api.us-east-1.amazonaws.com",
+           "x-forwarded-proto": "https", "x-forwarded-port": "443", "accept": "application/json"}
+event = {"resource": path, "path": path, "httpMethod": "GET", "headers": headers,
+         "multiValueHeaders": {k: [v] for k, v in headers.items()}, "queryStringParameters": None,
+         "multiValueQueryStringParameters": None, "pathParameters": None, "stageVariables": None,
+         "requestContext": {"resourceId": "bench", "resourcePath": path, "httpMethod": "GET", "requestId": "bench-request",
+                            "path": "/prod" + path, "accountId": "123456789012", "stage": "prod", "apiId": "bench",
+                            "identity": {"sourceIp": "127.0.0.1", "userAgent": "bench"},
+                            "domainName": "bench.execute-api.us-east-1.amazonaws.com"},
+         "body": None, "isBase64Encoded": False}
+first = app.handler(event, Context())
+t2 = time.perf_counter()
+second = app.handler(event, Context())
+t3 = time.perf_counter()
+print("BENCH-RESULT " + json.dumps({"import_ms": (t1 - t0) * 1000, "first_ms": (t2 - t1) * 1000, "second_ms": (t3 - t2) * 1000,
+                  "status": first.get("statusCode"), "second_status": second.get("statusCode"),
+                  "body": str(first.get("body"))[:300], "second_body": str(second.get("body"))[:300]}), flush=True)
+'''
+MANGUM_FUNCTIONS = ("models", "generations")
 
 
 def find_python313() -> str | None:
@@ -114,6 +165,8 @@ def build(work: Path, log: Callable[[str], None], *, source: Path = ROOT, deps_r
     bare.mkdir(parents=True)
     (bare / "app.py").write_text(BARE_APP)
     shutil.copy(source / "functions" / "run.sh", bare / "run.sh")
+    (pyc / "functions" / "bare_mangum").mkdir(parents=True)
+    (pyc / "functions" / "bare_mangum" / "app.py").write_text(BARE_MANGUM_APP)
     started = time.monotonic()
     _compile(py313, pyc)
     compile_s = time.monotonic() - started
@@ -208,6 +261,48 @@ def _start_once(procs: Procs, stack: Stack, built: dict, variant: str, app: str,
             result_log = child.log_path.read_text(errors="replace")
             _IMPORTTIME[(app, variant)] = _parse_importtime(result_log)
             _IMPORTED[(app, variant)] = _self_times(result_log)
+
+
+def _mangum_path(app: str, gen_id: str | None) -> str:
+    return {"models": "/v1/models", "generations": f"/v1/generations/{gen_id}"}.get(app, "/")
+
+
+def _start_mangum_once(stack: Stack, built: dict, variant: str, app: str, *, gen_id: str | None) -> dict[str, Any]:
+    """One buffered cold start: process start → the handler's first answer (Lambda's init + first invoke)."""
+    import json
+
+    tree = Path(built[variant])
+    folder = "bare_mangum" if app == "bare_fastapi" else app
+    task_root = tree / "functions" / folder
+    env = stack.function_env(free_port(), task_root, python_dir=str(Path(built["python"]).parent),
+                             pythonpath=f"{tree / 'layer' / 'python'}:{task_root}", PYTHONDONTWRITEBYTECODE="1")
+    for name in ("AWS_LWA_PORT",):
+        env.pop(name, None)
+    argv = [built["python"], "-c", MANGUM_RUNNER, _mangum_path(app, gen_id), stack.key]
+    started = time.perf_counter()
+    child = subprocess.Popen(argv, env=env, cwd=task_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        for raw in child.stdout:  # the function's own log lines (Powertools writes to stdout) come first
+            if raw.startswith("BENCH-RESULT "):
+                line = raw[len("BENCH-RESULT "):]
+                break
+        answered = time.perf_counter()
+        _, err = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return {"error": "no answer within 60 s"}
+    if not line:
+        return {"error": f"exit {child.returncode}: {err[-600:]}"}
+    out = json.loads(line)
+    result = {"ready_ms": round(out["import_ms"], 1), "first_answer_ms": round((answered - started) * 1000, 1),
+              "handler_first_ms": round(out["first_ms"], 1), "second_invoke_ms": round(out["second_ms"], 1),
+              "status": out["status"], "second_status": out["second_status"]}
+    if out["status"] != 200:
+        result["error"] = f"HTTP {out['status']}: {out['body']}"
+    elif out["second_status"] != 200:
+        result["second_error"] = f"HTTP {out['second_status']}: {out['second_body']}"
+    return result
 
 
 _IMPORTTIME: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -381,6 +476,24 @@ def _summarize(runs: dict[str, dict[str, list[dict]]], bare_runs: dict[str, list
     return out
 
 
+def production_paths(summary: dict[str, Any]) -> dict[str, Any]:
+    """Each function on the path it takes in production (template.yaml): chat/completions and
+    completions through run.sh + uvicorn (the Web Adapter's), models and generations through Mangum;
+    each against the bare FastAPI app on the same path, in the same run."""
+    out: dict[str, Any] = {}
+    for variant in ("pyc", "nopyc"):
+        out[variant] = {}
+        for app in FUNCTIONS:
+            path = "mangum" if app in MANGUM_FUNCTIONS else "variants"
+            per_app = (summary.get(path) or {}).get(variant) or {}
+            entry, bare = per_app.get(app) or {}, per_app.get("bare_fastapi") or {}
+            out[variant][app] = {"path": "Mangum handler" if path == "mangum" else "run.sh + uvicorn (Web Adapter)",
+                                 "first_answer_ms": entry.get("first_answer_ms_median"),
+                                 "bare_ms": bare.get("first_answer_ms_median"), "ratio_to_bare": entry.get("ratio_to_bare"),
+                                 "errors": entry.get("errors") or []}
+    return out
+
+
 def measure(procs: Procs, stack: Stack, built: dict, *, repeats: int, log: Callable[[str], None],
             versions: dict[str, dict] | None = None, label: str = "this tree") -> dict[str, Any]:
     """Every function and the bare app, with and without .pyc, `repeats` starts each. `versions`:
@@ -392,6 +505,8 @@ def measure(procs: Procs, stack: Stack, built: dict, *, repeats: int, log: Calla
     versions = versions or {}
     apps = [*FUNCTIONS, "bare_fastapi"]
     runs: dict[str, dict[str, list[dict]]] = {variant: {app: [] for app in apps} for variant in ("pyc", "nopyc")}
+    mangum_apps = [*MANGUM_FUNCTIONS, "bare_fastapi"]
+    mangum: dict[str, dict[str, list[dict]]] = {variant: {app: [] for app in mangum_apps} for variant in ("pyc", "nopyc")}
     older: dict[str, dict[str, dict[str, list[dict]]]] = {
         v: {variant: {app: [] for app in FUNCTIONS} for variant in ("pyc", "nopyc")} for v in versions}
     # One start per variant that is not counted: the first start after the build pays for cold
@@ -413,15 +528,28 @@ def measure(procs: Procs, stack: Stack, built: dict, *, repeats: int, log: Calla
                     if app == "chat_completions" and name == label and result.get("gen_id"):
                         gen_id = result["gen_id"]
                     (runs if name == label else older[name])[variant][app].append(result)
+            # the buffered functions' production path (Mangum), this tree only
+            for app in mangum_apps[turn % len(mangum_apps):] + mangum_apps[:turn % len(mangum_apps)]:
+                mangum[variant][app].append(_start_mangum_once(stack, built, variant, app, gen_id=gen_id))
     # one more start per function with -X importtime (not counted in the figures)
     for app in apps:
         _start_once(procs, stack, built, "pyc", app, gen_id=gen_id, importtime=True)
     summary: dict[str, Any] = {"repeats": repeats, "python": built.get("python_version"), "label": label,
                                "order": "rotated",
                                "variants": _summarize(runs)}
+    summary["mangum"] = _summarize(mangum)
+    for variant in ("pyc", "nopyc"):
+        for app in mangum_apps:
+            entry = summary["mangum"][variant][app]
+            seconds = [r.get("second_invoke_ms") for r in mangum[variant][app] if r.get("second_invoke_ms") is not None]
+            entry["second_invoke_ms_median"] = round(statistics.median(seconds), 1) if seconds else None
+            entry["second_invoke_errors"] = [r["second_error"][:300] for r in mangum[variant][app] if "second_error" in r]
+    summary["production"] = production_paths(summary)
     for variant in ("pyc", "nopyc"):
         log(f"  {variant}: " + ", ".join(
             f"{app} {summary['variants'][variant][app]['first_answer_ms_median']} ms" for app in apps))
+        log(f"  {variant}, Mangum: " + ", ".join(
+            f"{app} {summary['mangum'][variant][app]['first_answer_ms_median']} ms" for app in mangum_apps))
     if versions:
         summary["versions"] = {}
         for name in versions:
