@@ -1,8 +1,9 @@
 """`make bench` → `.venv/bin/python -m bench [--quick] [--skip SECTION,…] [--no-netns]`.
 
 Two phases. Preparing (may use the network: the package registries) installs the peers and
-the bench's tool environment under .bench/ and builds the x86 layer for cold starts; it is
-done once and reused. Measuring runs, where this user may create one (root), in a private
+the bench's tool environment under .bench/, Debian's redis-server with apt-get for the same-job
+LiteLLM, tries LiteLLM's database layer (Prisma), and builds the x86 layer for cold starts and
+the Lambda sizes; it is done once and reused. Measuring runs, where this user may create one (root), in a private
 network namespace that has nothing but loopback (`unshare --net`): every process the bench
 starts, the peers included, can only reach 127.0.0.1. Then bench/results/<timestamp>.json,
 bench/results/latest.json, docs/performance/*.png and docs/performance.md are written.
@@ -21,14 +22,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / ".bench"
-SECTIONS = ("matrix", "breakdown", "client", "ab", "profile", "gaps", "sse", "coldstart", "memory")
+SECTIONS = ("matrix", "breakdown", "client", "ab", "profile", "gaps", "sse", "coldstart", "memory", "sizes")
 
 FULL = dict(count=400, time_limit=60.0, warmup=16, concurrencies=(1, 8, 16), breakdown_count=300, steady_seconds=12.0,
             profile_count=400, gap_requests=10, sse_repeats=5, cold_repeats=5, memory_buffered=1750, memory_streamed=250,
-            memory_concurrency=8, ab_count=500, ab_rounds=2, client_calls=1000)
+            memory_concurrency=8, ab_count=300, ab_rounds=2, client_calls=1000, standin_service_ms=4.0,
+            sizes_mb=(128, 256, 512, 768, 1024, 1536, 2048), sizes_buffered=50, sizes_streams=30, long_tokens=300)
 QUICK = dict(count=20, time_limit=10.0, warmup=2, concurrencies=(1, 8, 16), breakdown_count=30, steady_seconds=3.0,
              profile_count=60, gap_requests=1, sse_repeats=1, cold_repeats=1, memory_buffered=150, memory_streamed=50,
-             memory_concurrency=8, ab_count=30, ab_rounds=1, client_calls=100)
+             memory_concurrency=8, ab_count=30, ab_rounds=1, client_calls=100, standin_service_ms=4.0,
+             sizes_mb=(128, 1024), sizes_buffered=5, sizes_streams=3, long_tokens=20)
 
 
 def log(message: str) -> None:
@@ -115,7 +118,12 @@ def prepare(args: argparse.Namespace) -> dict:
     else:
         prepared["litellm"] = peers.install_litellm(HOME).as_dict()
         prepared["portkey"] = peers.install_portkey(HOME).as_dict()
-    if "coldstart" in skipped(args) and "memory" in skipped(args):
+        prepared["redis"] = peers.install_redis(HOME)
+        prepared["samejob_extras"] = peers.install_samejob_extras(HOME, peers.PeerStatus(**prepared["litellm"]))
+        log("trying LiteLLM's database layer (prisma generate on its schema)")
+        prepared["prisma_probe"] = peers.prisma_probe(HOME, peers.PeerStatus(**prepared["litellm"]))
+        log(f"  exit {prepared['prisma_probe'].get('exit')}: {(prepared['prisma_probe'].get('output') or '')[-200:]}")
+    if {"coldstart", "memory", "sizes"} <= skipped(args):
         prepared["coldstart_build"] = {"error": "skipped"}
     else:
         log("building the x86 layer and functions for cold starts (python3.13)")
@@ -221,6 +229,27 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
         kiln = kiln_target()
         kiln.restart = restart_kiln
         targets = [direct, kiln]
+        standin_url = None
+        if {"matrix", "sizes", "profile"} - skip:
+            log(f"starting the storage stand-in ({size['standin_service_ms']} ms per call, no lock), seeded from the "
+                f"embedded AWS")
+            standin_url = stack.start_standin(size["standin_service_ms"])
+            results["standin"] = {"url": standin_url, "service_ms": size["standin_service_ms"]}
+
+        def standin_target() -> scenarios.Target:
+            child, url = stack.start_function("kiln-standin", probe=True, aws_url=standin_url)
+            return scenarios.Target("kiln-standin", f"{url}/v1", kiln_headers, child)
+
+        def restart_standin() -> scenarios.Target:
+            if standin.child is not None:
+                procs.stop(standin.child)
+            return standin_target()
+
+        if standin_url and "matrix" not in skip:
+            standin = standin_target()
+            standin.restart, standin.gaps = restart_standin, False
+            standin.after_cell = lambda target: scenarios.storage_wait(target.base[:-len("/v1")])
+            targets.append(standin)
         litellm_status = peers.PeerStatus(**prepared["litellm"])
         portkey_status = peers.PeerStatus(**prepared["portkey"])
         need_peers = bool({"matrix", "gaps"} - skip) and not args.skip_peers
@@ -229,6 +258,27 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             litellm_child = peers.start_litellm(procs, HOME, litellm_status, stack.mock_url, stack.gap_base)
             if litellm_child is not None:
                 targets.append(scenarios.Target("litellm", litellm_status.url, peers.litellm_headers(), litellm_child))
+            samejob_status = peers.PeerStatus("litellm-samejob", version=litellm_status.version,
+                                              installed=litellm_status.installed)
+            redis = peers.start_redis(procs, prepared.get("redis") or {})
+            if prepared.get("samejob_extras"):
+                samejob_status.problems.append(prepared["samejob_extras"])
+            if redis is None:
+                samejob_status.problems.append(f"Redis did not start: {(prepared.get('redis') or {}).get('error', '?')}")
+            else:
+                stack.redis = redis[0]
+                samejob_status.notes.append(f"Redis: {(prepared.get('redis') or {}).get('version')}")
+                samejob_child = peers.start_litellm_samejob(procs, HOME, samejob_status, stack.mock_url, redis[1])
+                if samejob_child is not None:
+                    try:
+                        results["samejob_checks"] = peers.samejob_checks(samejob_status.url)
+                    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                        results["samejob_checks"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    log(f"  LiteLLM same job: {results['samejob_checks']}")
+                    targets.append(scenarios.Target("litellm-samejob", samejob_status.url, peers.samejob_headers(),
+                                                    samejob_child, concurrencies=(1, 8), gaps=False))
+            results["peers"]["litellm-samejob"] = samejob_status
+            results["prisma_probe"] = prepared.get("prisma_probe")
             portkey_child = peers.start_portkey(procs, HOME, portkey_status)
             if portkey_child is not None:
                 targets.append(scenarios.Target(
@@ -242,11 +292,20 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             results["matrix"] = scenarios.latency_matrix(
                 targets, modes=(False, True), concurrencies=tuple(size["concurrencies"]), count=size["count"],
                 time_limit=size["time_limit"], warmup=size["warmup"], mock_port=mock_port, log=log,
-                others={"emulator": stack.emulator.pid, "mock upstream": stack.mock.pid})
+                others={"emulator": stack.emulator.pid, "mock upstream": stack.mock.pid,
+                        **({"storage stand-in": stack.standin.pid} if standin_url else {})})
+        if standin_url:
+            import httpx
+
+            results["standin"]["stats"] = httpx.get(f"{standin_url}/__standin/stats", timeout=10, trust_env=False).json()
         if "gaps" not in skip:
             log(f"chunk gaps: upstream emits a token every 20 ms, {size['gap_requests']} streams per target")
             results["gaps"] = scenarios.chunk_gaps(targets, requests=size["gap_requests"], time_limit=90, log=log)
-        for peer_name, status in (("litellm", litellm_status), ("portkey", portkey_status)):
+        samejob = results["peers"].pop("litellm-samejob", None)
+        peer_statuses = [("litellm", litellm_status), ("portkey", portkey_status)]
+        if samejob is not None:
+            peer_statuses.append(("litellm-samejob", samejob))
+        for peer_name, status in peer_statuses:
             target = by_name.get(peer_name)
             if target is not None:
                 target.check_alive()
@@ -264,6 +323,8 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
         for target in targets:
             if target.child is not None and target.name != "kiln":
                 procs.stop(target.child)
+        if getattr(stack, "redis", None) is not None:
+            procs.stop(stack.redis)
         if kiln.child is not None:
             procs.stop(kiln.child)
 
@@ -294,6 +355,12 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             results["profile"] = scenarios.profile_gateway(
                 stack, prepared["tools"].get("py_spy"), HOME / "profiles", stream=False, concurrency=16,
                 count=size["profile_count"], extra_pids={"emulator": stack.emulator.pid}, log=log)
+            if standin_url:
+                log("  and the gateway over the storage stand-in (no emulator queue in front of its storage calls)")
+                results["profile_standin"] = scenarios.profile_gateway(
+                    stack, prepared["tools"].get("py_spy"), HOME / "profiles", stream=False, concurrency=16,
+                    count=size["profile_count"], extra_pids={"stand-in": stack.standin.pid}, log=log,
+                    aws_url=standin_url, label="-standin")
         if "sse" not in skip:
             log("SSE rewriting cost (SseRelay.feed microbenchmark)")
             results["sse"] = scenarios.sse_cost(repeats=size["sse_repeats"])
@@ -332,6 +399,8 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                 stack, lambda: stack.start_function("memory-chat-venv"), buffered=size["memory_buffered"],
                 streamed=size["memory_streamed"], concurrency=size["memory_concurrency"], log=log,
                 label=f"project venv, Python {results['machine']['python_gateway']}")
+        if "sizes" not in skip and standin_url:
+            results["sizes"] = lambda_sizes(stack, procs, built, standin_url, size)
     except KeyboardInterrupt:
         results["interrupted"] = True
         log("interrupted: stopping everything")
@@ -344,6 +413,36 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
         procs.stop_all()
     results["duration_s"] = round(time.monotonic() - started, 1)
     return results
+
+
+def lambda_sizes(stack, procs, built: dict, standin_url: str, size: dict) -> dict:
+    """The chat function under each Lambda size's CPU quota (bench/lambdasizes.py), on the stand-in."""
+    from . import lambdasizes
+    from .procs import free_port, wait_http
+    from .stack import LONG_DELAY_MS, LONG_MODEL
+
+    use_built = "error" not in built
+    label = f"built x86 layer, {built.get('python_version')}" if use_built else "project venv (no python3.13 build)"
+
+    def start(wrap, name):
+        port = free_port()
+        if use_built:
+            task_root = Path(built["pyc"]) / "functions" / "chat_completions"
+            env = stack.function_env(port, task_root, python_dir=str(Path(built["python"]).parent),
+                                     pythonpath=str(Path(built["pyc"]) / "layer" / "python"),
+                                     PYTHONDONTWRITEBYTECODE="1", KILN_AWS_ENDPOINT_URL=standin_url)
+        else:
+            task_root = ROOT / "functions" / "chat_completions"
+            env = stack.function_env(port, task_root, KILN_AWS_ENDPOINT_URL=standin_url)
+        child = procs.start(name, wrap(["sh", str(task_root / "run.sh")]), env=env, cwd=task_root)
+        wait_http(f"http://127.0.0.1:{port}/healthz", child=child, ok=lambda s: s == 200, timeout=120)
+        return child, f"http://127.0.0.1:{port}"
+
+    log(f"Lambda sizes: {', '.join(f'{m} MB' for m in size['sizes_mb'])} under CPU quotas ({label}), "
+        f"{size['sizes_buffered']} buffered + {size['sizes_streams']} short streams each, one request at a time")
+    return lambdasizes.measure(stack, start, standin_url, sizes=tuple(size["sizes_mb"]), buffered=size["sizes_buffered"],
+                               short_streams=size["sizes_streams"], long_model=LONG_MODEL, long_tokens=size["long_tokens"],
+                               long_seconds=size["long_tokens"] * LONG_DELAY_MS / 1000, log=log, label=label)
 
 
 def version_tree(commit: str) -> Path | None:

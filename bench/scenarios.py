@@ -37,9 +37,14 @@ class Target:
     """Something that serves /v1/chat/completions: its base URL, headers, and the process to watch."""
 
     def __init__(self, name: str, base: str, headers: dict, child: Child | None = None,
-                 restart: Callable[[], "Target"] | None = None, gap_base: str | None = None, gap_headers: dict | None = None):
+                 restart: Callable[[], "Target"] | None = None, gap_base: str | None = None, gap_headers: dict | None = None,
+                 concurrencies: tuple[int, ...] | None = None, after_cell: Callable[["Target"], dict] | None = None,
+                 gaps: bool = True):
         self.name, self.base, self.headers, self.child = name, base, headers, child
         self.restart = restart
+        self.concurrencies = concurrencies  # None: every concurrency of the matrix
+        self.after_cell = after_cell  # what else to record after each cell (e.g. the probe's storage wait)
+        self.gaps = gaps  # measured in the chunk-gap scenario too
         self.gap_base = gap_base or base
         self.gap_headers = gap_headers if gap_headers is not None else headers
         self.problems: list[str] = []
@@ -92,6 +97,8 @@ def latency_matrix(targets: list[Target], *, modes: tuple[bool, ...], concurrenc
     for stream in modes:
         for concurrency in concurrencies:
             for target in targets:
+                if target.concurrencies is not None and concurrency not in target.concurrencies:
+                    continue
                 cell: dict[str, Any] = {"target": target.name, "mode": "stream" if stream else "buffered",
                                         "concurrency": concurrency}
                 if target.restart is not None:
@@ -122,6 +129,11 @@ def latency_matrix(targets: list[Target], *, modes: tuple[bool, ...], concurrenc
                     cell["target_rss_mb"] = rss_mb(target.child.pid, tree=True)
                     cell["target_peak_rss_mb"] = peak_rss_mb(target.child.pid, tree=True)
                     cell["upstream_sockets_open"] = _established_to(target.child.pid, mock_port)
+                if target.after_cell is not None and target.check_alive():
+                    try:
+                        cell.update(target.after_cell(target))
+                    except Exception as exc:  # noqa: BLE001 - the cell stays; it says what is missing
+                        cell["after_cell_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 if not target.check_alive():
                     cell["crashed"] = target.problems[-1][:1000]
                 cells.append(cell)
@@ -231,6 +243,19 @@ def _storage_summary(stats: dict) -> dict[str, Any]:
         "background_calls": len(background),
         "by_operation": by_op,
     }
+
+
+def storage_wait(url: str) -> dict[str, Any]:
+    """What a probed gateway's requests waited for storage (the probe's side channel), in brief."""
+    summary = _storage_summary(_probe(url, "stats"))
+    return {"storage_wait": {
+        "requests": summary["requests"],
+        "storage_ms_per_request": summary["storage_ms_per_request"],
+        "writes_per_request": summary["writes_per_request"],
+        "process_cpu_ms_per_request": summary["process_cpu_ms_per_request"],
+        "storage_client_cpu_ms_per_request": summary["storage_client_cpu_ms_per_request"],
+        "server_ms": summary["server_ms"],
+    }}
 
 
 def where_time_goes(stack: Stack, *, count: int, steady_seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
@@ -448,11 +473,13 @@ def _grouped(raw: str, *, gateway: bool = True) -> dict[str, float]:
 
 
 def profile_gateway(stack: Stack, py_spy: str | None, work: Path, *, stream: bool, concurrency: int, count: int,
-                    extra_pids: dict[str, int] | None = None, log: Callable[[str], None]) -> dict[str, Any]:
-    """py-spy (200 Hz, --gil: only the thread running Python, i.e. CPU) on the gateway and the emulator during one cell."""
+                    extra_pids: dict[str, int] | None = None, log: Callable[[str], None],
+                    aws_url: str | None = None, label: str = "") -> dict[str, Any]:
+    """py-spy (200 Hz, --gil: only the thread running Python, i.e. CPU) on the gateway and the emulator during
+    one cell (`aws_url`: the gateway's storage, e.g. the stand-in)."""
     if not py_spy:
         return {"error": "py-spy is not installed in the bench's tool environment"}
-    child, url = stack.start_function("kiln-profiled")
+    child, url = stack.start_function("kiln-profiled", aws_url=aws_url)
     work.mkdir(parents=True, exist_ok=True)
     headers = {"authorization": f"Bearer {stack.key}"}
     try:
@@ -461,7 +488,7 @@ def profile_gateway(stack: Stack, py_spy: str | None, work: Path, *, stream: boo
         pids = {"gateway": child.pid, **(extra_pids or {})}
         spies = {}
         for name, pid in pids.items():
-            raw = work / f"{name}-{'stream' if stream else 'buffered'}-c{concurrency}.txt"
+            raw = work / f"{name}{label}-{'stream' if stream else 'buffered'}-c{concurrency}.txt"
             spies[name] = (raw, subprocess.Popen(
                 [py_spy, "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--output", str(raw),
                  "--nonblocking", "--gil", "--duration", "600"],
@@ -493,6 +520,8 @@ def chunk_gaps(targets: list[Target], *, requests: int, time_limit: float, log: 
     out: dict[str, Any] = {"upstream_token_delay_ms": GAP_DELAY_MS, "tokens": GAP_TOKENS, "targets": {}}
     body = _body(True, GAP_MODEL)
     for target in targets:
+        if not target.gaps:
+            continue
         if target.restart is not None:
             fresh = target.restart()
             target.child, target.base = fresh.child, fresh.base

@@ -1,0 +1,153 @@
+"""The goals of issue 16, computed from a run's results: each a figure, the rows behind it, a verdict.
+
+Pure functions of the results JSON (no process, no clock), so they are unit-tested and a report
+re-rendered from an old results file says the same. A verdict is True (met), False (missed) or
+None (not measured: a cell, a peer or a section is missing), never a pass by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CPU_RATIO", "COLD_RATIO", "SAMEJOB_RATIO", "added", "cell", "coldstart_production", "cpu_vs_portkey",
+           "lambda_sizes", "samejob", "standin_overhead"]
+
+CPU_RATIO = 0.5  # Kiln's CPU per request ≤ 1/2 of Portkey's
+SAMEJOB_RATIO = 1 / 3  # Kiln's added p50 ≤ 1/3 of the same-job peer's
+COLD_RATIO = 1.2  # cold start ≤ 1.2 × a bare FastAPI app's on the same path, with .pyc
+
+
+def cell(results: dict, target: str, mode: str, concurrency: int) -> dict | None:
+    for entry in results.get("matrix") or []:
+        if entry.get("target") == target and entry.get("mode") == mode and entry.get("concurrency") == concurrency:
+            return entry
+    return None
+
+
+def _stat(entry: dict | None, stat: str) -> float | None:
+    if not entry or not entry.get("ok") or "latency_ms" not in entry:
+        return None
+    return entry["latency_ms"].get(stat)
+
+
+def added(results: dict, target: str, mode: str, concurrency: int, stat: str = "p50") -> float | None:
+    """`target`'s latency statistic minus the mock's own (direct), same mode and concurrency, same run."""
+    mine, direct = _stat(cell(results, target, mode, concurrency), stat), _stat(cell(results, "direct", mode, concurrency), stat)
+    return None if mine is None or direct is None else round(mine - direct, 3)
+
+
+def _concurrencies(results: dict) -> list[int]:
+    return list((results.get("config") or {}).get("concurrencies") or [])
+
+
+def _verdict(checks: list[bool | None]) -> bool | None:
+    """False if any check failed; None if none failed but one was not measured (or there were none)."""
+    if any(c is False for c in checks):
+        return False
+    if not checks or any(c is None for c in checks):
+        return None
+    return True
+
+
+def cpu_vs_portkey(results: dict, ratio: float = CPU_RATIO) -> dict[str, Any]:
+    """Kiln's own process CPU per request against Portkey's, every mode and concurrency of the matrix
+    (Kiln without the probe, on the embedded AWS: its storage client's CPU counts, the emulator's not)."""
+    rows = []
+    for mode in ("buffered", "stream"):
+        for concurrency in _concurrencies(results):
+            k = ((cell(results, "kiln", mode, concurrency) or {}).get("cpu_ms_per_request") or {}).get("kiln")
+            p = ((cell(results, "portkey", mode, concurrency) or {}).get("cpu_ms_per_request") or {}).get("portkey")
+            r = round(k / p, 3) if k is not None and p else None
+            rows.append({"mode": mode, "concurrency": concurrency, "kiln_cpu_ms": k, "portkey_cpu_ms": p, "ratio": r,
+                         "pass": None if r is None else r <= ratio})
+    measured = "; ".join(f"{r['mode']} c={r['concurrency']}: {r['kiln_cpu_ms']} vs {r['portkey_cpu_ms']} ms (×{r['ratio']})"
+                         for r in rows)
+    return {"id": "cpu_vs_portkey", "goal": f"Kiln's CPU per request ≤ {ratio:g} × Portkey's, buffered and streamed, same run",
+            "measured": measured or "not measured", "rows": rows, "pass": _verdict([r["pass"] for r in rows])}
+
+
+def standin_overhead(results: dict) -> dict[str, Any]:
+    """On the fixed-latency stand-in: Kiln's added p50/p99 minus what its requests waited for storage
+    (the probe's storage wall per request, same statistic), against Portkey's added latency."""
+    rows = []
+    for mode in ("buffered", "stream"):
+        for concurrency in _concurrencies(results):
+            entry = cell(results, "kiln-standin", mode, concurrency) or {}
+            wait = ((entry.get("storage_wait") or {}).get("storage_ms_per_request") or {})
+            row: dict[str, Any] = {"mode": mode, "concurrency": concurrency}
+            for stat in ("p50", "p99"):
+                a = added(results, "kiln-standin", mode, concurrency, stat)
+                w = wait.get(stat)
+                row[f"kiln_added_{stat}"] = a
+                row[f"storage_wait_{stat}"] = w
+                row[f"kiln_net_{stat}"] = round(a - w, 3) if a is not None and w is not None else None
+                row[f"portkey_added_{stat}"] = added(results, "portkey", mode, concurrency, stat)
+                row[f"litellm_added_{stat}"] = added(results, "litellm", mode, concurrency, stat)
+            row["kiln_errors"] = entry.get("errors")
+            net, portkey = row["kiln_net_p50"], row["portkey_added_p50"]
+            row["pass"] = None if net is None or portkey is None else (net <= portkey and not row["kiln_errors"])
+            rows.append(row)
+    measured = "; ".join(f"{r['mode']} c={r['concurrency']}: {r['kiln_added_p50']} − {r['storage_wait_p50']} = "
+                         f"{r['kiln_net_p50']} ms vs Portkey {r['portkey_added_p50']} ms" for r in rows)
+    return {"id": "standin_overhead",
+            "goal": "on the fixed-latency storage stand-in, at c=1, 8 and 16: Kiln's added p50 minus its storage wait "
+                    "≤ Portkey's added p50",
+            "measured": measured or "not measured", "rows": rows, "pass": _verdict([r["pass"] for r in rows])}
+
+
+def samejob(results: dict, ratio: float = SAMEJOB_RATIO, concurrencies: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
+    """Kiln (on the stand-in: storage at DynamoDB's latency) against LiteLLM doing the same job, added p50."""
+    rows = []
+    for mode in ("buffered", "stream"):
+        for concurrency in concurrencies:
+            k = added(results, "kiln-standin", mode, concurrency)
+            s = added(results, "litellm-samejob", mode, concurrency)
+            peer = cell(results, "litellm-samejob", mode, concurrency) or {}
+            rows.append({"mode": mode, "concurrency": concurrency, "kiln_added": k,
+                         "kiln_on_emulator_added": added(results, "kiln", mode, concurrency), "samejob_added": s,
+                         "ratio": round(k / s, 3) if k is not None and s else None,
+                         "samejob_refused": (peer.get("statuses") or {}).get("429", 0),
+                         "samejob_requests": peer.get("requests"),
+                         "pass": None if k is None or s is None else k <= s * ratio})
+    measured = "; ".join(f"{r['mode']} c={r['concurrency']}: Kiln +{r['kiln_added']} vs LiteLLM same job +{r['samejob_added']} "
+                         f"ms (×{r['ratio']}; LiteLLM 429 {r['samejob_refused']}/{r['samejob_requests']})" for r in rows)
+    return {"id": "samejob", "goal": f"Kiln's added p50 ≤ {ratio:.2g} × the same-job peer's (LiteLLM: per-key limit on "
+                                      "Redis, cost tracking), c=1 and 8",
+            "measured": measured or "not measured", "rows": rows, "pass": _verdict([r["pass"] for r in rows])}
+
+
+def coldstart_production(results: dict, ratio: float = COLD_RATIO) -> dict[str, Any]:
+    """Every function on its production path against a bare FastAPI app on the same path, with .pyc."""
+    production = ((results.get("coldstart") or {}).get("production") or {}).get("pyc") or {}
+    rows = [{"app": app, **entry, "pass": None if entry.get("ratio_to_bare") is None
+             else entry["ratio_to_bare"] <= ratio and not entry.get("errors")} for app, entry in production.items()]
+    measured = "; ".join(f"{r['app']} ({r['path']}) {r['first_answer_ms']} ms vs bare {r['bare_ms']} ms (×{r['ratio_to_bare']})"
+                         for r in rows)
+    return {"id": "coldstart_production",
+            "goal": f"cold start of every function on its production path ≤ {ratio:g} × a bare FastAPI app's on the same "
+                    "path, with .pyc",
+            "measured": measured or (results.get("coldstart") or {}).get("error", "not measured"), "rows": rows,
+            "pass": _verdict([r["pass"] for r in rows])}
+
+
+def lambda_sizes(results: dict, template_memory_mb: int | None = None) -> dict[str, Any]:
+    """The $ per million requests table exists for every size and workload, and a default was chosen
+    (and, when `template_memory_mb` is given, the template says the same)."""
+    sizes = results.get("sizes") or {}
+    if not sizes.get("sizes"):
+        return {"id": "lambda_sizes", "goal": "$ per million requests per memory size and workload, and the chosen default",
+                "measured": sizes.get("error", "not measured"), "pass": None}
+    chosen = (sizes.get("default") or {}).get("size_mb")
+    priced = {int(size): {w: (e.get(w) or {}).get("cost", {}).get("total") for w in ("buffered", "short_stream", "long_stream")}
+              for size, e in sizes["sizes"].items()}
+    missing = [f"{size} MB {w}" for size, costs in priced.items() for w, v in costs.items() if v is None]
+    at = priced.get(int(chosen)) if chosen else None
+    measured = (f"default {chosen} MB" if chosen else "no default chosen") + (
+        f": ${at['buffered']} / ${at['short_stream']} / ${at['long_stream']} per million buffered / short-stream / "
+        "30 s-stream requests" if at else "") + (f"; not priced: {', '.join(missing)}" if missing else "")
+    ok: bool | None = bool(chosen) and not missing
+    if template_memory_mb is not None and chosen:
+        measured += f"; template.yaml MemorySize {template_memory_mb}"
+        ok = ok and int(chosen) == template_memory_mb
+    return {"id": "lambda_sizes", "goal": "$ per million requests per memory size and workload, and the chosen default "
+                                          "(template.yaml's MemorySize)", "measured": measured, "pass": ok}

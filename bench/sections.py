@@ -1,0 +1,278 @@
+"""The report's sections for issue 16: the gateway's own cost, the same-job peer, Lambda sizes and
+prices, cold starts on the production paths. Markdown from the results JSON (bench/goals.py has
+the figures and verdicts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import goals as g
+
+__all__ = ["coldstart_production", "cpu", "lambda_sizes", "overhead", "profile_standin", "samejob"]
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _yn(value: bool | None) -> str:
+    return {True: "yes", False: "**no**", None: "–"}[value]
+
+
+def cpu(results: dict) -> str:
+    goal = g.cpu_vs_portkey(results)
+    if not any(r["kiln_cpu_ms"] for r in goal["rows"]):
+        return "_Not measured in this run._"
+    lines = ["CPU per request of each gateway's own process (user + system from /proc over the cell, warm-up included; "
+             "Kiln on the embedded AWS without the probe, its storage client included, the emulator's CPU not):", "",
+             "| mode | conc. | Kiln ms/req | Portkey ms/req | Kiln ÷ Portkey | ≤ 0.5 |", "|---|---:|---:|---:|---:|---|"]
+    for r in goal["rows"]:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {_fmt(r['kiln_cpu_ms'], 2)} | {_fmt(r['portkey_cpu_ms'], 2)} | "
+                     f"{_fmt(r['ratio'], 2)} | {_yn(r['pass'])} |")
+    return "\n".join(lines)
+
+
+def overhead(results: dict) -> str:
+    goal = g.standin_overhead(results)
+    stand = results.get("standin") or {}
+    stats = stand.get("stats") or {}
+    if not any(r["kiln_added_p50"] is not None for r in goal["rows"]):
+        return "_Not measured in this run._"
+    lines = [
+        f"**kiln-standin** is the same chat/completions function, with the bench's probe, whose storage is the stand-in "
+        f"(`bench/standin.py`): DynamoDB and SSM answered from memory after a fixed service time of "
+        f"{_fmt(stand.get('service_ms'))} ms per call, as DynamoDB in-region, any number of calls waiting at once (no "
+        "lock), each operation applied at once and atomically on its event loop. Seeded from the embedded AWS, it holds "
+        "the same org, key and catalog. "
+        + (f"Over the matrix it served {stats.get('calls')} calls, {stats.get('errors')} of them refused (conditions), "
+           f"with a measured mean wait of {_fmt(stats.get('waited_ms_mean'), 2)} ms per call and up to "
+           f"{stats.get('in_flight_max')} calls at once." if stats else ""),
+        "",
+        "Storage wait is the probe's *storage wall* per request (the time at least one storage call of the request was "
+        "in flight); \"net\" is Kiln's added latency minus it, at the same percentile (p50 − p50, p99 − p99; the two "
+        "distributions are each taken over all of the cell's requests, so the p99 difference is indicative only). "
+        "Added = target − direct, same mode and concurrency, same run.",
+        "",
+        "| mode | conc. | Kiln added p50 | storage wait p50 | **net p50** | Portkey added p50 | LiteLLM added p50 | "
+        "Kiln added p99 | storage wait p99 | net p99 | Portkey added p99 | net p50 ≤ Portkey |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in goal["rows"]:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {_fmt(r['kiln_added_p50'])} | {_fmt(r['storage_wait_p50'])} | "
+                     f"**{_fmt(r['kiln_net_p50'])}** | {_fmt(r['portkey_added_p50'])} | {_fmt(r['litellm_added_p50'])} | "
+                     f"{_fmt(r['kiln_added_p99'])} | {_fmt(r['storage_wait_p99'])} | {_fmt(r['kiln_net_p99'])} | "
+                     f"{_fmt(r['portkey_added_p99'])} | {_yn(r['pass'])} |")
+    rows = []
+    for mode in ("buffered", "stream"):
+        for concurrency in (results.get("config") or {}).get("concurrencies") or []:
+            a, b = g.cell(results, "kiln", mode, concurrency) or {}, g.cell(results, "kiln-standin", mode, concurrency) or {}
+            if not a or not b:
+                continue
+            rows.append(f"| {mode} | {concurrency} | {_fmt(a.get('req_per_s'))} | {_fmt(b.get('req_per_s'))} | "
+                        f"{_fmt((a.get('cpu_ms_per_request') or {}).get('kiln'), 2)} | "
+                        f"{_fmt((b.get('cpu_ms_per_request') or {}).get('kiln-standin'), 2)} | "
+                        f"{_fmt((a.get('cpu_ms_per_request') or {}).get('emulator'), 2)} | "
+                        f"{_fmt((b.get('cpu_ms_per_request') or {}).get('storage stand-in'), 2)} |")
+    if rows:
+        lines += ["", "The same function on the two storages (the probe adds a little CPU to kiln-standin):", "",
+                  "| mode | conc. | req/s, embedded AWS | req/s, stand-in | Kiln CPU ms/req, embedded AWS | "
+                  "Kiln CPU ms/req, stand-in (probed) | embedded AWS CPU ms/req | stand-in CPU ms/req |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|", *rows]
+    return "\n".join(lines)
+
+
+def samejob(results: dict) -> str:
+    goal = g.samejob(results)
+    status = (results.get("peers") or {}).get("litellm-samejob") or {}
+    checks = results.get("samejob_checks") or {}
+    probe = results.get("prisma_probe") or {}
+    lines = ["**litellm-samejob** is LiteLLM configured to do what Kiln does, as far as it runs here (`bench/peers.py`, "
+             "`samejob_config`):", "",
+             "| Kiln does | LiteLLM here | runs? |", "|---|---|---|",
+             "| API keys in DynamoDB, hashed, cached 10 s | `general_settings.custom_auth`: a Python function with the "
+             "bench's one key (`UserAPIKeyAuth`) | yes, in-process key list: no key store |",
+             "| per-org concurrency limit, leases in DynamoDB (conditional write), reclaimed after their TTL | "
+             "`max_parallel_requests` 8 on the key, its parallel-request limiter shared through Redis "
+             "(`general_settings.coordination_redis`, Debian's redis-server started by the bench) | yes; per key, not "
+             "per org |",
+             "| cost per request from the catalog's prices, debited from prepaid credits with the usage event, one "
+             "transaction | `input_cost_per_token` / `output_cost_per_token` on the model: cost in "
+             "`x-litellm-response-cost` and `usage.cost`; Prometheus callback's spend counter (in memory) | cost: yes; "
+             "no credits, nothing stored |",
+             "| usage events readable per generation (`/v1/generations/{id}`) | `/spend/logs`, `/key/info` (need the "
+             "database) | **no** |",
+             "| virtual keys, budgets | `/key/generate`, budgets (need the database: PostgreSQL through Prisma) | **no** |",
+             ""]
+    if probe:
+        if probe.get("ran"):
+            lines.append(f"Why the database mode cannot run here, tried at preparing time (`{probe.get('step')}`, exit "
+                         f"{probe.get('exit')}, {_fmt(probe.get('seconds'))} s): Prisma's client fetches its query engine "
+                         "for this platform from Prisma's binaries host when it generates, and that host does not resolve "
+                         "from this machine; no Debian or PyPI package ships the engine. Its last lines:")
+            lines += ["", "```", (probe.get("output") or "").strip()[-700:], "```", "",
+                      "With no engine LiteLLM cannot use any `database_url`, so PostgreSQL (Debian's package) is not "
+                      "started: nothing could connect to it."]
+        else:
+            lines.append(f"The database mode was not tried: {probe.get('why')}.")
+    if checks:
+        lines += ["", f"Checked once before the matrix: an unknown key answered HTTP {checks.get('unknown_key_status')}; a "
+                  f"buffered answer carried `x-litellm-response-cost: {checks.get('buffered_cost_header')}`; a streamed "
+                  f"one `usage.cost` {checks.get('stream_usage_cost')}."
+                  + (f" ({checks['error']})" if checks.get("error") else "")]
+    if status.get("problems"):
+        lines += [""] + [f"- problem: `{p[:500]}`".replace("\n", " ") for p in status["problems"]]
+    lines += ["", "Same mock, same load generator, same run; Kiln on the stand-in (its storage at DynamoDB's latency, in "
+              "the added latency: nothing subtracted) and, for reference, on the embedded AWS. LiteLLM runs at c=1 and "
+              "8 only (its key's limit is 8). Its 429 answers (the limiter refusing a client that never has more than "
+              "8 requests open) are errors of the cell, outside its latency figures.", "",
+              "| mode | conc. | Kiln added p50 (stand-in) | Kiln added p50 (embedded AWS) | LiteLLM same job added p50 | "
+              "Kiln ÷ LiteLLM | LiteLLM 429 answers | ≤ 1/3 |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in goal["rows"]:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {_fmt(r['kiln_added'])} | {_fmt(r['kiln_on_emulator_added'])} | "
+                     f"{_fmt(r['samejob_added'])} | {_fmt(r['ratio'], 2)} | "
+                     f"{r['samejob_refused']}/{_fmt(r['samejob_requests'])} | {_yn(r['pass'])} |")
+    rows = []
+    for mode in ("buffered", "stream"):
+        for concurrency in (1, 8):
+            peer = g.cell(results, "litellm-samejob", mode, concurrency) or {}
+            plain = g.cell(results, "litellm", mode, concurrency) or {}
+            if peer or plain:
+                rows.append(f"| {mode} | {concurrency} | {_fmt((plain.get('cpu_ms_per_request') or {}).get('litellm'), 2)} | "
+                            f"{_fmt((peer.get('cpu_ms_per_request') or {}).get('litellm-samejob'), 2)} | "
+                            f"{_fmt(peer.get('target_peak_rss_mb'))} |")
+    if rows:
+        lines += ["", "LiteLLM's own CPU per request, plain proxy and same job (Redis's CPU not included):", "",
+                  "| mode | conc. | plain LiteLLM ms/req | same-job LiteLLM ms/req | same-job peak RSS MB |",
+                  "|---|---:|---:|---:|---:|", *rows]
+    return "\n".join(lines)
+
+
+def coldstart_production(results: dict) -> str:
+    c = results.get("coldstart") or {}
+    production = c.get("production")
+    if not production:
+        return "_Not measured in this run._"
+    lines = ["Each function on the path it takes in production (template.yaml): chat/completions and completions through "
+             "`run.sh` + uvicorn, as the Lambda Web Adapter starts them; models and generations as Mangum handlers "
+             "(`Handler: app.handler`): a process that imports the function's module, as Lambda's runtime does at init, "
+             "and calls the handler with an API Gateway REST event. Each against a bare FastAPI app on the same path, "
+             f"same run, median of {c.get('repeats')} starts (process start → first answer; Lambda's own runtime start "
+             "is not in either).", "",
+             "| function | path | with .pyc ms | bare, same path | × bare | without .pyc ms | bare | × bare | ≤ 1.2 (.pyc) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for app, entry in (production.get("pyc") or {}).items():
+        nopyc = (production.get("nopyc") or {}).get(app) or {}
+        ok = None if entry.get("ratio_to_bare") is None else entry["ratio_to_bare"] <= g.COLD_RATIO
+        lines.append(f"| {app} | {entry['path']} | {_fmt(entry.get('first_answer_ms'))} | {_fmt(entry.get('bare_ms'))} | "
+                     f"{_fmt(entry.get('ratio_to_bare'), 2)} | {_fmt(nopyc.get('first_answer_ms'))} | "
+                     f"{_fmt(nopyc.get('bare_ms'))} | {_fmt(nopyc.get('ratio_to_bare'), 2)} | {_yn(ok)} |")
+    mangum = c.get("mangum") or {}
+    rows = []
+    for variant in ("pyc", "nopyc"):
+        for app, entry in (mangum.get(variant) or {}).items():
+            rows.append(f"| {app} | {variant} | {_fmt(entry.get('ready_ms_median'))} | {_fmt(entry.get('first_answer_ms_median'))} | "
+                        f"{_fmt(entry.get('second_invoke_ms_median'))} | "
+                        f"{'; '.join(entry.get('errors') or []) or '–'} | {'; '.join(entry.get('second_invoke_errors') or []) or '–'} |")
+    if rows:
+        lines += ["", "The Mangum path in detail (import = Lambda's init; the second invocation is a warm one in the same "
+                  "process):", "", "| app | variant | import ms | first answer ms | second invocation ms | errors | "
+                  "second invocation errors |", "|---|---|---:|---:|---:|---|---|", *rows]
+    return "\n".join(lines)
+
+
+def lambda_sizes(results: dict, template_memory_mb: int | None) -> str:
+    s = results.get("sizes")
+    if not s:
+        return "_Not measured in this run._"
+    if "error" in s:
+        return f"_Not measured: {s['error']}_"
+    prices = s.get("prices") or {}
+    sizes = sorted(s["sizes"].items(), key=lambda kv: int(kv[0]))
+    long = s.get("long_stream") or {}
+    lines = [f"The chat/completions function ({s.get('process')}) in a cgroup of its own per size (cgroup v"
+             f"{s.get('cgroup_version')}): CFS quota = size ÷ {s.get('full_vcpu_mb')} MB of one CPU per "
+             f"{s.get('period_us', 0) // 1000} ms period (the kernel's default period; Lambda does not publish its own), "
+             "memory limit = the size. A busy loop checks each quota first (measured share of one CPU). Storage is the "
+             "stand-in. One request at a time, as one execution environment serves them: buffered requests, short "
+             f"streams (12 tokens, no delay), then one long stream per size, all sizes at once ({long.get('tokens')} "
+             f"tokens 100 ms apart, {_fmt(long.get('seconds'), 0)} s). CPU per request from the cgroup's own counter.", "",
+             "| size MB | vCPU | quota µs/period | measured share | ready ms | buffered TTFB p50 / p99 ms | buffered CPU "
+             "ms/req | short stream TTFB p50 / p99 ms | short stream total p50 ms | short stream CPU ms/req | long stream "
+             "s | long stream CPU ms | peak RSS MB | throttled periods |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, e in sizes:
+        if "error" in e:
+            lines.append(f"| {size} | {_fmt(e.get('vcpu'), 3)} | {e.get('quota_us')} | – | did not start: "
+                         f"{e['error'][:120]} |" + " |" * 9)
+            continue
+        b, st, lg = e.get("buffered") or {}, e.get("short_stream") or {}, e.get("long_stream") or {}
+        lines.append(f"| {size} | {_fmt(e.get('vcpu'), 3)} | {e.get('quota_us')} | "
+                     f"{_fmt((e.get('quota_check') or {}).get('measured_share'), 3)} | {_fmt(e.get('ready_ms'), 0)} | "
+                     f"{_fmt(b.get('ttfb_p50_ms'))} / {_fmt(b.get('ttfb_p99_ms'))} | {_fmt(b.get('cpu_ms_per_request'), 2)} | "
+                     f"{_fmt(st.get('ttfb_p50_ms'))} / {_fmt(st.get('ttfb_p99_ms'))} | {_fmt(st.get('latency_p50_ms'))} | "
+                     f"{_fmt(st.get('cpu_ms_per_request'), 2)} | "
+                     f"{_fmt((lg.get('latency_mean_ms') or 0) / 1000 if lg.get('latency_mean_ms') else None, 2)} | "
+                     f"{_fmt(lg.get('cpu_ms_per_request'), 1)} | {_fmt(e.get('peak_rss_mb'))} | "
+                     f"{(e.get('throttling') or {}).get('nr_throttled', '–')} |")
+    lines += ["", f"**Prices** ({prices.get('region')}; {prices.get('as_of')}): Lambda arm64 "
+              f"${prices.get('lambda_gb_second_arm64', 0):.10f}".rstrip("0") + f" per GB-s and ${round(prices.get('lambda_request', 0) * 1e6, 2)} per "
+              f"million requests; API Gateway REST ${round(prices.get('api_gateway_rest_request', 0) * 1e6, 2)} per million; "
+              f"DynamoDB on demand ${round(prices.get('dynamodb_write_unit', 0) * 1e6, 3)} per million write units and "
+              f"${round(prices.get('dynamodb_read_unit', 0) * 1e6, 3)} per million read units; SSM GetParameter "
+              f"${prices.get('ssm_get_parameter')} (standard throughput; "
+              f"${round(prices.get('ssm_get_parameter_higher_throughput', 0) * 1e4, 2)} per 10 000 with higher throughput). "
+              "Billed duration = the mean request latency at that size, rounded up to the ms (the client's view on "
+              "loopback; the Web Adapter's own time and data transfer are not included). DynamoDB units are counted "
+              "by the stand-in from the items' sizes as DynamoDB bills them (1 WRU per KB written, ×2 in a transaction; "
+              "1 RRU per 4 KB read, ½ when eventually consistent); CloudWatch Logs and metrics are not included.", "",
+              "**$ per million requests**:", "",
+              "| size MB | workload | Lambda duration | Lambda requests | API Gateway | DynamoDB | SSM | **total** | "
+              "WRU/req | RRU/req |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    names = {"buffered": "buffered", "short_stream": "short stream", "long_stream": f"{_fmt(long.get('seconds'), 0)} s stream"}
+    for size, e in sizes:
+        for workload, name in names.items():
+            w = e.get(workload) or {}
+            cost = w.get("cost")
+            if not cost:
+                continue
+            lines.append(f"| {size} | {name} | {_fmt(cost['lambda_duration'], 2)} | {_fmt(cost['lambda_requests'], 2)} | "
+                         f"{_fmt(cost['api_gateway'], 2)} | {_fmt(cost['dynamodb'], 2)} | {_fmt(cost['ssm'], 2)} | "
+                         f"**{_fmt(cost['total'], 2)}** | {_fmt(w.get('write_units_per_request'), 2)} | "
+                         f"{_fmt(w.get('read_units_per_request'), 3)} |")
+    default = s.get("default") or {}
+    lines += ["", f"**Chosen default: {default.get('size_mb')} MB** — {default.get('why')}."
+              + (f" Eligible: {', '.join(f'{x} MB' for x in default.get('eligible') or [])}." if default.get("eligible") else "")]
+    for size, why in (default.get("rejected") or {}).items():
+        lines.append(f"- {size} MB rejected: {'; '.join(why)}")
+    if template_memory_mb is not None:
+        lines.append("")
+        lines.append(f"template.yaml's `Globals.Function.MemorySize` is {template_memory_mb} MB"
+                     + (" — the chosen default." if default.get("size_mb") and int(default["size_mb"]) == template_memory_mb
+                        else f", not the chosen {default.get('size_mb')} MB."))
+    return "\n".join(lines)
+
+
+def profile_standin(results: dict) -> str:
+    p = results.get("profile_standin")
+    if not p:
+        return "_Not measured in this run._"
+    if "error" in p:
+        return f"_Profile failed: {p['error'][:300]}_"
+    gateway = p.get("gateway") or {}
+    if "error" in gateway or not gateway.get("samples"):
+        return f"_No samples: {gateway.get('error', '')[:300]}_"
+    load = p.get("load") or {}
+    lines = [f"{load.get('requests')} buffered requests at concurrency 16, p50 {_fmt((load.get('latency_ms') or {}).get('p50'))} "
+             f"ms, {_fmt(load.get('req_per_s'))} req/s under the profiler; {gateway['samples']} gateway samples holding "
+             f"the GIL (the stand-in: {(p.get('stand-in') or {}).get('samples', '–')}). Grouped as above.", "",
+             "| share of busy samples | spent in |", "|---:|---|"]
+    for group, share in sorted((gateway.get("groups") or {}).items(), key=lambda kv: -kv[1]):
+        if share:
+            lines.append(f"| {share * 100:.1f} % | {group} |")
+    lines += ["", "| self % | function (file:line) |", "|---:|---|"]
+    for row in gateway.get("self", [])[:15]:
+        lines.append(f"| {row['share'] * 100:.1f} | `{row['frame'][:110]}` |")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""Issue 16's goals from a run's results: figures, verdicts, and "not measured" rather than a pass."""
+
+from __future__ import annotations
+
+from bench import goals
+
+
+def matrix_cell(target: str, mode: str, concurrency: int, p50: float, p99: float | None = None, **extra) -> dict:
+    return {"target": target, "mode": mode, "concurrency": concurrency, "ok": 10, "requests": 10, "errors": 0,
+            "latency_ms": {"p50": p50, "p99": p99 if p99 is not None else p50 * 2}, **extra}
+
+
+def results(cells: list[dict], concurrencies=(1,)) -> dict:
+    return {"config": {"concurrencies": list(concurrencies)}, "matrix": cells}
+
+
+def test_cpu_goal_needs_every_cell_at_half_of_portkeys():
+    cells = []
+    for mode, kiln in (("buffered", 1.0), ("stream", 1.3)):
+        cells.append(matrix_cell("kiln", mode, 1, 10, cpu_ms_per_request={"kiln": kiln, "emulator": 8.0}))
+        cells.append(matrix_cell("portkey", mode, 1, 3, cpu_ms_per_request={"portkey": 2.5}))
+    goal = goals.cpu_vs_portkey(results(cells))
+    assert [r["ratio"] for r in goal["rows"]] == [0.4, 0.52]
+    assert goal["pass"] is False
+    cells[2]["cpu_ms_per_request"]["kiln"] = 1.2
+    assert goals.cpu_vs_portkey(results(cells))["pass"] is True
+    assert goals.cpu_vs_portkey(results(cells[:2]))["pass"] is None  # streamed cells missing: not measured
+
+
+def test_standin_goal_subtracts_the_storage_wait_at_the_same_percentile():
+    cells = [matrix_cell("direct", "buffered", 1, 1.0, 2.0), matrix_cell("portkey", "buffered", 1, 4.0, 9.0),
+             matrix_cell("kiln-standin", "buffered", 1, 14.0, 30.0,
+                         storage_wait={"storage_ms_per_request": {"p50": 10.5, "p99": 20.0}})]
+    goal = goals.standin_overhead(results(cells))
+    row = goal["rows"][0]
+    assert (row["kiln_added_p50"], row["storage_wait_p50"], row["kiln_net_p50"]) == (13.0, 10.5, 2.5)
+    assert (row["kiln_net_p99"], row["portkey_added_p99"]) == (8.0, 7.0)
+    assert row["pass"] is True
+    # a streamed row that was not measured makes the whole goal "not measured", never a pass
+    assert goal["pass"] is None
+    cells[2]["errors"] = 1
+    assert goals.standin_overhead(results(cells))["rows"][0]["pass"] is False
+
+
+def test_samejob_goal_compares_added_latency_and_counts_the_peers_refusals():
+    cells = []
+    for c in (1, 8):
+        for mode in ("buffered", "stream"):
+            cells += [matrix_cell("direct", mode, c, 1.0), matrix_cell("kiln-standin", mode, c, 11.0),
+                      matrix_cell("litellm-samejob", mode, c, 40.0, statuses={"200": 6, "429": 4})]
+    goal = goals.samejob(results(cells, (1, 8)))
+    assert {r["ratio"] for r in goal["rows"]} == {round(10 / 39, 3)}
+    assert goal["rows"][0]["samejob_refused"] == 4
+    assert goal["pass"] is True
+    cells[1]["latency_ms"]["p50"] = 15.0  # Kiln +14 against LiteLLM +39: more than a third
+    assert goals.samejob(results(cells, (1, 8)))["pass"] is False
+
+
+def test_coldstart_goal_reads_the_production_paths():
+    def entry(ratio, errors=()):
+        return {"path": "p", "first_answer_ms": 100 * ratio, "bare_ms": 100, "ratio_to_bare": ratio, "errors": list(errors)}
+
+    run = {"coldstart": {"production": {"pyc": {"chat_completions": entry(1.1), "models": entry(1.19)}}}}
+    assert goals.coldstart_production(run)["pass"] is True
+    run["coldstart"]["production"]["pyc"]["models"] = entry(1.25)
+    assert goals.coldstart_production(run)["pass"] is False
+    run["coldstart"]["production"]["pyc"]["models"] = entry(1.0, ["HTTP 500"])
+    assert goals.coldstart_production(run)["pass"] is False
+    assert goals.coldstart_production({"coldstart": {"error": "python3.13 not found"}})["pass"] is None
+
+
+def test_sizes_goal_needs_every_workload_priced_and_the_template_to_agree():
+    priced = {w: {"cost": {"total": 1.0}} for w in ("buffered", "short_stream", "long_stream")}
+    run = {"sizes": {"sizes": {"256": priced, "512": priced}, "default": {"size_mb": 256}}}
+    assert goals.lambda_sizes(run)["pass"] is True
+    assert goals.lambda_sizes(run, template_memory_mb=256)["pass"] is True
+    assert goals.lambda_sizes(run, template_memory_mb=1024)["pass"] is False
+    run["sizes"]["sizes"]["512"] = {"buffered": {"cost": {"total": 1.0}}}
+    assert "not priced: 512 MB short_stream" in goals.lambda_sizes(run)["measured"]
+    assert goals.lambda_sizes(run)["pass"] is False
+    assert goals.lambda_sizes({})["pass"] is None
