@@ -52,7 +52,7 @@ e2e-real: setup
 	$(BIN)/kiln e2e-real $(ARGS)
 
 lint: setup
-	$(BIN)/ruff check layers infra functions tests
+	$(BIN)/ruff check layers infra functions tests bench
 
 # pip-audit of the layer's pinned runtime dependencies, from its own tool environment
 AUDIT_HOME ?= .tools/audit
