@@ -236,9 +236,26 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             standin_url = stack.start_standin(size["standin_service_ms"])
             results["standin"] = {"url": standin_url, "service_ms": size["standin_service_ms"]}
 
+        standin_before: dict = {}
+
+        def standin_stats() -> dict:
+            import httpx
+
+            return httpx.get(f"{standin_url}/__standin/stats", timeout=10, trust_env=False).json()
+
         def standin_target() -> scenarios.Target:
             child, url = stack.start_function("kiln-standin", probe=True, aws_url=standin_url)
+            standin_before.update(standin_stats())  # what the stand-in served before this cell
             return scenarios.Target("kiln-standin", f"{url}/v1", kiln_headers, child)
+
+        def standin_after_cell(target: scenarios.Target) -> dict:
+            """The probe's storage figures and the stand-in's own service time over this cell."""
+            out = scenarios.storage_wait(target.base[:-len("/v1")])
+            after = standin_stats()
+            calls = after["calls"] - standin_before.get("calls", 0)
+            waited = after["waited_s"] - standin_before.get("waited_s", 0.0)
+            out["standin_cell"] = {"calls": calls, "service_ms_mean": round(waited * 1000 / calls, 3) if calls else None}
+            return out
 
         def restart_standin() -> scenarios.Target:
             if standin.child is not None:
@@ -248,7 +265,7 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
         if standin_url and "matrix" not in skip:
             standin = standin_target()
             standin.restart, standin.gaps = restart_standin, False
-            standin.after_cell = lambda target: scenarios.storage_wait(target.base[:-len("/v1")])
+            standin.after_cell = standin_after_cell
             targets.append(standin)
         litellm_status = peers.PeerStatus(**prepared["litellm"])
         portkey_status = peers.PeerStatus(**prepared["portkey"])
@@ -295,9 +312,7 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                 others={"emulator": stack.emulator.pid, "mock upstream": stack.mock.pid,
                         **({"storage stand-in": stack.standin.pid} if standin_url else {})})
         if standin_url:
-            import httpx
-
-            results["standin"]["stats"] = httpx.get(f"{standin_url}/__standin/stats", timeout=10, trust_env=False).json()
+            results["standin"]["stats"] = standin_stats()
         if "gaps" not in skip:
             log(f"chunk gaps: upstream emits a token every 20 ms, {size['gap_requests']} streams per target")
             results["gaps"] = scenarios.chunk_gaps(targets, requests=size["gap_requests"], time_limit=90, log=log)

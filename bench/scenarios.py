@@ -250,6 +250,7 @@ def storage_wait(url: str) -> dict[str, Any]:
     summary = _storage_summary(_probe(url, "stats"))
     return {"storage_wait": {
         "requests": summary["requests"],
+        "calls_per_request": summary["calls_per_request"],
         "storage_ms_per_request": summary["storage_ms_per_request"],
         "writes_per_request": summary["writes_per_request"],
         "process_cpu_ms_per_request": summary["process_cpu_ms_per_request"],
