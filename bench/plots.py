@@ -12,7 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"direct": "#7f7f7f", "kiln": "#d62728", "portkey": "#1f77b4", "litellm": "#2ca02c"}
+COLORS = {"direct": "#7f7f7f", "kiln": "#d62728", "portkey": "#1f77b4", "litellm": "#2ca02c", "kiln-standin": "#ff9896",
+          "litellm-samejob": "#98df8a"}
 
 
 def _save(fig, path: Path) -> None:
@@ -142,6 +143,36 @@ def breakdown(results: dict, out: Path) -> None:
     _save(fig, out / "breakdown.png")
 
 
+def sizes(results: dict, out: Path) -> None:
+    """TTFB and $ per million requests against the Lambda memory size."""
+    entries = sorted(((int(k), v) for k, v in ((results.get("sizes") or {}).get("sizes") or {}).items() if "error" not in v))
+    if not entries:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [size for size, _ in entries]
+    for workload, color in (("buffered", "#1f77b4"), ("short_stream", "#d62728")):
+        for stat, style in (("ttfb_p50_ms", "-"), ("ttfb_p99_ms", ":")):
+            ys = [(e.get(workload) or {}).get(stat) for _, e in entries]
+            left.plot(xs, ys, style, marker="o", color=color, label=f"{workload} {stat[5:8]}")
+    left.set_xlabel("memory MB (CPU ∝ memory)")
+    left.set_ylabel("TTFB ms, one request at a time")
+    left.set_yscale("log")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    for workload, color in (("buffered", "#1f77b4"), ("short_stream", "#d62728"), ("long_stream", "#2ca02c")):
+        ys = [((e.get(workload) or {}).get("cost") or {}).get("total") for _, e in entries]
+        right.plot(xs, ys, marker="o", color=color, label=workload)
+    chosen = ((results.get("sizes") or {}).get("default") or {}).get("size_mb")
+    if chosen:
+        right.axvline(int(chosen), color="#7f7f7f", linestyle="--", label=f"default {chosen} MB")
+    right.set_xlabel("memory MB")
+    right.set_ylabel("$ per million requests")
+    right.set_yscale("log")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    _save(fig, out / "sizes.png")
+
+
 def main(argv: list[str]) -> int:
     results = json.loads(Path(argv[0]).read_text())
     out = Path(argv[1])
@@ -153,6 +184,7 @@ def main(argv: list[str]) -> int:
         gaps(results, out)
     coldstart(results, out)
     breakdown(results, out)
+    sizes(results, out)
     return 0
 
 
