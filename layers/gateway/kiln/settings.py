@@ -87,14 +87,14 @@ class Settings:
     max_body_bytes: int = setting(6 * 1024 * 1024, "request body limit (413 above)", minimum=1)
     maintenance_retry_after_seconds: int = setting(60, "`Retry-After` when maintenance has no `until`")
     storage_retry_attempts: int = setting(
-        20,
+        50,
         "attempts of each ledger write (admission, renewal, settle, reclaim) refused by a transaction "
         "conflict, throttling, a 5xx or a lost answer, with jittered exponential backoff (10 ms doubling, "
         "capped at 250 ms)…",
         minimum=1,
     )
     storage_retry_seconds: float = setting(
-        5.0,
+        10.0,
         "…and the time they may take in all; then 503 `storage_unavailable` (admission) or the event "
         "logged for replay (settle)",
     )
