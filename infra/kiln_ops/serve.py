@@ -7,7 +7,9 @@ in the contract's JSON error shape, or a plain close when nothing was received) 
 what httptools cannot parse (bad framing, oversized or invalid headers) with a JSON 400.
 What it cannot do: a request whose method or URL uvicorn's own code refuses after parsing
 (a non-ASCII path) still gets uvicorn's answer, and a client that stops reading a response
-is bounded only by the app's own write timeouts.
+is bounded only by the app's own write timeouts. The deployed functions run uvicorn behind
+the Lambda Web Adapter on loopback (functions/run.sh): API Gateway and the Function URL read
+the whole request before the function is invoked, so no slow client reaches it there.
 """
 
 from __future__ import annotations
