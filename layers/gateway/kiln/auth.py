@@ -11,11 +11,12 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Callable
 
 from .errors import InvalidApiKey, OrganizationDisabled
 from .store.clock import iso_ms
 from .store.keys import hash_secret, looks_like_key
+from .store.storage import Storage
 
 __all__ = ["LAST_USED_RESOLUTION_SECONDS", "Authenticator", "Principal"]
 
@@ -40,17 +41,13 @@ class Principal:
 class Authenticator:
     def __init__(
         self,
-        aws: Any,
+        storage: Storage,
         *,
-        keys_table: str,
-        orgs_table: str,
         cache_seconds: float,
         max_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._aws = aws
-        self._keys_table = keys_table
-        self._orgs_table = orgs_table
+        self._storage = storage
         self._ttl = cache_seconds
         self._max_entries = max_entries
         self._clock = clock
@@ -96,16 +93,7 @@ class Authenticator:
 
     async def _touch(self, key_hash: str) -> None:
         try:
-            await self._aws.dynamodb(
-                "UpdateItem",
-                {
-                    "TableName": self._keys_table,
-                    "Key": {"key_hash": {"S": key_hash}},
-                    "UpdateExpression": "SET last_used_at = :now",
-                    "ConditionExpression": "attribute_exists(key_hash)",
-                    "ExpressionAttributeValues": {":now": {"S": iso_ms(time.time())}},
-                },
-            )
+            await self._storage.touch_key(key_hash, iso_ms(time.time()))
         except Exception as exc:  # noqa: BLE001 - bookkeeping only; the request is not concerned
             log.warning("could not record a key's last use: %s", type(exc).__name__)
 
@@ -119,35 +107,15 @@ class Authenticator:
 
     async def _load(self, key_hash: str) -> tuple[Principal | None, bool]:
         """The key's principal, and whether its last_used_at is due for an update."""
-        found = await self._aws.dynamodb(
-            "GetItem",
-            {
-                "TableName": self._keys_table,
-                "Key": {"key_hash": {"S": key_hash}},
-                "ProjectionExpression": "key_id, org_id, #status, last_used_at",
-                "ExpressionAttributeNames": {"#status": "status"},
-            },
-        )
-        key = found.get("Item")
-        if not key:
+        key = await self._storage.find_key(key_hash)
+        if key is None:
             return None, False
-        org_id = key["org_id"]["S"]
-        found = await self._aws.dynamodb(
-            "GetItem",
-            {
-                "TableName": self._orgs_table,
-                "Key": {"org_id": {"S": org_id}},
-                "ProjectionExpression": "#status",
-                "ExpressionAttributeNames": {"#status": "status"},
-            },
-        )
-        org = found.get("Item")
-        if not org:
+        org_active = await self._storage.org_active(key.org_id)
+        if org_active is None:
             return None, False
-        key_active = key.get("status", {}).get("S") == "active"
-        principal = Principal(key["key_id"]["S"], org_id, key_active, org.get("status", {}).get("S") == "active")
+        principal = Principal(key.key_id, key.org_id, key.active, org_active)
         due = iso_ms(time.time() - LAST_USED_RESOLUTION_SECONDS)
-        return principal, key_active and key.get("last_used_at", {}).get("S", "") < due
+        return principal, key.active and key.last_used_at < due
 
 
 def _bearer(authorization: str | None) -> str | None:

@@ -26,6 +26,7 @@ from .parameters import CachedParameter, ParameterUnavailable
 from .settings import Settings
 from .store import Lease, StorageError, UsageEvent, ledger_of
 from .store.errors import translate_storage_error
+from .store.storage import DynamoStorage
 from .tls import client_context
 from .upstream import UpstreamClient
 from .upstream_key import UpstreamKey, parse_key
@@ -67,12 +68,15 @@ class Gateway:
             )),
         )
         self.ledger = ledger_of(self.aws, settings, clock=clock)
-        self.auth = Authenticator(
+        # the one storage interface of the request path (keys, orgs through the ledger, usage)
+        self.store = DynamoStorage(
             self.aws,
             keys_table=settings.keys_table,
             orgs_table=settings.orgs_table,
-            cache_seconds=settings.auth_cache_seconds,
+            usage_table=settings.usage_table,
+            ledger=self.ledger,
         )
+        self.auth = Authenticator(self.store, cache_seconds=settings.auth_cache_seconds)
         self._maintenance = CachedParameter(
             settings.maintenance_parameter,
             lambda: self._read_parameter(settings.maintenance_parameter),

@@ -18,7 +18,6 @@ from .jsonio import dumps, loads_strict
 from .normalize import normalize
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
-from .store.usage import get_event_of_org
 
 __all__ = ["complete", "get_gateway", "list_models", "retrieve_generation", "retrieve_model"]
 
@@ -126,9 +125,7 @@ async def retrieve_generation(request: Request) -> Response:
         principal = await _reader_checks(gateway, request, record)
         event = None
         if GENERATION_ID.fullmatch(gen_id):
-            event = await gateway.storage(
-                get_event_of_org(gateway.aws, gateway.settings.usage_table, gen_id, principal.org_id)
-            )
+            event = await gateway.storage(gateway.store.event_of_org(gen_id, principal.org_id))
         if event is None:
             raise GenerationNotFound(gen_id)
     except GatewayError as error:

@@ -49,6 +49,7 @@ from .clock import iso_ms
 from .codec import number, to_item, within_digits
 from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
 from .retry import RetryPolicy
+from .schema import LEASE, ORG, USAGE
 from .usage import UsageEvent
 
 __all__ = ["Lease", "Ledger", "Progress", "new_generation_id", "with_ledger"]
@@ -105,12 +106,12 @@ class Lease:
     def to_attribute(self) -> dict[str, Any]:
         return {
             "M": {
-                "exp": {"N": repr(round(self.expires, 3))},
-                "started": {"N": repr(round(self.started, 3))},
-                "key": {"S": self.key_id},
-                "model": {"S": self.model},
-                "endpoint": {"S": self.endpoint},
-                "streamed": {"BOOL": self.streamed},
+                LEASE.exp: {"N": repr(round(self.expires, 3))},
+                LEASE.started: {"N": repr(round(self.started, 3))},
+                LEASE.key: {"S": self.key_id},
+                LEASE.model: {"S": self.model},
+                LEASE.endpoint: {"S": self.endpoint},
+                LEASE.streamed: {"BOOL": self.streamed},
             }
         }
 
@@ -125,18 +126,18 @@ class Lease:
             raw = fields.get(name, {}).get("N")
             return int(Decimal(raw)) if raw is not None else None
 
-        cost = fields.get("cost", {}).get("N")
+        cost = fields.get(LEASE.cost, {}).get("N")
         return cls(
             gen_id=gen_id,
             org_id=org_id,
-            key_id=text("key"),
-            model=text("model"),
-            endpoint=text("endpoint"),
-            streamed=bool(fields.get("streamed", {}).get("BOOL", False)),
-            started=float(fields.get("started", {}).get("N", "0")),
-            expires=float(fields.get("exp", {}).get("N", "0")),
-            prompt_tokens=count("pt"),
-            completion_tokens=count("ct"),
+            key_id=text(LEASE.key),
+            model=text(LEASE.model),
+            endpoint=text(LEASE.endpoint),
+            streamed=bool(fields.get(LEASE.streamed, {}).get("BOOL", False)),
+            started=float(fields.get(LEASE.started, {}).get("N", "0")),
+            expires=float(fields.get(LEASE.exp, {}).get("N", "0")),
+            prompt_tokens=count(LEASE.pt),
+            completion_tokens=count(LEASE.ct),
             cost=Decimal(cost) if cost is not None else None,
         )
 
@@ -198,15 +199,15 @@ class Ledger:
         lease = Lease(new_generation_id(now), org_id, key_id, model, endpoint, streamed, now, now + self._lease_ttl)
         payload = {
             "TableName": self._orgs_table,
-            "Key": {"org_id": {"S": org_id}},
+            "Key": {ORG.hash_key: {"S": org_id}},
             "UpdateExpression": "SET #leases.#gen = :lease",
             "ConditionExpression": ADMISSION,
             "ExpressionAttributeNames": {
-                "#org_id": "org_id",
-                "#status": "status",
-                "#credits": "credits",
-                "#leases": "leases",
-                "#limit": "concurrency_limit",
+                "#org_id": ORG.org_id,
+                "#status": ORG.status,
+                "#credits": ORG.credits,
+                "#leases": ORG.leases,
+                "#limit": ORG.concurrency_limit,
                 "#gen": lease.gen_id,
             },
             "ExpressionAttributeValues": {
@@ -224,9 +225,9 @@ class Ledger:
                 old = refused.old_item
                 if not old:
                     raise InvalidApiKey("Incorrect API key provided.") from None
-                if old.get("status", {}).get("S") != "active":
+                if old.get(ORG.status, {}).get("S") != "active":
                     raise OrganizationDisabled("Your organization is disabled. Contact support.") from None
-                if Decimal(old.get("credits", {}).get("N", "0")) <= 0:
+                if Decimal(old.get(ORG.credits, {}).get("N", "0")) <= 0:
                     raise InsufficientCredits(
                         "Your organization is out of credits. Add credits to continue."
                     ) from None
@@ -234,7 +235,7 @@ class Ledger:
                 if attempt == 0 and expired:
                     await self._reclaim(org_id, expired)
                     continue
-                limit = old.get("concurrency_limit", {}).get("N", "?")
+                limit = old.get(ORG.concurrency_limit, {}).get("N", "?")
                 raise RateLimitExceeded(
                     f"Your organization already has {limit} requests in flight, its limit. "
                     "Retry with exponential backoff."
@@ -251,11 +252,11 @@ class Ledger:
         when the lease is no longer held (settled, or reclaimed after it expired)."""
         expires = self._clock() + self._lease_ttl
         sets = ["#leases.#gen.#exp = :exp"]
-        names = {"#leases": "leases", "#gen": lease.gen_id, "#exp": "exp"}
+        names = {"#leases": ORG.leases, "#gen": lease.gen_id, "#exp": LEASE.exp}
         values: dict[str, Any] = {":exp": {"N": repr(round(expires, 3))}}
         if progress is not None:
             prompt_tokens, completion_tokens, cost = progress
-            for name, value in (("pt", prompt_tokens), ("ct", completion_tokens), ("cost", within_digits(Decimal(cost)))):
+            for name, value in ((LEASE.pt, prompt_tokens), (LEASE.ct, completion_tokens), (LEASE.cost, within_digits(Decimal(cost)))):
                 sets.append(f"#leases.#gen.#{name} = :{name}")
                 names[f"#{name}"] = name
                 values[f":{name}"] = {"N": number(value)}
@@ -265,7 +266,7 @@ class Ledger:
                 "UpdateItem",
                 {
                     "TableName": self._orgs_table,
-                    "Key": {"org_id": {"S": lease.org_id}},
+                    "Key": {ORG.hash_key: {"S": lease.org_id}},
                     "UpdateExpression": "SET " + ", ".join(sets),
                     "ConditionExpression": LEASE_HELD,
                     "ExpressionAttributeNames": names,
@@ -280,7 +281,7 @@ class Ledger:
 
     @staticmethod
     def _expired_leases(org_id: str, old: dict[str, Any], now: float, keep: str | None = None) -> list[Lease]:
-        leases = old.get("leases", {}).get("M", {})
+        leases = old.get(ORG.leases, {}).get("M", {})
         found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items() if gen != keep]
         return sorted((lease for lease in found if lease.expires <= now), key=lambda lease: lease.expires)[:MAX_RECLAIM]
 
@@ -301,7 +302,7 @@ class Ledger:
 
     async def _reclaim(self, org_id: str, leases: list[Lease]) -> None:
         """Free expired leases; each gets an `abandoned` usage event billed as of its last renewal."""
-        names = {"#leases": "leases", "#exp": "exp", "#credits": "credits"}
+        names = {"#leases": ORG.leases, "#exp": LEASE.exp, "#credits": ORG.credits}
         values: dict[str, Any] = {}
         removes, unchanged = [], []
         events = [self._kept(lease.abandoned_event()) for lease in leases]
@@ -321,7 +322,7 @@ class Ledger:
             {
                 "Update": {
                     "TableName": self._orgs_table,
-                    "Key": {"org_id": {"S": org_id}},
+                    "Key": {ORG.hash_key: {"S": org_id}},
                     "UpdateExpression": update,
                     "ConditionExpression": " AND ".join(unchanged),
                     "ExpressionAttributeNames": names,
@@ -365,10 +366,10 @@ class Ledger:
         release = {
             "Update": {
                 "TableName": self._orgs_table,
-                "Key": {"org_id": {"S": lease.org_id}},
+                "Key": {ORG.hash_key: {"S": lease.org_id}},
                 "UpdateExpression": "SET #credits = #credits - :cost REMOVE #leases.#gen",
                 "ConditionExpression": LEASE_HELD,
-                "ExpressionAttributeNames": {"#credits": "credits", "#leases": "leases", "#gen": lease.gen_id},
+                "ExpressionAttributeNames": {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id},
                 "ExpressionAttributeValues": cost,
             }
         }
@@ -392,16 +393,16 @@ class Ledger:
         reclaimed as `abandoned` (already billed for its last renewal). Replace that event,
         debiting only the difference."""
         found = await self._read_event(event.gen_id)
-        if found is None or found.get("status", {}).get("S") != "abandoned":
+        if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
             return "already_settled"
-        billed = Decimal(found.get("cost", {}).get("N", "0"))
+        billed = Decimal(found.get(USAGE.cost, {}).get("N", "0"))
         debit = {
             "Update": {
                 "TableName": self._orgs_table,
-                "Key": {"org_id": {"S": lease.org_id}},
+                "Key": {ORG.hash_key: {"S": lease.org_id}},
                 "UpdateExpression": "SET #credits = #credits - :difference",
                 "ConditionExpression": ORG_EXISTS,
-                "ExpressionAttributeNames": {"#credits": "credits", "#org_id": "org_id"},
+                "ExpressionAttributeNames": {"#credits": ORG.credits, "#org_id": ORG.org_id},
                 "ExpressionAttributeValues": {":difference": {"N": number(event.cost - billed)}},
             }
         }
@@ -418,7 +419,7 @@ class Ledger:
         answer = await self._retried(
             "settle",
             "GetItem",
-            {"TableName": self._usage_table, "Key": {"gen_id": {"S": gen_id}}, "ConsistentRead": True},
+            {"TableName": self._usage_table, "Key": {USAGE.hash_key: {"S": gen_id}}, "ConsistentRead": True},
         )
         return (answer or {}).get("Item")
 
@@ -439,12 +440,12 @@ class Ledger:
             "ConditionExpression": condition,
         }
         if condition == EVENT_IS_NEW:
-            put["ExpressionAttributeNames"] = {"#gen_id": "gen_id"}
+            put["ExpressionAttributeNames"] = {"#gen_id": USAGE.gen_id}
         elif condition == EVENT_IS_THE_ABANDONED_ONE:
-            put["ExpressionAttributeNames"] = {"#status": "status", "#cost": "cost"}
+            put["ExpressionAttributeNames"] = {"#status": USAGE.status, "#cost": USAGE.cost}
             put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}, ":billed": {"N": number(billed or 0)}}
         else:
-            put["ExpressionAttributeNames"] = {"#status": "status"}
+            put["ExpressionAttributeNames"] = {"#status": USAGE.status}
             put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}}
         return {"Put": put}
 

@@ -13,6 +13,7 @@ from pynamodb.exceptions import DoesNotExist, PutError, UpdateError
 from .clock import iso_ms, now
 from .errors import RecordExists, RecordNotFound, condition_failure, translate_storage_error
 from .records import Tables
+from .schema import LEASE
 
 __all__ = ["OrgInfo", "add_credits", "create_org", "get_org", "list_orgs", "set_limit", "set_status", "valid_org_id"]
 
@@ -47,7 +48,7 @@ class OrgInfo:
 
 def _expiry(lease: object) -> float:
     try:
-        return float(lease.get("exp", 0))  # type: ignore[union-attr]
+        return float(lease.get(LEASE.exp, 0))  # type: ignore[union-attr]
     except (AttributeError, TypeError, ValueError):
         return 0.0
 

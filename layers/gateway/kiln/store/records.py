@@ -1,8 +1,8 @@
 """The DynamoDB items, as pynamodb models bound to this deployment's tables.
 
 Table names differ per stack (and per test), so the model classes are made by `bind`,
-once per process, from the settings. The key schema here must match `template.yaml`;
-a test compares the two.
+once per process, from the settings; their attributes and indexes are those declared in
+`kiln.store.schema` (which `template.yaml` must match: a test compares the two).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pynamodb.models import Model
 
 from ..jsonio import decimal_text
 from ..settings import Settings
+from .schema import KEY, ORG, USAGE, ItemSchema
 
 __all__ = ["DecimalAttribute", "Tables", "bind"]
 
@@ -88,78 +89,40 @@ def _index_meta(name: str) -> type:
     return type("Meta", (), {"index_name": name, "projection": AllProjection()})
 
 
+_KINDS = {"S": UnicodeAttribute, "N": NumberAttribute, "BOOL": BooleanAttribute, "M": MapAttribute,
+          "money": DecimalAttribute}
+
+
+def _model(name: str, doc: str, schema: ItemSchema, meta: type, defaults: dict[str, Any]) -> type[Model]:
+    """A pynamodb model of one item of `kiln.store.schema`, with its indexes."""
+    body: dict[str, Any] = {"__doc__": doc, "Meta": meta}
+    for attribute in schema.attributes:
+        options: dict[str, Any] = {"null": True} if attribute.null else {}
+        if attribute.name == schema.hash_key:
+            options["hash_key"] = True
+        if attribute.name in defaults:
+            options["default"] = defaults[attribute.name]
+        body[attribute.name] = _KINDS[attribute.kind](**options)
+    for index in schema.indexes:
+        keys: dict[str, Any] = {index.hash_key: UnicodeAttribute(hash_key=True)}
+        if index.range_key:
+            keys[index.range_key] = UnicodeAttribute(range_key=True)
+        body[index.name] = type(f"{name}_{index.name}", (GlobalSecondaryIndex,), {"Meta": _index_meta(index.name), **keys})()
+    return type(name, (Model,), body)
+
+
 def bind(settings: Settings) -> Tables:
-    """Model classes for the tables these settings name."""
-
-    class KeysByKeyId(GlobalSecondaryIndex):
-        Meta = _index_meta("by_key_id")
-        key_id = UnicodeAttribute(hash_key=True)
-
-    class KeysByOrg(GlobalSecondaryIndex):
-        Meta = _index_meta("by_org")
-        org_id = UnicodeAttribute(hash_key=True)
-        created_at = UnicodeAttribute(range_key=True)
-
-    class KeyRecord(Model):
-        """An API key, found by the SHA-256 of its secret; the secret itself is never stored."""
-
-        Meta = _meta(settings, settings.keys_table)
-        key_hash = UnicodeAttribute(hash_key=True)
-        key_id = UnicodeAttribute()
-        org_id = UnicodeAttribute()
-        status = UnicodeAttribute(default="active")  # active | revoked
-        prefix = UnicodeAttribute()  # the first characters, to recognise a key in listings
-        created_at = UnicodeAttribute()
-        revoked_at = UnicodeAttribute(null=True)
-        last_used_at = UnicodeAttribute(null=True)  # to within LAST_USED_RESOLUTION_SECONDS
-        by_key_id = KeysByKeyId()
-        by_org = KeysByOrg()
-
-    class OrgRecord(Model):
-        """An organisation: its limit, its prepaid credits and its requests in flight (leases)."""
-
-        Meta = _meta(settings, settings.orgs_table)
-        org_id = UnicodeAttribute(hash_key=True)
-        status = UnicodeAttribute(default="active")  # active | disabled
-        concurrency_limit = NumberAttribute(default=settings.default_concurrency)
-        credits = DecimalAttribute(default=Decimal)
-        # generation id -> {exp, key, model, endpoint, streamed, started}
-        leases = MapAttribute(default=dict)
-        created_at = UnicodeAttribute()
-
-    class UsageByOrg(GlobalSecondaryIndex):
-        Meta = _index_meta("by_org_time")
-        org_id = UnicodeAttribute(hash_key=True)
-        created_at = UnicodeAttribute(range_key=True)
-
-    class UsageRecord(Model):
-        """One admitted request, written once when it settles (or is reclaimed)."""
-
-        Meta = _meta(settings, settings.usage_table)
-        gen_id = UnicodeAttribute(hash_key=True)
-        org_id = UnicodeAttribute()
-        created_at = UnicodeAttribute()  # ISO 8601, UTC, milliseconds: sorts as time
-        key_id = UnicodeAttribute()
-        model = UnicodeAttribute()
-        endpoint = UnicodeAttribute()
-        streamed = BooleanAttribute()
-        status = UnicodeAttribute()
-        http_status = NumberAttribute(null=True)
-        prompt_tokens = NumberAttribute(null=True)
-        completion_tokens = NumberAttribute(null=True)
-        cached_tokens = NumberAttribute(null=True)
-        cost = DecimalAttribute()
-        usage_source = UnicodeAttribute(null=True)  # upstream | estimated
-        finish_reason = UnicodeAttribute(null=True)
-        ttfb_ms = NumberAttribute(null=True)
-        duration_ms = NumberAttribute(null=True)
-        upstream = UnicodeAttribute(null=True)
-        error = UnicodeAttribute(null=True)
-        expires_at = NumberAttribute(null=True)  # epoch seconds, DynamoDB's TTL attribute
-        by_org_time = UsageByOrg()
-
-    _share_one_client(KeyRecord, OrgRecord, UsageRecord)
-    return Tables(keys=KeyRecord, orgs=OrgRecord, usage=UsageRecord)
+    """Model classes for the tables these settings name, built from `kiln.store.schema`."""
+    keys = _model("KeyRecord", "An API key, found by the SHA-256 of its secret.", KEY,
+                  _meta(settings, settings.keys_table), {KEY.status: "active"})
+    orgs = _model("OrgRecord", "An organisation: its limit, prepaid credits and requests in flight.", ORG,
+                  _meta(settings, settings.orgs_table),
+                  {ORG.status: "active", ORG.concurrency_limit: settings.default_concurrency, ORG.credits: Decimal,
+                   ORG.leases: dict})
+    usage = _model("UsageRecord", "One admitted request, written once when it settles (or is reclaimed).", USAGE,
+                   _meta(settings, settings.usage_table), {})
+    _share_one_client(keys, orgs, usage)
+    return Tables(keys=keys, orgs=orgs, usage=usage)
 
 
 def _share_one_client(*models: type[Model]) -> None:

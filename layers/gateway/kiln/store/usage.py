@@ -12,7 +12,7 @@ from .errors import RecordNotFound
 if TYPE_CHECKING:  # pynamodb is for operators' tools; the request path never imports it
     from .records import Tables
 
-__all__ = ["UsageEvent", "STATUSES", "get_event", "get_event_of_org", "query_events", "recent_events"]
+__all__ = ["UsageEvent", "STATUSES", "get_event", "query_events", "recent_events"]
 
 # What became of an admitted request.
 STATUSES = (
@@ -83,15 +83,6 @@ def get_event(tables: Tables, gen_id: str) -> UsageEvent:
         return UsageEvent.from_record(tables.usage.get(gen_id, consistent_read=True))
     except DoesNotExist:
         raise RecordNotFound("generation", gen_id) from None
-
-
-async def get_event_of_org(aws: Any, usage_table: str, gen_id: str, org_id: str) -> UsageEvent | None:
-    """The event if it exists *and* belongs to `org_id`; None otherwise, indistinguishably."""
-    found = await aws.dynamodb("GetItem", {"TableName": usage_table, "Key": {"gen_id": {"S": gen_id}}, "ConsistentRead": True})
-    item = found.get("Item")
-    if not item or item.get("org_id", {}).get("S") != org_id:
-        return None
-    return UsageEvent.from_item(item)
 
 
 def recent_events(tables: Tables, org_id: str, limit: int) -> list[UsageEvent]:

@@ -1,0 +1,116 @@
+"""The three DynamoDB items, declared once: tables' keys, attribute names and types, indexes.
+
+Everything that reads or writes an item takes its names from here: the request path's
+storage (`kiln.store.storage`, the ledger, the codec) and the operators' pynamodb models,
+which `kiln.store.records` builds from these declarations. `template.yaml` declares the
+same keys and indexes; a test compares the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["KEY", "LEASE", "ORG", "USAGE", "Attribute", "Index", "ItemSchema"]
+
+
+@dataclass(frozen=True)
+class Attribute:
+    name: str
+    kind: str  # S, N, BOOL, M; "money" is an N read and written as an exact Decimal
+    null: bool = False  # may be absent
+
+
+@dataclass(frozen=True)
+class Index:
+    name: str
+    hash_key: str
+    range_key: str | None = None
+
+
+@dataclass(frozen=True)
+class ItemSchema:
+    hash_key: str
+    attributes: tuple[Attribute, ...]
+    indexes: tuple[Index, ...] = ()
+
+    def __getattr__(self, name: str) -> str:
+        """`ORG.credits` is "credits": a name that is not declared is an error, not a typo stored."""
+        for attribute in object.__getattribute__(self, "attributes"):
+            if attribute.name == name:
+                return attribute.name
+        raise AttributeError(f"no attribute {name!r} in this item")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(attribute.name for attribute in self.attributes)
+
+
+KEY = ItemSchema(
+    hash_key="key_hash",  # the SHA-256 of the secret; the secret itself is never stored
+    attributes=(
+        Attribute("key_hash", "S"),
+        Attribute("key_id", "S"),
+        Attribute("org_id", "S"),
+        Attribute("status", "S"),  # active | revoked
+        Attribute("prefix", "S"),  # the first characters, to recognise a key in listings
+        Attribute("created_at", "S"),
+        Attribute("revoked_at", "S", null=True),
+        Attribute("last_used_at", "S", null=True),
+    ),
+    indexes=(Index("by_key_id", "key_id"), Index("by_org", "org_id", "created_at")),
+)
+
+ORG = ItemSchema(
+    hash_key="org_id",
+    attributes=(
+        Attribute("org_id", "S"),
+        Attribute("status", "S"),  # active | disabled
+        Attribute("concurrency_limit", "N"),
+        Attribute("credits", "money"),
+        Attribute("leases", "M"),  # generation id -> a LEASE map: the org's requests in flight
+        Attribute("created_at", "S"),
+    ),
+)
+
+# The fields of one entry of an org's `leases` map.
+LEASE = ItemSchema(
+    hash_key="",
+    attributes=(
+        Attribute("exp", "N"),  # epoch seconds: the lease expires then unless renewed
+        Attribute("started", "N"),
+        Attribute("key", "S"),
+        Attribute("model", "S"),
+        Attribute("endpoint", "S"),
+        Attribute("streamed", "BOOL"),
+        Attribute("pt", "N", null=True),  # prompt tokens, completion tokens and cost
+        Attribute("ct", "N", null=True),  # as of the last renewal
+        Attribute("cost", "money", null=True),
+    ),
+)
+
+USAGE = ItemSchema(
+    hash_key="gen_id",
+    attributes=(
+        Attribute("gen_id", "S"),
+        Attribute("org_id", "S"),
+        Attribute("created_at", "S"),  # ISO 8601, UTC, milliseconds: sorts as time
+        Attribute("key_id", "S"),
+        Attribute("model", "S"),
+        Attribute("endpoint", "S"),
+        Attribute("streamed", "BOOL"),
+        Attribute("status", "S"),
+        Attribute("cost", "money"),
+        Attribute("http_status", "N", null=True),
+        Attribute("prompt_tokens", "N", null=True),
+        Attribute("completion_tokens", "N", null=True),
+        Attribute("cached_tokens", "N", null=True),
+        Attribute("usage_source", "S", null=True),  # upstream | estimated | capped
+        Attribute("finish_reason", "S", null=True),
+        Attribute("ttfb_ms", "N", null=True),
+        Attribute("duration_ms", "N", null=True),
+        Attribute("upstream", "S", null=True),
+        Attribute("error", "S", null=True),
+        Attribute("expires_at", "N", null=True),  # epoch seconds, DynamoDB's TTL attribute
+    ),
+    indexes=(Index("by_org_time", "org_id", "created_at"),),
+)

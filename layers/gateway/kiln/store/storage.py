@@ -1,0 +1,110 @@
+"""The request path's one storage interface: keys, orgs (leases and credits), usage events.
+
+`Storage` says what the gateway needs of its storage; `DynamoStorage` is the DynamoDB
+implementation over the lean client (`kiln.aws`), with every table and attribute name from
+`kiln.store.schema`. The ledger (admission, renewal, settlement) is its part for orgs.
+Authentication and the handlers use only this, never the client, so a different store (or
+a test double) is one class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .ledger import Ledger
+from .schema import KEY, ORG, USAGE
+from .usage import UsageEvent
+
+__all__ = ["DynamoStorage", "KeyEntry", "Storage"]
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """What authentication needs of a key item."""
+
+    key_id: str
+    org_id: str
+    active: bool
+    last_used_at: str  # "" when never recorded
+
+
+class Storage(Protocol):
+    ledger: Ledger
+
+    async def find_key(self, key_hash: str) -> KeyEntry | None:
+        """The key with this hash, or None."""
+
+    async def org_active(self, org_id: str) -> bool | None:
+        """Whether the org is active; None if it does not exist."""
+
+    async def touch_key(self, key_hash: str, when: str) -> None:
+        """Record the key's last use (bookkeeping: never on a request's path)."""
+
+    async def event_of_org(self, gen_id: str, org_id: str) -> UsageEvent | None:
+        """The usage event if it exists and belongs to `org_id`; None otherwise, indistinguishably."""
+
+
+class DynamoStorage:
+    def __init__(self, aws: Any, *, keys_table: str, orgs_table: str, usage_table: str, ledger: Ledger) -> None:
+        self._aws = aws
+        self._keys_table, self._orgs_table, self._usage_table = keys_table, orgs_table, usage_table
+        self.ledger = ledger
+
+    async def find_key(self, key_hash: str) -> KeyEntry | None:
+        found = await self._aws.dynamodb(
+            "GetItem",
+            {
+                "TableName": self._keys_table,
+                "Key": {KEY.hash_key: {"S": key_hash}},
+                "ProjectionExpression": f"{KEY.key_id}, {KEY.org_id}, #status, {KEY.last_used_at}",
+                "ExpressionAttributeNames": {"#status": KEY.status},
+            },
+        )
+        item = found.get("Item")
+        if not item:
+            return None
+        return KeyEntry(
+            item[KEY.key_id]["S"],
+            item[KEY.org_id]["S"],
+            item.get(KEY.status, {}).get("S") == "active",
+            item.get(KEY.last_used_at, {}).get("S", ""),
+        )
+
+    async def org_active(self, org_id: str) -> bool | None:
+        found = await self._aws.dynamodb(
+            "GetItem",
+            {
+                "TableName": self._orgs_table,
+                "Key": {ORG.hash_key: {"S": org_id}},
+                "ProjectionExpression": "#status",
+                "ExpressionAttributeNames": {"#status": ORG.status},
+            },
+        )
+        item = found.get("Item")
+        if not item:
+            return None
+        return item.get(ORG.status, {}).get("S") == "active"
+
+    async def touch_key(self, key_hash: str, when: str) -> None:
+        await self._aws.dynamodb(
+            "UpdateItem",
+            {
+                "TableName": self._keys_table,
+                "Key": {KEY.hash_key: {"S": key_hash}},
+                "UpdateExpression": "SET #used = :now",
+                "ConditionExpression": "attribute_exists(#hash)",
+                "ExpressionAttributeNames": {"#used": KEY.last_used_at, "#hash": KEY.hash_key},
+                "ExpressionAttributeValues": {":now": {"S": when}},
+            },
+        )
+
+    async def event_of_org(self, gen_id: str, org_id: str) -> UsageEvent | None:
+        found = await self._aws.dynamodb(
+            "GetItem",
+            {"TableName": self._usage_table, "Key": {USAGE.hash_key: {"S": gen_id}}, "ConsistentRead": True},
+        )
+        item = found.get("Item")
+        if not item or item.get(USAGE.org_id, {}).get("S") != org_id:
+            return None
+        return UsageEvent.from_item(item)
