@@ -116,7 +116,7 @@ def add_admin_parser(subparsers: Any) -> None:
     usage.add_argument("org")
     usage.add_argument("--since", type=_time, help="from this ISO 8601 date or time (UTC), inclusive")
     usage.add_argument("--until", type=_time, help="to this ISO 8601 date or time (UTC), exclusive")
-    usage.add_argument("--by", choices=sorted(GROUPINGS), default="model", help="one row per model (default), day or key")
+    usage.add_argument("--by", choices=sorted(GROUPINGS), default="model", help="one row per model (default), day, key or endpoint")
     usage.add_argument(
         "--progress", action="store_true", help="report progress on stderr even when it is not a terminal"
     )

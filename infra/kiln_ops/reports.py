@@ -16,6 +16,7 @@ GROUPINGS: dict[str, Callable[[UsageEvent], str]] = {
     "model": lambda event: event.model,
     "day": lambda event: event.created_at[:10],
     "key": lambda event: event.key_id,
+    "endpoint": lambda event: event.endpoint,
 }
 COLUMNS = ("requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
 

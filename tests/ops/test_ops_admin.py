@@ -754,6 +754,17 @@ def test_usage_reports_progress_while_it_pages(admin, stack):
     assert "read…" not in admin("usage", org_id).err  # not a terminal, not asked: quiet
 
 
+def test_usage_by_endpoint_shows_the_responses_api_beside_chat(admin, stack):
+    org_id, _, secret = org_with_key(admin, credits="3")
+    stack.post(CHAT_PATH, {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}, secret)
+    for stream in (False, True):
+        stack.post("/v1/responses", {"model": "gpt-oss-120b", "input": "hi", "stream": stream}, secret)
+    report = json.loads(admin("usage", org_id, "--by", "endpoint", "--format", "json").text)
+    rows = {row["group"]: row for row in report["rows"]}
+    assert {name: row["requests"] for name, row in rows.items()} == {"chat.completions": 1, "responses": 2}
+    assert sum(Decimal(row["cost"]) for row in rows.values()) == Decimal("3") - stack.org_info(org_id).credits
+
+
 def test_usage_of_an_unknown_org_fails(admin):
     assert_fails(admin("usage", "no-such-org"), "org 'no-such-org' not found")
 
