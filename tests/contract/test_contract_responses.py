@@ -195,3 +195,12 @@ def test_a_malformed_answer_is_502_and_settled(stack, org):
     assert response.status_code == 502
     (event,) = ledger.check()
     assert event.status == "upstream_error"
+
+
+def test_the_generation_id_finds_the_responses_usage_event(stack, org):
+    response = stack.post(RESPONSES, BODY, org[1])
+    gen_id = response.headers["X-Neocloud-Generation-Id"]
+    generation = stack.http.get(f"/v1/generations/{gen_id}", headers={"Authorization": f"Bearer {org[1]}"}).json()
+    assert (generation["id"], generation["endpoint"], generation["status"]) == (gen_id, "responses", "success")
+    assert (generation["usage"]["prompt_tokens"], generation["usage"]["completion_tokens"]) == (8, 12)
+    assert Decimal(str(generation["usage"]["cost"])) == price(8, 12)
