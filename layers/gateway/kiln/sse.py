@@ -131,7 +131,7 @@ class SseRelay:
         """
         if self.done:
             return None  # nothing after [DONE] is relayed
-        if event.startswith(b":"):
+        if event.startswith(b":") and b"\n" not in event:
             return event  # an upstream comment (its own keepalive): harmless, pass it on
         payload = _data_of(event)
         if payload is None:

@@ -124,8 +124,8 @@ class ResponsesRelay(SseRelay):
     def _event(self, event: bytes) -> bytes | None:
         if self.done:
             return None  # nothing after the final event is relayed
-        if event.startswith(b":"):
-            return event
+        if event.startswith(b":") and b"\n" not in event:
+            return event  # a comment alone; one before data lines does not hide them
         payload = _data_of(event)
         if payload is None:
             return event

@@ -1,0 +1,192 @@
+"""kiln.sse: the relay at the edges of the SSE format, its bounds, and what it holds back."""
+
+import json
+
+import pytest
+
+from kiln.metering import TokenUsage
+from kiln.sse import DEFAULT_MAX_EVENT_BYTES, EventTooLarge, SseRelay, usage_event
+
+HELLO = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+USAGE = b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+def relay_all(chunks, wants_usage=False, **kwargs):
+    relay = SseRelay(client_wants_usage=wants_usage, **kwargs)
+    out = b"".join(relay.feed(chunk) for chunk in chunks)
+    return out, relay
+
+
+def summary(relay):
+    return (relay.done, relay.usage, relay.usage_chunk, relay.relayed_tokens, relay.finish_reason, relay.first_chunk)
+
+
+def test_a_stream_with_no_usage_chunk_holds_nothing_back():
+    out, relay = relay_all([HELLO, DONE])
+    assert out == HELLO and relay.done is True
+    assert relay.usage_chunk is None and relay.reported_usage is None and relay.usage is None
+    assert SseRelay(client_wants_usage=False).feed(b"") == b""
+
+
+# multi-line events: field lines, comments and data split over several lines (the SSE format)
+MULTI = (
+    b"id: 1\nevent: chunk\n" + HELLO
+    + b'data: {"id":"c1","choices":[{"index":0,\ndata: "delta":{"content":"lo"},"finish_reason":"stop"}]}\n\n'
+    + b": a comment line\n\n"
+    + b'id: 3\ndata:{"id":"c1","choices":[],\ndata:"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n'
+    + b"id: 4\ndata: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_multi_line_events_give_the_same_output_at_every_split_point(ending):
+    stream = MULTI.replace(b"\n", ending)
+    whole, reference = relay_all([stream])
+    assert whole == MULTI[: MULTI.index(b"id: 3")]  # content relayed; usage held back; [DONE] swallowed
+    assert reference.done is True
+    assert reference.usage == TokenUsage(2, 2)
+    assert reference.relayed_tokens == 2 and reference.finish_reason == "stop"
+    for cut in range(1, len(stream)):
+        out, relay = relay_all([stream[:cut], stream[cut:]])
+        assert out == whole, cut
+        assert summary(relay) == summary(reference), cut
+    out, relay = relay_all([stream[i : i + 1] for i in range(len(stream))])
+    assert out == whole and summary(relay) == summary(reference)
+
+
+def test_a_blank_line_split_between_pieces_ends_the_event_there():
+    a = b'data: {"choices":[{"delta":{"content":"a"}}]}'
+    b = b'data: {"choices":[{"delta":{"content":"b"}}]}'
+    out, relay = relay_all([a + b"\n", b"\n" + b, b"\n\n"])
+    assert out == a + b"\n\n" + b + b"\n\n"
+    assert relay.relayed_tokens == 2
+
+
+def test_line_endings_may_change_from_one_piece_to_the_next():
+    pieces = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n', b'\ndata: {"choices":[{"delta":{"content":"b"}}]}\r\n\r\n']
+    out, relay = relay_all(pieces)
+    assert out == b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta":{"content":"b"}}]}\n\n'
+    assert relay.relayed_tokens == 2
+
+
+def test_a_usage_chunk_written_without_the_space_after_data_is_held_back():
+    out, relay = relay_all([HELLO + USAGE.replace(b"data: ", b"data:")])
+    assert out == HELLO
+    assert relay.usage == TokenUsage(5, 7)
+
+
+def test_only_data_lines_carry_data():
+    event = b'event: {"id":"x","choices":[{"delta":{"content":"x"}}]}\n\n'
+    out, relay = relay_all([event])
+    assert out == event
+    assert relay.relayed_tokens == 0 and relay.first_chunk is None
+
+
+def test_an_event_is_relayed_with_its_own_last_characters():
+    events = b"data: not json, ends in X \t\n\n" + b"data: X\n\n" + b": ping X\n\n"
+    assert relay_all([events])[0] == events
+
+
+def test_a_finish_reason_that_is_not_utf8_is_read_with_replacement():
+    event = b'data: {"choices":[{"delta":{},"finish_reason":"st\xffp"}]}\n\n'
+    out, relay = relay_all([event])
+    assert out == event and relay.finish_reason == "st\ufffdp"
+
+
+# -- usage riding on content chunks (continuous usage stats) ---------------------------------------
+
+
+def continuous(text, n):
+    return (
+        b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"' + text + b'"},"finish_reason":null}],'
+        b'"usage":{"prompt_tokens":4,"completion_tokens":' + str(n).encode() + b"}}\n\n"
+    )
+
+
+def test_continuous_usage_counts_every_chunks_tokens_and_keeps_the_last_usage():
+    out, relay = relay_all([continuous(b"a", 1), continuous(b"b", 2), continuous(b"c", 3)], wants_usage=True)
+    assert out == continuous(b"a", 1) + continuous(b"b", 2) + continuous(b"c", 3)
+    assert relay.relayed_tokens == 3
+    assert relay.usage == TokenUsage(4, 3)
+    assert relay.usage_chunk is None  # nothing held back: the content went out
+
+
+def test_usage_on_a_chunk_whose_choices_are_not_objects_is_read_and_the_chunk_relayed():
+    event = b'data: {"choices":["odd",{"delta":{"content":"x"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
+    out, relay = relay_all([event], wants_usage=True)
+    assert out == event
+    assert relay.finish_reason == "stop" and relay.usage == TokenUsage(1, 1)
+
+
+def test_a_usage_key_inside_a_choice_is_no_usage_chunk():
+    event = b'data: {"id":"c1","choices":[{"delta":{"content":"x"},"usage":{"prompt_tokens":1}}]}\n\n'
+    out, relay = relay_all([event], wants_usage=False)
+    assert json.loads(out[6:]) == json.loads(event[6:])  # content and its odd key kept
+    assert relay.relayed_tokens == 1 and relay.usage is None
+
+
+# -- the bound on one event (contract §5) ------------------------------------------------------
+
+
+def test_the_default_bound_is_one_mebibyte():
+    assert DEFAULT_MAX_EVENT_BYTES == 1024 * 1024
+    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * (DEFAULT_MAX_EVENT_BYTES - 100) + b'"}}]}\n\n'
+    assert relay_all([event])[0] == event
+    with pytest.raises(EventTooLarge, match=f"^an SSE event over {DEFAULT_MAX_EVENT_BYTES} bytes$"):
+        relay_all([b"data: " + b"x" * DEFAULT_MAX_EVENT_BYTES + b"\n\n"])
+
+
+@pytest.mark.parametrize("size", [64, 1000])
+def test_an_event_of_exactly_the_bound_passes_whole_or_unfinished(size):
+    event = b"data: " + b"a" * (size - 6)
+    assert len(event) == size
+    # whole, with its blank line
+    assert relay_all([event + b"\n\n"], max_event_bytes=size)[0] == event + b"\n\n"
+    # unfinished, first in a piece of its own, then behind a finished event
+    out, relay = relay_all([event], max_event_bytes=size)
+    assert out == b"" and relay.leftover() == event
+    out, relay = relay_all([b"data: x\n\n" + event], max_event_bytes=size)
+    assert out == b"data: x\n\n" and relay.leftover() == event
+    # one byte more is refused, in each of those shapes
+    for chunks in ([event + b"a\n\n"], [event + b"a"], [b"data: x\n\n" + event + b"a"]):
+        with pytest.raises(EventTooLarge, match=f"over {size} bytes"):
+            relay_all(chunks, max_event_bytes=size)
+
+
+def test_leftover_is_every_piece_of_the_unfinished_event():
+    out, relay = relay_all([HELLO, b'data: {"choices"', b':[{"delta"', b':{"con'])
+    assert out == HELLO
+    assert relay.leftover() == b'data: {"choices":[{"delta":{"con'
+
+
+# -- the work counter the linear-cost test reads ---------------------------------------------------
+
+
+def test_the_work_counter_counts_each_pass_over_the_bytes():
+    # searched once, then joined and split: three passes over an event fed whole
+    relay = SseRelay(client_wants_usage=False)
+    relay.feed(HELLO * 3)
+    assert relay.bytes_scanned == 3 * len(HELLO * 3)
+    relay.feed(HELLO)
+    assert relay.bytes_scanned == 3 * len(HELLO * 4)
+    # CRLF line ends normalized to LF first: one pass more
+    relay = SseRelay(client_wants_usage=False)
+    relay.feed(HELLO.replace(b"\n", b"\r\n"))
+    assert relay.bytes_scanned == 4 * len(HELLO)
+    relay.feed(HELLO.replace(b"\n", b"\r\n"))
+    assert relay.bytes_scanned == 8 * len(HELLO)
+
+
+def test_usage_event_puts_choices_and_usage_after_the_templates_fields():
+    template = {"id": "c1", "choices": [{"delta": {}}], "usage": {"prompt_tokens": 1}, "model": "m"}
+    assert usage_event(template, {"prompt_tokens": 2}) == b'data: {"id":"c1","model":"m","choices":[],"usage":{"prompt_tokens":2}}\n\n'
+
+
+def test_a_comment_line_does_not_hide_the_data_of_its_event():
+    # A comment line is ignored wherever it is (the SSE format): the event's data still counts.
+    usage = b": usage follows\n" + USAGE
+    done = b": end\n" + DONE
+    out, relay = relay_all([HELLO + usage + done + HELLO])
+    assert out == HELLO
+    assert relay.usage == TokenUsage(5, 7) and relay.done is True
