@@ -1,0 +1,231 @@
+"""kiln.apis.responses: the Responses API's checks, usage, estimates and stream (contract §9)."""
+
+import json
+from decimal import Decimal
+
+import pytest
+
+from kiln.apis.responses import API as RESPONSES
+from kiln.apis.responses import FINAL_EVENTS, ResponsesRelay
+from kiln.catalog import Capabilities, ModelEntry, Pricing
+from kiln.errors import GatewayError
+from kiln.metering import TokenUsage
+
+COST = Decimal("0.000001155")
+PLAIN = ModelEntry("plain", "kiln", 0, 4096, Pricing(Decimal(1), Decimal(1)))
+CAPABLE = ModelEntry(
+    "capable", "kiln", 0, 4096, Pricing(Decimal(1), Decimal(1)),
+    capabilities=Capabilities(forced_tool_choice=True, json_response_format=True),
+)
+
+
+def event(name, data):
+    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+USAGE = {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 3}, "output_tokens": 12, "total_tokens": 20}
+CREATED = event("response.created", {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}})
+DELTA = event("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "msg_1", "delta": "Hel"})
+EMPTY_DELTA = event("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "msg_1", "delta": ""})
+ARGS = event("response.function_call_arguments.delta", {"type": "response.function_call_arguments.delta", "delta": "{\"a\""})
+COMPLETED = event("response.completed", {"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": USAGE}})
+
+
+def error_of(call):
+    with pytest.raises(GatewayError) as info:
+        call()
+    return info.value.status, json.loads(info.value.body())["error"]
+
+
+def test_the_endpoint_says_who_it_is_and_how_its_stream_ends():
+    assert (RESPONSES.name, RESPONSES.upstream_path) == ("responses", "/responses")
+    assert RESPONSES.unfinished == "the stream ended before its final event"
+    assert FINAL_EVENTS == ("response.completed", "response.incomplete", "response.failed")
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def test_a_forced_tool_choice_needs_the_capability():
+    status, body = error_of(lambda: RESPONSES.check({"tool_choice": "required"}, PLAIN))
+    assert (status, body["param"], body["code"]) == (400, "tool_choice", "unsupported_parameter")
+    RESPONSES.check({"tool_choice": "required"}, CAPABLE)
+
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+def test_json_text_format_needs_the_capability_and_is_named_text_format(kind):
+    status, body = error_of(lambda: RESPONSES.check({"text": {"format": {"type": kind}}}, PLAIN))
+    assert (status, body["param"], body["code"]) == (400, "text.format", "unsupported_parameter")
+    assert f"does not support text.format '{kind}'" in body["message"]
+    RESPONSES.check({"text": {"format": {"type": kind}}}, CAPABLE)
+
+
+@pytest.mark.parametrize("body", [{}, {"text": "json_schema"}, {"text": {"format": {"type": "text"}}}, {"input": 3, "tools": "x"}])
+def test_the_rest_of_the_body_is_the_model_servers_business(body):
+    RESPONSES.check_before_model(body)
+    RESPONSES.check(body, PLAIN)
+
+
+# -- usage and estimates -------------------------------------------------------------------------
+
+
+def test_the_usage_is_read_in_the_chat_names():
+    assert RESPONSES.reported_usage(USAGE) == {"prompt_tokens": 8, "completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 3}}
+    assert RESPONSES.reported_usage({"input_tokens": 1, "input_tokens_details": "x"}) == {
+        "prompt_tokens": 1, "completion_tokens": None, "prompt_tokens_details": None,
+    }
+    assert RESPONSES.reported_usage(None) is None
+    assert RESPONSES.reported_usage([1]) == [1]
+
+
+def test_the_prompt_is_estimated_from_the_instructions_and_each_input_item():
+    assert RESPONSES.estimate_prompt({"input": "The capital of France is"}) == 3 + 6
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "abcd"}]}, {"type": "message", "content": "ab"}]
+    # "user" "input_text" "abcd": 18 characters, 5 tokens; "message" "ab": 9, 3
+    assert RESPONSES.estimate_prompt({"input": items, "instructions": "abcdefgh"}) == 2 + (3 + 5) + (3 + 3)
+    assert RESPONSES.estimate_prompt({"instructions": "abcd"}) == 1
+    assert RESPONSES.estimate_prompt({"instructions": ["abcd"], "input": None}) == 0
+
+
+def test_a_buffered_answer_needs_output_items_that_are_objects():
+    assert RESPONSES.shape_problem({"output": [{"type": "message"}]}) is None
+    assert RESPONSES.shape_problem({}) is None
+    for output in ({"type": "message"}, [{"type": "message"}, "x"], "x"):
+        assert RESPONSES.shape_problem({"output": output}) == "output is not an array of objects"
+
+
+def test_output_tokens_are_estimated_from_texts_reasoning_and_arguments():
+    answer = {
+        "output": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "abcdefgh"}, "x"]},  # 2
+            {"type": "message", "content": [{"type": "output_text", "text": "abcde"}, {"type": "refusal"}]},  # 2
+            {"type": "function_call", "arguments": '{"a":1}'},  # 2
+            {"type": "message", "content": "not parts", "summary": {"text": "abcd"}},
+            "not an item",
+        ]
+    }
+    assert RESPONSES.estimate_completion(answer) == 6
+    assert RESPONSES.estimate_completion({"output": None}) == RESPONSES.estimate_completion({}) == 0
+
+
+def test_a_believed_usage_gets_its_cost_and_any_other_is_replaced_by_the_billed_one():
+    answer = {"usage": dict(USAGE)}
+    RESPONSES.with_usage(answer, TokenUsage(8, 12, 3), COST)
+    assert answer["usage"] == {**USAGE, "cost": COST}
+    for usage, reported in ((TokenUsage(8, 5, None, "capped"), dict(USAGE)), (TokenUsage(8, 12, 3), "odd")):
+        answer = {"usage": reported}
+        RESPONSES.with_usage(answer, usage, COST)
+        assert answer["usage"] == {
+            "input_tokens": 8,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 8 + usage.completion_tokens,
+            "cost": COST,
+        }
+
+
+@pytest.mark.parametrize("answer, reason", [({"status": "incomplete"}, "incomplete"), ({"status": 1}, None), ({}, None)])
+def test_the_finish_reason_is_the_status(answer, reason):
+    assert RESPONSES.finish_reason(answer) == reason
+
+
+# -- the stream -------------------------------------------------------------------------------------
+
+
+def relayed(*pieces):
+    relay = RESPONSES.relay(client_wants_usage=False, max_event_bytes=64 * 1024)
+    assert isinstance(relay, ResponsesRelay)
+    return b"".join(relay.feed(piece) for piece in pieces), relay
+
+
+def test_every_event_is_relayed_as_sent_but_the_final_one_which_is_held_back():
+    stream = CREATED + b": keepalive\n\n" + DELTA + EMPTY_DELTA + ARGS + COMPLETED
+    out, relay = relayed(stream)
+    assert out == CREATED + b": keepalive\n\n" + DELTA + EMPTY_DELTA + ARGS
+    assert relay.done is True
+    assert relay.final == json.loads(COMPLETED.split(b"data: ")[1])
+    assert relay.final_name == b"event: response.completed\n"
+    assert relay.reported_usage == USAGE and relay.finish_reason == "completed"
+    assert relay.relayed_tokens == 2  # "Hel" and the arguments; the empty delta does not count
+    assert relay.first_chunk["type"] == "response.created"
+    # and at every split point, the same
+    for cut in range(1, len(stream)):
+        again, other = relayed(stream[:cut], stream[cut:])
+        assert (again, other.final, other.final_name, other.relayed_tokens) == (out, relay.final, relay.final_name, 2), cut
+
+
+@pytest.mark.parametrize("kind, status", [("response.incomplete", "incomplete"), ("response.failed", "failed")])
+def test_the_other_final_events_end_the_stream_too(kind, status):
+    final = event(kind, {"type": kind, "response": {"status": status}})
+    out, relay = relayed(DELTA + final + DELTA)
+    assert out == DELTA and relay.done
+    assert relay.finish_reason == status and relay.reported_usage is None
+
+
+def test_a_final_event_without_its_event_line_or_status_is_still_final():
+    final = b'data: {"type":"response.completed","response":{"status":3}}\n\n'
+    out, relay = relayed(DELTA + final)
+    assert out == DELTA and relay.done and relay.final_name == b"" and relay.finish_reason is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"type":"response.completed","response":"done"}',
+        b'{"type":"response.completed.extra","response":{}}',
+        b'{"note":{"type":"response.completed"},"type":"response.output_text.done","response":{}}',
+        b'["type","response.completed"]',
+        b'{"type":"response.completed", oops',
+    ],
+)
+def test_what_only_looks_like_a_final_event_is_relayed(data):
+    odd = b"event: x\ndata: " + data + b"\n\n"
+    out, relay = relayed(odd + DELTA)
+    assert out == odd + DELTA and relay.done is False and relay.final is None
+
+
+def test_nothing_after_the_final_event_is_relayed():
+    out, relay = relayed(DELTA + COMPLETED + DELTA + b": late comment\n\n" + b"event: x\n\n")
+    assert out == DELTA and relay.relayed_tokens == 1
+
+
+def test_events_without_data_and_comments_pass():
+    out, relay = relayed(b"event: ping\n\n" + b": hi\n\n" + COMPLETED)
+    assert out == b"event: ping\n\n: hi\n\n" and relay.first_chunk is None
+
+
+def test_the_final_event_goes_out_last_with_the_cost_in_its_usage():
+    _, relay = relayed(CREATED + DELTA + COMPLETED)
+    tail = RESPONSES.stream_tail(relay, TokenUsage(8, 12, 3), COST, False)
+    assert tail.startswith(b"event: response.completed\ndata: ") and tail.endswith(b"}\n\n")
+    final = json.loads(tail.split(b"data: ", 1)[1], parse_float=Decimal)
+    assert final == {"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {**USAGE, "cost": COST}}}
+    assert relay.final["response"]["usage"] == USAGE  # what the relay kept is not changed
+    capped = json.loads(RESPONSES.stream_tail(relay, TokenUsage(8, 1, None, "capped"), COST, True).split(b"data: ", 1)[1])
+    assert capped["response"]["usage"]["output_tokens"] == 1 and capped["response"]["id"] == "resp_1"
+
+
+def test_a_failed_stream_ends_with_an_error_event_of_the_responses_shape():
+    tail = RESPONSES.stream_error('cut "short"')
+    assert tail.startswith(b"event: error\ndata: ") and tail.endswith(b"\n\n") and tail.count(b"\n") == 3
+    assert json.loads(tail.split(b"data: ", 1)[1]) == {"type": "error", "code": "upstream_error", "message": 'cut "short"'}
+
+
+def test_the_stream_is_held_to_the_models_bound_on_one_event():
+    relay = RESPONSES.relay(client_wants_usage=True, max_event_bytes=len(DELTA))
+    assert relay.feed(DELTA) == DELTA
+    with pytest.raises(Exception, match=f"over {len(DELTA)} bytes"):
+        relay.feed(DELTA.replace(b"Hel", b"Hello!"))
+
+
+def test_the_final_events_field_lines_are_kept_as_written():
+    final = b"id: 9\nevent: response\nevent: response.completed\n" + COMPLETED.split(b"\n", 1)[1]
+    _, relay = relayed(DELTA + final)
+    assert relay.final_name == b"event: response\nevent: response.completed\n"
+    assert RESPONSES.stream_tail(relay, TokenUsage(8, 12, 3), COST, True).startswith(relay.final_name + b"data: ")
+
+
+def test_a_comment_line_does_not_hide_the_final_event():
+    out, relay = relayed(DELTA + b": last one\n" + COMPLETED + DELTA)
+    assert out == DELTA and relay.done and relay.reported_usage == USAGE
