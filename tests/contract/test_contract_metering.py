@@ -116,11 +116,28 @@ def test_usage_not_reported_upstream_is_estimated_and_still_billed(stack, org):
 
 
 def test_reasoning_tokens_are_billed_as_reported(stack, org):
-    """completion_tokens is billed as the upstream reports it (reasoning included there)."""
+    """completion_tokens is billed as the upstream reports it, its reasoning tokens included:
+    the reasoning is neither billed again nor dropped, and its breakdown reaches the client."""
     org_id, key = org
-    response = stack.post(CHAT, {**PAGE_CHAT, "mock": {"tokens": 30}}, key)
-    assert response.json()["usage"]["completion_tokens"] == 30
-    assert stack.events(org_id)[0].completion_tokens == 30
+    reasoning, answer = 18, 12
+    raw = json.dumps({
+        "id": "chatcmpl-r1", "object": "chat.completion", "created": 1700000000, "model": "gpt-oss-120b",
+        "choices": [{
+            "index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "reasoning_content": "The user greets; greet back. " * 6, "content": "Hello! How can I help?"},
+        }],
+        "usage": {
+            "prompt_tokens": 9, "completion_tokens": reasoning + answer, "total_tokens": 9 + reasoning + answer,
+            "completion_tokens_details": {"reasoning_tokens": reasoning},
+        },
+    })
+    response = stack.post(CHAT, {**PAGE_CHAT, "mock": {"raw_body": raw}}, key)
+    usage = json.loads(response.text, parse_float=Decimal)["usage"]
+    assert usage["completion_tokens"] == 30
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 18}
+    assert usage["cost"] == (9 * Decimal("0.035") + 30 * Decimal("0.07")) / 1_000_000
+    (event,) = stack.events(org_id)
+    assert (event.completion_tokens, event.usage_source, event.cost) == (30, "upstream", usage["cost"])
 
 
 def test_generation_ids_are_unique_under_concurrency(stack):

@@ -40,12 +40,21 @@ def test_admission_is_one_write_and_refusals_need_no_read(stack):
 
 def test_refusals_tell_402_from_403_from_429(stack):
     org_id, _ = stack.org(credits="0")
-    with pytest.raises(InsufficientCredits):
+    with pytest.raises(InsufficientCredits) as refused:
         _admit(stack, org_id)
+    assert refused.value.status == 402
     org_id, _ = stack.org()
     set_status(stack.tables, org_id, "disabled")
-    with pytest.raises(OrganizationDisabled):
+    with pytest.raises(OrganizationDisabled) as refused:
         _admit(stack, org_id)
+    assert refused.value.status == 403
+    org_id, _ = stack.org(concurrency=1)
+    _admit(stack, org_id)
+    with pytest.raises(RateLimitExceeded) as refused:
+        _admit(stack, org_id)
+    assert refused.value.status == 429
+    # the refused admission took no slot of its own
+    assert stack.org_info(org_id).in_flight == 1
 
 
 def test_settle_releases_debits_and_records_in_one_go(stack):
