@@ -149,3 +149,74 @@ def test_telemetry_variables_are_settings_too():
     assert (settings.metrics_disabled, settings.service_name, settings.metrics_namespace) == (True, "gw", "Ns")
     with pytest.raises(SettingsError, match="POWERTOOLS_METRICS_DISABLED"):
         Settings.from_env({"POWERTOOLS_METRICS_DISABLED": "perhaps"})
+
+
+# -- every variable by its name, as deployments write it (template.yaml, docs/deploy.md) --------
+# Written out here, not derived from the declarations: a variable renamed, or one no longer
+# read, fails below, and a new setting fails until it has its line.
+
+EVERY_VARIABLE = {
+    # variable: (setting, raw value, parsed value), each value other than the default
+    "KILN_KEYS_TABLE": ("keys_table", "keys-prod", "keys-prod"),
+    "KILN_ORGS_TABLE": ("orgs_table", "orgs-prod", "orgs-prod"),
+    "KILN_USAGE_TABLE": ("usage_table", "usage-prod", "usage-prod"),
+    "KILN_MAINTENANCE_PARAMETER": ("maintenance_parameter", "/prod/maintenance", "/prod/maintenance"),
+    "KILN_CATALOG_PARAMETER": ("catalog_parameter", "/prod/catalog", "/prod/catalog"),
+    "KILN_CATALOG_FILE": ("catalog_file", "/etc/kiln/catalog.json", "/etc/kiln/catalog.json"),
+    "AWS_REGION": ("region", "eu-west-1", "eu-west-1"),
+    "KILN_AWS_ENDPOINT_URL": ("aws_endpoint_url", "http://127.0.0.1:4566", "http://127.0.0.1:4566"),
+    "KILN_MAINTENANCE_CACHE_SECONDS": ("maintenance_cache_seconds", "60", 60.0),
+    "KILN_CATALOG_CACHE_SECONDS": ("catalog_cache_seconds", "300", 300.0),
+    "KILN_UPSTREAM_API_KEY_PARAMETER": ("upstream_api_key_parameter", "/prod/upstream-key", "/prod/upstream-key"),
+    "KILN_UPSTREAM_API_KEY_CACHE_SECONDS": ("upstream_api_key_cache_seconds", "30", 30.0),
+    "KILN_PARAMETER_FIRST_READ_SECONDS": ("parameter_first_read_seconds", "1.5", 1.5),
+    "KILN_AUTH_CACHE_SECONDS": ("auth_cache_seconds", "2", 2.0),
+    "KILN_LEASE_TTL_SECONDS": ("lease_ttl_seconds", "90", 90.0),
+    "KILN_LEASE_RENEW_SECONDS": ("lease_renew_seconds", "30", 30.0),
+    "KILN_KEEPALIVE_SECONDS": ("keepalive_seconds", "15", 15.0),
+    "KILN_MAX_BODY_BYTES": ("max_body_bytes", "1048576", 1048576),
+    "KILN_MAINTENANCE_RETRY_AFTER_SECONDS": ("maintenance_retry_after_seconds", "120", 120),
+    "KILN_STORAGE_RETRY_ATTEMPTS": ("storage_retry_attempts", "5", 5),
+    "KILN_STORAGE_RETRY_SECONDS": ("storage_retry_seconds", "2.5", 2.5),
+    "KILN_DEFAULT_CONCURRENCY": ("default_concurrency", "4", 4),
+    "KILN_USAGE_RETENTION_DAYS": ("usage_retention_days", "400", 400),
+    "KILN_BACKEND_FAILURE_THRESHOLD": ("backend_failure_threshold", "5", 5),
+    "KILN_BACKEND_COOLDOWN_SECONDS": ("backend_cooldown_seconds", "2", 2.0),
+    "KILN_BACKEND_MAX_COOLDOWN_SECONDS": ("backend_max_cooldown_seconds", "600", 600.0),
+    "KILN_BACKEND_ERROR_WINDOW_SECONDS": ("backend_error_window_seconds", "30", 30.0),
+    "KILN_BACKEND_ERROR_MIN_REQUESTS": ("backend_error_min_requests", "50", 50),
+    "KILN_BACKEND_ERROR_RATE": ("backend_error_rate", "0.25", 0.25),
+    "KILN_BACKEND_ERROR_MIN_CLIENTS": ("backend_error_min_clients", "3", 3),
+    "POWERTOOLS_METRICS_DISABLED": ("metrics_disabled", "true", True),
+    "POWERTOOLS_METRICS_NAMESPACE": ("metrics_namespace", "KilnProd", "KilnProd"),
+    "POWERTOOLS_SERVICE_NAME": ("service_name", "kiln-prod", "kiln-prod"),
+}
+# read when the variable above is not set
+FALLBACKS = {"AWS_DEFAULT_REGION": "AWS_REGION", "AWS_ENDPOINT_URL": "KILN_AWS_ENDPOINT_URL"}
+DEFAULTS = vars(Settings.from_env({}))
+
+
+def test_every_setting_has_its_variable_in_the_list():
+    assert sorted(setting for setting, _, _ in EVERY_VARIABLE.values()) == sorted(DEFAULTS)
+    for setting, _, parsed in EVERY_VARIABLE.values():
+        assert DEFAULTS[setting] != parsed, f"{setting}: pick a value other than the default"
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_VARIABLE) + sorted(FALLBACKS))
+def test_each_variable_alone_sets_its_setting_and_nothing_else(name):
+    setting, raw, parsed = EVERY_VARIABLE[FALLBACKS.get(name, name)]
+    settings = vars(Settings.from_env({name: raw}))
+    assert settings == {**DEFAULTS, setting: parsed}
+
+
+def test_every_variable_at_once():
+    settings = Settings.from_env({name: raw for name, (_, raw, _) in EVERY_VARIABLE.items()})
+    assert vars(settings) == {setting: parsed for setting, _, parsed in EVERY_VARIABLE.values()}
+    assert Settings.from_env(settings.to_env()) == settings
+
+
+@pytest.mark.parametrize("fallback, name", sorted(FALLBACKS.items()))
+def test_a_variable_wins_over_its_fallback(fallback, name):
+    setting, raw, parsed = EVERY_VARIABLE[name]
+    assert getattr(Settings.from_env({name: raw, fallback: "other"}), setting) == parsed
+    assert getattr(Settings.from_env({name: " ", fallback: raw}), setting) == parsed  # a blank one does not
