@@ -124,3 +124,19 @@ def test_stop_is_idempotent_and_a_short_request_costs_no_renewal():
         assert ledger.calls == 0
 
     asyncio.run(main())
+
+
+def test_renewals_stop_at_their_limit_and_the_lease_is_left_to_expire():
+    """A keeper whose request's end was never seen stops after `max_seconds`: no slot held for ever."""
+
+    async def main():
+        ledger = FakeLedger()
+        keeper = LeaseKeeper(ledger, LEASE, max_seconds=0.05)
+        keeper.start()
+        await asyncio.sleep(0.3)
+        renewed = len(ledger.renewed)
+        await asyncio.sleep(0.1)
+        assert 1 <= renewed == len(ledger.renewed)  # it renewed, then stopped by itself
+        await keeper.stop()
+
+    asyncio.run(main())

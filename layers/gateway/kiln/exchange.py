@@ -59,7 +59,8 @@ class Exchange:
         self._upstream: UpstreamExchange | None = None
         self._relay_state: SseRelay | None = None
         # renews the lease while the request runs, recording what it has relayed (§4)
-        self._keeper = LeaseKeeper(gateway.ledger, lease, progress=self._progress)
+        self._keeper = LeaseKeeper(gateway.ledger, lease, progress=self._progress,
+                                   max_seconds=call.model.timeouts.total + gateway.ledger.lease_ttl)
         self._settled = False
 
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Callable
 
 from .ledger import Lease, Ledger, Progress
@@ -36,11 +37,15 @@ class LeaseKeeper:
         *,
         progress: Callable[[], Progress | None] | None = None,
         renew_seconds: float | None = None,
+        max_seconds: float | None = None,
     ) -> None:
         self._ledger = ledger
         self._lease = lease
         self._progress = progress
         self._interval = renew_seconds if renew_seconds is not None else ledger.renew_seconds
+        # a safety net: no request runs longer than its model allows, so a keeper still running
+        # past that belongs to a request whose end was never seen; its lease then simply expires
+        self._until = time.monotonic() + max_seconds if max_seconds is not None else None
         self._task: asyncio.Task | None = None
         self.renewals = 0  # renewals that landed
         self.expires = lease.expires  # the lease's expiry as last written
@@ -76,6 +81,9 @@ class LeaseKeeper:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
+            if self._until is not None and time.monotonic() > self._until:
+                log.warning(json.dumps({"event": "lease_renewal_limit", "gen_id": self._lease.gen_id}))
+                return
             progress = self._read_progress()
             try:
                 expires = await self._ledger.renew(self._lease, progress)
