@@ -17,7 +17,10 @@ from .jsonio import dumps
 from .metering import TokenUsage
 from .upstream import UpstreamStreamError
 
-__all__ = ["DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "error_event", "usage_event"]
+__all__ = [
+    "DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "data_of", "error_event", "parse_json",
+    "usage_event",
+]
 
 # the catalog's default (kiln.catalog.Limits.event_bytes); each model may set its own
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
@@ -133,14 +136,14 @@ class SseRelay:
             return None  # nothing after [DONE] is relayed
         if event.startswith(b":") and b"\n" not in event:
             return event  # an upstream comment (its own keepalive): harmless, pass it on
-        payload = _data_of(event)
+        payload = data_of(event)
         if payload is None:
             return event
         if payload == b"[DONE]":
             self.done = True
             return None
         if self.first_chunk is None:
-            first = _parse(payload)
+            first = parse_json(payload)
             if isinstance(first, dict):
                 self.first_chunk = first
         if _USAGE_PRESENT.search(payload):
@@ -152,7 +155,7 @@ class SseRelay:
         return event
 
     def _usage(self, event: bytes, payload: bytes) -> bytes | None:
-        chunk = _parse(payload)
+        chunk = parse_json(payload)
         if not isinstance(chunk, dict):
             return event
         if isinstance(chunk.get("usage"), dict):
@@ -179,7 +182,7 @@ class SseRelay:
         return b"".join(self._pending)
 
 
-def _data_of(event: bytes) -> bytes | None:
+def data_of(event: bytes) -> bytes | None:
     """The data of an SSE event (several data lines are joined with newlines)."""
     if event.startswith(b"data:") and b"\n" not in event:
         return event[5:].lstrip(b" ")
@@ -187,7 +190,7 @@ def _data_of(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
-def _parse(payload: bytes) -> Any:
+def parse_json(payload: bytes) -> Any:
     try:
         return json.loads(payload)
     except ValueError:

@@ -17,7 +17,7 @@ from typing import Any
 from .. import schemas
 from ..jsonio import dumps
 from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, texts_of
-from ..sse import SseRelay, _data_of, _parse
+from ..sse import SseRelay, data_of, parse_json
 from .base import ModelApi, capability_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -126,11 +126,11 @@ class ResponsesRelay(SseRelay):
             return None  # nothing after the final event is relayed
         if event.startswith(b":") and b"\n" not in event:
             return event  # a comment alone; one before data lines does not hide them
-        payload = _data_of(event)
+        payload = data_of(event)
         if payload is None:
             return event
         if _FINAL.search(payload):
-            data = _parse(payload)
+            data = parse_json(payload)
             if isinstance(data, dict) and data.get("type") in FINAL_EVENTS and isinstance(data.get("response"), dict):
                 self.final = data
                 self.final_name = b"".join(line + b"\n" for line in event.split(b"\n") if line.startswith(b"event:"))
@@ -142,7 +142,7 @@ class ResponsesRelay(SseRelay):
                 self.done = True
                 return None
         if self.first_chunk is None:
-            first = _parse(payload)
+            first = parse_json(payload)
             if isinstance(first, dict):
                 self.first_chunk = first
         self.relayed_tokens += len(_DELTA.findall(payload))
