@@ -46,6 +46,7 @@ import json
 import secrets
 import time
 from collections import deque
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -283,15 +284,7 @@ class MockUpstream:
 
     async def _stream_events(self, events: Any, tail: bytes, options: MockOptions, receive: Any, send: Any) -> None:
         """Send `events` (bytes each) with the options' delays, faults and disconnect watch, then `tail`."""
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
+        async with _disconnect_watch(receive) as gone:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
             await send({"type": "http.response.body", "body": b"", "more_body": True})
@@ -312,8 +305,6 @@ class MockUpstream:
                 sent += 1
             self.stats.completed += 1
             await send({"type": "http.response.body", "body": tail, "more_body": False})
-        finally:
-            watcher.cancel()
 
 
 @dataclass
@@ -483,16 +474,8 @@ async def _send_text(send: Any, status: int, text: str) -> None:
 
 async def _hostile(options: MockOptions, receive: Any, send: Any) -> None:
     """A model server that sends without end or bound; it stops once the client has left."""
-    gone = asyncio.Event()
-
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone.set()
-
-    watcher = asyncio.ensure_future(watch())
     stream = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-    try:
+    async with _disconnect_watch(receive) as gone:
         if options.header_bytes:
             pad = b"p" * 8192
             headers = [(b"x-pad-%d" % i, pad) for i in range(options.header_bytes // (len(pad) + 12) + 1)]
@@ -515,6 +498,21 @@ async def _hostile(options: MockOptions, receive: Any, send: Any) -> None:
                 await asyncio.sleep(options.token_delay_ms / 1000)
         if not gone.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@asynccontextmanager
+async def _disconnect_watch(receive: Any):
+    """An event set when the client leaves (its `http.disconnect`), watched while the block runs."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield gone
     finally:
         watcher.cancel()
 

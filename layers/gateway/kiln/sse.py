@@ -133,12 +133,16 @@ class SseRelay:
         only reads what has the type it expects; the rest is the upstream's to answer for.
         """
         if self.done:
-            return None  # nothing after [DONE] is relayed
+            return None  # nothing after the stream's end ([DONE]) is relayed
         if event.startswith(b":") and b"\n" not in event:
             return event  # an upstream comment (its own keepalive): harmless, pass it on
         payload = data_of(event)
         if payload is None:
             return event
+        return self._payload(event, payload)
+
+    def _payload(self, event: bytes, payload: bytes) -> bytes | None:
+        """An event with data: chat and text completions' chunks, their usage chunk, [DONE]."""
         if payload == b"[DONE]":
             self.done = True
             return None

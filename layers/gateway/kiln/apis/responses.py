@@ -17,7 +17,7 @@ from typing import Any
 from .. import schemas
 from ..jsonio import dumps
 from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, texts_of
-from ..sse import SseRelay, data_of, parse_json
+from ..sse import SseRelay, parse_json
 from .base import ModelApi, capability_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -121,14 +121,7 @@ class ResponsesRelay(SseRelay):
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
 
-    def _event(self, event: bytes) -> bytes | None:
-        if self.done:
-            return None  # nothing after the final event is relayed
-        if event.startswith(b":") and b"\n" not in event:
-            return event  # a comment alone; one before data lines does not hide them
-        payload = data_of(event)
-        if payload is None:
-            return event
+    def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if _FINAL.search(payload):
             data = parse_json(payload)
             if isinstance(data, dict) and data.get("type") in FINAL_EVENTS and isinstance(data.get("response"), dict):
@@ -141,10 +134,6 @@ class ResponsesRelay(SseRelay):
                 self.finish_reason = status if isinstance(status, str) else None
                 self.done = True
                 return None
-        if self.first_chunk is None:
-            first = parse_json(payload)
-            if isinstance(first, dict):
-                self.first_chunk = first
         self.relayed_tokens += len(_DELTA.findall(payload))
         return event
 
