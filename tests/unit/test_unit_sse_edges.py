@@ -190,3 +190,11 @@ def test_a_comment_line_does_not_hide_the_data_of_its_event():
     out, relay = relay_all([HELLO + usage + done + HELLO])
     assert out == HELLO
     assert relay.usage == TokenUsage(5, 7) and relay.done is True
+
+
+@pytest.mark.parametrize("first_line", [b"data: ", b"data:"])
+def test_a_usage_chunk_split_over_data_lines_is_read_whole(first_line):
+    usage = first_line + b'{"id":"c1","choices":[],\ndata: "usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n'
+    out, relay = relay_all([HELLO + usage + DONE], wants_usage=True)
+    assert out == HELLO
+    assert relay.usage == TokenUsage(5, 7) and relay.usage_chunk["id"] == "c1"
