@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 
-from kiln.apis.base import ModelApi, capability_check, prompt_texts_tokens, stream_flag
+from kiln.apis.base import ModelApi, capability_check, stream_flag
 from kiln.apis.chat import API as CHAT
 from kiln.apis.completions import API as COMPLETIONS
 from kiln.catalog import Capabilities, ModelEntry, Pricing
@@ -326,12 +326,6 @@ def test_the_prompt_of_each_endpoint_is_estimated_from_its_own_field():
     body = {"messages": [{"role": "user", "content": "abcdefgh"}], "prompt": "abcdefghijklmnop"}
     assert CHAT.estimate_prompt(body) == 3 + 3  # "user" + "abcdefgh"
     assert COMPLETIONS.estimate_prompt(body) == 4
-
-
-def test_prompt_texts_tokens_counts_every_text_of_every_value_together():
-    assert prompt_texts_tokens("ab", {"k": "cd"}, ["e", 5]) == 3  # "abcde" and a token id (4): 9 characters
-    assert prompt_texts_tokens() == 0
-
 
 def test_unsupported_parameter_is_what_a_missing_capability_raises():
     with pytest.raises(UnsupportedParameter):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidType, UnsupportedParameter
-from ..metering import TokenUsage, estimate_text_tokens, texts_of
+from ..metering import TokenUsage, estimate_text_tokens
 from ..sse import DONE, SseRelay, error_event, usage_event
 
 __all__ = ["ChatStyleApi", "ModelApi", "stream_flag"]
@@ -175,7 +175,3 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
             "ask for JSON in the prompt and validate it client-side.",
             param=param,
         )
-
-
-def prompt_texts_tokens(*values: Any) -> int:
-    return estimate_text_tokens("".join(text for value in values for text in texts_of(value)))
