@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import httpx
@@ -41,6 +42,13 @@ def test_storm_of_concurrent_requests_from_one_org(storage, storage_stack_factor
     assert stats["requests"] == statuses[200]
     assert stack.org_info(org_id).in_flight == 0
     assert len(stack.events(org_id)) == statuses[200]
+    # no connection leaked: once the storm is over, every connection the gateway keeps open
+    # (to the model server and to storage) is back in its pool, idle
+    http = stack.gateway.http
+    deadline = time.monotonic() + 5
+    while http.open_connections != http.idle_connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 0 < http.open_connections == http.idle_connections <= 2 * STORM_CONCURRENCY
 
 
 def test_two_orgs_at_once_never_borrow_each_others_slots(storage, storage_stack_factory):

@@ -259,6 +259,11 @@ class HttpClient:
         """Connections in use or idle in the pool (closed ones are forgotten at once)."""
         return len(self._open)
 
+    @property
+    def idle_connections(self) -> int:
+        """Connections back in the pool, ready for another request."""
+        return sum(len(pool) for pool in self._idle.values())
+
     async def request(
         self,
         method: str,
