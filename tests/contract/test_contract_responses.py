@@ -115,6 +115,10 @@ def test_an_unknown_model_is_404_with_the_exact_body(stack, org):
         ({"model": "qwen3-32b", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"model": "qwen3-32b", "tool_choice": "REQUIRED"}, "tool_choice"),
+        ({"model": "qwen3-32b", "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}}, "tool_choice"),
+        ({"model": "qwen3-32b", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"model": "qwen3-32b", "tool_choice": {"type": "mcp", "server_label": "s"}}, "tool_choice"),
     ],
 )
 def test_capabilities_are_checked_as_for_chat(stack, org, extra, param):
@@ -204,3 +208,21 @@ def test_the_generation_id_finds_the_responses_usage_event(stack, org):
     assert (generation["id"], generation["endpoint"], generation["status"]) == (gen_id, "responses", "success")
     assert (generation["usage"]["prompt_tokens"], generation["usage"]["completion_tokens"]) == (8, 12)
     assert Decimal(str(generation["usage"]["cost"])) == price(8, 12)
+
+
+def test_a_choice_among_allowed_tools_in_auto_mode_is_not_forced(stack, org):
+    body = {**BODY, "model": "qwen3-32b", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}
+    assert stack.post(RESPONSES, body, org[1]).status_code == 200
+
+
+def test_an_upstream_done_marker_is_not_relayed_so_the_sdk_still_sees_the_cut(stack, org):
+    """A chat-style `data: [DONE]` would make the SDK stop before the error event."""
+    delta = json.dumps({"type": "response.output_text.delta", "delta": "a", "item_id": "m", "output_index": 0,
+                        "content_index": 0, "sequence_number": 1, "logprobs": []})
+    response = stack.post(RESPONSES, {**BODY, "stream": True, "mock": {"raw_events": [delta]}}, org[1])
+    assert "[DONE]" not in response.text
+    assert list(sse_events(response.text))[-1].startswith("event: error")
+    client = openai.OpenAI(base_url=stack.base_url, api_key=org[1], max_retries=0)
+    events = list(client.responses.create(model=MODEL, input="hi", stream=True, extra_body={"mock": {"raw_events": [delta]}}))
+    assert [event.type for event in events] == ["response.output_text.delta", "error"]
+    assert events[-1].code == "upstream_error"

@@ -291,3 +291,64 @@ def test_a_stream_cut_after_odd_events_ends_with_the_error_event(stack, ledger):
     assert data_events(response.text)[-1]["error"]["code"] == "upstream_error"
     (event,) = ledger.check()
     assert event.status == "stream_interrupted" and event.completion_tokens == 1
+
+
+# -- found by trying the gateway as an attacker would ------------------------------------------
+
+
+def test_a_usage_chunk_with_a_lone_surrogate_is_still_billed_as_reported(stack, ledger):
+    """Its text cannot be UTF-8; the gateway writes it back with escapes and keeps the usage."""
+    usage_chunk = '{"id":"c","choices":[],"usage":{"prompt_tokens":2000,"completion_tokens":2000},"x":"\\ud800"}'
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True},
+            "mock": {"raw_events": [CONTENT, usage_chunk]}}
+    response = post(stack, ledger, CHAT, body)
+    assert last_events(response.text, 1) == ["[DONE]"]
+    usage = last_events(response.text, 2)[0]["usage"]
+    (event,) = ledger.check()
+    assert (event.status, event.usage_source, event.prompt_tokens, event.completion_tokens) == (
+        "success", "upstream", 2000, 2000)
+    assert Decimal(str(usage["cost"])) == event.cost == (2000 * Decimal("0.08") + 2000 * Decimal("0.24")) / 1_000_000
+
+
+def test_a_responses_final_event_with_a_lone_surrogate_is_still_billed_as_reported(stack, ledger):
+    final = ('{"type":"response.completed","response":{"id":"\\ud800","status":"completed","output":[],'
+             '"usage":{"input_tokens":2000,"output_tokens":2000}}}')
+    body = {"model": MODEL, "input": "hi", "stream": True, "mock": {"raw_events": [final], "no_done": True}}
+    response = post(stack, ledger, "/v1/responses", body)
+    final_event = response.text.rstrip("\n").rsplit("\n\n", 1)[-1]
+    assert final_event.startswith("event: response.completed") or final_event.startswith("data: ")
+    (event,) = ledger.check()
+    assert (event.status, event.prompt_tokens, event.completion_tokens) == ("success", 2000, 2000)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ['{"choices":[],"x":' + "[" * 5000 + "]" * 5000 + "}",
+     '{"choices":[{"message":{"content":' + "[" * 985 + "]" * 985 + "}}]}",
+     '{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1},"x":NaN,"y":-Infinity}'],
+    ids=["nested-5000", "nested-985", "nan"],
+)
+def test_a_buffered_answer_no_client_could_parse_is_502_not_500(stack, ledger, raw):
+    for path, body in ((CHAT, {"model": MODEL, "messages": MESSAGES}), ("/v1/responses", {"model": MODEL, "input": "hi"})):
+        response = post(stack, ledger, path, {**body, "mock": {"raw_body": raw}})
+        assert response.status_code == 502, (path, response.text[:200])
+    events = ledger.check()
+    assert [event.status for event in events] == ["upstream_error", "upstream_error"]
+
+
+def test_a_deeply_nested_stream_event_is_relayed_not_taken_for_a_gateway_fault(stack, ledger):
+    deep = '{"id":"c","x":' + "[" * 5000 + "]" * 5000 + ',"choices":[{"delta":{"content":"a"}}]}'
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [deep, CONTENT, FINISH]}}
+    response = post(stack, ledger, CHAT, body)
+    assert last_events(response.text, 1) == ["[DONE]"]
+    (event,) = ledger.check()
+    assert event.status == "success" and event.completion_tokens == 2  # both deltas counted
+
+
+def test_two_authorization_headers_are_no_key_at_all(stack, ledger):
+    body = json.dumps({"model": MODEL, "messages": MESSAGES})
+    for headers in ([("Authorization", f"Bearer {ledger.key}"), ("Authorization", "Bearer sk-kiln-other")],
+                    [("Authorization", "Bearer sk-kiln-other"), ("Authorization", f"Bearer {ledger.key}")]):
+        response = stack.http.post(CHAT, content=body, headers=[*headers, ("Content-Type", "application/json")])
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert ledger.check() == []

@@ -22,7 +22,7 @@ from .apis import ModelApi
 from .auth import Principal
 from .errors import GatewayError, InternalError, NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
-from .jsonio import dumps
+from .jsonio import dumps, loads_strict
 from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
 from .observability import RequestRecord
@@ -174,6 +174,14 @@ class Exchange:
         usage = TokenUsage(min(self.prompt_estimate(), self.bounds.prompt), min(relayed, self.bounds.completion))
         return usage.prompt_tokens, usage.completion_tokens, self._price(usage)
 
+    def _fallback_usage(self, relayed: int) -> TokenUsage:
+        """What is billed when the reported usage could not even be read: the gateway's own counts."""
+        try:
+            prompt = min(self.prompt_estimate(), self.bounds.prompt)
+        except Exception:  # noqa: BLE001 - the estimate is best effort here
+            prompt = 0
+        return TokenUsage(prompt, min(relayed, self.bounds.completion), None, "estimated")
+
     def prompt_estimate(self) -> int:
         """The request's prompt tokens by the gateway's own rule (computed once, when needed)."""
         if self._prompt_estimate is None:
@@ -200,10 +208,7 @@ class Exchange:
         usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(answer))
         cost = self._price(usage)
         api.with_usage(answer, usage, cost)
-        try:
-            body = dumps(answer)
-        except ValueError:  # text that cannot be UTF-8 (a lone surrogate escape)
-            raise UpstreamFailed(INVALID_ANSWER, detail="upstream body cannot be re-encoded as UTF-8") from None
+        body = dumps(answer)
         await self._settle(
             "success", http_status=200, usage=usage, cost=cost, finish_reason=api.finish_reason(answer)
         )
@@ -250,20 +255,25 @@ class Exchange:
 
         A success ends with the usage chunk (if the client asked) and `[DONE]`; any other
         end with the §5 error event (nothing, for a client that is gone). Should billing or
-        the usage chunk fail, the request still settles, as `gateway_error`.
+        the last bytes fail, the request still settles (as `gateway_error`), billed for what
+        the gateway could establish: a failure writing the tail never loses the usage.
         """
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
         try:
             usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens)
-            cost = self._price(usage)
-            tail = self.call.api.stream_tail(relay, usage, cost, self.call.client_wants_usage) if status == "success" else b""
         except Exception as exc:  # noqa: BLE001 - a bug here must not skip the settle
             log.exception("stream %s could not be billed as reported", self.gen_id)
             status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
-            usage = TokenUsage(0, min(relay.relayed_tokens, self.bounds.completion), None, "estimated")
-            cost = self._price(usage)
-            tail = b""
+            usage = self._fallback_usage(relay.relayed_tokens)
+        cost = self._price(usage)
+        tail = b""
+        if status == "success":
+            try:
+                tail = self.call.api.stream_tail(relay, usage, cost, self.call.client_wants_usage)
+            except Exception as exc:  # noqa: BLE001 - the usage stands; only the last bytes failed
+                log.exception("stream %s: its last event could not be written", self.gen_id)
+                status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
         await self._settle(
             status, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )
@@ -314,11 +324,13 @@ def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
     have other types than the endpoint's is not an answer the client's SDK could read either.
     """
     try:
-        answer = json.loads(raw)
+        # as strict as for clients (NaN, Infinity, nesting beyond MAX_DEPTH are nothing the
+        # client's SDK could read either), but a lone surrogate escape is relayed as one
+        answer = loads_strict(raw, lone_surrogates=True)
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
-        raise UpstreamFailed(INVALID_ANSWER, detail="upstream body is not a JSON object")
+        raise UpstreamFailed(INVALID_ANSWER, detail="upstream body is not a JSON object a client can read")
     problem = api.shape_problem(answer)
     if problem:
         raise UpstreamFailed(INVALID_ANSWER, detail=f"upstream body: {problem}")

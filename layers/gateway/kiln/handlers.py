@@ -58,8 +58,10 @@ async def complete(request: Request, api: ModelApi) -> Response:
 
 
 def _authenticate(gateway: Gateway, request: Request) -> Awaitable[Principal]:
-    """Check 3 of §2: the caller's key, as a storage call."""
-    return gateway.storage(gateway.auth.authenticate(request.headers.get("authorization")))
+    """Check 3 of §2: the caller's key, as a storage call. Two Authorization headers are no
+    key at all: which one a proxy meant to win cannot be known."""
+    credentials = request.headers.getlist("authorization")
+    return gateway.storage(gateway.auth.authenticate(credentials[0] if len(credentials) == 1 else None))
 
 
 async def _key_and_catalog(gateway: Gateway, request: Request) -> tuple:

@@ -32,7 +32,7 @@ def _finite_float(text: str) -> float:
 _decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
-def loads_strict(raw: bytes) -> Any:
+def loads_strict(raw: bytes, *, lone_surrogates: bool = False) -> Any:
     """Parse RFC 8259 JSON; raises ValueError (never anything else) on any bad input.
 
     Rejects invalid UTF-8, NaN/Infinity, numbers that overflow a float, integers too long
@@ -47,7 +47,7 @@ def loads_strict(raw: bytes) -> Any:
             raise ValueError("extra data after the JSON value")
         if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
             raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
-        if _SURROGATE_ESCAPE.search(raw):
+        if not lone_surrogates and _SURROGATE_ESCAPE.search(raw):
             try:
                 json.dumps(value, ensure_ascii=False).encode("utf-8")
             except UnicodeEncodeError:
@@ -96,7 +96,11 @@ def compact(value: Any) -> bytes:
 
 
 def dumps(value: Any) -> bytes:
-    """Compact JSON bytes; Decimals are written exactly, as plain numbers."""
+    """Compact JSON bytes; Decimals are written exactly, as plain numbers.
+
+    Non-ASCII text stays UTF-8; a string holding a lone surrogate (which a model server may
+    send as an escape) cannot be UTF-8, so then the whole value is written with \\u escapes.
+    """
     decimals: list[str] = []
     # A fresh marker per call, so no string in the payload can pass for a placeholder.
     mark = f"\u0000{secrets.token_hex(8)}:"
@@ -107,7 +111,14 @@ def dumps(value: Any) -> bytes:
             return f"{mark}{len(decimals) - 1}"
         raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=encode_decimal)
-    for index, number in enumerate(decimals):
-        text = text.replace(json.dumps(f"{mark}{index}"), number, 1)
-    return text.encode()
+    def text(ascii_only: bool) -> str:
+        decimals.clear()
+        written = json.dumps(value, ensure_ascii=ascii_only, separators=(",", ":"), default=encode_decimal)
+        for index, number in enumerate(decimals):
+            written = written.replace(json.dumps(f"{mark}{index}"), number, 1)
+        return written
+
+    try:
+        return text(False).encode()
+    except UnicodeEncodeError:
+        return text(True).encode()

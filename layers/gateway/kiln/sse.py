@@ -9,11 +9,10 @@ delta), so that an upstream that never reports usage is still billed (contract Â
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from .jsonio import dumps
+from .jsonio import dumps, loads_strict
 from .metering import TokenUsage
 from .upstream import UpstreamStreamError
 
@@ -195,7 +194,9 @@ def data_of(event: bytes) -> bytes | None:
 
 
 def parse_json(payload: bytes) -> Any:
+    """An event's data as JSON, or None: within the same bounds as client bodies (no NaN, no
+    nesting past MAX_DEPTH), though a lone surrogate escape, which an upstream may send, is kept."""
     try:
-        return json.loads(payload)
+        return loads_strict(payload, lone_surrogates=True)
     except ValueError:
         return None

@@ -159,11 +159,25 @@ class ChatStyleApi(ModelApi):
         return usage_event(relay.usage_chunk or relay.first_chunk or {}, usage.as_openai(cost)) + DONE
 
 
+def forced_tool_choice(tool_choice: Any) -> bool:
+    """Does this tool_choice force a tool call? "required" (any case), a named tool of any type
+    (function, custom, mcp, hosted tools), or an allowed-tools list whose mode is not "auto"
+    (chat nests the mode under `allowed_tools`, the Responses API does not)."""
+    if isinstance(tool_choice, str):
+        return tool_choice.strip().lower() == "required"
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") in ("auto", "none"):
+        return False
+    if tool_choice.get("type") != "allowed_tools":
+        return True
+    nested = tool_choice.get("allowed_tools")
+    mode = tool_choice.get("mode", nested.get("mode") if isinstance(nested, dict) else None)
+    return mode != "auto"
+
+
 def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> None:
     """Forced tool choice and JSON output, on a model whose catalog entry lacks them (§3, §9)."""
     caps = model.capabilities
-    forced = tool_choice == "required" or (isinstance(tool_choice, dict) and tool_choice.get("type") == "function")
-    if forced and not caps.forced_tool_choice:
+    if forced_tool_choice(tool_choice) and not caps.forced_tool_choice:
         raise UnsupportedParameter(
             f"The model `{model.id}` does not support forced tool choice; send tool_choice \"auto\" instead.",
             param="tool_choice",

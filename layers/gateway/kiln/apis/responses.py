@@ -122,6 +122,8 @@ class ResponsesRelay(SseRelay):
         self.final_name = b""  # its `event:` line, as the upstream wrote it
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
+        if payload == b"[DONE]":
+            return None  # a chat-style end marker: the Responses API has none (the SDK would stop at it)
         if _FINAL.search(payload):
             data = parse_json(payload)
             if isinstance(data, dict) and data.get("type") in FINAL_EVENTS and isinstance(data.get("response"), dict):
