@@ -15,7 +15,7 @@ for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
 from kiln_ops.emulator import EmbeddedAws  # noqa: E402
 from kiln_ops.mock_upstream import MockUpstream  # noqa: E402
 from kiln_ops.serve import ServerThread  # noqa: E402
-from support import TELEMETRY, EmulatorProcess, MockHandle, Stack, make_stack  # noqa: E402
+from support import TELEMETRY, EmulatorProcess, MockHandle, Stack, make_stack, stacks_on  # noqa: E402
 
 # The suite against a real model server runs only through `make e2e-real`, which sets this.
 collect_ignore_glob = [] if os.environ.get("KILN_E2E_BASE_URL") else ["e2e_real/*"]
@@ -62,18 +62,7 @@ def mock():
 @pytest.fixture
 def stack_factory(aws, mock):
     """make(**settings overrides) → a running Stack; all are torn down after the test."""
-    made: list[Stack] = []
-
-    def make(**overrides) -> Stack:
-        stack = make_stack(aws.url, mock, **overrides)
-        made.append(stack)
-        return stack
-
-    mock.wait_for(lambda stats: stats["in_flight"] <= 0, timeout=10)
-    mock.reset()
-    yield make
-    for stack in made:
-        stack.close()
+    yield from stacks_on(aws.url, mock)
 
 
 @pytest.fixture(scope="module")

@@ -395,7 +395,7 @@ def data_events(text: str) -> list[Any]:
     return out
 
 
-__all__ = ["TELEMETRY", "EmulatorProcess", "FaultInjectingHttp", "LedgerCheck", "MockHandle", "StorageFaults", "SyncLedger", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
+__all__ = ["TELEMETRY", "EmulatorProcess", "FaultInjectingHttp", "LedgerCheck", "stacks_on", "MockHandle", "StorageFaults", "SyncLedger", "Stack", "catalog_for_tests", "data_events", "dead_url", "make_stack", "sse_events", "wait_for_events"]
 
 
 class LedgerCheck:
@@ -436,3 +436,19 @@ class LedgerCheck:
         debited = self.credits - info.credits
         assert debited == sum((event.cost for event in events), Decimal(0)), (debited, [e.cost for e in events])
         return events
+
+
+def stacks_on(aws_url: str, mock):
+    """Yields make(**settings overrides) → a running Stack over `aws_url`; all torn down after."""
+    made: list[Stack] = []
+
+    def make(**overrides) -> Stack:
+        stack = make_stack(aws_url, mock, **overrides)
+        made.append(stack)
+        return stack
+
+    mock.wait_for(lambda stats: stats["in_flight"] <= 0, timeout=10)
+    mock.reset()
+    yield make
+    for stack in made:
+        stack.close()

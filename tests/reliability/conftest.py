@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-from support import EmulatorProcess, make_stack
+from support import EmulatorProcess, stacks_on
 
 # Kept bounded so the whole CI stays well under 15 minutes; raise them for a longer soak.
 STORM_ROUNDS = int(os.environ.get("KILN_TEST_STORM_ROUNDS", "50"))
@@ -59,18 +59,7 @@ def storage(request) -> str:
 def storage_stack_factory(storage, request, mock):
     """Like stack_factory, on the DynamoDB `storage` names."""
     aws = request.getfixturevalue("aws" if storage == "plain" else "faulty_aws")
-    made = []
-
-    def make(**overrides):
-        stack = make_stack(aws.url, mock, **overrides)
-        made.append(stack)
-        return stack
-
-    mock.wait_for(lambda stats: stats["in_flight"] <= 0, timeout=10)
-    mock.reset()
-    yield make
-    for stack in made:
-        stack.close()
+    yield from stacks_on(aws.url, mock)
 
 
 def involves_org(org_id: str) -> Callable[[dict], bool]:
