@@ -9,7 +9,7 @@ import dataclasses
 from decimal import Decimal
 
 import pytest
-from pynamodb.attributes import BooleanAttribute, MapAttribute, NumberAttribute, UnicodeAttribute
+from pynamodb.attributes import BooleanAttribute, MapAttribute, NumberAttribute, UnicodeAttribute, UnicodeSetAttribute
 
 from kiln.settings import Settings
 from kiln.store import Lease, UsageEvent, bind
@@ -19,7 +19,7 @@ from kiln.store.storage import DynamoStorage, KeyEntry
 from kiln_ops.template import load_template
 
 TABLES = bind(Settings())
-KINDS = {UnicodeAttribute: "S", NumberAttribute: "N", BooleanAttribute: "BOOL", MapAttribute: "M",
+KINDS = {UnicodeAttribute: "S", NumberAttribute: "N", BooleanAttribute: "BOOL", MapAttribute: "M", UnicodeSetAttribute: "SS",
          DecimalAttribute: "money"}
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 from .errors import InvalidApiKey, OrganizationDisabled
 from .store.clock import iso_ms
 from .store.keys import hash_secret, looks_like_key
+from .store.keyspend import KeyLimits
 from .store.storage import Storage
 
 __all__ = ["LAST_USED_RESOLUTION_SECONDS", "Authenticator", "Principal"]
@@ -27,15 +28,26 @@ LAST_USED_RESOLUTION_SECONDS = 600
 
 
 class Principal:
-    """Who a key belongs to, as cached (never changed once made)."""
+    """Who a key belongs to and what it may do, as cached (never changed once made)."""
 
-    __slots__ = ("key_id", "org_id", "key_active", "org_active")
+    __slots__ = ("key_id", "org_id", "key_active", "org_active", "role", "models", "limits")
 
-    def __init__(self, key_id: str, org_id: str, key_active: bool, org_active: bool) -> None:
+    def __init__(self, key_id: str, org_id: str, key_active: bool, org_active: bool, *, role: str = "inference",
+                 models: frozenset[str] | None = None, limits: KeyLimits | None = None) -> None:
         self.key_id = key_id
         self.org_id = org_id
         self.key_active = key_active
         self.org_active = org_active
+        self.role = role
+        self.models = models  # the key's allowlist; None: every model of the catalog
+        self.limits = limits or KeyLimits()
+
+    @property
+    def management(self) -> bool:
+        return self.role == "management"
+
+    def may_use(self, model_id: str) -> bool:
+        return self.models is None or model_id in self.models
 
 
 class Authenticator:
@@ -97,6 +109,12 @@ class Authenticator:
         except Exception as exc:  # noqa: BLE001 - bookkeeping only; the request is not concerned
             log.warning("could not record a key's last use: %s", type(exc).__name__)
 
+    def forget_key(self, key_id: str) -> None:
+        """Drop a key from this process's cache at once (it was revoked or changed here)."""
+        for key_hash, (_, principal) in list(self._cache.items()):
+            if principal is not None and principal.key_id == key_id:
+                del self._cache[key_hash]
+
     def _remember(self, key_hash: str, principal: Principal | None) -> None:
         if principal is None:
             return  # unknown keys are not cached: a key created a moment ago must work at once
@@ -113,7 +131,8 @@ class Authenticator:
         org_active = await self._storage.org_active(key.org_id)
         if org_active is None:
             return None, False
-        principal = Principal(key.key_id, key.org_id, key.active, org_active)
+        principal = Principal(key.key_id, key.org_id, key.active, org_active, role=key.role, models=key.models,
+                              limits=key.limits)
         due = iso_ms(time.time() - LAST_USED_RESOLUTION_SECONDS)
         return principal, key.active and key.last_used_at < due
 

@@ -5,14 +5,18 @@
     ├── RequestTooLarge               413 request_too_large
     ├── InvalidApiKey                 401 invalid_api_key
     ├── OrganizationDisabled          403 organization_disabled
+    ├── ManagementKeyForbidden        403 management_key (a management key on a model endpoint)
+    ├── ManagementKeyRequired         403 management_key_required (an inference key on /v1/keys)
     ├── MissingParameter              400 missing_required_parameter
     ├── EmptyArray                    400 empty_array
     ├── InvalidType                   400 invalid_type
     ├── UnsupportedParameter          400 unsupported_parameter
     ├── ModelNotFound                 404 model_not_found
     ├── GenerationNotFound            404 generation_not_found
+    ├── KeyNotFound                   404 key_not_found
     ├── UnknownUrl / MethodNotAllowed 404 / 405
     ├── InsufficientCredits           402 insufficient_credits
+    ├── KeySpendLimitExceeded         402 key_spend_limit_exceeded
     ├── RateLimitExceeded             429 rate_limit_exceeded
     ├── Maintenance                   503 maintenance (+ Retry-After)
     ├── NoBackendAvailable            503 no_backend_available
@@ -42,15 +46,19 @@ __all__ = [
     "RequestTooLarge",
     "InvalidApiKey",
     "OrganizationDisabled",
+    "ManagementKeyForbidden",
+    "ManagementKeyRequired",
     "MissingParameter",
     "EmptyArray",
     "InvalidType",
     "UnsupportedParameter",
     "ModelNotFound",
     "GenerationNotFound",
+    "KeyNotFound",
     "UnknownUrl",
     "MethodNotAllowed",
     "InsufficientCredits",
+    "KeySpendLimitExceeded",
     "RateLimitExceeded",
     "Maintenance",
     "NoBackendAvailable",
@@ -111,6 +119,18 @@ class OrganizationDisabled(GatewayError):
     status, type, code = 403, "permission_error", "organization_disabled"
 
 
+class ManagementKeyForbidden(GatewayError):
+    """A management key manages keys; it cannot call a model (contract §10)."""
+
+    status, type, code = 403, "permission_error", "management_key"
+
+
+class ManagementKeyRequired(GatewayError):
+    """Only a management key may manage its org's keys (contract §10)."""
+
+    status, type, code = 403, "permission_error", "management_key_required"
+
+
 class MissingParameter(GatewayError):
     status, type, code = 400, "invalid_request_error", "missing_required_parameter"
 
@@ -144,6 +164,15 @@ class GenerationNotFound(GatewayError):
         super().__init__(f"No generation `{shown}` was found for your organization.")
 
 
+class KeyNotFound(GatewayError):
+    """No key of the caller's org has this id (another org's key is not found either)."""
+
+    status, type, code, param = 404, "invalid_request_error", "key_not_found", "id"
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"No key with id {key_id!r} in your organization.")
+
+
 class UnknownUrl(GatewayError):
     status, type, code = 404, "invalid_request_error", "unknown_url"
 
@@ -154,6 +183,12 @@ class MethodNotAllowed(GatewayError):
 
 class InsufficientCredits(GatewayError):
     status, type, code = 402, "billing_error", "insufficient_credits"
+
+
+class KeySpendLimitExceeded(GatewayError):
+    """The key has spent its limit for the current period (contract §10)."""
+
+    status, type, code = 402, "billing_error", "key_spend_limit_exceeded"
 
 
 class RateLimitExceeded(GatewayError):

@@ -18,6 +18,7 @@ from pynamodb.attributes import (
     MapAttribute,
     NumberAttribute,
     UnicodeAttribute,
+    UnicodeSetAttribute,
 )
 from pynamodb.constants import NUMBER
 from pynamodb.indexes import AllProjection, GlobalSecondaryIndex
@@ -90,7 +91,7 @@ def _index_meta(name: str) -> type:
 
 
 _KINDS = {"S": UnicodeAttribute, "N": NumberAttribute, "BOOL": BooleanAttribute, "M": MapAttribute,
-          "money": DecimalAttribute}
+          "SS": UnicodeSetAttribute, "money": DecimalAttribute}
 
 
 def _model(name: str, doc: str, schema: ItemSchema, meta: type, defaults: dict[str, Any]) -> type[Model]:

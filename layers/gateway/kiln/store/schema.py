@@ -16,7 +16,7 @@ __all__ = ["KEY", "LEASE", "ORG", "USAGE", "Attribute", "Index", "ItemSchema"]
 @dataclass(frozen=True)
 class Attribute:
     name: str
-    kind: str  # S, N, BOOL, M; "money" is an N read and written as an exact Decimal
+    kind: str  # S, N, BOOL, M, SS; "money" is an N read and written as an exact Decimal
     null: bool = False  # may be absent
 
 
@@ -56,6 +56,13 @@ KEY = ItemSchema(
         Attribute("created_at", "S"),
         Attribute("revoked_at", "S", null=True),
         Attribute("last_used_at", "S", null=True),
+        # the key's own attributes (contract §10); absent: none
+        Attribute("label", "S", null=True),
+        Attribute("role", "S", null=True),  # inference (when absent) | management
+        Attribute("models", "SS", null=True),  # the allowlist of catalog ids; absent: every model
+        Attribute("concurrency", "N", null=True),  # its own limit of requests in flight
+        Attribute("spend_limit", "money", null=True),  # USD per spend_period
+        Attribute("spend_period", "S", null=True),  # day | week | month | total (when absent)
     ),
     indexes=(Index("by_key_id", "key_id"), Index("by_org", "org_id", "created_at")),
 )
@@ -70,6 +77,8 @@ ORG = ItemSchema(
         Attribute("leases", "M"),  # generation id -> a LEASE map: the org's requests in flight
         Attribute("created_at", "S"),
     ),
+    # and, per key with requests in flight or spend, top-level attributes of their own:
+    # key_leases:<key id> and key_spend:<key id>:<period> (see kiln.store.keyspend)
 )
 
 # The fields of one entry of an org's `leases` map.

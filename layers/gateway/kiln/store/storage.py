@@ -9,14 +9,16 @@ a test double) is one class.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Protocol
 
+from .keyspend import KeyLimits
 from .ledger import Ledger
 from .schema import KEY, ORG, USAGE
 from .usage import UsageEvent
 
-__all__ = ["DynamoStorage", "KeyEntry", "Storage"]
+__all__ = ["DynamoStorage", "KeyEntry", "Storage", "key_entry"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,34 @@ class KeyEntry:
     org_id: str
     active: bool
     last_used_at: str  # "" when never recorded
+    role: str = "inference"  # or "management"
+    models: frozenset[str] | None = None  # the allowlist; None: every model
+    limits: KeyLimits = field(default_factory=KeyLimits)
+
+
+# what authentication reads of a key item (never its hash, never more)
+_KEY_FIELDS = (KEY.key_id, KEY.org_id, KEY.status, KEY.last_used_at, KEY.role, KEY.models, KEY.concurrency,
+               KEY.spend_limit, KEY.spend_period)
+
+
+def key_entry(item: dict[str, Any]) -> KeyEntry:
+    """A key item (wire form) as authentication sees it."""
+    concurrency = item.get(KEY.concurrency, {}).get("N")
+    spend_limit = item.get(KEY.spend_limit, {}).get("N")
+    models = item.get(KEY.models, {}).get("SS")
+    return KeyEntry(
+        item[KEY.key_id]["S"],
+        item[KEY.org_id]["S"],
+        item.get(KEY.status, {}).get("S") == "active",
+        item.get(KEY.last_used_at, {}).get("S", ""),
+        role=item.get(KEY.role, {}).get("S") or "inference",
+        models=frozenset(models) if models is not None else None,
+        limits=KeyLimits(
+            concurrency=int(concurrency) if concurrency is not None else None,
+            spend_limit=Decimal(spend_limit) if spend_limit is not None else None,
+            spend_period=item.get(KEY.spend_period, {}).get("S") or "total",
+        ),
+    )
 
 
 class Storage(Protocol):
@@ -57,19 +87,14 @@ class DynamoStorage:
             {
                 "TableName": self._keys_table,
                 "Key": {KEY.hash_key: {"S": key_hash}},
-                "ProjectionExpression": f"{KEY.key_id}, {KEY.org_id}, #status, {KEY.last_used_at}",
-                "ExpressionAttributeNames": {"#status": KEY.status},
+                "ProjectionExpression": ", ".join(f"#a{index}" for index in range(len(_KEY_FIELDS))),
+                "ExpressionAttributeNames": {f"#a{index}": name for index, name in enumerate(_KEY_FIELDS)},
             },
         )
         item = found.get("Item")
         if not item:
             return None
-        return KeyEntry(
-            item[KEY.key_id]["S"],
-            item[KEY.org_id]["S"],
-            item.get(KEY.status, {}).get("S") == "active",
-            item.get(KEY.last_used_at, {}).get("S", ""),
-        )
+        return key_entry(item)
 
     async def org_active(self, org_id: str) -> bool | None:
         found = await self._aws.dynamodb(

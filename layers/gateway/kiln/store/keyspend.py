@@ -1,0 +1,121 @@
+"""A key's own limits, and its spend per period, kept on its org's item (contract §10).
+
+Admission stays one conditional write and settlement one transaction because everything
+a key's limits need lives on the org item that both already write, in top-level
+attributes of its own (DynamoDB's ADD and DELETE, which need no prior read and no
+pre-created parent, work only on top-level attributes):
+
+- `key_leases:<key id>`: a string set of the generation ids the key has in flight. The
+  admission ADDs its id (a set: a retried admission adds nothing twice), the settle or the
+  reclaim DELETEs it, and a key's concurrency is the condition `size(...) < limit`.
+  DynamoDB removes a set that becomes empty.
+- `key_spend:<key id>:<period>`: what the key has spent in one period, for each of the four
+  kinds at once (`2026-12-01`, `2026-W49`, `2026-12`, `total`). The settle ADDs the cost to
+  the four periods the request was admitted in, so a change of `spend_period` counts from
+  the right figure, and the admission's condition reads the current period's figure.
+
+Periods are UTC: a day starts at 00:00, a week on Monday (ISO weeks), a month on its 1st;
+`total` never resets. A request counts in the periods it was admitted in, as its usage
+event's `created_at` does. The limit is soft by the requests in flight: their cost is known
+only when they settle, so a key can end a period above its limit by at most what those
+cost. Figures of past periods are removed in the background after an admission sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any
+
+__all__ = [
+    "PERIODS",
+    "KeyLimits",
+    "leases_attribute",
+    "period_name",
+    "periods_at",
+    "resets_at",
+    "spend_attribute",
+    "spend_in",
+    "stale_spend_attributes",
+]
+
+PERIODS = ("day", "week", "month", "total")
+LEASES_PREFIX = "key_leases:"
+SPEND_PREFIX = "key_spend:"
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """A key's own limits; None: the org's (concurrency) or none (spend)."""
+
+    concurrency: int | None = None
+    spend_limit: Decimal | None = None
+    spend_period: str = "total"
+
+    @property
+    def any(self) -> bool:
+        return self.concurrency is not None or self.spend_limit is not None
+
+
+def _utc(moment: float) -> datetime:
+    return datetime.fromtimestamp(moment, timezone.utc)
+
+
+def period_name(period: str, moment: float) -> str:
+    """The name of the `period` (day, week, month, total) that holds `moment`."""
+    when = _utc(moment)
+    if period == "day":
+        return when.strftime("%Y-%m-%d")
+    if period == "week":
+        year, week, _ = when.isocalendar()
+        return f"{year}-W{week:02d}"
+    if period == "month":
+        return when.strftime("%Y-%m")
+    if period == "total":
+        return "total"
+    raise ValueError(f"spend_period is one of {', '.join(PERIODS)}")
+
+
+def periods_at(moment: float) -> tuple[str, ...]:
+    return tuple(period_name(period, moment) for period in PERIODS)
+
+
+def resets_at(period: str, moment: float) -> datetime | None:
+    """When the `period` that holds `moment` ends (None for `total`)."""
+    when = _utc(moment)
+    day = when.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        return day + timedelta(days=1)
+    if period == "week":
+        return day + timedelta(days=7 - day.weekday())
+    if period == "month":
+        first = day.replace(day=1)
+        return (first + timedelta(days=32)).replace(day=1)
+    if period == "total":
+        return None
+    raise ValueError(f"spend_period is one of {', '.join(PERIODS)}")
+
+
+def leases_attribute(key_id: str) -> str:
+    return f"{LEASES_PREFIX}{key_id}"
+
+
+def spend_attribute(key_id: str, name: str) -> str:
+    return f"{SPEND_PREFIX}{key_id}:{name}"
+
+
+def spend_in(item: dict[str, Any], key_id: str, period: str, moment: float) -> Decimal:
+    """What the key has spent in the `period` holding `moment`, from an org item (wire form)."""
+    raw = item.get(spend_attribute(key_id, period_name(period, moment)), {}).get("N")
+    return Decimal(raw) if raw is not None else Decimal(0)
+
+
+def stale_spend_attributes(item: dict[str, Any], moment: float) -> list[str]:
+    """The spend figures of periods that are over (kept by no limit any more)."""
+    current = set(periods_at(moment))
+    stale = []
+    for name in item:
+        if name.startswith(SPEND_PREFIX) and name.rpartition(":")[2] not in current:
+            stale.append(name)
+    return stale
