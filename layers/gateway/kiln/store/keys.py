@@ -1,25 +1,42 @@
-"""API keys: issued once, stored only as a SHA-256 hash, revoked by key id."""
+"""API keys: issued once, stored only as a SHA-256 hash, revoked by key id.
+
+The secret's shape and hash live here (authentication checks them on every request); key
+management itself is `kiln.store.keyring`, for the API and the CLI alike. The functions
+below are its synchronous form for operators' tools and tests: each call runs on a fresh
+event loop and client, against the tables a bound `Tables` names.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
-import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from .clock import iso_ms, now
-from .errors import AlreadyRevoked, RecordNotFound
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, TypeVar
 
 if TYPE_CHECKING:
+    from .keyring import Keyring
     from .records import Tables
 
-__all__ = ["KEY_PREFIX", "IssuedKey", "KeyInfo", "create_key", "hash_secret", "list_keys", "looks_like_key", "revoke_key"]
+__all__ = [
+    "KEY_PREFIX",
+    "IssuedKey",
+    "KeyInfo",
+    "create_key",
+    "describe_keys",
+    "hash_secret",
+    "list_keys",
+    "looks_like_key",
+    "revoke_key",
+    "update_key",
+]
 
 KEY_PREFIX = "sk-kiln-"
 # sk-kiln- + 32 random bytes, URL-safe base64 without padding (43 characters)
 _KEY_SHAPE = re.compile(r"sk-kiln-[A-Za-z0-9_-]{43}")
 _SHOWN_PREFIX = len(KEY_PREFIX) + 4
+T = TypeVar("T")
 
 
 def looks_like_key(secret: str) -> bool:
@@ -39,6 +56,13 @@ class KeyInfo:
     created_at: str
     revoked_at: str | None = None
     last_used_at: str | None = None
+    # the key's own attributes (contract §10)
+    label: str | None = None
+    role: str = "inference"
+    models: tuple[str, ...] | None = None  # the allowlist; None: every model
+    concurrency: int | None = None  # None: the org's limit
+    spend_limit: Decimal | None = None  # USD per spend_period; None: no limit
+    spend_period: str = "total"
 
 
 @dataclass(frozen=True)
@@ -47,43 +71,51 @@ class IssuedKey(KeyInfo):
     secret: str = ""
 
 
-def _info(record) -> KeyInfo:
-    return KeyInfo(
-        record.key_id, record.org_id, record.status, record.prefix, record.created_at, record.revoked_at,
-        record.last_used_at,
-    )
+def _run(tables: Tables, use: Callable[[Keyring], Awaitable[T]]) -> T:
+    from ..aws import AwsClient
+    from .keyring import Keyring
+
+    meta = tables.keys.Meta
+
+    async def main() -> T:
+        aws = AwsClient(region=meta.region, endpoint_url=meta.host)
+        try:
+            return await use(Keyring(aws, keys_table=meta.table_name, orgs_table=tables.orgs.Meta.table_name))
+        finally:
+            await aws.aclose()
+
+    return asyncio.run(main())
 
 
-def create_key(tables: Tables, org_id: str) -> IssuedKey:
-    if tables.orgs.count(org_id) == 0:
-        raise RecordNotFound("org", org_id)
-    secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    record = tables.keys(
-        key_hash=hash_secret(secret),
-        key_id=f"key_{secrets.token_hex(8)}",
-        org_id=org_id,
-        status="active",
-        prefix=secret[:_SHOWN_PREFIX],
-        created_at=iso_ms(now()),
-    )
-    record.save(condition=tables.keys.key_hash.does_not_exist())
-    return IssuedKey(**_info(record).__dict__, secret=secret)
+def create_key(tables: Tables, org_id: str, *, known_models: Collection[str] | None = None,
+               **attributes: Any) -> IssuedKey:
+    """A new key of the org; `attributes` are those of keyring.EDITABLE (None: left out)."""
+    given = {name: value for name, value in attributes.items() if value is not None}
+    return _run(tables, lambda keyring: keyring.create(org_id, given, known_models=known_models))
 
 
-def _find_by_id(tables: Tables, key_id: str):
-    for record in tables.keys.by_key_id.query(key_id):
-        return record
-    raise RecordNotFound("key", key_id)
+def update_key(tables: Tables, key_id: str, *, known_models: Collection[str] | None = None,
+               **changes: Any) -> KeyInfo:
+    """Set the given attributes of a key; one given as None is cleared (back to its default)."""
+    return _run(tables, lambda keyring: keyring.update(key_id, changes, known_models=known_models))
 
 
 def revoke_key(tables: Tables, key_id: str) -> KeyInfo:
     """Refuse the key from now on (within the gateway's auth cache time)."""
-    record = _find_by_id(tables, key_id)
-    if record.status == "revoked":
-        raise AlreadyRevoked(key_id, record.revoked_at)
-    record.update(actions=[tables.keys.status.set("revoked"), tables.keys.revoked_at.set(iso_ms(now()))])
-    return _info(record)
+    return _run(tables, lambda keyring: keyring.revoke(key_id))
 
 
 def list_keys(tables: Tables, org_id: str) -> list[KeyInfo]:
-    return [_info(record) for record in tables.keys.by_org.query(org_id)]
+    return _run(tables, lambda keyring: keyring.list(org_id))
+
+
+def describe_keys(tables: Tables, org_id: str) -> list[dict[str, Any]]:
+    """The org's keys as the API shows them (keyring.key_object), with this period's spend."""
+    from .keyring import key_object
+
+    async def describe(keyring: Keyring) -> list[dict[str, Any]]:
+        org = await keyring.org(org_id)
+        now = keyring.clock()
+        return [key_object(key, org.item, now) for key in await keyring.list(org_id)]
+
+    return _run(tables, describe)

@@ -1,0 +1,384 @@
+"""An org's API keys: issue, read, list, change and revoke them (contract §10).
+
+One implementation for both doors: the self-service API (`kiln.selfservice`, management
+keys) and the operators' CLI (`kiln admin keys`, through the synchronous wrappers of
+`kiln.store.keys`). It talks to DynamoDB over the lean client (`kiln.aws`) in wire form,
+with every name from `kiln.store.schema`, so the request path never loads pynamodb.
+
+A key's secret is made here, returned once and stored only as its SHA-256. A key is found
+by id through the keys table's `by_key_id` index (eventually consistent: a key made a
+moment ago may take a second to be found by id; its secret works at once), then written
+by its hash with a condition naming its org, so an id of another org is never touched.
+Changes are PATCH-like: a field given as null goes back to its default.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass, replace
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable, Collection, Mapping
+
+from .clock import iso_ms
+from .codec import number
+from .errors import AlreadyRevoked, ConditionFailed, RecordNotFound, UnstorableValue, condition_failure
+from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
+from .keyspend import PERIODS, resets_at, spend_in
+from .schema import KEY, ORG
+
+__all__ = [
+    "EDITABLE",
+    "KEY_ID",
+    "MAX_LABEL",
+    "ROLES",
+    "InvalidKeyAttribute",
+    "Keyring",
+    "key_object",
+    "validate_changes",
+]
+
+KEY_ID = re.compile(r"key_[0-9a-f]{16}")
+ROLES = ("inference", "management")
+# what a caller may set on a key, at creation or later
+EDITABLE = ("label", "role", "models", "concurrency", "spend_limit", "spend_period")
+MAX_LABEL = 100
+# the spend figures live on the org item: see kiln.store.keyspend
+
+
+class InvalidKeyAttribute(ValueError):
+    """A key attribute that cannot be stored; `param` names it (a 400 for the API)."""
+
+    def __init__(self, param: str | None, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code  # invalid_value, invalid_type or unknown_parameter
+
+
+def validate_changes(body: Mapping[str, Any], *, known_models: Collection[str] | None,
+                     org_limit: int | None) -> dict[str, Any]:
+    """The attributes to set (a value) or clear (None), checked: InvalidKeyAttribute otherwise.
+
+    `known_models`: the catalog's ids (None: not checked); `org_limit`: the org's concurrency
+    limit, the most a key may have (None: not checked).
+    """
+    unknown = sorted(name for name in body if name not in EDITABLE)
+    if unknown:
+        raise InvalidKeyAttribute(unknown[0], f"Unrecognized key attribute: {unknown[0]!r}. "
+                                              f"A key has {', '.join(EDITABLE)}.", "unknown_parameter")
+    changes: dict[str, Any] = {}
+    for name, value in body.items():
+        changes[name] = None if value is None else _CHECKS[name](value, known_models, org_limit)
+    return changes
+
+
+def _label(value: Any, known_models: Any, org_limit: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidKeyAttribute("label", "label must be a string.", "invalid_type")
+    if len(value) > MAX_LABEL:
+        raise InvalidKeyAttribute("label", f"label must be at most {MAX_LABEL} characters.")
+    return value
+
+
+def _role(value: Any, known_models: Any, org_limit: Any) -> str:
+    if value not in ROLES:
+        raise InvalidKeyAttribute("role", f"role must be one of {', '.join(ROLES)}.")
+    return value
+
+
+def _models(value: Any, known_models: Collection[str] | None, org_limit: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(item, str) for item in value):
+        raise InvalidKeyAttribute("models", "models must be a non-empty list of model ids (null: every model).")
+    if known_models is not None:
+        unknown = [item for item in value if item not in known_models]
+        if unknown:
+            raise InvalidKeyAttribute("models", f"The model `{unknown[0]}` is not in the catalog.")
+    return tuple(sorted(set(value)))
+
+
+def _concurrency(value: Any, known_models: Any, org_limit: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidKeyAttribute("concurrency", "concurrency must be an integer.", "invalid_type")
+    if value < 1 or (org_limit is not None and value > org_limit):
+        bound = f"1 to {org_limit}, the organization's limit" if org_limit is not None else "at least 1"
+        raise InvalidKeyAttribute("concurrency", f"concurrency must be {bound}; got {value}.")
+    return value
+
+
+def _spend_limit(value: Any, known_models: Any, org_limit: Any) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal)):
+        raise InvalidKeyAttribute("spend_limit", "spend_limit must be an amount of USD (a number or a decimal string).",
+                                  "invalid_type")
+    try:
+        amount = Decimal(str(value).strip())
+    except InvalidOperation:
+        amount = None
+    if amount is None or not amount.is_finite() or amount < 0:
+        raise InvalidKeyAttribute("spend_limit", "spend_limit must be a non-negative amount of USD.")
+    try:
+        number(amount)
+    except UnstorableValue:
+        raise InvalidKeyAttribute("spend_limit", "spend_limit has too many digits or is out of range.") from None
+    return amount
+
+
+def _spend_period(value: Any, known_models: Any, org_limit: Any) -> str:
+    if value not in PERIODS:
+        raise InvalidKeyAttribute("spend_period", f"spend_period must be one of {', '.join(PERIODS)}.")
+    return value
+
+
+_CHECKS: dict[str, Callable[[Any, Any, Any], Any]] = {
+    "label": _label,
+    "role": _role,
+    "models": _models,
+    "concurrency": _concurrency,
+    "spend_limit": _spend_limit,
+    "spend_period": _spend_period,
+}
+
+
+# -- items ---------------------------------------------------------------------------------
+
+
+def _wire(name: str, value: Any) -> dict[str, Any]:
+    if name == "models":
+        return {"SS": list(value)}
+    if name in ("concurrency", "spend_limit"):
+        return {"N": number(value)}
+    return {"S": value}
+
+
+def _info(item: dict[str, Any]) -> KeyInfo:
+    def text(name: str) -> str | None:
+        return item.get(name, {}).get("S")
+
+    concurrency = item.get(KEY.concurrency, {}).get("N")
+    spend_limit = item.get(KEY.spend_limit, {}).get("N")
+    models = item.get(KEY.models, {}).get("SS")
+    return KeyInfo(
+        key_id=item[KEY.key_id]["S"],
+        org_id=item[KEY.org_id]["S"],
+        status=text(KEY.status) or "active",
+        prefix=text(KEY.prefix) or "",
+        created_at=text(KEY.created_at) or "",
+        revoked_at=text(KEY.revoked_at),
+        last_used_at=text(KEY.last_used_at),
+        label=text(KEY.label),
+        role=text(KEY.role) or "inference",
+        models=tuple(sorted(models)) if models is not None else None,
+        concurrency=int(concurrency) if concurrency is not None else None,
+        spend_limit=Decimal(spend_limit) if spend_limit is not None else None,
+        spend_period=text(KEY.spend_period) or "total",
+    )
+
+
+def key_object(key: KeyInfo, org_item: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """A key as its org sees it (never its secret or hash); `spend` is the current period's."""
+    resets = resets_at(key.spend_period, now)
+    return {
+        "object": "key",
+        "id": key.key_id,
+        "label": key.label,
+        "role": key.role,
+        "models": list(key.models) if key.models is not None else None,
+        "concurrency": key.concurrency,
+        "spend_limit": key.spend_limit,
+        "spend_period": key.spend_period,
+        "spend": spend_in(dict(org_item), key.key_id, key.spend_period, now),
+        "period_resets_at": iso_ms(resets.timestamp()) if resets is not None else None,
+        "created_at": key.created_at,
+        "last_used_at": key.last_used_at,
+        "revoked_at": key.revoked_at,
+        "status": key.status,
+        "prefix": key.prefix,
+    }
+
+
+@dataclass(frozen=True)
+class OrgView:
+    """What key management reads of an org item (wire form kept for the keys' spend)."""
+
+    org_id: str
+    active: bool
+    concurrency_limit: int
+    credits: Decimal
+    item: dict[str, Any]
+
+
+class Keyring:
+    """Key management over the lean client; raises RecordNotFound, AlreadyRevoked, InvalidKeyAttribute."""
+
+    def __init__(self, aws: Any, *, keys_table: str, orgs_table: str, clock: Callable[[], float] = time.time) -> None:
+        self._aws = aws
+        self._keys_table, self._orgs_table = keys_table, orgs_table
+        self.clock = clock
+
+    # -- orgs --------------------------------------------------------------------------------
+
+    async def org(self, org_id: str) -> OrgView:
+        """The org item, read consistently (its credits, limit and every key's spend figures)."""
+        found = await self._aws.dynamodb(
+            "GetItem", {"TableName": self._orgs_table, "Key": {ORG.hash_key: {"S": org_id}}, "ConsistentRead": True}
+        )
+        item = found.get("Item")
+        if not item:
+            raise RecordNotFound("org", org_id)
+        limit = item.get(ORG.concurrency_limit, {}).get("N")
+        credits = item.get(ORG.credits, {}).get("N")
+        return OrgView(
+            org_id,
+            item.get(ORG.status, {}).get("S") == "active",
+            int(limit) if limit is not None else 0,
+            Decimal(credits) if credits is not None else Decimal(0),
+            item,
+        )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def by_hash(self, key_hash: str) -> KeyInfo | None:
+        found = await self._aws.dynamodb(
+            "GetItem", {"TableName": self._keys_table, "Key": {KEY.hash_key: {"S": key_hash}}, "ConsistentRead": True}
+        )
+        item = found.get("Item")
+        return _info(item) if item else None
+
+    async def _item(self, key_id: str, org_id: str | None) -> dict[str, Any]:
+        """The key item with this id (of `org_id`, when given), or RecordNotFound."""
+        if KEY_ID.fullmatch(key_id):
+            found = await self._aws.dynamodb(
+                "Query",
+                {
+                    "TableName": self._keys_table,
+                    "IndexName": "by_key_id",
+                    "KeyConditionExpression": "#id = :id",
+                    "ExpressionAttributeNames": {"#id": KEY.key_id},
+                    "ExpressionAttributeValues": {":id": {"S": key_id}},
+                },
+            )
+            for item in found.get("Items", []):
+                if org_id is None or item.get(KEY.org_id, {}).get("S") == org_id:
+                    return item
+        raise RecordNotFound("key", key_id)
+
+    async def get(self, key_id: str, *, org_id: str | None = None) -> KeyInfo:
+        return _info(await self._item(key_id, org_id))
+
+    async def list(self, org_id: str) -> list[KeyInfo]:
+        """The org's keys, oldest first (revoked ones included)."""
+        keys: list[KeyInfo] = []
+        payload: dict[str, Any] = {
+            "TableName": self._keys_table,
+            "IndexName": "by_org",
+            "KeyConditionExpression": "#org = :org",
+            "ExpressionAttributeNames": {"#org": KEY.org_id},
+            "ExpressionAttributeValues": {":org": {"S": org_id}},
+        }
+        while True:
+            page = await self._aws.dynamodb("Query", payload)
+            keys += [_info(item) for item in page.get("Items", [])]
+            if not page.get("LastEvaluatedKey"):
+                return keys
+            payload["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+    # -- writing ---------------------------------------------------------------------------
+
+    async def create(self, org_id: str, attributes: Mapping[str, Any] | None = None, *,
+                     known_models: Collection[str] | None = None) -> IssuedKey:
+        """A new key of the org, with `attributes` (validated); its secret is in the answer only."""
+        org = await self.org(org_id)
+        changes = validate_changes(attributes or {}, known_models=known_models, org_limit=org.concurrency_limit)
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = KeyInfo(
+            key_id=f"key_{secrets.token_hex(8)}",
+            org_id=org_id,
+            status="active",
+            prefix=secret[:_SHOWN_PREFIX],
+            created_at=iso_ms(self.clock()),
+        )
+        key = replace(key, **{name: value for name, value in changes.items() if value is not None})
+        item = {
+            KEY.key_hash: {"S": hash_secret(secret)},
+            KEY.key_id: {"S": key.key_id},
+            KEY.org_id: {"S": org_id},
+            KEY.status: {"S": key.status},
+            KEY.prefix: {"S": key.prefix},
+            KEY.created_at: {"S": key.created_at},
+        }
+        for name, value in changes.items():
+            if value is not None:
+                item[name] = _wire(name, value)
+        await self._aws.dynamodb(
+            "PutItem",
+            {
+                "TableName": self._keys_table,
+                "Item": item,
+                "ConditionExpression": "attribute_not_exists(#hash)",
+                "ExpressionAttributeNames": {"#hash": KEY.hash_key},
+            },
+        )
+        return IssuedKey(**key.__dict__, secret=secret)
+
+    async def update(self, key_id: str, attributes: Mapping[str, Any], *, org_id: str | None = None,
+                     known_models: Collection[str] | None = None) -> KeyInfo:
+        """Set or clear (None) the given attributes of a key; the others are left as they are."""
+        item = await self._item(key_id, org_id)
+        owner = item[KEY.org_id]["S"]
+        limit = None
+        if attributes.get("concurrency") is not None:
+            limit = (await self.org(owner)).concurrency_limit
+        changes = validate_changes(attributes, known_models=known_models, org_limit=limit)
+        if not changes:
+            return _info(item)
+        names = {"#hash": KEY.hash_key, "#org": KEY.org_id}
+        values: dict[str, Any] = {":org": {"S": owner}}
+        sets, removes = [], []
+        for index, (name, value) in enumerate(sorted(changes.items())):
+            names[f"#a{index}"] = name
+            if value is None:
+                removes.append(f"#a{index}")
+            else:
+                values[f":a{index}"] = _wire(name, value)
+                sets.append(f"#a{index} = :a{index}")
+        expression = (" SET " + ", ".join(sets) if sets else "") + (" REMOVE " + ", ".join(removes) if removes else "")
+        return _info(await self._write(item, expression.strip(), names, values))
+
+    async def revoke(self, key_id: str, *, org_id: str | None = None) -> KeyInfo:
+        """Refuse the key from now on (within the gateway's auth cache time); AlreadyRevoked if it was."""
+        item = await self._item(key_id, org_id)
+        if item.get(KEY.status, {}).get("S") == "revoked":
+            raise AlreadyRevoked(key_id, item.get(KEY.revoked_at, {}).get("S"))
+        names = {"#hash": KEY.hash_key, "#org": KEY.org_id, "#status": KEY.status, "#revoked": KEY.revoked_at}
+        values = {":org": {"S": item[KEY.org_id]["S"]}, ":revoked": {"S": "revoked"},
+                  ":now": {"S": iso_ms(self.clock())}}
+        try:
+            return _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
+                                           extra_condition=" AND #status <> :revoked"))
+        except AlreadyRevoked:
+            current = await self._item(key_id, org_id)
+            raise AlreadyRevoked(key_id, current.get(KEY.revoked_at, {}).get("S")) from None
+
+    async def _write(self, item: dict[str, Any], expression: str, names: dict[str, str], values: dict[str, Any], *,
+                     extra_condition: str = "") -> dict[str, Any]:
+        key_id = item[KEY.key_id]["S"]
+        try:
+            answer = await self._aws.dynamodb(
+                "UpdateItem",
+                {
+                    "TableName": self._keys_table,
+                    "Key": {KEY.hash_key: item[KEY.hash_key]},
+                    "UpdateExpression": expression,
+                    "ConditionExpression": "attribute_exists(#hash) AND #org = :org" + extra_condition,
+                    "ExpressionAttributeNames": names,
+                    "ExpressionAttributeValues": values,
+                    "ReturnValues": "ALL_NEW",
+                },
+            )
+        except Exception as exc:
+            if isinstance(condition_failure(exc), ConditionFailed):
+                if extra_condition:
+                    raise AlreadyRevoked(key_id, None) from None
+                raise RecordNotFound("key", key_id) from None
+            raise
+        return answer["Attributes"]
