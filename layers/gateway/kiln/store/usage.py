@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 from .codec import from_item
 from .errors import RecordNotFound
+from .schema import USAGE
 
 if TYPE_CHECKING:  # pynamodb is for operators' tools; the request path never imports it
     from .records import Tables
 
-__all__ = ["UsageEvent", "STATUSES", "get_event", "query_events", "recent_events"]
+__all__ = ["UsageEvent", "STATUSES", "get_event", "org_events", "query_events", "recent_events"]
 
 # What became of an admitted request.
 STATUSES = (
@@ -104,3 +105,22 @@ def query_events(tables: Tables, org_id: str, since: str | None = None, until: s
         condition = created <= until
     for record in index.query(org_id, range_key_condition=condition):
         yield UsageEvent.from_record(record)
+
+
+async def org_events(aws: Any, usage_table: str, org_id: str, since: str, until: str) -> AsyncIterator[UsageEvent]:
+    """The org's events from `since` to `until` (inclusive, ISO 8601 UTC), in time order, page
+    by page from the `by_org_time` index over the lean client (the request path's reader)."""
+    payload: dict[str, Any] = {
+        "TableName": usage_table,
+        "IndexName": "by_org_time",
+        "KeyConditionExpression": "#org = :org AND #created BETWEEN :since AND :until",
+        "ExpressionAttributeNames": {"#org": USAGE.org_id, "#created": USAGE.created_at},
+        "ExpressionAttributeValues": {":org": {"S": org_id}, ":since": {"S": since}, ":until": {"S": until}},
+    }
+    while True:
+        page = await aws.dynamodb("Query", payload)
+        for item in page.get("Items", []):
+            yield UsageEvent.from_item(item)
+        if not page.get("LastEvaluatedKey"):
+            return
+        payload["ExclusiveStartKey"] = page["LastEvaluatedKey"]

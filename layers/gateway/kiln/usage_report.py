@@ -1,0 +1,95 @@
+"""Usage reports: an org's usage events summed by model, day, key or endpoint, with totals.
+
+One aggregation for both readers: `kiln admin usage` (operators) and `GET /v1/usage` (an
+org itself, `kiln.selfservice`), so the two report the same figures for the same span.
+Spans are half-open, as both take them: from `since` (inclusive) to `until` (exclusive).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any, Callable, Iterable
+
+from .store.usage import UsageEvent
+
+__all__ = ["COLUMNS", "GROUPINGS", "Line", "Summary", "in_span", "parse_time", "stored_time", "summarize"]
+
+GROUPINGS: dict[str, Callable[[UsageEvent], str]] = {
+    "model": lambda event: event.model,
+    "day": lambda event: event.created_at[:10],
+    "key": lambda event: event.key_id,
+    "endpoint": lambda event: event.endpoint,
+}
+COLUMNS = ("requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
+
+
+@dataclass
+class Line:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cost: Decimal = Decimal(0)
+
+    def add(self, event: UsageEvent) -> None:
+        self.requests += 1
+        self.errors += event.status != "success"
+        self.prompt_tokens += event.prompt_tokens or 0
+        self.completion_tokens += event.completion_tokens or 0
+        self.cached_tokens += event.cached_tokens or 0
+        self.cost += event.cost
+
+    def row(self, group: str) -> dict[str, Any]:
+        return {"group": group, **{column: getattr(self, column) for column in COLUMNS}}
+
+
+@dataclass
+class Summary:
+    by: str
+    lines: dict[str, Line] = field(default_factory=lambda: defaultdict(Line))
+    total: Line = field(default_factory=Line)
+
+    def add(self, event: UsageEvent) -> None:
+        self.lines[GROUPINGS[self.by](event)].add(event)
+        self.total.add(event)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [self.lines[group].row(group) for group in sorted(self.lines)]
+
+    def columns(self) -> tuple[str, ...]:
+        return ("group", *COLUMNS)
+
+
+def summarize(events: Iterable[UsageEvent], by: str, progress: Callable[[int], None] | None = None) -> Summary:
+    summary = Summary(by)
+    GROUPINGS[by]  # noqa: B018 - an unknown grouping fails before any event is read
+    for count, event in enumerate(events, 1):
+        summary.add(event)
+        if progress is not None and count % 500 == 0:
+            progress(count)
+    if progress is not None:
+        progress(summary.total.requests)
+    return summary
+
+
+def in_span(event: UsageEvent, until: str | None) -> bool:
+    """The index reads `since`..`until` inclusive; a report's `until` is exclusive."""
+    return until is None or event.created_at < until
+
+
+def stored_time(moment: datetime) -> str:
+    """A time in the stored form (ISO 8601, UTC, milliseconds), which sorts as time."""
+    moment = moment.astimezone(timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def parse_time(text: str) -> str:
+    """An ISO 8601 date or time (UTC if no zone) in the stored form, e.g. 2026-11-30T00:00:00.000Z."""
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return stored_time(moment)
