@@ -28,6 +28,14 @@ EXPECTED_ROUTES = {
     ("GET", "/v1/models"): "ModelsFunction",
     ("GET", "/v1/models/{model_id}"): "ModelsFunction",
     ("GET", "/v1/generations/{gen_id}"): "GenerationsFunction",
+    ("GET", "/v1/credits"): "GenerationsFunction",
+    ("GET", "/v1/key"): "GenerationsFunction",
+    ("GET", "/v1/usage"): "GenerationsFunction",
+    ("POST", "/v1/keys"): "GenerationsFunction",
+    ("GET", "/v1/keys"): "GenerationsFunction",
+    ("GET", "/v1/keys/{key_id}"): "GenerationsFunction",
+    ("PATCH", "/v1/keys/{key_id}"): "GenerationsFunction",
+    ("DELETE", "/v1/keys/{key_id}"): "GenerationsFunction",
 }
 
 

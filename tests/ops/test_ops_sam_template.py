@@ -101,9 +101,14 @@ def env(cfn, function: str) -> dict[str, Any]:
 # -- the routes ---------------------------------------------------------------------------------
 
 
-def test_the_registry_holds_at_least_the_contracts_five_routes():
+def test_the_registry_holds_at_least_the_contracts_routes():
     assert {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
             ("get", "/v1/models/{model_id}"), ("get", "/v1/generations/{gen_id}")} <= set(ROUTES)
+    # §10: an org's self-service, behind the REST API in both modes like every route
+    self_service = {("get", "/v1/credits"), ("get", "/v1/key"), ("get", "/v1/usage"), ("post", "/v1/keys"),
+                    ("get", "/v1/keys"), ("get", "/v1/keys/{key_id}"), ("patch", "/v1/keys/{key_id}"),
+                    ("delete", "/v1/keys/{key_id}")}
+    assert {ROUTES[route] for route in self_service} == {"GenerationsFunction"}
     assert {"ChatCompletionsFunction", "CompletionsFunction"} <= set(STREAMING_FUNCTIONS)
 
 
@@ -383,7 +388,8 @@ def test_each_role_reads_only_the_parameters_its_function_uses(cfn):
     for role in MODEL_ROLES:
         assert read[role] == sorted(PARAMETER_ARN.format(name) for name in ("maintenance", "catalog", "upstream-api-key"))
     assert read["ModelsRole"] == sorted(PARAMETER_ARN.format(name) for name in ("maintenance", "catalog"))
-    assert read["GenerationsRole"] == [PARAMETER_ARN.format("maintenance")]
+    # the generations function checks a key's allowlist against the catalog (POST/PATCH /v1/keys)
+    assert read["GenerationsRole"] == sorted(PARAMETER_ARN.format(name) for name in ("maintenance", "catalog"))
 
 
 def test_each_role_grants_only_what_its_function_calls(cfn):
@@ -394,10 +400,19 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
                "dynamodb:PutItem", "ssm:GetParameter"}
     for role in MODEL_ROLES:
         assert actions(role) - {"kms:Decrypt"} == gateway, role
-    # the models and generations functions neither admit nor bill: they write only a key's last use
-    assert actions("ModelsRole") == actions("GenerationsRole") == gateway - {"dynamodb:PutItem"}
+    # the models and generations functions neither admit nor bill: they write only keys (their
+    # last use; the generations function also issues, changes and revokes them, contract §10)
+    assert actions("ModelsRole") == gateway - {"dynamodb:PutItem"}
+    assert actions("GenerationsRole") == gateway | {"dynamodb:Query"}
     for role in ("ModelsRole", "GenerationsRole"):
         assert granted(cfn, role, "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
+    assert granted(cfn, "GenerationsRole", "dynamodb:PutItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
+    # it reads usage and finds keys through the indexes only: never a scan, never a whole table
+    assert granted(cfn, "GenerationsRole", "dynamodb:Query") == [
+        {"Fn::Sub": "${KeysTable.Arn}/index/by_key_id"}, {"Fn::Sub": "${KeysTable.Arn}/index/by_org"},
+        {"Fn::Sub": "${UsageTable.Arn}/index/by_org_time"}]
+    assert sorted(map(json.dumps, granted(cfn, "GenerationsRole", "dynamodb:GetItem"))) == sorted(map(json.dumps, [
+        {"Fn::GetAtt": ["KeysTable", "Arn"]}, {"Fn::GetAtt": ["OrgsTable", "Arn"]}, {"Fn::GetAtt": ["UsageTable", "Arn"]}]))
 
 
 def test_kms_decrypt_only_for_a_customer_managed_key_and_only_through_ssm(cfn, mode):

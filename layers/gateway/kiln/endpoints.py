@@ -70,9 +70,20 @@ MODELS = Endpoint(
         Route("GET", "/v1/models/{model_id}", "models.retrieve", "One model of the catalog"),
     ),
 )
+# the generations function also serves an org's self-service (contract §10, kiln.selfservice)
 GENERATIONS = Endpoint(
     "generations",
-    (Route("GET", "/v1/generations/{gen_id}", "generations.retrieve", "One of your usage events"),),
+    (
+        Route("GET", "/v1/generations/{gen_id}", "generations.retrieve", "One of your usage events"),
+        Route("GET", "/v1/credits", "credits.retrieve", "Your organization's credits"),
+        Route("GET", "/v1/key", "key.retrieve", "The key you call with: its limits and spend"),
+        Route("GET", "/v1/usage", "usage.retrieve", "Your organization's usage, summed by day, model or key"),
+        Route("POST", "/v1/keys", "keys.create", "Create a key (management keys)"),
+        Route("GET", "/v1/keys", "keys.list", "Your organization's keys (management keys)"),
+        Route("GET", "/v1/keys/{key_id}", "keys.retrieve", "One key (management keys)"),
+        Route("PATCH", "/v1/keys/{key_id}", "keys.update", "Change a key's attributes (management keys)"),
+        Route("DELETE", "/v1/keys/{key_id}", "keys.delete", "Revoke a key (management keys)"),
+    ),
 )
 
 ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, RESPONSES, MODELS, GENERATIONS)

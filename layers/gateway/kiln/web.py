@@ -18,6 +18,7 @@ from .gateway import Gateway
 from .handlers import complete, list_models, retrieve_generation, retrieve_model
 from .observability import ObservabilityMiddleware, Observer, record_of
 from .responses import error_response
+from .selfservice import HANDLERS as SELF_SERVICE
 
 __all__ = ["RouteSpec", "create_app", "lambda_handler", "routes_of"]
 
@@ -57,6 +58,7 @@ READERS: dict[str, Handler] = {
     "models.list": list_models,
     "models.retrieve": retrieve_model,
     "generations.retrieve": retrieve_generation,
+    **SELF_SERVICE,  # credits, key, usage and keys (contract §10)
 }
 
 

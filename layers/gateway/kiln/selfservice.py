@@ -1,0 +1,259 @@
+"""An org manages itself (contract §10): its balance, its key, its usage, and its keys.
+
+`GET /v1/credits`, `GET /v1/key` and `GET /v1/usage` answer any key of the org; the
+`/v1/keys` routes only a management key (403 `management_key_required` otherwise). None
+of them takes a slot or writes a usage event. Maintenance (§6) and authentication come
+first, as on every endpoint; a body, where there is one, is read between them (§2).
+Keys are managed by `kiln.store.keyring`, the implementation `kiln admin keys` uses too,
+and usage is summed by `kiln.usage_report`, as `kiln admin usage` sums it.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .auth import Principal
+from .errors import GatewayError, KeyNotFound, ManagementKeyRequired
+from .gateway import Gateway
+from .handlers import _authenticate, get_gateway, read_json
+from .jsonio import dumps
+from .observability import RequestRecord, record_of
+from .responses import error_response, json_response
+from .store.errors import AlreadyRevoked, RecordNotFound
+from .store.keyring import InvalidKeyAttribute, Keyring, key_object
+from .store.keys import hash_secret
+from .store.usage import org_events
+from .usage_report import COLUMNS, Summary, in_span, stored_time
+
+__all__ = ["HANDLERS", "MAX_USAGE_DAYS", "USAGE_DEFAULT_DAYS", "USAGE_GROUPINGS", "InvalidRequest", "parse_rfc3339"]
+
+MAX_USAGE_DAYS = 93
+USAGE_DEFAULT_DAYS = 30
+USAGE_GROUPINGS = ("day", "model", "key")
+MANAGEMENT_REQUIRED = ("Managing keys needs a management key (role `management`); this is an inference key. "
+                       "Ask your organization for one.")
+
+
+class InvalidRequest(GatewayError):
+    """A parameter of a self-service request that cannot be used; `param` names it."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_value"
+
+
+def _keyring(gateway: Gateway) -> Keyring:
+    settings = gateway.settings
+    return Keyring(gateway.aws, keys_table=settings.keys_table, orgs_table=settings.orgs_table, clock=gateway.clock)
+
+
+async def _checks(gateway: Gateway, request: Request, record: RequestRecord, *, body: bool = False,
+                  management: bool = False) -> tuple[Principal, Any]:
+    """Checks 1-3 of §2 (maintenance, the body if any, the key), then the key's role."""
+    await gateway.check_maintenance()
+    document = await read_json(request, gateway.settings.max_body_bytes) if body else None
+    principal = await _authenticate(gateway, request)
+    record.org_id = principal.org_id
+    if management and not principal.management:
+        raise ManagementKeyRequired(MANAGEMENT_REQUIRED)
+    return principal, document
+
+
+def _served(endpoint: str, work: Callable[[Gateway, Request, RequestRecord], Awaitable[Response]]):
+    """A handler: `work` answers; a GatewayError becomes its error response (and is recorded)."""
+
+    async def handle(request: Request) -> Response:
+        gateway = get_gateway(request)
+        record = record_of(request)
+        record.endpoint = endpoint
+        try:
+            return await work(gateway, request, record)
+        except GatewayError as error:
+            record.error_code = error.code
+            return error_response(error)
+
+    handle.__name__ = handle.__qualname__ = endpoint.replace(".", "_")
+    return handle
+
+
+async def _answer(call: Awaitable[Any], key_id: str | None = None) -> Any:
+    """A keyring call with its domain errors as the API's (inside `Gateway.storage`, which
+    makes every other failure a 503): a bad attribute is 400, a key of no concern 404."""
+    try:
+        return await call
+    except InvalidKeyAttribute as error:
+        raise InvalidRequest(str(error), param=error.param, code=error.code) from None
+    except RecordNotFound as error:
+        raise KeyNotFound(key_id if key_id is not None else error.ident) from None
+
+
+# -- any key of the org -------------------------------------------------------------------------
+
+
+async def _credits(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, _ = await _checks(gateway, request, record)
+    org = await gateway.storage(_keyring(gateway).org(principal.org_id))
+    return json_response(dumps({"object": "credits", "balance": org.credits, "currency": "USD"}))
+
+
+async def _current_key(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, _ = await _checks(gateway, request, record)
+    keyring = _keyring(gateway)
+    # the caller's own secret names its item: a consistent read, not the eventually consistent index
+    key = await gateway.storage(keyring.by_hash(hash_secret(_secret(request))))
+    if key is None or key.key_id != principal.key_id:
+        key = await gateway.storage(keyring.get(principal.key_id, org_id=principal.org_id))
+    org = await gateway.storage(keyring.org(principal.org_id))
+    return json_response(dumps(key_object(key, org.item, keyring.clock())))
+
+
+def _secret(request: Request) -> str:
+    (authorization,) = request.headers.getlist("authorization")  # authentication accepted exactly one
+    return authorization.strip().partition(" ")[2].strip()
+
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+_DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def parse_rfc3339(text: str) -> datetime | None:
+    """An RFC 3339 full-date (midnight UTC) or date-time with its offset; None if it is neither."""
+    if not (_DATE.fullmatch(text) or _DATE_TIME.fullmatch(text)):
+        return None
+    try:
+        moment = datetime.fromisoformat(text.replace("z", "Z").replace("Z", "+00:00").replace("t", "T"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
+    """`since`, `until` and `group_by` of a usage request, with their defaults: until now, since
+    30 days before `until`, by day. The span is half-open and at most 93 days long."""
+    moments: dict[str, datetime | None] = {}
+    for name in ("since", "until"):
+        text = query.get(name)
+        moments[name] = None
+        if text is not None:
+            moments[name] = parse_rfc3339(text)
+            if moments[name] is None:
+                raise InvalidRequest(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
+                                     f"(2026-11-01T00:00:00Z); got {text[:40]!r}.", param=name)
+    until = moments["until"] or now
+    since = moments["since"] or until - timedelta(days=USAGE_DEFAULT_DAYS)
+    if since >= until:
+        raise InvalidRequest("since must be before until.", param="since")
+    if until - since > timedelta(days=MAX_USAGE_DAYS):
+        raise InvalidRequest(f"since and until may be at most {MAX_USAGE_DAYS} days apart.", param="until")
+    group_by = query.get("group_by", "day")
+    if group_by not in USAGE_GROUPINGS:
+        raise InvalidRequest(f"group_by must be one of {', '.join(USAGE_GROUPINGS)}.", param="group_by")
+    return since, until, group_by
+
+
+async def _usage(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, _ = await _checks(gateway, request, record)
+    now = datetime.fromtimestamp(gateway.clock(), timezone.utc)
+    since, until, group_by = usage_span(request.query_params, now)
+    first, end = stored_time(since), stored_time(until)
+
+    async def read() -> Summary:
+        summary = Summary(group_by)
+        async for event in org_events(gateway.aws, gateway.settings.usage_table, principal.org_id, first, end):
+            if in_span(event, end):
+                summary.add(event)
+        return summary
+
+    summary = await gateway.storage(read())
+    rows = [{group_by: row["group"], **{column: row[column] for column in COLUMNS}} for row in summary.rows()]
+    total = {column: getattr(summary.total, column) for column in COLUMNS}
+    document = {"object": "usage", "since": first, "until": end, "group_by": group_by, "currency": "USD",
+                "data": rows, "total": total}
+    return json_response(dumps(document))
+
+
+# -- management keys: /v1/keys ----------------------------------------------------------------
+
+
+async def _known_models(gateway: Gateway, attributes: dict[str, Any]) -> set[str] | None:
+    """The catalog's ids, when the request names models (the catalog is read only then)."""
+    if attributes.get("models") is None:
+        return None
+    return {model.id for model in await gateway.catalog()}
+
+
+async def _create(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, body = await _checks(gateway, request, record, body=True, management=True)
+    keyring = _keyring(gateway)
+    known = await _known_models(gateway, body)
+    issued = await gateway.storage(_answer(keyring.create(principal.org_id, body, known_models=known)))
+    document = {**key_object(issued, {}, keyring.clock()), "secret": issued.secret}
+    return json_response(dumps(document), status=201)
+
+
+async def _list(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, _ = await _checks(gateway, request, record, management=True)
+    keyring = _keyring(gateway)
+    keys = await gateway.storage(keyring.list(principal.org_id))
+    org = await gateway.storage(keyring.org(principal.org_id))
+    now = keyring.clock()
+    return json_response(dumps({"object": "list", "data": [key_object(key, org.item, now) for key in keys]}))
+
+
+async def _one(gateway: Gateway, principal: Principal, key_id: str, action: Awaitable[Any]) -> Response:
+    """Run a keyring call on one key of the caller's org; any other id is 404 key_not_found."""
+    keyring = _keyring(gateway)
+    key = await gateway.storage(_answer(action, key_id))
+    org = await gateway.storage(keyring.org(principal.org_id))
+    return json_response(dumps(key_object(key, org.item, keyring.clock())))
+
+
+async def _retrieve(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, _ = await _checks(gateway, request, record, management=True)
+    key_id = request.path_params["key_id"]
+    return await _one(gateway, principal, key_id, _keyring(gateway).get(key_id, org_id=principal.org_id))
+
+
+async def _update(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, body = await _checks(gateway, request, record, body=True, management=True)
+    key_id = request.path_params["key_id"]
+
+    async def update() -> Any:
+        known = await _known_models(gateway, body)
+        return await _keyring(gateway).update(key_id, body, org_id=principal.org_id, known_models=known)
+
+    answer = await _one(gateway, principal, key_id, update())
+    gateway.auth.forget_key(key_id)  # this process applies the change at once; others within the cache time
+    return answer
+
+
+async def _revoke(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    principal, _ = await _checks(gateway, request, record, management=True)
+    key_id = request.path_params["key_id"]
+    keyring = _keyring(gateway)
+
+    async def revoke() -> Any:
+        try:
+            return await keyring.revoke(key_id, org_id=principal.org_id)
+        except AlreadyRevoked:  # revoking is idempotent: the key as it is
+            return await keyring.get(key_id, org_id=principal.org_id)
+
+    answer = await _one(gateway, principal, key_id, revoke())
+    gateway.auth.forget_key(key_id)
+    return answer
+
+
+# the handlers by route name (kiln.endpoints), bound by kiln.web
+HANDLERS: dict[str, Callable[[Request], Awaitable[Response]]] = {
+    "credits.retrieve": _served("credits", _credits),
+    "key.retrieve": _served("key", _current_key),
+    "usage.retrieve": _served("usage", _usage),
+    "keys.create": _served("keys", _create),
+    "keys.list": _served("keys", _list),
+    "keys.retrieve": _served("keys", _retrieve),
+    "keys.update": _served("keys", _update),
+    "keys.delete": _served("keys", _revoke),
+}

@@ -1,0 +1,244 @@
+"""Contract §10: management keys manage their org's keys (POST/GET/PATCH/DELETE /v1/keys).
+
+A key made here works at once; a key revoked here is refused at once by this process and
+within the auth cache time by every other; an inference key is 403 on every /v1/keys route;
+another org's key id is 404 exactly as an unknown one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
+KEY_FIELDS = {"object", "id", "label", "role", "models", "concurrency", "spend_limit", "spend_period", "spend",
+              "period_resets_at", "created_at", "last_used_at", "revoked_at", "status", "prefix"}
+
+
+def call(stack, method: str, path: str, key: str, body=None):
+    return stack.http.request(method, path, json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+def management_org(stack, **org) -> tuple[str, str]:
+    """A new org and a management key of it: (org id, secret)."""
+    org_id, _ = stack.org(**org)
+    return org_id, create_key(stack.tables, org_id, role="management", label="console").secret
+
+
+def sdk(stack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0)
+
+
+def test_a_created_key_is_shown_once_and_works_at_once(stack):
+    org_id, admin = management_org(stack)
+    created = call(stack, "POST", "/v1/keys", admin, {"label": "agent 7", "spend_limit": "2.50", "spend_period": "week",
+                                                      "models": ["gpt-oss-120b", "qwen3-32b"], "concurrency": 3})
+    assert created.status_code == 201, created.text
+    key = created.json()
+    secret = key.pop("secret")
+    assert looks_like_key(secret) and set(key) == KEY_FIELDS
+    assert (key["label"], key["role"], key["models"], key["concurrency"]) == ("agent 7", "inference",
+                                                                              ["gpt-oss-120b", "qwen3-32b"], 3)
+    assert (key["spend_limit"], key["spend_period"], key["spend"], key["status"]) == (2.5, "week", 0, "active")
+    assert key["period_resets_at"].endswith("T00:00:00.000Z") and secret.startswith(key["prefix"])
+
+    answer = sdk(stack, secret).chat.completions.create(**BODY)
+    assert answer.usage.total_tokens > 0
+    (event,) = stack.events(org_id)
+    assert event.key_id == key["id"]
+
+    listed = call(stack, "GET", "/v1/keys", admin)
+    assert listed.status_code == 200 and secret not in listed.text and secret[12:] not in listed.text
+    ids = [item["id"] for item in listed.json()["data"]]
+    assert key["id"] in ids and len(ids) == 3  # the org's first key, the management key, this one
+    one = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+    assert one == {**key, "spend": one["spend"], "last_used_at": one["last_used_at"]}
+    assert one["spend"] == pytest.approx(answer.usage.model_extra["cost"])
+
+
+def test_spend_limit_is_a_number_or_a_decimal_string_and_defaults_apply(stack):
+    _, admin = management_org(stack)
+    as_number = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 0.1}).json()
+    as_text = call(stack, "POST", "/v1/keys", admin, {"spend_limit": "0.10"}).json()
+    assert as_number["spend_limit"] == as_text["spend_limit"] == 0.1
+    bare = call(stack, "POST", "/v1/keys", admin, {}).json()
+    assert (bare["label"], bare["role"], bare["models"], bare["concurrency"], bare["spend_limit"]) == (
+        None, "inference", None, None, None)
+    assert (bare["spend_period"], bare["period_resets_at"]) == ("total", None)
+
+
+def test_patch_changes_what_is_given_and_null_clears(stack):
+    _, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "a", "spend_limit": 5, "concurrency": 2}).json()
+    secret = key["secret"]
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin,
+                   {"spend_limit": "1", "spend_period": "month", "models": ["qwen3-32b"], "label": None})
+    assert changed.status_code == 200, changed.text
+    seen = call(stack, "GET", "/v1/key", secret).json()  # what the key itself sees, at once
+    assert (seen["label"], seen["spend_limit"], seen["spend_period"], seen["models"], seen["concurrency"]) == (
+        None, 1, "month", ["qwen3-32b"], 2)
+    assert seen["period_resets_at"].endswith("-01T00:00:00.000Z")
+    assert changed.json() == {**seen, "last_used_at": changed.json()["last_used_at"]}
+
+    cleared = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin,
+                   {"spend_limit": None, "spend_period": None, "models": None, "concurrency": None}).json()
+    assert (cleared["spend_limit"], cleared["spend_period"], cleared["models"], cleared["concurrency"]) == (
+        None, "total", None, None)
+    unchanged = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {})
+    assert unchanged.status_code == 200 and unchanged.json()["id"] == key["id"]
+
+
+def test_a_patch_applies_at_once_in_the_process_that_made_it(stack_factory):
+    stack = stack_factory(auth_cache_seconds=60)  # lookups cached, as deployed
+    _, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200  # cached now
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"models": ["qwen3-32b"]}).status_code == 200
+    refused = stack.post(CHAT, BODY, key["secret"])
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+    assert call(stack, "GET", "/v1/key", key["secret"]).json()["models"] == ["qwen3-32b"]
+
+
+def test_a_revoked_key_is_refused_at_once_here(stack_factory):
+    stack = stack_factory(auth_cache_seconds=60)
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "leaked"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200  # cached now
+
+    revoked = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)
+    assert revoked.status_code == 200, revoked.text
+    assert (revoked.json()["status"], revoked.json()["id"]) == ("revoked", key["id"]) and revoked.json()["revoked_at"]
+    denied = stack.post(CHAT, BODY, key["secret"])
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        sdk(stack, key["secret"]).chat.completions.create(**BODY)
+    again = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)  # idempotent
+    assert again.status_code == 200 and again.json()["revoked_at"] == revoked.json()["revoked_at"]
+    assert len(stack.events(org_id)) == 1
+
+
+def test_a_key_revoked_elsewhere_is_refused_within_the_auth_cache_time(stack_factory):
+    stack = stack_factory(auth_cache_seconds=1.0)
+    _, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    revoke_key(stack.tables, key["id"])  # another process (the CLI): this one's cache still holds the key
+    started = time.monotonic()
+    while stack.post(CHAT, BODY, key["secret"]).status_code != 401:
+        assert time.monotonic() - started < 1.0 + 0.5, "a revoked key kept working past the auth cache time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "method,path,body",
+    [("POST", "/v1/keys", {"label": "x"}), ("GET", "/v1/keys", None), ("GET", "/v1/keys/{id}", None),
+     ("PATCH", "/v1/keys/{id}", {"spend_limit": 1}), ("DELETE", "/v1/keys/{id}", None)],
+)
+def test_an_inference_key_is_403_on_every_keys_route(stack, method, path, body):
+    org_id, key = stack.org()
+    (mine,) = [item.key_id for item in list_keys(stack.tables, org_id)]
+    response = call(stack, method, path.format(id=mine), key, body)
+    assert response.status_code == 403, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("permission_error", "management_key_required", None)
+    assert call(stack, "GET", "/v1/key", key).json()["spend_limit"] is None  # nothing changed
+    assert call(stack, "GET", "/v1/key", key).json()["status"] == "active"
+
+
+def test_an_inference_key_is_refused_through_the_sdk(stack, org):
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        sdk(stack, org[1]).get("/keys", cast_to=object)
+    assert refused.value.status_code == 403 and refused.value.code == "management_key_required"
+
+
+@pytest.mark.parametrize("method,body", [("GET", None), ("PATCH", {"label": "mine now"}), ("DELETE", None)])
+def test_another_orgs_key_is_404_exactly_as_an_unknown_one(stack, method, body):
+    _, admin = management_org(stack)
+    other_org, their_secret = stack.org()
+    (theirs,) = [item.key_id for item in list_keys(stack.tables, other_org)]
+    refused = call(stack, method, f"/v1/keys/{theirs}", admin, body)
+    unknown_id = "key_" + "0" * 16
+    unknown = call(stack, method, f"/v1/keys/{unknown_id}", admin, body)
+    assert refused.status_code == unknown.status_code == 404
+    assert refused.json()["error"]["code"] == "key_not_found" and refused.json()["error"]["type"] == "invalid_request_error"
+    assert refused.text.replace(theirs, "ID") == unknown.text.replace(unknown_id, "ID")
+    # and their key is untouched
+    assert stack.post(CHAT, BODY, their_secret).status_code == 200
+    (info,) = list_keys(stack.tables, other_org)
+    assert (info.status, info.label) == ("active", None)
+
+
+@pytest.mark.parametrize("bad", ["nope", "key_" + "z" * 16, "key_" + "0" * 300, "%00", "key_0"])
+def test_malformed_key_ids_are_404(stack, bad):
+    _, admin = management_org(stack)
+    response = call(stack, "GET", f"/v1/keys/{bad}", admin)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "key_not_found"
+
+
+@pytest.mark.parametrize(
+    "body,param,code",
+    [
+        ({"spend_limit": -1}, "spend_limit", "invalid_value"),
+        ({"spend_limit": "abc"}, "spend_limit", "invalid_value"),
+        ({"spend_limit": "1e999999"}, "spend_limit", "invalid_value"),
+        ({"spend_limit": True}, "spend_limit", "invalid_type"),
+        ({"spend_limit": [1]}, "spend_limit", "invalid_type"),
+        ({"spend_period": "year"}, "spend_period", "invalid_value"),
+        ({"models": []}, "models", "invalid_value"),
+        ({"models": "qwen3-32b"}, "models", "invalid_value"),
+        ({"models": ["qwen3-32b", "no-such-model"]}, "models", "invalid_value"),
+        ({"concurrency": 0}, "concurrency", "invalid_value"),
+        ({"concurrency": 9}, "concurrency", "invalid_value"),  # above the org's 8
+        ({"concurrency": "2"}, "concurrency", "invalid_type"),
+        ({"concurrency": 1.5}, "concurrency", "invalid_type"),
+        ({"role": "admin"}, "role", "invalid_value"),
+        ({"label": "x" * 101}, "label", "invalid_value"),
+        ({"label": 5}, "label", "invalid_type"),
+        ({"labels": "x"}, "labels", "unknown_parameter"),
+    ],
+)
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_bad_attributes_are_400_naming_the_parameter(stack, body, param, code, method):
+    org_id, admin = management_org(stack)
+    target = create_key(stack.tables, org_id, label="before")
+    path = "/v1/keys" if method == "POST" else f"/v1/keys/{target.key_id}"
+    response = call(stack, method, path, admin, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    assert error["message"]
+    keys = call(stack, "GET", "/v1/keys", admin).json()["data"]
+    assert len(keys) == 3  # nothing was created…
+    assert call(stack, "GET", f"/v1/keys/{target.key_id}", admin).json()["label"] == "before"  # …or changed
+
+
+def test_a_body_that_is_not_a_json_object_is_400(stack):
+    _, admin = management_org(stack)
+    for raw in (b"not json", b"[1, 2]", b""):
+        response = stack.http.post("/v1/keys", content=raw, headers={"Authorization": f"Bearer {admin}",
+                                                                     "Content-Type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_management_key_may_make_another_and_the_routes_follow_maintenance(stack):
+    _, admin = management_org(stack)
+    second = call(stack, "POST", "/v1/keys", admin, {"role": "management", "label": "deputy"}).json()
+    assert second["role"] == "management"
+    assert call(stack, "GET", "/v1/keys", second["secret"]).status_code == 200
+    stack.set_maintenance({"enabled": True})
+    for method, path in (("GET", "/v1/keys"), ("POST", "/v1/keys"), ("DELETE", f"/v1/keys/{second['id']}")):
+        response = call(stack, method, path, admin, {} if method == "POST" else None)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "maintenance"
+    stack.set_maintenance({"enabled": False})
+    assert call(stack, "GET", f"/v1/keys/{second['id']}", admin).json()["status"] == "active"
+
+
+def test_unknown_methods_on_keys_are_405(stack):
+    _, admin = management_org(stack)
+    response = call(stack, "PUT", "/v1/keys", admin, {})
+    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
