@@ -5,11 +5,12 @@
 
 Every `renew_seconds` a task of its own renews the lease (`Ledger.renew`): a later expiry
 and what `progress()` says the request has relayed so far, so that if the gateway dies the
-request's `abandoned` event is billed for those tokens. A request shorter than
-`renew_seconds` costs no renewal at all. Nothing here ever raises into the request: a
-renewal that fails is logged and the next one tries again; a lease found gone (reclaimed
-after it expired) is logged and renewal stops, and the request's settle then replaces its
-`abandoned` event. Leaving the block, normally, by an exception or by cancellation, stops
+request's `abandoned` event is billed for those tokens. Until a renewal is due only a timer
+of the event loop waits (`loop.call_later`): a request shorter than `renew_seconds`, which
+is nearly every one, costs no task and no renewal at all. Nothing here ever raises into
+the request: a renewal that fails is logged and the next one tries again; a lease found gone
+(reclaimed after it expired) is logged and renewal stops, and the request's settle then
+replaces its `abandoned` event. Leaving the block, normally, by an exception or by cancellation, stops
 the renewals; `stop()` does the same earlier (call it right before the settle, so that no
 renewal races it).
 """
@@ -46,10 +47,13 @@ class LeaseKeeper:
         # a safety net: no request runs longer than its model allows, so a keeper still running
         # past that belongs to a request whose end was never seen; its lease then simply expires
         self._until = time.monotonic() + max_seconds if max_seconds is not None else None
-        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None  # waiting for the next renewal
+        self._task: asyncio.Task | None = None  # a renewal in flight
         self.renewals = 0  # renewals that landed
         self.expires = lease.expires  # the lease's expiry as last written
         self.lost = False  # the lease was found gone: no more renewals
+        self._over = False  # lost, or past the limit: never renewed again
 
     async def __aenter__(self) -> "LeaseKeeper":
         self.start()
@@ -60,12 +64,16 @@ class LeaseKeeper:
         return False
 
     def start(self) -> None:
-        if self._task is None and self._interval > 0:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lease-{self._lease.gen_id}")
+        if self._timer is None and self._task is None and not self._over and self._interval > 0:
+            self._loop = asyncio.get_running_loop()
+            self._schedule()
 
     async def stop(self) -> None:
         """Stop renewing (idempotent). A renewal in flight is cancelled: harmless, since a
         renewal never brings back a lease that is gone."""
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
         task, self._task = self._task, None
         if task is None or task.done():
             return
@@ -75,28 +83,41 @@ class LeaseKeeper:
         except asyncio.CancelledError:
             if not task.cancelled():
                 raise
-        except Exception:  # noqa: BLE001 - _run logs its own failures; nothing may reach the request
+        except Exception:  # noqa: BLE001 - _renew logs its own failures; nothing may reach the request
             pass
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            if self._until is not None and time.monotonic() > self._until:
-                log.warning(json.dumps({"event": "lease_renewal_limit", "gen_id": self._lease.gen_id}))
-                return
-            progress = self._read_progress()
-            try:
-                expires = await self._ledger.renew(self._lease, progress)
-            except Exception as exc:  # noqa: BLE001 - the next renewal tries again
-                log.warning(json.dumps({"event": "lease_renewal_failed", "gen_id": self._lease.gen_id,
-                                        "detail": f"{type(exc).__name__}: {exc}"}))
-                continue
+    def _schedule(self) -> None:
+        assert self._loop is not None
+        # the callback runs in a copy of this context: the renewal's log lines keep the request's ids
+        self._timer = self._loop.call_later(self._interval, self._due)
+
+    def _due(self) -> None:
+        """The timer fired: a renewal is due (unless the keeper has run past its limit)."""
+        self._timer = None
+        if self._until is not None and time.monotonic() > self._until:
+            log.warning(json.dumps({"event": "lease_renewal_limit", "gen_id": self._lease.gen_id}))
+            self._over = True
+            return
+        assert self._loop is not None
+        self._task = self._loop.create_task(self._renew(), name=f"lease-{self._lease.gen_id}")
+
+    async def _renew(self) -> None:
+        progress = self._read_progress()
+        try:
+            expires = await self._ledger.renew(self._lease, progress)
+        except Exception as exc:  # noqa: BLE001 - the next renewal tries again
+            log.warning(json.dumps({"event": "lease_renewal_failed", "gen_id": self._lease.gen_id,
+                                    "detail": f"{type(exc).__name__}: {exc}"}))
+        else:
             if expires is None:
-                self.lost = True
+                self.lost = self._over = True
                 log.warning(json.dumps({"event": "lease_lost", "gen_id": self._lease.gen_id}))
                 return
             self.expires = expires
             self.renewals += 1
+        if self._task is asyncio.current_task():  # not stopped meanwhile: wait for the next one
+            self._task = None
+            self._schedule()
 
     def _read_progress(self) -> Progress | None:
         if self._progress is None:
