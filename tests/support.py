@@ -20,7 +20,7 @@ from kiln.http1 import HttpClient, ProtocolFailure, Response
 from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
-from kiln.store.keys import create_key
+from kiln.store.keys import create_key, hash_secret
 from kiln.store.orgs import OrgInfo, create_org, get_org
 from kiln.store.usage import query_events
 from kiln.tls import client_context
@@ -213,6 +213,34 @@ class Stack:
         create_org(self.tables, org_id, concurrency=concurrency, credits=Decimal(credits))
         return org_id, create_key(self.tables, org_id).secret
 
+    def key(self, org_id: str, **attributes: Any) -> str:
+        """A new key of the org with attributes of contract §10 (label, spend_limit,
+        spend_period, models, concurrency, role): its secret."""
+        issued = create_key(self.tables, org_id)
+        if attributes:
+            model = self.tables.keys
+            actions = []
+            for name, value in attributes.items():
+                if name == "spend_limit":
+                    value = Decimal(str(value))
+                elif name == "models":
+                    value = set(value)
+                actions.append(getattr(model, name).set(value))
+            model(key_hash=hash_secret(issued.secret)).update(actions=actions)
+        return issued.secret
+
+    def key_figures(self, org_id: str) -> dict[str, Any]:
+        """The org item's per-key attributes (kiln.store.keyspend), as stored: name → value."""
+        item = self.dynamodb.get_item(TableName=self.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                      ConsistentRead=True).get("Item", {})
+        figures = {}
+        for name, value in item.items():
+            if name.startswith("key_spend:"):
+                figures[name] = Decimal(value["N"])
+            elif name.startswith("key_leases:"):
+                figures[name] = set(value["SS"])
+        return figures
+
     def org_info(self, org_id: str) -> OrgInfo:
         return get_org(self.tables, org_id)
 
@@ -403,13 +431,15 @@ class LedgerCheck:
 
     Whatever a request did, once it is over: the org's in-flight count is back where it
     started, every generation id a client saw has exactly one usage event (and no event
-    exists that no client saw), and the credits debited equal the events' costs, exactly.
+    exists that no client saw), the credits debited equal the events' costs, exactly, and so
+    does each key's spend (contract §10), while no key holds a request in flight any more.
     """
 
     def __init__(self, stack: "Stack", org_id: str) -> None:
         self.stack, self.org_id = stack, org_id
         start = stack.org_info(org_id)
         self.credits, self.in_flight = start.credits, start.in_flight
+        self.spend = key_totals(stack.key_figures(org_id))
         self.before = {event.gen_id for event in stack.events(org_id)}  # events of earlier requests
         self.gen_ids: list[str] = []
 
@@ -435,7 +465,28 @@ class LedgerCheck:
         assert counts == {gen_id: 1 for gen_id in self.gen_ids}, f"events {counts} for the ids seen {self.gen_ids}"
         debited = self.credits - info.credits
         assert debited == sum((event.cost for event in events), Decimal(0)), (debited, [e.cost for e in events])
+        check_key_figures(self.stack, self.org_id, events, self.spend)
         return events
+
+
+def key_totals(figures: dict[str, Any]) -> dict[str, Decimal]:
+    """key id → its `total` spend, from Stack.key_figures."""
+    return {name.split(":")[1]: value for name, value in figures.items()
+            if name.startswith("key_spend:") and name.endswith(":total")}
+
+
+def check_key_figures(stack: "Stack", org_id: str, events: list[UsageEvent],
+                      before: dict[str, Decimal] | None = None) -> None:
+    """Each key's total spend grew by exactly its events' costs, and no key counts a request in flight."""
+    figures = stack.key_figures(org_id)
+    if stack.org_info(org_id).in_flight == 0:
+        assert not [name for name in figures if name.startswith("key_leases:")], figures
+    costs: dict[str, Decimal] = {}
+    for event in events:
+        costs[event.key_id] = costs.get(event.key_id, Decimal(0)) + event.cost
+    grown = {key_id: total - (before or {}).get(key_id, Decimal(0)) for key_id, total in key_totals(figures).items()}
+    for key_id in set(grown) | set(costs):
+        assert grown.get(key_id, Decimal(0)) == costs.get(key_id, Decimal(0)), (key_id, grown, costs)
 
 
 def stacks_on(aws_url: str, mock):

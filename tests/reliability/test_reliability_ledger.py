@@ -10,7 +10,8 @@ from decimal import Decimal
 import httpx
 
 from conftest import LEDGER_REQUESTS, sized
-from support import wait_for_events
+from kiln.store.keys import hash_secret
+from support import check_key_figures, key_totals, wait_for_events
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -68,8 +69,13 @@ def test_a_thousand_mixed_requests_balance_to_the_last_decimal(storage, storage_
     stack = storage_stack_factory()
     rng = random.Random(20261130)
     rich_id, rich_key = stack.org(credits="50", concurrency=3)
+    # a key of the same org with limits of its own (contract §10): its spend runs out, it has 2 slots
+    budget = Decimal("0.00003")
+    limited_key = stack.key(rich_id, concurrency=2, spend_limit=budget, spend_period="day")
     poor_id, poor_key = stack.org(credits="0.00002", concurrency=3)  # runs out of credits: 402s
-    plan = [(_mix(rng), rng.random() < 0.15) for _ in range(sized(storage, LEDGER_REQUESTS))]
+    plan = [(_mix(rng), rng.choices(["rich", "limited", "poor"], weights=[60, 25, 15])[0])
+            for _ in range(sized(storage, LEDGER_REQUESTS))]
+    keys = {"rich": (rich_id, rich_key), "limited": (rich_id, limited_key), "poor": (poor_id, poor_key)}
 
     async def run() -> list[tuple[str, int, str | None]]:
         limits = httpx.Limits(max_connections=16)
@@ -77,10 +83,10 @@ def test_a_thousand_mixed_requests_balance_to_the_last_decimal(storage, storage_
             gate = asyncio.Semaphore(10)  # above the orgs' limits: some 429s
 
             async def guarded(item):
-                (path, body, behaviour), poor = item
+                (path, body, behaviour), who = item
                 async with gate:
-                    org = poor_id if poor else rich_id
-                    status, gen_id = await _one(client, poor_key if poor else rich_key, path, body, behaviour)
+                    org, key = keys[who]
+                    status, gen_id = await _one(client, key, path, body, behaviour)
                     return org, status, gen_id
 
             return await asyncio.gather(*(guarded(item) for item in plan))
@@ -97,8 +103,15 @@ def test_a_thousand_mixed_requests_balance_to_the_last_decimal(storage, storage_
         debited = initial - stack.org_info(org_id).credits
         assert sum(e.cost for e in events) == debited  # to the last decimal
         assert stack.org_info(org_id).in_flight == 0
+        check_key_figures(stack, org_id, events)  # each key's spend: its events' costs, to the last decimal
     rich_statuses = Counter(e.status for e in stack.events(rich_id))
     assert {"success", "upstream_rejected", "upstream_error", "stream_interrupted", "client_disconnected",
             "no_backend_available"} <= set(rich_statuses)
+    # the limited key spent its budget and was held to it, soft by at most the 2 requests it
+    # could have in flight when it crossed
+    limited_id = stack.tables.keys.get(hash_secret(limited_key)).key_id
+    costs = [e.cost for e in stack.events(rich_id) if e.key_id == limited_id]
+    spent = key_totals(stack.key_figures(rich_id))[limited_id]
+    assert budget <= spent <= budget + 2 * max(costs)
     # a refused request (429, 402) is never charged and leaves no event
     assert all(gen_id is None for _, status, gen_id in results if status in (402, 429))

@@ -16,7 +16,16 @@ from kiln.store import UsageEvent
 from kiln.store.usage import get_event
 from kiln_ops.admin import run_admin
 from kiln_ops.cli import build_parser
-from support import TELEMETRY, FaultInjectingHttp, StorageFaults, data_events, make_stack, observer, wait_for_events
+from support import (
+    TELEMETRY,
+    FaultInjectingHttp,
+    StorageFaults,
+    check_key_figures,
+    data_events,
+    make_stack,
+    observer,
+    wait_for_events,
+)
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "x"}]}
@@ -123,6 +132,9 @@ def test_replay_after_the_lease_was_reclaimed_replaces_the_abandoned_event(stack
     events = stack.events(org_id)
     assert len(events) == 2
     assert stack.org_info(org_id).credits == Decimal(1) - sum(e.cost for e in events)
+    # the reclaim took the lease out of its key's requests in flight, and the replay added
+    # the difference to the key's spend: the key's figures are its events' costs too
+    check_key_figures(stack, org_id, events)
 
 
 # -- DynamoDB under contention, and answers lost on the way back ---------------------------------
@@ -157,6 +169,7 @@ def test_half_of_all_org_writes_conflicting_every_request_still_answers_200(faul
         info = stack.org_info(org_id)
         assert info.leases == {}  # nothing left in flight
         assert Decimal(10) - info.credits == sum(e.cost for e in events)  # the ledger is exact
+        check_key_figures(stack, org_id, events)  # and so is the key's spend, retried writes and all
     finally:
         stack.close()
 
@@ -185,6 +198,18 @@ def test_an_admission_answer_lost_at_7_of_8_in_flight_still_serves_the_request(s
     assert {e.status for e in events} == {"success"}  # nothing abandoned, nothing leaked
     info = stack.org_info(org_id)
     assert info.leases == {} and Decimal(10) - info.credits == sum(e.cost for e in events)
+
+
+def test_a_lost_admission_answer_counts_once_against_the_keys_own_limit(stack, storage_faults):
+    org_id, _ = stack.org(credits="10", concurrency=8)
+    key = stack.key(org_id, concurrency=1, spend_limit="5", spend_period="month")
+    lost = storage_faults.lose("UpdateItem", when=involves_org(org_id), times=1)
+    first = stack.post(CHAT, BODY, key)
+    assert first.status_code == 200 and len(lost) == 2  # the retry found its own lease
+    second = stack.post(CHAT, BODY, key)
+    assert second.status_code == 200  # the key's one slot was not taken twice
+    events = wait_for_events(stack, org_id, 2)
+    check_key_figures(stack, org_id, events)
 
 
 def test_the_unsettled_record_keeps_its_cost_exact_through_the_log_and_the_replay(stack, tmp_path, capsys):

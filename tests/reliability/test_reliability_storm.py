@@ -9,6 +9,7 @@ from collections import Counter
 import httpx
 
 from conftest import STORM_CONCURRENCY, STORM_ROUNDS, sized
+from support import check_key_figures
 
 CHAT = "/v1/chat/completions"
 
@@ -77,3 +78,34 @@ def test_two_orgs_at_once_never_borrow_each_others_slots(storage, storage_stack_
     assert set(a) | set(b) == {200, 429}
     assert stack.org_info(a_id).in_flight == stack.org_info(b_id).in_flight == 0
     assert (len(stack.events(a_id)), len(stack.events(b_id))) == (a[200], b[200])
+
+
+def test_keys_with_their_own_limits_hold_them_and_the_org_its_own(storage, storage_stack_factory):
+    """Contract §10: a key's concurrency, inside the org's; every key's spend = its events' costs."""
+    stack = storage_stack_factory(auth_cache_seconds=60)
+    org_id, free_key = stack.org(credits="1000", concurrency=6)
+    keys = {"two": stack.key(org_id, concurrency=2), "three": stack.key(org_id, concurrency=3, spend_limit="100"),
+            "free": free_key}
+    rounds = max(3, sized(storage, STORM_ROUNDS) // 10)
+
+    def body(tag: str) -> dict:
+        return {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                "mock": {"tokens": 4, "token_delay_ms": 40, "tag": tag}}
+
+    async def storm() -> Counter:
+        statuses: Counter = Counter()
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+            for _ in range(rounds):
+                results = await asyncio.gather(*(_round(client, key, 8, body(tag)) for tag, key in keys.items()))
+                for result in results:
+                    statuses.update(result)
+        return statuses
+
+    statuses = asyncio.run(storm())
+    assert set(statuses) == {200, 429}
+    by_tag = stack.mock.stats["max_in_flight_by_tag"]
+    assert (by_tag["two"], by_tag["three"]) == (2, 3)  # each key reached its own limit, never more
+    assert stack.mock.stats["max_in_flight"] <= 6  # and all of them the org's
+    events = stack.events(org_id)
+    assert len(events) == statuses[200] and stack.org_info(org_id).in_flight == 0
+    check_key_figures(stack, org_id, events)

@@ -11,7 +11,14 @@ from starlette.responses import Response
 
 from .apis import ModelApi
 from .auth import Principal
-from .errors import GatewayError, GenerationNotFound, InvalidJson, ModelNotFound, RequestTooLarge
+from .errors import (
+    GatewayError,
+    GenerationNotFound,
+    InvalidJson,
+    ManagementKeyForbidden,
+    ModelNotFound,
+    RequestTooLarge,
+)
 from .exchange import Exchange
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
@@ -21,6 +28,11 @@ from .responses import error_response, json_response
 
 __all__ = ["complete", "get_gateway", "list_models", "retrieve_generation", "retrieve_model"]
 
+
+MANAGEMENT_KEY_ON_A_MODEL = (
+    "This is a management key: it manages your organization's keys (/v1/keys) and cannot call models. "
+    "Use an inference key."
+)
 
 # what new_generation_id makes; anything else cannot exist
 GENERATION_ID = re.compile(r"gen-[0-9a-f]{26}")
@@ -40,7 +52,9 @@ async def complete(request: Request, api: ModelApi) -> Response:
         body = await read_json(request, gateway.settings.max_body_bytes)  # 2
         principal, catalog = await _key_and_catalog(gateway, request)  # 3 (and what 4 needs)
         record.org_id = principal.org_id
-        call = normalize(api, body, catalog)  # 4
+        if principal.management:
+            raise ManagementKeyForbidden(MANAGEMENT_KEY_ON_A_MODEL)
+        call = normalize(api, body, catalog, principal.may_use)  # 4
         record.model = call.model.id
         lease = await gateway.storage(  # 5
             gateway.ledger.admit(
@@ -49,6 +63,7 @@ async def complete(request: Request, api: ModelApi) -> Response:
                 model=call.model.id,
                 endpoint=api.name,
                 streamed=call.stream,
+                limits=principal.limits,
             )
         )
     except GatewayError as error:
@@ -92,12 +107,13 @@ async def list_models(request: Request) -> Response:
     record = record_of(request)
     record.endpoint = "models"
     try:
-        await _reader_checks(gateway, request, record)
+        principal = await _reader_checks(gateway, request, record)
         catalog = await gateway.catalog()
     except GatewayError as error:
         record.error_code = error.code
         return error_response(error)
-    return json_response(dumps({"object": "list", "data": [model.public() for model in catalog]}))
+    models = [model.public() for model in catalog if principal.may_use(model.id)]  # the key's allowlist
+    return json_response(dumps({"object": "list", "data": models}))
 
 
 async def retrieve_model(request: Request) -> Response:
@@ -107,9 +123,9 @@ async def retrieve_model(request: Request) -> Response:
     record.endpoint = "models"
     model_id = request.path_params["model_id"]
     try:
-        await _reader_checks(gateway, request, record)
+        principal = await _reader_checks(gateway, request, record)
         model = (await gateway.catalog()).get(model_id)
-        if model is None:
+        if model is None or not principal.may_use(model_id):
             raise ModelNotFound(model_id)
     except GatewayError as error:
         record.error_code = error.code

@@ -7,7 +7,7 @@ checks besides is its rules' (`kiln.apis`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .apis import ModelApi
 from .apis.base import stream_flag
@@ -29,12 +29,13 @@ class ModelCall:
     body: dict[str, Any]
 
 
-def normalize(api: ModelApi, body: Any, catalog: Catalog) -> ModelCall:
+def normalize(api: ModelApi, body: Any, catalog: Catalog, allowed: Callable[[str], bool] | None = None) -> ModelCall:
     """Validate in the contract's order (§2 step 4), then build the body to forward.
 
     missing model → the endpoint's checks that come first (chat: empty messages) → unknown
     model → the endpoint's other checks (tool descriptions, capabilities, field types) →
-    `stream`. Unknown fields are forwarded untouched.
+    `stream`. Unknown fields are forwarded untouched. A model that `allowed` refuses (the
+    key's allowlist, contract §10) is not found, exactly as one missing from the catalog.
     """
     if not isinstance(body, dict):
         raise InvalidJson("The request body must be a JSON object.")
@@ -43,7 +44,7 @@ def normalize(api: ModelApi, body: Any, catalog: Catalog) -> ModelCall:
         raise MissingParameter("You must provide a model parameter (a string).", param="model")
     api.check_before_model(body)
     model = catalog.get(model_id)
-    if model is None:
+    if model is None or (allowed is not None and not allowed(model_id)):
         raise ModelNotFound(model_id)
     api.check(body, model)
     stream = stream_flag(body["stream"]) if "stream" in body else False

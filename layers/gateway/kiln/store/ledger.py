@@ -44,10 +44,27 @@ from decimal import Decimal
 from typing import Any, Awaitable, Callable, TypeVar
 
 from ..aws import AwsClient
-from ..errors import InsufficientCredits, InvalidApiKey, OrganizationDisabled, RateLimitExceeded
+from ..errors import (
+    GatewayError,
+    InsufficientCredits,
+    InvalidApiKey,
+    KeySpendLimitExceeded,
+    OrganizationDisabled,
+    RateLimitExceeded,
+)
 from .clock import iso_ms
 from .codec import number, to_item, within_digits
 from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
+from .keyspend import (
+    KeyLimits,
+    leases_attribute,
+    period_name,
+    periods_at,
+    resets_at,
+    spend_attribute,
+    spend_in,
+    stale_spend_attributes,
+)
 from .retry import RetryPolicy
 from .schema import LEASE, ORG, USAGE
 from .usage import UsageEvent
@@ -64,13 +81,19 @@ ORG_ACTIVE = "#status = :active"
 HAS_CREDITS = "#credits > :zero"
 HAS_FREE_SLOT = "size(#leases) < #limit"
 LEASE_HELD = "attribute_exists(#leases.#gen)"
-ADMISSION = f"{LEASE_HELD} OR ({' AND '.join((ORG_EXISTS, ORG_ACTIVE, HAS_CREDITS, HAS_FREE_SLOT))})"
+ORG_CHECKS = (ORG_EXISTS, ORG_ACTIVE, HAS_CREDITS, HAS_FREE_SLOT)
+# a key's own limits (contract §10), on its attributes of the org item (kiln.store.keyspend)
+KEY_HAS_FREE_SLOT = "(attribute_not_exists(#key_leases) OR size(#key_leases) < :key_limit)"
+KEY_HAS_BUDGET = "(attribute_not_exists(#key_spend) OR #key_spend < :key_budget)"
+KEY_HAS_NO_BUDGET = "attribute_not_exists(#org_id)"  # a limit of 0: never true of an org that exists
 EVENT_IS_NEW = "attribute_not_exists(#gen_id)"
 EVENT_IS_ABANDONED = "#status = :abandoned"
 EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
 
 # A reclaim is one transaction: at most this many leases at once (DynamoDB allows 100 items).
 MAX_RECLAIM = 49
+# Past periods' spend figures removed in one write, at most.
+MAX_PRUNE = 100
 
 ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
 
@@ -186,6 +209,7 @@ class Ledger:
         self._clock = clock
         self._background: set[asyncio.Task] = set()
         self._reclaiming: set[str] = set()  # generation ids a reclaim of this process is working on
+        self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
 
     @property
     def lease_ttl(self) -> float:
@@ -193,28 +217,46 @@ class Ledger:
 
     # -- admission -------------------------------------------------------------------------
 
-    async def admit(self, *, org_id: str, key_id: str, model: str, endpoint: str, streamed: bool) -> Lease:
-        """Take one of the org's slots or raise 402 / 429 / 403 (StorageError if DynamoDB fails)."""
+    async def admit(self, *, org_id: str, key_id: str, model: str, endpoint: str, streamed: bool,
+                    limits: KeyLimits | None = None) -> Lease:
+        """Take one of the org's slots, within the key's own limits, or raise 402 / 429 / 403
+        (StorageError if DynamoDB fails)."""
         now = self._clock()
+        limits = limits or KeyLimits()
         lease = Lease(new_generation_id(now), org_id, key_id, model, endpoint, streamed, now, now + self._lease_ttl)
+        checks = list(ORG_CHECKS)
+        names = {
+            "#org_id": ORG.org_id,
+            "#status": ORG.status,
+            "#credits": ORG.credits,
+            "#leases": ORG.leases,
+            "#limit": ORG.concurrency_limit,
+            "#gen": lease.gen_id,
+            "#key_leases": leases_attribute(key_id),
+        }
+        values: dict[str, Any] = {
+            ":active": {"S": "active"},
+            ":zero": {"N": "0"},
+            ":lease": lease.to_attribute(),
+            ":gen_ids": {"SS": [lease.gen_id]},
+        }
+        if limits.concurrency is not None:
+            checks.append(KEY_HAS_FREE_SLOT)
+            values[":key_limit"] = {"N": str(limits.concurrency)}
+        if limits.spend_limit is not None and limits.spend_limit > 0:
+            checks.append(KEY_HAS_BUDGET)
+            names["#key_spend"] = spend_attribute(key_id, period_name(limits.spend_period, now))
+            values[":key_budget"] = {"N": number(limits.spend_limit)}
+        elif limits.spend_limit is not None:
+            checks.append(KEY_HAS_NO_BUDGET)
         payload = {
             "TableName": self._orgs_table,
             "Key": {ORG.hash_key: {"S": org_id}},
-            "UpdateExpression": "SET #leases.#gen = :lease",
-            "ConditionExpression": ADMISSION,
-            "ExpressionAttributeNames": {
-                "#org_id": ORG.org_id,
-                "#status": ORG.status,
-                "#credits": ORG.credits,
-                "#leases": ORG.leases,
-                "#limit": ORG.concurrency_limit,
-                "#gen": lease.gen_id,
-            },
-            "ExpressionAttributeValues": {
-                ":active": {"S": "active"},
-                ":zero": {"N": "0"},
-                ":lease": lease.to_attribute(),
-            },
+            # the key's set of generation ids in flight: ADD of a set, so a retry adds nothing twice
+            "UpdateExpression": "SET #leases.#gen = :lease ADD #key_leases :gen_ids",
+            "ConditionExpression": f"{LEASE_HELD} OR ({' AND '.join(checks)})",
+            "ExpressionAttributeNames": names,
+            "ExpressionAttributeValues": values,
             "ReturnValues": "ALL_OLD",
             "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
         }
@@ -223,27 +265,43 @@ class Ledger:
                 answer = await self._retried("admission", "UpdateItem", payload)
             except ConditionFailed as refused:
                 old = refused.old_item
-                if not old:
-                    raise InvalidApiKey("Incorrect API key provided.") from None
-                if old.get(ORG.status, {}).get("S") != "active":
-                    raise OrganizationDisabled("Your organization is disabled. Contact support.") from None
-                if Decimal(old.get(ORG.credits, {}).get("N", "0")) <= 0:
-                    raise InsufficientCredits(
-                        "Your organization is out of credits. Add credits to continue."
-                    ) from None
-                expired = self._expired_leases(org_id, old, self._clock())
-                if attempt == 0 and expired:
+                refusal = self._refusal(old, key_id, limits, now)
+                expired = self._expired_leases(org_id, old or {}, self._clock())
+                if attempt == 0 and expired and isinstance(refusal, RateLimitExceeded):
                     await self._reclaim(org_id, expired)
                     continue
-                limit = old.get(ORG.concurrency_limit, {}).get("N", "?")
-                raise RateLimitExceeded(
-                    f"Your organization already has {limit} requests in flight, its limit. "
-                    "Retry with exponential backoff."
-                ) from None
+                raise refusal from None
             old = (answer or {}).get("Attributes") or {}
             self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), keep=lease.gen_id))
+            self._prune_later(org_id, stale_spend_attributes(old, now))
             return lease
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _refusal(old: dict[str, Any] | None, key_id: str, limits: KeyLimits, now: float) -> GatewayError:
+        """Why an admission was refused, from the org item as it was: the org's checks first,
+        then the key's (contract §2 step 5, §10)."""
+        if not old:
+            return InvalidApiKey("Incorrect API key provided.")
+        if old.get(ORG.status, {}).get("S") != "active":
+            return OrganizationDisabled("Your organization is disabled. Contact support.")
+        if Decimal(old.get(ORG.credits, {}).get("N", "0")) <= 0:
+            return InsufficientCredits("Your organization is out of credits. Add credits to continue.")
+        limit = old.get(ORG.concurrency_limit, {}).get("N", "?")
+        org_full = RateLimitExceeded(
+            f"Your organization already has {limit} requests in flight, its limit. Retry with exponential backoff."
+        )
+        if not limit.isdigit() or len(old.get(ORG.leases, {}).get("M", {})) >= int(limit):
+            return org_full
+        if limits.spend_limit is not None:
+            spent = spend_in(old, key_id, limits.spend_period, now)
+            if limits.spend_limit <= 0 or spent >= limits.spend_limit:
+                return KeySpendLimitExceeded(_spent_message(spent, limits, now))
+        if limits.concurrency is None:
+            return org_full
+        return RateLimitExceeded(
+            f"This key already has {limits.concurrency} requests in flight, its limit. Retry with exponential backoff."
+        )
 
     # -- renewal ---------------------------------------------------------------------------
 
@@ -294,6 +352,35 @@ class Ledger:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _prune_later(self, org_id: str, stale: list[str]) -> None:
+        """Remove spend figures of periods that are over, in a task of its own."""
+        if not stale or org_id in self._pruning:
+            return
+        self._pruning.add(org_id)
+        task = asyncio.get_running_loop().create_task(self._prune(org_id, stale[:MAX_PRUNE]))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _prune(self, org_id: str, stale: list[str]) -> None:
+        names = {f"#p{index}": name for index, name in enumerate(stale)}
+        names["#org_id"] = ORG.org_id
+        try:
+            await self._retried(
+                "prune",
+                "UpdateItem",
+                {
+                    "TableName": self._orgs_table,
+                    "Key": {ORG.hash_key: {"S": org_id}},
+                    "UpdateExpression": "REMOVE " + ", ".join(f"#p{index}" for index in range(len(stale))),
+                    "ConditionExpression": ORG_EXISTS,
+                    "ExpressionAttributeNames": names,
+                },
+            )
+        except Exception as exc:  # noqa: BLE001 - bookkeeping; the next admission tries again
+            log.warning(json.dumps({"event": "prune_failed", "org_id": org_id, "detail": type(exc).__name__}))
+        finally:
+            self._pruning.discard(org_id)
+
     async def _reclaim_quietly(self, org_id: str, leases: list[Lease]) -> None:
         try:
             await self._reclaim(org_id, leases)
@@ -318,6 +405,8 @@ class Ledger:
             values[":billed"] = {"N": number(billed)}
         else:
             del names["#credits"]
+        update += _key_bookkeeping([(lease, event.cost) for lease, event in zip(leases, events, strict=True)],
+                                   names, values)
         items: list[dict[str, Any]] = [
             {
                 "Update": {
@@ -362,15 +451,17 @@ class Ledger:
         repeat of a success.
         """
         event = self._kept(event)
-        cost = {":cost": {"N": number(event.cost)}}
+        names = {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id}
+        values: dict[str, Any] = {":cost": {"N": number(event.cost)}}
+        update = "SET #credits = #credits - :cost REMOVE #leases.#gen" + _key_bookkeeping([(lease, event.cost)], names, values)
         release = {
             "Update": {
                 "TableName": self._orgs_table,
                 "Key": {ORG.hash_key: {"S": lease.org_id}},
-                "UpdateExpression": "SET #credits = #credits - :cost REMOVE #leases.#gen",
+                "UpdateExpression": update,
                 "ConditionExpression": LEASE_HELD,
-                "ExpressionAttributeNames": {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id},
-                "ExpressionAttributeValues": cost,
+                "ExpressionAttributeNames": names,
+                "ExpressionAttributeValues": values,
             }
         }
         payload: dict[str, Any] = {"TransactItems": [release, self._put_event(event, EVENT_IS_NEW)]}
@@ -396,14 +487,19 @@ class Ledger:
         if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
             return "already_settled"
         billed = Decimal(found.get(USAGE.cost, {}).get("N", "0"))
+        names = {"#credits": ORG.credits, "#org_id": ORG.org_id}
+        values: dict[str, Any] = {":difference": {"N": number(event.cost - billed)}}
+        # the reclaim already took the lease out of the key's set: only the spend changes
+        update = "SET #credits = #credits - :difference" + _key_bookkeeping(
+            [(lease, event.cost - billed)], names, values, release=False)
         debit = {
             "Update": {
                 "TableName": self._orgs_table,
                 "Key": {ORG.hash_key: {"S": lease.org_id}},
-                "UpdateExpression": "SET #credits = #credits - :difference",
+                "UpdateExpression": update,
                 "ConditionExpression": ORG_EXISTS,
-                "ExpressionAttributeNames": {"#credits": ORG.credits, "#org_id": ORG.org_id},
-                "ExpressionAttributeValues": {":difference": {"N": number(event.cost - billed)}},
+                "ExpressionAttributeNames": names,
+                "ExpressionAttributeValues": values,
             }
         }
         put = self._put_event(event, EVENT_IS_THE_ABANDONED_ONE, billed=billed)
@@ -457,6 +553,43 @@ class Ledger:
             return await self._aws.dynamodb(operation, payload)
         except Exception as exc:  # noqa: BLE001 - translated into the storage error tree
             raise translate_storage_error(exc) from exc
+
+
+def _key_bookkeeping(charges: list[tuple[Lease, Decimal]], names: dict[str, str], values: dict[str, Any], *,
+                     release: bool = True) -> str:
+    """The ADD and DELETE clauses that keep each key's figures on the org item: its leases out
+    of its set of requests in flight (`release`), and each cost added to the key's spend in
+    the four periods its request was admitted in. Several leases of one key are summed: one
+    update expression may name an attribute only once."""
+    spend: dict[str, Decimal] = {}
+    released: dict[str, list[str]] = {}
+    for lease, cost in charges:
+        released.setdefault(lease.key_id, []).append(lease.gen_id)
+        for name in periods_at(lease.started):
+            attribute = spend_attribute(lease.key_id, name)
+            spend[attribute] = spend.get(attribute, Decimal(0)) + cost
+    adds, deletes = [], []
+    for index, (attribute, amount) in enumerate(spend.items()):
+        names[f"#ks{index}"] = attribute
+        values[f":ks{index}"] = {"N": number(within_digits(amount))}
+        adds.append(f"#ks{index} :ks{index}")
+    if release:
+        for index, (key_id, gen_ids) in enumerate(released.items()):
+            names[f"#kl{index}"] = leases_attribute(key_id)
+            values[f":kl{index}"] = {"SS": gen_ids}
+            deletes.append(f"#kl{index} :kl{index}")
+    return (" ADD " + ", ".join(adds) if adds else "") + (" DELETE " + ", ".join(deletes) if deletes else "")
+
+
+def _spent_message(spent: Decimal, limits: KeyLimits, now: float) -> str:
+    limit = f"${limits.spend_limit.normalize():f}" if limits.spend_limit else "$0"
+    resets = resets_at(limits.spend_period, now)
+    if resets is None:
+        when = "This limit does not reset: ask your organization to raise it."
+    else:
+        when = f"The limit resets at {resets.strftime('%Y-%m-%dT%H:%M:%SZ')}."
+    period = "in total" if limits.spend_period == "total" else f"this {limits.spend_period}"
+    return f"This key has spent ${spent.normalize():f} {period}, its limit of {limit}. {when}"
 
 
 def ledger_of(aws: AwsClient, settings: Any, *, clock: Callable[[], float] = time.time) -> Ledger:

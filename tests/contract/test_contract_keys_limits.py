@@ -1,0 +1,182 @@
+"""A key's own limits, enforced inside the org's writes (contract §10, §2 steps 3-5).
+
+Spend limits per period, an allowlist of models, a concurrency of its own and the
+management role, through the official SDK and raw HTTP, with the ledger's invariants
+checked after each case (one event per admitted request, debits and each key's spend equal
+to the events' costs, no request left in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from decimal import Decimal
+
+import httpx
+import openai
+import pytest
+
+from kiln.store.keyspend import period_name, resets_at
+from support import LedgerCheck, check_key_figures
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x y z"}]}
+
+
+def _org_writes(stack) -> int:
+    """Writes to the orgs table and transactions so far (a key's last use is written apart)."""
+    orgs = stack.settings.orgs_table
+    return stack.faults.count("UpdateItem", lambda payload: payload["TableName"] == orgs) + stack.faults.count(
+        "TransactWriteItems")
+
+
+def _sdk(stack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0)
+
+
+def _ask(client: openai.OpenAI, ledger: LedgerCheck | None = None):
+    """One chat completion through the SDK; the generation id it was given is told to `ledger`."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="qwen3-32b", messages=[{"role": "user", "content": "x y z"}])
+    if ledger is not None:
+        ledger.saw(httpx.Response(raw.status_code, headers=raw.headers))
+    return raw.parse()
+
+
+def test_a_key_over_its_spend_limit_gets_402_while_another_key_of_the_org_is_served(stack, org):
+    org_id, other_key = org
+    ledger = LedgerCheck(stack, org_id)
+    probe = _ask(_sdk(stack, other_key), ledger)
+    cost = Decimal(str(probe.usage.model_extra["cost"]))
+    assert cost > 0
+    limited = stack.key(org_id, spend_limit=cost * Decimal("2.5"), spend_period="day", label="agent")
+    client = _sdk(stack, limited)
+    for _ in range(3):  # the 3rd crosses the limit: it was admitted below it, and settles above
+        assert _ask(client, ledger).choices[0].message.content
+    with pytest.raises(openai.APIStatusError) as refused:
+        _ask(client, ledger)
+    assert refused.value.status_code == 402
+    error = refused.value.body
+    assert (error["type"], error["code"]) == ("billing_error", "key_spend_limit_exceeded")
+    resets = resets_at("day", time.time()).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert resets in error["message"]  # the message says when the period resets
+    # the same org, another key: served, and the org's credits were never the limit
+    assert _ask(_sdk(stack, other_key), ledger).choices[0].message.content
+    events = ledger.check()
+    assert len(events) == 5  # the refused request left no event and cost nothing
+    by_key = Counter(event.key_id for event in events)
+    limited_id = next(key_id for key_id, count in by_key.items() if count == 3)
+    spend = stack.key_figures(org_id)
+    assert spend[f"key_spend:{limited_id}:{period_name('day', time.time())}"] == 3 * cost
+
+
+def test_a_total_limit_says_it_does_not_reset_and_a_zero_limit_admits_nothing(stack, org):
+    org_id, _ = org
+    ledger = LedgerCheck(stack, org_id)
+    writes = _org_writes(stack)
+    response = stack.post(CHAT, BODY, stack.key(org_id, spend_limit="0"))
+    assert response.status_code == 402
+    body = response.json()["error"]
+    assert body["code"] == "key_spend_limit_exceeded" and "does not reset" in body["message"]
+    assert _org_writes(stack) == writes + 1  # refused by the admission's one write
+    ledger.check()
+
+
+def test_the_orgs_own_refusals_come_before_the_keys(stack):
+    org_id, _ = stack.org(credits="0")
+    response = stack.post(CHAT, BODY, stack.key(org_id, spend_limit="0"))
+    assert (response.status_code, response.json()["error"]["code"]) == (402, "insufficient_credits")
+
+
+def test_a_model_outside_the_keys_allowlist_is_not_found_with_the_exact_body_and_no_write(stack, org):
+    org_id, _ = org
+    key = stack.key(org_id, models=["qwen3-32b"])
+    writes = _org_writes(stack)
+    response = stack.post(CHAT, {**BODY, "model": "gpt-oss-120b"}, key)
+    assert response.status_code == 404
+    assert response.content == (
+        b'{"error":{"message":"The model `gpt-oss-120b` does not exist or you do not have access to it.",'
+        b'"type":"invalid_request_error","param":"model","code":"model_not_found"}}'
+    )
+    assert _org_writes(stack) == writes
+    # the same refusal through the SDK, and the allowed model is served
+    client = _sdk(stack, key)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-oss-120b", prompt="x")
+    assert missing.value.body["code"] == "model_not_found"
+    assert _ask(client).choices[0].message.content
+    # a key sees only the models it may use
+    assert [model.id for model in client.models.list()] == ["qwen3-32b"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-oss-120b")
+    assert [event.model for event in stack.events(org_id)] == ["qwen3-32b"]
+
+
+def test_a_key_concurrency_of_2_refuses_exactly_one_of_3_while_the_org_has_slots(stack, org):
+    org_id, _ = org
+    ledger = LedgerCheck(stack, org_id)
+    key = stack.key(org_id, concurrency=2)
+    body = {**BODY, "stream": True, "mock": {"tokens": 4, "token_delay_ms": 150}}
+
+    async def three() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            async def one() -> httpx.Response:
+                response = await client.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
+                ledger.saw(response)
+                return response
+
+            return await asyncio.gather(one(), one(), one())
+
+    responses = asyncio.run(three())
+    assert sorted(response.status_code for response in responses) == [200, 200, 429]
+    refused = next(response for response in responses if response.status_code == 429).json()["error"]
+    assert refused["code"] == "rate_limit_exceeded" and "its limit" in refused["message"]
+    assert "This key already has 2 requests in flight" in refused["message"]
+    assert stack.org_info(org_id).concurrency_limit == 8  # the org had slots left
+    ledger.check()
+
+
+def test_a_management_key_cannot_call_a_model(stack, org):
+    org_id, _ = org
+    key = stack.key(org_id, role="management")
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        _ask(_sdk(stack, key))
+    assert (denied.value.body["type"], denied.value.body["code"]) == ("permission_error", "management_key")
+    for path, body in (("/v1/completions", {"model": "qwen3-32b", "prompt": "x"}),
+                       ("/v1/responses", {"model": "qwen3-32b", "input": "x"})):
+        response = stack.post(path, body, key)
+        assert (response.status_code, response.json()["error"]["code"]) == (403, "management_key")
+    assert stack.events(org_id) == []
+
+
+def test_settling_adds_each_cost_to_the_four_periods_of_the_key(stack, org):
+    org_id, key = org
+    ledger = LedgerCheck(stack, org_id)
+    for stream in (False, True):
+        ledger.saw(stack.post(CHAT, {**BODY, "stream": stream, "stream_options": {"include_usage": True}}, key))
+    events = ledger.check()
+    key_id = events[0].key_id
+    now = time.time()
+    spend = stack.key_figures(org_id)
+    total = sum((event.cost for event in events), Decimal(0))
+    for period in ("day", "week", "month", "total"):
+        assert spend[f"key_spend:{key_id}:{period_name(period, now)}"] == total
+    check_key_figures(stack, org_id, events)
+
+
+def test_past_periods_figures_are_removed_after_an_admission_sees_them(stack, org):
+    org_id, key = org
+    stack.dynamodb.update_item(
+        TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+        UpdateExpression="SET #old = :spent",
+        ExpressionAttributeNames={"#old": "key_spend:key_0123456789abcdef:2020-01-01"},
+        ExpressionAttributeValues={":spent": {"N": "1.5"}},
+    )
+    assert stack.post(CHAT, BODY, key).status_code == 200
+    deadline = time.monotonic() + 5
+    while "key_spend:key_0123456789abcdef:2020-01-01" in stack.key_figures(org_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    figures = stack.key_figures(org_id)
+    assert "key_spend:key_0123456789abcdef:2020-01-01" not in figures
+    assert any(name.endswith(":total") for name in figures)  # the current ones stay

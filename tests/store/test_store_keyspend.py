@@ -1,0 +1,52 @@
+"""Spend periods of a key (contract §10): UTC days, ISO weeks from Monday, months, total."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from decimal import Decimal
+
+import pytest
+
+from kiln.store.keyspend import period_name, periods_at, resets_at, spend_attribute, spend_in, stale_spend_attributes
+
+
+def _at(*parts: int) -> float:
+    return datetime(*parts, tzinfo=timezone.utc).timestamp()
+
+
+def test_each_period_has_its_name_and_its_utc_end():
+    wednesday = _at(2026, 12, 2, 15, 0)
+    assert periods_at(wednesday) == ("2026-12-02", "2026-W49", "2026-12", "total")
+    assert resets_at("day", wednesday) == datetime(2026, 12, 3, tzinfo=timezone.utc)
+    assert resets_at("week", wednesday) == datetime(2026, 12, 7, tzinfo=timezone.utc)  # the next Monday
+    assert resets_at("month", _at(2026, 12, 31, 23, 59)) == datetime(2027, 1, 1, tzinfo=timezone.utc)
+    assert resets_at("total", wednesday) is None
+
+
+def test_iso_weeks_cross_years_and_a_monday_starts_a_new_week():
+    assert period_name("week", _at(2027, 1, 1)) == "2026-W53"  # a Friday of 2026's last ISO week
+    assert period_name("week", _at(2026, 12, 6, 23, 59, 59)) == "2026-W49"
+    assert period_name("week", _at(2026, 12, 7)) == "2026-W50"
+    assert resets_at("week", _at(2026, 12, 7)) == datetime(2026, 12, 14, tzinfo=timezone.utc)
+
+
+def test_an_unknown_period_is_refused():
+    with pytest.raises(ValueError, match="day, week, month, total"):
+        period_name("year", 0)
+
+
+def test_spend_is_read_for_the_current_period_and_past_periods_are_stale():
+    now = _at(2026, 12, 2, 12)
+    item = {
+        spend_attribute("key_a", "2026-12-02"): {"N": "0.5"},
+        spend_attribute("key_a", "2026-12-01"): {"N": "9"},
+        spend_attribute("key_a", "2026-W49"): {"N": "9.5"},
+        spend_attribute("key_a", "2026-11"): {"N": "3"},
+        spend_attribute("key_a", "total"): {"N": "12.5"},
+        "credits": {"N": "1"},
+    }
+    assert spend_in(item, "key_a", "day", now) == Decimal("0.5")
+    assert spend_in(item, "key_a", "week", now) == Decimal("9.5")
+    assert spend_in(item, "key_a", "month", now) == 0
+    assert spend_in(item, "key_b", "total", now) == 0
+    assert sorted(stale_spend_attributes(item, now)) == ["key_spend:key_a:2026-11", "key_spend:key_a:2026-12-01"]
