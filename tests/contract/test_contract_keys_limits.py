@@ -180,3 +180,18 @@ def test_past_periods_figures_are_removed_after_an_admission_sees_them(stack, or
     figures = stack.key_figures(org_id)
     assert "key_spend:key_0123456789abcdef:2020-01-01" not in figures
     assert any(name.endswith(":total") for name in figures)  # the current ones stay
+
+
+def test_a_key_with_every_limit_still_costs_one_admission_write_and_one_settle_transaction(stack_factory):
+    stack = stack_factory(auth_cache_seconds=60)  # as deployed: the key and its limits cached
+    org_id, _ = stack.org()
+    key = stack.key(org_id, concurrency=2, spend_limit="1", spend_period="week", models=["qwen3-32b"])
+    assert stack.post(CHAT, BODY, key).status_code == 200  # the key's first use: its last use is written apart
+    orgs = stack.settings.orgs_table
+    for stream in (False, True):
+        before = (stack.faults.count("UpdateItem", lambda p: p["TableName"] == orgs),
+                  stack.faults.count("TransactWriteItems"), stack.faults.count("GetItem"))
+        assert stack.post(CHAT, {**BODY, "stream": stream}, key).status_code == 200
+        after = (stack.faults.count("UpdateItem", lambda p: p["TableName"] == orgs),
+                 stack.faults.count("TransactWriteItems"), stack.faults.count("GetItem"))
+        assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 0]  # and no read: the key is cached
