@@ -158,16 +158,20 @@ class _Parser:
         path = self.path()
         return lambda item, ns, vs: _get(item, path, ns)
 
-    # updates: SET a = v, b = c - :d REMOVE e, f
+    # updates: SET a = v, b = c - :d REMOVE e, f ADD g :n DELETE h :set
     def update(self) -> list[tuple[str, tuple[str, ...], Callable | None]]:
         actions: list[tuple[str, tuple[str, ...], Callable | None]] = []
         while self.peek() is not None:
             clause = self.take().upper()
-            if clause not in ("SET", "REMOVE"):
+            if clause not in ("SET", "REMOVE", "ADD", "DELETE"):
                 raise StoreError(_DYNAMODB + "ValidationException", f"unsupported update clause {clause!r}")
             while True:
                 path = self.path()
-                if clause == "SET":
+                if clause in ("ADD", "DELETE"):  # top-level attributes only, as in DynamoDB
+                    if len(path) != 1:
+                        raise StoreError(_DYNAMODB + "ValidationException", f"{clause} takes a top-level attribute")
+                    actions.append((clause, path, self.operand()))
+                elif clause == "SET":
                     self.take("=")
                     value = self.operand()
                     if self.peek() in ("+", "-"):
@@ -254,6 +258,18 @@ def _arith(left: dict | None, sign: str, right: dict | None) -> dict:
         raise StoreError(_DYNAMODB + "ValidationException", "An operand in the update expression has an incorrect data type")
     a, b = Decimal(left["N"]), Decimal(right["N"])
     return {"N": _number_text(a + b if sign == "+" else a - b)}
+
+
+def _add_or_delete(action: str, current: dict | None, operand: dict) -> dict | None:
+    """ADD a number or set members, DELETE set members (a set left empty is removed)."""
+    (kind, members), = operand.items()
+    if kind == "N" and action == "ADD":
+        return {"N": _number_text(Decimal(current["N"]) + Decimal(members))} if current else operand
+    if kind not in ("SS", "NS", "BS") or (current is not None and kind not in current):
+        raise StoreError(_DYNAMODB + "ValidationException", "An operand in the update expression has an incorrect data type")
+    had = set(current[kind]) if current else set()
+    kept = had | set(members) if action == "ADD" else had - set(members)
+    return {kind: sorted(kept)} if kept else None
 
 
 def _with(container: dict, path: tuple[str, ...], names: dict, value: dict | None) -> dict:
@@ -365,7 +381,10 @@ class Store:
         names, values = p.get("ExpressionAttributeNames") or {}, p.get("ExpressionAttributeValues") or {}
         item = dict(old) if old is not None else dict(p["Key"])
         for action, path, value in update(p["UpdateExpression"]):
-            item = _with(item, path, names, value(item, names, values) if action == "SET" else None)
+            if action in ("ADD", "DELETE"):
+                item = _with(item, path, names, _add_or_delete(action, _get(item, path, names), value(item, names, values)))
+            else:
+                item = _with(item, path, names, value(item, names, values) if action == "SET" else None)
         return item
 
     @staticmethod

@@ -9,7 +9,8 @@ import pytest
 from bench.standin import Store, StoreError, condition, item_size, read_units, update, write_units
 
 from kiln.aws import AwsError
-from kiln.errors import RateLimitExceeded
+from kiln.errors import KeySpendLimitExceeded, RateLimitExceeded
+from kiln.store.keyspend import KeyLimits, periods_at
 from kiln.store.ledger import Ledger
 from kiln.store.usage import UsageEvent
 
@@ -67,6 +68,30 @@ def test_the_ledger_admits_up_to_the_limit_and_settles_through_the_stand_in():
     assert org(s)["credits"] == {"N": "9.75"}
     assert len(org(s)["leases"]["M"]) == 2
     assert s.items[USAGE][s._key(USAGE, {"gen_id": {"S": first.gen_id}})]["status"] == {"S": "completed"}
+
+
+def test_a_keys_own_limits_hold_through_the_stand_in_as_through_dynamodb():
+    s = store(limit=4)
+    book = ledger(s)
+    limits = KeyLimits(concurrency=1, spend_limit=Decimal("0.3"), spend_period="day")
+
+    async def scenario():
+        first = await book.admit(org_id="o", key_id="k", model="m", endpoint="chat", streamed=False, limits=limits)
+        with pytest.raises(RateLimitExceeded, match="This key"):
+            await book.admit(org_id="o", key_id="k", model="m", endpoint="chat", streamed=False, limits=limits)
+        event = UsageEvent(gen_id=first.gen_id, org_id="o", created_at="2026-12-01T00:00:00.000Z", key_id="k", model="m",
+                           endpoint="chat", streamed=False, status="completed", cost=Decimal("0.3"))
+        assert await book.settle(first, event) == "settled"
+        with pytest.raises(KeySpendLimitExceeded):
+            await book.admit(org_id="o", key_id="k", model="m", endpoint="chat", streamed=False, limits=limits)
+        return first
+
+    first = asyncio.run(scenario())
+    item = org(s)
+    assert "key_leases:k" not in item  # the set, emptied by the settle, is gone
+    assert sorted(name for name in item if name.startswith("key_spend:k:")) == sorted(
+        f"key_spend:k:{name}" for name in periods_at(first.started))
+    assert {item[f"key_spend:k:{name}"]["N"] for name in periods_at(first.started)} == {"0.3"}
 
 
 def test_a_refused_admission_returns_the_item_as_it_was():
