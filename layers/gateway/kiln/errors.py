@@ -10,6 +10,8 @@
     ├── MissingParameter              400 missing_required_parameter
     ├── EmptyArray                    400 empty_array
     ├── InvalidType                   400 invalid_type
+    ├── InvalidValue                  400 invalid_value (a self-service parameter or key attribute)
+    ├── UnknownParameter              400 unknown_parameter (a key attribute that does not exist)
     ├── UnsupportedParameter          400 unsupported_parameter
     ├── ModelNotFound                 404 model_not_found
     ├── GenerationNotFound            404 generation_not_found
@@ -51,6 +53,8 @@ __all__ = [
     "MissingParameter",
     "EmptyArray",
     "InvalidType",
+    "InvalidValue",
+    "UnknownParameter",
     "UnsupportedParameter",
     "ModelNotFound",
     "GenerationNotFound",
@@ -141,6 +145,18 @@ class EmptyArray(GatewayError):
 
 class InvalidType(GatewayError):
     status, type, code = 400, "invalid_request_error", "invalid_type"
+
+
+class InvalidValue(GatewayError):
+    """A parameter of the right type but not a value it may take (`param` names it)."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_value"
+
+
+class UnknownParameter(GatewayError):
+    """A field the endpoint does not take, where an unknown one cannot be forwarded (keys)."""
+
+    status, type, code = 400, "invalid_request_error", "unknown_parameter"
 
 
 class UnsupportedParameter(GatewayError):

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .auth import Principal
-from .errors import GatewayError, KeyNotFound, ManagementKeyRequired
+from .errors import GatewayError, InvalidType, InvalidValue, KeyNotFound, ManagementKeyRequired, UnknownParameter
 from .gateway import Gateway
 from .handlers import _authenticate, get_gateway, read_json
 from .jsonio import dumps
@@ -30,7 +30,7 @@ from .store.keys import hash_secret
 from .store.usage import org_events
 from .usage_report import COLUMNS, Summary, in_span, stored_time
 
-__all__ = ["HANDLERS", "MAX_USAGE_DAYS", "USAGE_DEFAULT_DAYS", "USAGE_GROUPINGS", "InvalidRequest", "parse_rfc3339"]
+__all__ = ["HANDLERS", "MAX_USAGE_DAYS", "USAGE_DEFAULT_DAYS", "USAGE_GROUPINGS", "parse_rfc3339", "usage_span"]
 
 MAX_USAGE_DAYS = 93
 USAGE_DEFAULT_DAYS = 30
@@ -38,11 +38,9 @@ USAGE_GROUPINGS = ("day", "model", "key")
 MANAGEMENT_REQUIRED = ("Managing keys needs a management key (role `management`); this is an inference key. "
                        "Ask your organization for one.")
 
-
-class InvalidRequest(GatewayError):
-    """A parameter of a self-service request that cannot be used; `param` names it."""
-
-    status, type, code = 400, "invalid_request_error", "invalid_value"
+# a key attribute's error, by InvalidKeyAttribute.code
+_ATTRIBUTE_ERRORS: dict[str, type[GatewayError]] = {
+    "invalid_value": InvalidValue, "invalid_type": InvalidType, "unknown_parameter": UnknownParameter}
 
 
 def _keyring(gateway: Gateway) -> Keyring:
@@ -85,7 +83,7 @@ async def _answer(call: Awaitable[Any], key_id: str | None = None) -> Any:
     try:
         return await call
     except InvalidKeyAttribute as error:
-        raise InvalidRequest(str(error), param=error.param, code=error.code) from None
+        raise _ATTRIBUTE_ERRORS[error.code](str(error), param=error.param) from None
     except RecordNotFound as error:
         raise KeyNotFound(key_id if key_id is not None else error.ident) from None
 
@@ -140,17 +138,17 @@ def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
         if text is not None:
             moments[name] = parse_rfc3339(text)
             if moments[name] is None:
-                raise InvalidRequest(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
+                raise InvalidValue(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
                                      f"(2026-11-01T00:00:00Z); got {text[:40]!r}.", param=name)
     until = moments["until"] or now
     since = moments["since"] or until - timedelta(days=USAGE_DEFAULT_DAYS)
     if since >= until:
-        raise InvalidRequest("since must be before until.", param="since")
+        raise InvalidValue("since must be before until.", param="since")
     if until - since > timedelta(days=MAX_USAGE_DAYS):
-        raise InvalidRequest(f"since and until may be at most {MAX_USAGE_DAYS} days apart.", param="until")
+        raise InvalidValue(f"since and until may be at most {MAX_USAGE_DAYS} days apart.", param="until")
     group_by = query.get("group_by", "day")
     if group_by not in USAGE_GROUPINGS:
-        raise InvalidRequest(f"group_by must be one of {', '.join(USAGE_GROUPINGS)}.", param="group_by")
+        raise InvalidValue(f"group_by must be one of {', '.join(USAGE_GROUPINGS)}.", param="group_by")
     return since, until, group_by
 
 
