@@ -84,7 +84,14 @@ def _run(tables: Tables, use: Callable[[Keyring], Awaitable[T]]) -> T:
         finally:
             await aws.aclose()
 
-    return asyncio.run(main())
+    # a loop of its own, never made the thread's current one: asyncio.run would leave the
+    # thread without one, which a caller's own event loop code (Mangum's) may then miss
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def create_key(tables: Tables, org_id: str, *, known_models: Collection[str] | None = None,
