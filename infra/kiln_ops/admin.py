@@ -20,7 +20,7 @@ from kiln.jsonio import decimal_text
 from .argtypes import bounded_int, usd
 from .backends import add_backends_parser
 from .output import FORMATS, render
-from .reports import GROUPINGS, parse_time, summarize
+from .reports import GROUPINGS, in_span, parse_time, summarize
 
 __all__ = ["AdminError", "add_admin_parser", "run_admin"]
 
@@ -94,11 +94,21 @@ def add_admin_parser(subparsers: Any) -> None:
     keys = groups.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
     key_create = keys.add_parser("create", help="issue a key (the secret is printed once)")
     key_create.add_argument("org")
+    _key_attribute_flags(key_create, "")
     key_create.set_defaults(run=_keys_create)
+    key_update = keys.add_parser(
+        "update", help="change a key's label, role or limits (within the gateway's auth cache time)"
+    )
+    key_update.add_argument("key_id")
+    _key_attribute_flags(key_update, "; none: back to the default")
+    key_update.set_defaults(run=_keys_update)
     revoke = keys.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
     revoke.set_defaults(run=_keys_revoke)
-    key_list = keys.add_parser("list", help="an org's keys (ids and prefixes, never secrets)", parents=[formatted])
+    key_list = keys.add_parser(
+        "list", help="an org's keys: ids, prefixes, labels, roles, limits and this period's spend (never secrets)",
+        parents=[formatted],
+    )
     key_list.add_argument("org")
     key_list.set_defaults(run=_keys_list)
 
@@ -168,6 +178,51 @@ def add_admin_parser(subparsers: Any) -> None:
     maintenance.add_parser("status", help="show the switch").set_defaults(run=_maintenance_status)
 
 
+# `none` as a flag's value clears the attribute (keys update), for every attribute flag
+NONE = "none"
+
+
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def value(text: str) -> Any:
+        return NONE if text == NONE else parse(text)
+
+    return value
+
+
+def _models_flag(text: str) -> list[str]:
+    models = [model.strip() for model in text.split(",") if model.strip()]
+    if not models:
+        raise argparse.ArgumentTypeError("name at least one model id (comma-separated), or none")
+    return models
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def value(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"one of {', '.join(choices)} (or none), got {text!r}")
+        return text
+
+    return value
+
+
+def _key_attribute_flags(parser: argparse.ArgumentParser, clears: str) -> None:
+    """The key attributes of contract §10, as flags; left out: unchanged (update) or the default."""
+    parser.add_argument("--label", type=_or_none(str), help=f"a name for people, up to 100 characters{clears}")
+    parser.add_argument("--role", type=_or_none(_choice("inference", "management")),
+                        help=f"inference (default: calls models) or management (manages the org's keys){clears}")
+    parser.add_argument("--models", type=_or_none(_models_flag),
+                        help=f"comma-separated catalog ids the key may call (default: every model){clears}")
+    parser.add_argument("--concurrency", type=_or_none(_positive),
+                        help=f"its own limit of requests in flight, at most the org's (default: the org's){clears}")
+    parser.add_argument("--spend-limit", type=_or_none(usd), dest="spend_limit",
+                        help=f"USD the key may spend per --spend-period (default: no limit){clears}")
+    parser.add_argument("--spend-period", type=_or_none(_choice("day", "week", "month", "total")),
+                        dest="spend_period", help=f"day, week, month (UTC) or total (default){clears}")
+
+
+KEY_FLAGS = ("label", "role", "models", "concurrency", "spend_limit", "spend_period")
+
+
 def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str], None] = print) -> int:
     from kiln.settings import Settings, SettingsError
 
@@ -193,6 +248,13 @@ def _describe(exc: BaseException) -> str:
 
     if isinstance(exc, (AlreadyRevoked, RecordExists, RecordNotFound)):
         return str(exc)
+    from kiln.aws import AwsError
+
+    for cause in _causes(exc):  # the lean client's (key management)
+        if isinstance(cause, AwsError) and cause.code == "NoCredentials":
+            return "no AWS credentials: configure them (or evaluate kiln dev's exports)"
+        if isinstance(cause, AwsError) and cause.code == "ConnectionError":
+            return f"cannot reach AWS: Could not connect to the endpoint URL ({cause.message})"
     for cause in _causes(exc):  # pynamodb wraps botocore's errors
         name = type(cause).__name__
         if name in ("NoCredentialsError", "PartialCredentialsError"):
@@ -262,12 +324,62 @@ def _orgs_set_limit(ctx: Context, args: argparse.Namespace, out) -> None:
     out(f"org {args.org}: concurrency limit {args.concurrency}")
 
 
+def _known_models(ctx: Context, attributes: dict[str, Any]) -> set[str] | None:
+    """The catalog's ids, to check --models against (read only when it is given)."""
+    from kiln.catalog import Catalog
+
+    if not isinstance(attributes.get("models"), list):
+        return None
+    if ctx.settings.catalog_file:
+        raw = open(ctx.settings.catalog_file, encoding="utf-8").read()
+    else:
+        raw = _stored_catalog(ctx)
+    if raw is None:
+        raise AdminError(f"no catalog parameter {ctx.settings.catalog_parameter} to check --models against: "
+                         "create it with catalog seed")
+    return {model.id for model in Catalog.from_json(raw)}
+
+
+def _key_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The attribute flags given: a value, or None where `none` clears it."""
+    given = {name: getattr(args, name) for name in KEY_FLAGS if getattr(args, name) is not None}
+    return {name: (None if value == NONE else value) for name, value in given.items()}
+
+
+def _key_summary(key: Any) -> str:
+    """A key's attributes in one line, as they are now."""
+    limit = "no spend limit" if key.spend_limit is None else f"spend limit ${decimal_text(key.spend_limit)}"
+    period = "in total" if key.spend_period == "total" else f"per {key.spend_period}"
+    return ", ".join([
+        f"label {key.label!r}" if key.label is not None else "no label",
+        f"role {key.role}",
+        f"models {','.join(key.models)}" if key.models is not None else "every model",
+        f"concurrency {key.concurrency}" if key.concurrency is not None else "the org's concurrency",
+        limit if key.spend_limit is None else f"{limit} {period}",
+    ])
+
+
 def _keys_create(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store.keys import create_key
 
-    key = create_key(ctx.tables, args.org)
+    attributes = {name: value for name, value in _key_flags(args).items() if value is not None}
+    key = create_key(ctx.tables, args.org, known_models=_known_models(ctx, attributes), **attributes)
     out(f"created key {key.key_id} for org {key.org_id}")
     out(f"secret (shown once, store it now): {key.secret}")
+    if attributes:
+        out(f"  {_key_summary(key)}")
+
+
+def _keys_update(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.keys import update_key
+
+    changes = _key_flags(args)
+    if not changes:
+        raise AdminError("nothing to change: give --label, --role, --models, --concurrency, --spend-limit "
+                         "or --spend-period (none clears one)")
+    key = update_key(ctx.tables, args.key_id, known_models=_known_models(ctx, changes), **changes)
+    out(f"updated key {key.key_id} ({key.prefix}…) of org {key.org_id}: {_key_summary(key)}")
+    out("  the gateway applies it within its auth cache time")
 
 
 def _keys_revoke(ctx: Context, args: argparse.Namespace, out) -> None:
@@ -277,23 +389,23 @@ def _keys_revoke(ctx: Context, args: argparse.Namespace, out) -> None:
     out(f"revoked key {key.key_id} ({key.prefix}…) of org {key.org_id}")
 
 
-def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.store.keys import list_keys
-    from kiln.store.orgs import get_org
+KEY_COLUMNS = ("key_id", "prefix", "status", "created_at", "last_used_at", "revoked_at", "label", "role", "models",
+               "concurrency", "spend_limit", "spend_period", "spend")
 
-    get_org(ctx.tables, args.org)
+
+def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.keys import describe_keys
+
     rows = [
         {
-            "key_id": key.key_id,
-            "prefix": key.prefix + "…",
-            "status": key.status,
-            "created_at": key.created_at,
-            "last_used_at": key.last_used_at,
-            "revoked_at": key.revoked_at,
+            **key,
+            "key_id": key["id"],
+            "prefix": key["prefix"] + "…",
+            "models": ",".join(key["models"]) if key["models"] is not None else None,
         }
-        for key in list_keys(ctx.tables, args.org)
+        for key in describe_keys(ctx.tables, args.org)
     ]
-    render(rows, ("key_id", "prefix", "status", "created_at", "last_used_at", "revoked_at"), args.format, out)
+    render(rows, KEY_COLUMNS, args.format, out)
 
 
 def _credits_add(ctx: Context, args: argparse.Namespace, out) -> None:
@@ -338,10 +450,7 @@ def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
             end = "\r" if sys.stderr.isatty() else "\n"
             print(f"kiln admin: {count} usage events read…", end=end, file=sys.stderr, flush=True)
 
-    events = (
-        event for event in query_events(ctx.tables, args.org, args.since, args.until)
-        if args.until is None or event.created_at < args.until
-    )
+    events = (event for event in query_events(ctx.tables, args.org, args.since, args.until) if in_span(event, args.until))
     summary = summarize(events, args.by, progress)
     if show_progress and sys.stderr.isatty():
         print(file=sys.stderr)

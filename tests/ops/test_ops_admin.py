@@ -288,7 +288,8 @@ def test_keys_list_shows_ids_prefixes_and_status_but_never_the_secret(admin, sta
 
     listing = admin("keys", "list", org_id)
     assert listing.code == 0, listing.err
-    assert listing.lines[0].split() == ["KEY", "ID", "PREFIX", "STATUS", "CREATED", "AT", "LAST", "USED", "AT", "REVOKED", "AT"]
+    assert listing.lines[0].split()[:11] == ["KEY", "ID", "PREFIX", "STATUS", "CREATED", "AT", "LAST", "USED", "AT",
+                                             "REVOKED", "AT"]
     rows = {line.split()[0]: line.split() for line in listing.lines[1:]}
     assert set(rows) == {key_id for key_id, _ in issued}
     for key_id, secret in issued:
@@ -329,6 +330,100 @@ def test_revoked_key_gets_401_and_revoking_twice_is_refused(admin, stack):
     again = admin("keys", "revoke", key_id)
     assert_fails(again, f"key '{key_id}' is already revoked (since ")
     assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 401
+
+
+def test_keys_create_with_every_attribute_flag(admin, stack):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "5", "--concurrency", "4").code == 0
+    result = admin("keys", "create", org_id, "--label", "batch", "--spend-limit", "5", "--spend-period", "day",
+                   "--models", "qwen3-32b,gpt-oss-120b", "--concurrency", "2", "--role", "management")
+    key_id, secret = created_key(result)  # the first two lines are as they always were
+    assert result.lines[2:] == [
+        "  label 'batch', role management, models gpt-oss-120b,qwen3-32b, concurrency 2, spend limit $5 per day"]
+    seen = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"}).json()
+    assert (seen["id"], seen["label"], seen["role"], seen["models"], seen["concurrency"]) == (
+        key_id, "batch", "management", ["gpt-oss-120b", "qwen3-32b"], 2)
+    assert (seen["spend_limit"], seen["spend_period"]) == (5, "day")
+    # a management key manages keys: the API lists the org's keys for it
+    assert stack.http.get("/v1/keys", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "flags,reason",
+    [
+        (("--models", "no-such-model"), "The model `no-such-model` is not in the catalog."),
+        (("--concurrency", "9"), "concurrency must be 1 to 8, the organization's limit; got 9."),
+        (("--spend-limit", "-1"), "spend_limit must be a non-negative amount of USD."),
+    ],
+)
+def test_keys_create_refuses_bad_attributes_and_creates_nothing(admin, flags, reason):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    assert_fails(admin("keys", "create", org_id, *flags), reason)
+    assert len(admin("keys", "list", org_id).lines) == 1
+
+
+@pytest.mark.parametrize(
+    "flags,fragment",
+    [
+        (("--spend-period", "year"), "one of day, week, month, total (or none)"),
+        (("--role", "admin"), "one of inference, management (or none)"),
+        (("--concurrency", "0"), "a whole number must be at least 1"),
+        (("--spend-limit", "lots"), "not an amount of USD"),
+        (("--models", ","), "name at least one model id"),
+    ],
+)
+def test_keys_flags_are_checked_before_anything_is_read(admin, flags, fragment):
+    assert_fails(admin("keys", "create", "any-org", *flags), fragment, code=2)
+
+
+def test_keys_update_changes_the_given_flags_and_none_clears(admin, stack):
+    org_id, key_id, secret = org_with_key(admin, credits="5")
+    result = admin("keys", "update", key_id, "--spend-limit", "2.5", "--spend-period", "week", "--label", "ci")
+    assert result.code == 0, result.err
+    assert result.lines == [
+        f"updated key {key_id} ({secret[:12]}…) of org {org_id}: label 'ci', role inference, every model, "
+        "the org's concurrency, spend limit $2.5 per week",
+        "  the gateway applies it within its auth cache time",
+    ]
+    seen = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"}).json()
+    assert (seen["label"], seen["spend_limit"], seen["spend_period"]) == ("ci", 2.5, "week")
+
+    cleared = admin("keys", "update", key_id, "--spend-limit", "none", "--spend-period", "none", "--label", "none",
+                    "--models", "qwen3-32b", "--concurrency", "3")
+    assert cleared.code == 0, cleared.err
+    assert cleared.lines[0].endswith(": no label, role inference, models qwen3-32b, concurrency 3, no spend limit")
+    again = admin("keys", "update", key_id, "--models", "none", "--concurrency", "none")
+    assert again.lines[0].endswith(": no label, role inference, every model, the org's concurrency, no spend limit")
+    seen = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"}).json()
+    assert (seen["models"], seen["concurrency"], seen["spend_limit"], seen["spend_period"]) == (None, None, None, "total")
+
+
+def test_keys_update_needs_a_flag_and_a_known_key(admin):
+    _, key_id, _ = org_with_key(admin, credits="1")
+    assert_fails(admin("keys", "update", key_id), "nothing to change")
+    assert_fails(admin("keys", "update", "key_0000000000000000", "--label", "x"), "key 'key_0000000000000000' not found")
+    assert_fails(admin("keys", "update", key_id, "--concurrency", "99"), "the organization's limit")
+
+
+def test_keys_list_shows_labels_roles_limits_and_this_periods_spend(admin, stack):
+    org_id, plain_id, plain = org_with_key(admin, credits="5")
+    limited_id, limited = created_key(admin("keys", "create", org_id, "--label", "nightly", "--spend-limit", "1",
+                                            "--spend-period", "month", "--models", "qwen3-32b", "--concurrency", "2"))
+    answer = stack.post(CHAT_PATH, CHAT, limited)
+    assert answer.status_code == 200, answer.text
+    rows = {row["key_id"]: row for row in json.loads(admin("keys", "list", org_id, "--format", "json").text)}
+    assert set(rows) == {plain_id, limited_id}
+    row = rows[limited_id]
+    assert (row["label"], row["role"], row["models"], row["concurrency"]) == ("nightly", "inference", "qwen3-32b", 2)
+    assert (row["spend_limit"], row["spend_period"]) == ("1", "month")
+    assert Decimal(row["spend"]) == stack.events(org_id)[0].cost > 0
+    assert (rows[plain_id]["label"], rows[plain_id]["spend_limit"], rows[plain_id]["spend"]) == (None, None, "0")
+    table = admin("keys", "list", org_id)
+    assert table.lines[0].split()[11:] == ["LABEL", "ROLE", "MODELS", "CONCURRENCY", "SPEND", "LIMIT", "SPEND",
+                                           "PERIOD", "SPEND"]
+    assert plain not in table.text and limited not in table.text
+    assert any(line.startswith(limited_id) and "nightly" in line and "month" in line for line in table.lines)
 
 
 # -- credits ------------------------------------------------------------------------------------
