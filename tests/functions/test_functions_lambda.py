@@ -35,7 +35,7 @@ def lambda_env(stack, monkeypatch):
     monkeypatch.setenv("POWERTOOLS_METRICS_DISABLED", "true")
     org_id, key = stack.org()
     yield SimpleNamespace(stack=stack, org_id=org_id, key=key)
-    for module in ("chat_completions", "completions", "models"):
+    for module in ("chat_completions", "completions", "models", "generations"):
         app = importlib.import_module(f"kiln_functions.{module}.app").app
         app.state._state.pop("gateway", None)
 
@@ -98,6 +98,31 @@ def test_function_url_events(lambda_env):
     assert completion["statusCode"] == 200
     models = invoke("models", "url-models.json", lambda_env.key)
     assert models["statusCode"] == 200
+
+
+def test_rest_events_for_the_self_service_routes(lambda_env):
+    """A query string and a POST body reach the generations function's self-service through Mangum."""
+    from kiln.store.keys import create_key
+
+    stack = lambda_env.stack
+    invoke("chat_completions", "rest-chat-completions.json", lambda_env.key)
+    usage = invoke("generations", "rest-usage.json", lambda_env.key)
+    assert usage["statusCode"] == 200, body_of(usage)
+    report = json.loads(body_of(usage))
+    assert (report["object"], report["group_by"], report["since"]) == ("usage", "model", "2026-11-01T00:00:00.000Z")
+    in_span = [e for e in stack.events(lambda_env.org_id) if report["since"] <= e.created_at < report["until"]]
+    assert report["total"]["requests"] == len(in_span)
+
+    refused = invoke("generations", "rest-keys-create.json", lambda_env.key)  # an inference key
+    assert refused["statusCode"] == 403
+    assert json.loads(body_of(refused))["error"]["code"] == "management_key_required"
+    admin = create_key(stack.tables, lambda_env.org_id, role="management").secret
+    created = invoke("generations", "rest-keys-create.json", admin)
+    assert created["statusCode"] == 201, body_of(created)
+    key = json.loads(body_of(created))
+    assert (key["label"], key["spend_limit"], key["spend_period"]) == ("from a REST event", 5, "day")
+    assert stack.post("/v1/chat/completions", {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}]},
+                      key["secret"]).status_code == 200
 
 
 def test_errors_keep_their_status_and_shape_through_mangum(lambda_env):
