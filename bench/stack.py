@@ -4,7 +4,9 @@
 - `kiln mock-upstream` (instant: no delay between tokens) in its own process; the chunk-gap
   scenario reaches the same server through its `/x/token_delay_ms=20,…/v1` path prefix;
 - tables, parameters and the catalog (in SSM, as deployed) from template.yaml and
-  infra/catalog.json; an org `bench` with a concurrency limit of 64 and a key;
+  infra/catalog.json; an org `bench` with a concurrency limit of 64 and a key with every
+  limit of its own set (contract §10: concurrency, a monthly spend limit, an allowlist), so
+  that every admission and settle carries the key's conditions and bookkeeping;
 - Kiln's chat/completions function started by the real functions/run.sh, as the Lambda Web
   Adapter starts it (AWS_LWA_PORT, LAMBDA_TASK_ROOT, `python` on PATH: the project venv's);
 - on demand, the storage stand-in (bench/standin.py: a fixed service time, no lock), seeded
@@ -108,7 +110,9 @@ class Stack:
         provision(settings, catalog_json=self.catalog_json(), dynamodb=dynamodb, ssm=ssm, replace_catalog=True)
         tables = bind(settings)
         create_org(tables, ORG, concurrency=64, credits=Decimal("100000"))
-        self.key = create_key(tables, ORG).secret
+        catalog = json.loads(self.catalog_json())
+        self.key = create_key(tables, ORG, label="bench", concurrency=64, spend_limit=Decimal("100000"),
+                              spend_period="month", models=[model["id"] for model in catalog["models"]]).secret
         self.settings_env = settings.to_env()
         self._clients = (dynamodb, ssm)
 
