@@ -158,3 +158,35 @@ def test_the_gateways_log_lines_carry_the_lambda_request_id_as_written():
     request = [line for line in lines if line.get("message") == "request"]
     assert len(probe) == 1 and probe[0]["lambda_request_id"] == context["request_id"]
     assert len(request) == 1 and request[0]["api_request_id"] == REQUEST_CONTEXT["requestId"]
+
+
+def test_each_requests_metrics_document_holds_only_its_own_values(monkeypatch):
+    """The Observer keeps its metric sets from one request to the next: each is emptied after its document."""
+    import io
+    import json
+
+    import aws_lambda_powertools
+
+    class _Quiet:  # a real Logger would take over the shared "kiln" logger; only the EMF documents here
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def log(self, *_: object, **__: object) -> None:
+            pass
+
+    monkeypatch.setattr(aws_lambda_powertools, "Logger", _Quiet)
+    stream = io.StringIO()
+    observer = observability.Observer(stream=stream, metrics_enabled=True)
+    for status, latency, code in ((200, 7, None), (503, 9, "storage_unavailable"), (200, 11, None)):
+        record = observability.RequestRecord("POST", "/v1/chat/completions")
+        record.status, record.endpoint, record.error_code = status, "chat.completions", code
+        record.finished = record.started + (latency + 0.5) / 1000
+        observer.emit(record)
+    documents = [json.loads(line) for line in stream.getvalue().splitlines()]
+    requests = [d for d in documents if "Requests" in d]
+    errors = [d for d in documents if "Errors" in d]
+    assert [d["Latency"] for d in requests] == [[7.0], [9.0], [11.0]]
+    assert [d["Errors5xx"] for d in requests] == [[0.0], [1.0], [0.0]]
+    assert all(d["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["service"], ["service", "endpoint"]] for d in requests)
+    assert [(d["code"], d["Errors"]) for d in errors] == [("storage_unavailable", [1.0])]
+    assert errors[0]["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["service"], ["service", "code"]]

@@ -137,6 +137,18 @@ class Observer:
         self.namespace, self.service = settings.metrics_namespace, settings.service_name
         self.logger = Logger(service=self.service, logger_handler=handler)
         self.metrics_enabled = (not settings.metrics_disabled) if metrics_enabled is None else metrics_enabled
+        # One metric set per kind of EMF document, made on first use and emptied after each
+        # document (emit runs whole on the event loop: no two requests share one at a time).
+        # Making one per request would list every CloudWatch unit again each time.
+        self._metric_sets: dict[str, Any] = {}
+
+    def _metric_set(self, kind: str) -> Any:
+        metrics = self._metric_sets.get(kind)
+        if metrics is None:
+            from aws_lambda_powertools.metrics import EphemeralMetrics
+
+            metrics = self._metric_sets[kind] = EphemeralMetrics(namespace=self.namespace, service=self.service)
+        return metrics
 
     def emit(self, record: RequestRecord) -> None:
         entry = record.as_log()
@@ -146,34 +158,40 @@ class Observer:
             self._metrics(record, entry["latency_ms"])
 
     def _metrics(self, record: RequestRecord, latency_ms: int) -> None:
-        from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
+        from aws_lambda_powertools.metrics import MetricUnit
 
-        metrics = EphemeralMetrics(namespace=self.namespace, service=self.service)
-        # published twice: per service (what the alarms watch) and per service and endpoint
-        metrics.add_dimensions(service=self.service, endpoint=record.endpoint or record.path)
-        metrics.add_metric(name="Requests", unit=MetricUnit.Count, value=1)
-        metrics.add_metric(name="Latency", unit=MetricUnit.Milliseconds, value=latency_ms)
-        status = record.status or 500
-        metrics.add_metric(name="Errors5xx", unit=MetricUnit.Count, value=1 if status >= 500 else 0)
-        metrics.add_metric(name="RateLimited", unit=MetricUnit.Count, value=1 if status == 429 else 0)
-        usage = record.usage
-        failures = record.backend_failures + (1 if usage is not None and usage.status in _UPSTREAM_FAILURES else 0)
-        metrics.add_metric(name="UpstreamFailures", unit=MetricUnit.Count, value=failures)
-        if usage is not None:
-            if usage.ttfb_ms is not None:
-                metrics.add_metric(name="TimeToFirstByte", unit=MetricUnit.Milliseconds, value=usage.ttfb_ms)
-            metrics.add_metric(name="PromptTokens", unit=MetricUnit.Count, value=usage.prompt_tokens or 0)
-            metrics.add_metric(name="CompletionTokens", unit=MetricUnit.Count, value=usage.completion_tokens or 0)
-            metrics.add_metric(name="CostUSD", unit=MetricUnit.NoUnit, value=float(usage.cost))
-            metrics.add_metric(
-                name="UsageEstimated", unit=MetricUnit.Count, value=1 if usage.usage_source == "estimated" else 0
-            )
-        self._flush(metrics)
+        metrics = self._metric_set("request")
+        try:
+            # published twice: per service (what the alarms watch) and per service and endpoint
+            metrics.add_dimensions(service=self.service, endpoint=record.endpoint or record.path)
+            metrics.add_metric(name="Requests", unit=MetricUnit.Count, value=1)
+            metrics.add_metric(name="Latency", unit=MetricUnit.Milliseconds, value=latency_ms)
+            status = record.status or 500
+            metrics.add_metric(name="Errors5xx", unit=MetricUnit.Count, value=1 if status >= 500 else 0)
+            metrics.add_metric(name="RateLimited", unit=MetricUnit.Count, value=1 if status == 429 else 0)
+            usage = record.usage
+            failures = record.backend_failures + (1 if usage is not None and usage.status in _UPSTREAM_FAILURES else 0)
+            metrics.add_metric(name="UpstreamFailures", unit=MetricUnit.Count, value=failures)
+            if usage is not None:
+                if usage.ttfb_ms is not None:
+                    metrics.add_metric(name="TimeToFirstByte", unit=MetricUnit.Milliseconds, value=usage.ttfb_ms)
+                metrics.add_metric(name="PromptTokens", unit=MetricUnit.Count, value=usage.prompt_tokens or 0)
+                metrics.add_metric(name="CompletionTokens", unit=MetricUnit.Count, value=usage.completion_tokens or 0)
+                metrics.add_metric(name="CostUSD", unit=MetricUnit.NoUnit, value=float(usage.cost))
+                metrics.add_metric(
+                    name="UsageEstimated", unit=MetricUnit.Count, value=1 if usage.usage_source == "estimated" else 0
+                )
+            self._flush(metrics)
+        finally:
+            metrics.clear_metrics()
         if record.error_code:
-            errors = EphemeralMetrics(namespace=self.namespace, service=self.service)
-            errors.add_dimensions(service=self.service, code=record.error_code)
-            errors.add_metric(name="Errors", unit=MetricUnit.Count, value=1)
-            self._flush(errors)
+            errors = self._metric_set("error")
+            try:
+                errors.add_dimensions(service=self.service, code=record.error_code)
+                errors.add_metric(name="Errors", unit=MetricUnit.Count, value=1)
+                self._flush(errors)
+            finally:
+                errors.clear_metrics()
 
     def _flush(self, metrics: Any) -> None:
         self._stream.write(json.dumps(metrics.serialize_metric_set(), separators=(",", ":")) + "\n")
