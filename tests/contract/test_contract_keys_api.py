@@ -11,6 +11,8 @@ import time
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
 
@@ -242,3 +244,33 @@ def test_unknown_methods_on_keys_are_405(stack):
     _, admin = management_org(stack)
     response = call(stack, "PUT", "/v1/keys", admin, {})
     assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+
+
+# -- hostile bodies: never a 5xx, always the contract's error shape -------------------------------
+
+values = st.none() | st.booleans() | st.integers(min_value=-10, max_value=10**40) | st.floats(allow_nan=False) | \
+    st.text(max_size=110) | st.lists(st.sampled_from(["qwen3-32b", "gpt-oss-120b", "nope", ""]) | st.text(max_size=5),
+                                     max_size=3) | st.sampled_from(["day", "week", "management", "1e-200", "0.10"])
+attributes = st.dictionaries(st.sampled_from(["label", "role", "models", "concurrency", "spend_limit", "spend_period",
+                                              "extra"]), values, max_size=4)
+
+
+@pytest.fixture(scope="module")
+def fuzz_admin(shared_stack) -> tuple[str, str, str]:
+    """(org id, a management key, a key id to change)."""
+    org_id, admin = management_org(shared_stack)
+    return org_id, admin, create_key(shared_stack.tables, org_id).key_id
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=attributes, method=st.sampled_from(["POST", "PATCH"]))
+def test_any_key_attributes_get_a_key_or_a_400(shared_stack, fuzz_admin, body, method):
+    _, admin, key_id = fuzz_admin
+    path = "/v1/keys" if method == "POST" else f"/v1/keys/{key_id}"
+    response = call(shared_stack, method, path, admin, body)
+    assert response.status_code in (200, 201, 400), response.text
+    answer = response.json()
+    if response.status_code == 400:
+        assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["param"] in body
+    else:
+        assert set(answer) - {"secret"} == KEY_FIELDS

@@ -12,6 +12,8 @@ from decimal import Decimal
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kiln.store.keys import create_key, list_keys
 from kiln.store.orgs import add_credits
@@ -222,3 +224,28 @@ def test_a_span_of_93_days_and_offsets_are_accepted(stack, busy_org):
     shifted = (datetime.now(timezone.utc) + timedelta(hours=1)).astimezone(timezone(timedelta(hours=9)))
     usage = get(stack, "/v1/usage", key, since=start, until=shifted.isoformat()).json()
     assert usage["total"]["requests"] == 4 and usage["until"].endswith("Z")
+
+
+# -- hostile parameters: never a 5xx, always the contract's error shape ---------------------------
+
+@pytest.fixture(scope="module")
+def fuzz_key(shared_stack) -> str:
+    return shared_stack.org()[1]
+
+
+texts = st.text(max_size=30) | st.sampled_from(["2026-11-01", "0001-01-01", "9999-12-31", "2026-02-30",
+                                                 "2026-11-01T24:00:00Z", "2026-11-01T00:00:00+99:99",
+                                                 "0001-01-01T00:00:00Z", "9999-12-31T23:59:59.999999Z"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(since=texts | st.none(), until=texts | st.none(), group_by=st.sampled_from(["day", "model", "key", "x"]) | st.none())
+def test_any_usage_parameters_get_200_or_a_400(shared_stack, fuzz_key, since, until, group_by):
+    key = fuzz_key
+    params = {name: value for name, value in (("since", since), ("until", until), ("group_by", group_by))
+              if value is not None}
+    response = get(shared_stack, "/v1/usage", key, **params)
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] in ("since", "until", "group_by")

@@ -141,7 +141,10 @@ def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
                 raise InvalidValue(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
                                      f"(2026-11-01T00:00:00Z); got {text[:40]!r}.", param=name)
     until = moments["until"] or now
-    since = moments["since"] or until - timedelta(days=USAGE_DEFAULT_DAYS)
+    try:
+        since = moments["since"] or until - timedelta(days=USAGE_DEFAULT_DAYS)
+    except OverflowError:  # an until in the first days of year 1
+        raise InvalidValue("until is too early.", param="until") from None
     if since >= until:
         raise InvalidValue("since must be before until.", param="since")
     if until - since > timedelta(days=MAX_USAGE_DAYS):
