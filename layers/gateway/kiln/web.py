@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from . import schemas
 from .endpoints import Endpoint
@@ -97,8 +98,11 @@ def create_app(
         app.state.gateway = gateway
     else:
         app.add_middleware(_LazyGateway, factory=factory or Gateway.from_env)
-    app.add_api_route(HEALTH_PATH, _healthz, methods=["GET"], include_in_schema=False, response_class=Response)
+    app.router.routes.append(_served(HEALTH_PATH, _healthz, ("GET",), "healthz"))
     for route in routes:
+        app.router.routes.append(_served(route.path, route.endpoint, route.methods, route.name))
+        # the same route as FastAPI describes it, for /openapi.json only: the one above,
+        # matched first, serves every request it would have served
         app.add_api_route(
             route.path,
             route.endpoint,
@@ -115,6 +119,14 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     return app
+
+
+def _served(path: str, endpoint: Handler, methods: Sequence[str], name: str) -> Route:
+    """The route that serves a path: Starlette's own, without what FastAPI adds to each call
+    (solving dependencies: these handlers have none, each takes the Request and answers)."""
+    route = Route(path, endpoint, methods=list(methods), name=name)
+    route.methods = set(methods)  # exactly these: for a GET route Starlette would answer HEAD too
+    return route
 
 
 class _LazyGateway:
