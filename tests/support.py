@@ -20,7 +20,7 @@ from kiln.http1 import HttpClient, ProtocolFailure, Response
 from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
-from kiln.store.keys import create_key, hash_secret
+from kiln.store.keys import create_key
 from kiln.store.orgs import OrgInfo, create_org, get_org
 from kiln.store.usage import query_events
 from kiln.tls import client_context
@@ -216,18 +216,7 @@ class Stack:
     def key(self, org_id: str, **attributes: Any) -> str:
         """A new key of the org with attributes of contract §10 (label, spend_limit,
         spend_period, models, concurrency, role): its secret."""
-        issued = create_key(self.tables, org_id)
-        if attributes:
-            model = self.tables.keys
-            actions = []
-            for name, value in attributes.items():
-                if name == "spend_limit":
-                    value = Decimal(str(value))
-                elif name == "models":
-                    value = set(value)
-                actions.append(getattr(model, name).set(value))
-            model(key_hash=hash_secret(issued.secret)).update(actions=actions)
-        return issued.secret
+        return create_key(self.tables, org_id, **attributes).secret
 
     def key_figures(self, org_id: str) -> dict[str, Any]:
         """The org item's per-key attributes (kiln.store.keyspend), as stored: name → value."""

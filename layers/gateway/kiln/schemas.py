@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ERROR_RESPONSES", "chat_body", "completion_body", "responses_body"]
+__all__ = ["ERROR_RESPONSES", "SELF_SERVICE", "chat_body", "completion_body", "responses_body"]
 
 _COMMON: dict[str, Any] = {
     "model": {"type": "string", "description": "A model id of GET /v1/models."},
@@ -142,4 +142,38 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         429: "the org's requests in flight are at its limit",
         503: "maintenance, no backend, or storage unavailable",
     }.items()
+}
+
+
+# -- the self-service routes (contract §10) --------------------------------------------------
+
+_KEY_ATTRIBUTES: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "label": {"type": ["string", "null"], "maxLength": 100},
+        "role": {"type": "string", "enum": ["inference", "management"]},
+        "models": {"type": ["array", "null"], "minItems": 1, "items": {"type": "string"}},
+        "concurrency": {"type": ["integer", "null"], "minimum": 1},
+        "spend_limit": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "string"}, {"type": "null"}],
+                        "description": "USD per spend_period, a number or a decimal string"},
+        "spend_period": {"type": "string", "enum": ["day", "week", "month", "total"]},
+    },
+}
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+# by route name (kiln.endpoints): what each route takes besides its path
+SELF_SERVICE: dict[str, dict[str, Any]] = {
+    "usage.retrieve": {
+        "parameters": [
+            _query("since", {"type": "string"}, "RFC 3339 date or date-time, inclusive (default: until − 30 days)"),
+            _query("until", {"type": "string"}, "RFC 3339 date or date-time, exclusive (default: now)"),
+            _query("group_by", {"type": "string", "enum": ["day", "model", "key"]}, "one row per day (default), model or key"),
+        ]
+    },
+    "keys.create": _body(_KEY_ATTRIBUTES),
+    "keys.update": _body(_KEY_ATTRIBUTES),
 }

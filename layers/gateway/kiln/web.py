@@ -68,7 +68,7 @@ def routes_of(endpoint: Endpoint) -> list[RouteSpec]:
     api = endpoint.api
     if api is None:
         return [RouteSpec(route.path, READERS[route.name], (route.method,), route.name, route.summary,
-                          responses=schemas.ERROR_RESPONSES) for route in endpoint.routes]
+                          schemas.SELF_SERVICE.get(route.name), schemas.ERROR_RESPONSES) for route in endpoint.routes]
 
     async def handle(request: Request) -> Response:
         return await complete(request, api)
