@@ -121,7 +121,7 @@ def run_dev(
         created = provision(settings, catalog_json=catalog_json, dynamodb=dynamodb, ssm=ssm, replace_catalog=True)
         for line in created:
             print(f"kiln dev: created {line}", file=sys.stderr)
-        secret = _demo_key(settings)
+        secret, management = _demo_keys(settings)
 
         exports = {
             **settings.to_env(),
@@ -130,6 +130,7 @@ def run_dev(
             "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
             "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"],
             "KILN_API_KEY": secret,
+            "KILN_MANAGEMENT_KEY": management,  # manages the demo org's keys (/v1/keys), calls no model
             "KILN_BASE_URL": f"http://{_display_host(host)}:{port}/v1",
             "KILN_UPSTREAM_URL": upstream_url,
         }
@@ -169,7 +170,8 @@ def local_catalog(path: Path, upstream_url: str) -> str:
     return json.dumps(document)
 
 
-def _demo_key(settings: Any) -> str:
+def _demo_keys(settings: Any) -> tuple[str, str]:
+    """The demo org's fresh inference key and management key (contract §10)."""
     from kiln.store import RecordExists, bind
     from kiln.store.keys import create_key
     from kiln.store.orgs import create_org
@@ -179,7 +181,8 @@ def _demo_key(settings: Any) -> str:
         create_org(tables, DEMO_ORG, concurrency=DEMO_CONCURRENCY, credits=DEMO_CREDITS)
     except RecordExists:
         pass
-    return create_key(tables, DEMO_ORG).secret
+    inference = create_key(tables, DEMO_ORG, label="kiln dev").secret
+    return inference, create_key(tables, DEMO_ORG, label="kiln dev (management)", role="management").secret
 
 
 def _display_host(host: str) -> str:

@@ -85,6 +85,19 @@ def test_kiln_dev_serves_a_working_stack_and_prints_how_to_call_it(dev_stack):
     assert shown.returncode == 0, shown.stderr
     assert "concurrency  8" in shown.stdout and "credits      $9.999999335" in shown.stdout
 
+    # the org manages itself (contract §10): its management key mints a limited key that works at once
+    base, management = exports["KILN_BASE_URL"], {"Authorization": f"Bearer {exports['KILN_MANAGEMENT_KEY']}"}
+    made = httpx.post(f"{base}/keys", json={"label": "agent", "spend_limit": "1", "spend_period": "day",
+                                           "models": ["gpt-oss-120b"]}, headers=management, timeout=30)
+    assert made.status_code == 201, made.text
+    agent = openai.OpenAI(base_url=base, api_key=made.json()["secret"], max_retries=0)
+    assert [m.id for m in agent.models.list()] == ["gpt-oss-120b"]
+    agent.completions.create(model="gpt-oss-120b", prompt="The capital of France is", max_tokens=32)
+    mine = httpx.get(f"{base}/key", headers={"Authorization": f"Bearer {made.json()['secret']}"}, timeout=30).json()
+    assert (mine["label"], mine["spend"]) == ("agent", pytest.approx(0.000000665))
+    credits = httpx.get(f"{base}/credits", headers=management, timeout=30).json()
+    assert credits == {"object": "credits", "balance": pytest.approx(9.99999867), "currency": "USD"}
+
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=20) == 0
     time.sleep(0.5)
