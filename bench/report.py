@@ -645,6 +645,15 @@ def _comparison(befores: list[tuple[Path | None, dict]], after: dict) -> str:
                         ("threads", [_get(m, cell, "threads") for m in medians], 0)])
                 for cell in medians[-1]]
         out += [""] + _table("cell", versions, rows)
+        counted = [cell for cell in medians[-1] if any(_get(m, cell, "python_calls_per_request") for m in medians)]
+        if counted:
+            out += ["", f"Python function calls per request (cProfile's count on the loop thread, builtins included, "
+                    f"{ab_.get('call_count_requests')} requests after 50 warm-up ones, one process per version and "
+                    "cell after the timed rounds): a measure of the gateway's work that the machine's load does not "
+                    "move, where CPU time does by tens of percent.", ""]
+            rows = [(cell, [("calls/req", [_get(m, cell, "python_calls_per_request") for m in medians], 0)])
+                    for cell in counted]
+            out += _table("cell", versions, rows, change=True)
         failed = [f"{label} {cell}: {e}" for label in versions for cell, m in ab_["median"][label].items()
                   for e in m.get("failed_starts") or []]
         if failed:

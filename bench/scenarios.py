@@ -377,8 +377,55 @@ def ab_versions(stack: Stack, versions: dict[str, Path], *, count: int, rounds: 
                 "p50", "p99", "ttfb_p50", "req_per_s", "cpu_ms_per_request", "emulator_cpu_ms_per_request", "threads")}
             summary[label][key]["errors"] = sum(r.get("errors") or 0 for r in good)
             summary[label][key]["failed_starts"] = [r["error"] for r in runs if "error" in r]
+    calls = call_counts(stack, versions, count=min(count, 200), log=log)
+    for label, per_cell in calls.items():
+        for key, value in per_cell.items():
+            summary.setdefault(label, {}).setdefault(key, {})["python_calls_per_request"] = value
     return {"versions": {label: str(tree) for label, tree in versions.items()}, "rounds": rounds, "count": count,
-            "median": summary, "runs": raw}
+            "median": summary, "runs": raw, "call_count_requests": min(count, 200)}
+
+
+def call_counts(stack: Stack, versions: dict[str, Path], *, count: int, log: Callable[[str], None],
+                cells: tuple[tuple[bool, int], ...] = ((False, 1), (True, 1))) -> dict[str, dict[str, Any]]:
+    """Python function calls per request of each version (cProfile's count on the loop thread, over
+    `count` requests after 50 warm-up ones): the same whatever else the machine runs, where CPU time
+    moves by tens of percent. One cell each, after the timed rounds (counting slows the process)."""
+    headers = {"authorization": f"Bearer {stack.key}"}
+    out: dict[str, dict[str, Any]] = {label: {} for label in versions}
+    for stream, concurrency in cells:
+        key = f"{'stream' if stream else 'buffered'}_c{concurrency}"
+        for label, tree in versions.items():
+            counted = stack.procs.log_dir / f"calls-{label}-{key}.json"
+            counted.unlink(missing_ok=True)
+            try:
+                child, url = stack.start_function_at(f"calls-{label}", tree, call_count=counted)
+            except Exception as exc:  # noqa: BLE001 - recorded, the others go on
+                out[label][key] = None
+                log(f"  {label} {key}: no call count ({type(exc).__name__}: {exc})"[:300])
+                continue
+            try:
+                target = f"{url}/v1/chat/completions"
+                run_cell(target, headers, _body(stream), stream=stream, concurrency=concurrency, count=50,
+                         time_limit=30, warmup=0)
+                child.popen.send_signal(10)  # SIGUSR1: start counting
+                time.sleep(0.2)
+                result = run_cell(target, headers, _body(stream), stream=stream, concurrency=concurrency,
+                                  count=count, time_limit=120, warmup=0)
+                child.popen.send_signal(12)  # SIGUSR2: stop, write the count
+                for _ in range(100):
+                    if counted.exists() and counted.stat().st_size:
+                        break
+                    time.sleep(0.05)
+                n = result["requests"] or 0
+                calls = json.loads(counted.read_text())["calls"] if counted.exists() else None
+                out[label][key] = round(calls / n) if calls is not None and n and not result["errors"] else None
+                log(f"  {label:8s} {key:12s} Python calls/request {out[label][key]} (errors {result['errors']})")
+            except Exception as exc:  # noqa: BLE001 - recorded, the others go on
+                out[label][key] = None
+                log(f"  {label} {key}: no call count ({type(exc).__name__}: {exc})"[:300])
+            finally:
+                stack.procs.stop(child)
+    return out
 
 
 # -- profiles ------------------------------------------------------------------------------

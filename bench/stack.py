@@ -146,12 +146,20 @@ class Stack:
         env.update(extra)
         return env
 
-    def start_function_at(self, name: str, tree: Path, function: str = "chat_completions") -> tuple[Child, str]:
+    def start_function_at(self, name: str, tree: Path, function: str = "chat_completions", *,
+                          call_count: Path | None = None) -> tuple[Child, str]:
         """One function of another copy of the gateway (`tree` holds its layers/ and functions/), with
-        the project venv's python: its layer comes first on PYTHONPATH, ahead of the venv's kiln."""
+        the project venv's python: its layer comes first on PYTHONPATH, ahead of the venv's kiln.
+        `call_count`: the file where the bench's instrument writes the calls counted between
+        SIGUSR1 and SIGUSR2 (bench/instrument/sitecustomize.py)."""
         port = free_port()
         task_root = tree / "functions" / function
-        env = self.function_env(port, task_root, pythonpath=str(tree / "layers" / "gateway"))
+        pythonpath = str(tree / "layers" / "gateway")
+        extra = {}
+        if call_count is not None:
+            pythonpath += f":{ROOT / 'bench' / 'instrument'}"
+            extra["BENCH_CALL_COUNT"] = str(call_count)
+        env = self.function_env(port, task_root, pythonpath=pythonpath, **extra)
         child = self.procs.start(name, ["sh", str(tree / "functions" / "run.sh")], env=env, cwd=task_root)
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/healthz", child=child, ok=lambda status: status == 200)
