@@ -306,8 +306,9 @@ def test_token_delay_spaces_out_the_tokens(api):
             if '"content":"' in line and '"content":""' not in line:
                 arrivals.append(time.monotonic() - start)
     assert len(arrivals) == 4
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    assert all(gap >= 0.05 for gap in gaps), gaps
+    # the tokens are spaced on the mock's clock: one token read late by a busy client shortens
+    # the next gap, never the time from the first token to the last (3 delays of 60 ms)
+    assert arrivals[-1] - arrivals[0] >= 0.17, arrivals
     buffered_start = time.monotonic()
     api.post("/chat/completions", json=chat(mock={"token_delay_ms": 60, "tokens": 4}))
     assert time.monotonic() - buffered_start >= 0.24
