@@ -136,10 +136,15 @@ def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
         text = query.get(name)
         moments[name] = None
         if text is not None:
-            moments[name] = parse_rfc3339(text)
-            if moments[name] is None:
+            moment = parse_rfc3339(text)
+            if moment is None:
                 raise InvalidValue(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
                                      f"(2026-11-01T00:00:00Z); got {text[:40]!r}.", param=name)
+            try:  # the span is read in UTC: an offset may carry a time out of the years 1-9999
+                moments[name] = moment.astimezone(timezone.utc)
+            except OverflowError:
+                raise InvalidValue(f"{name} is out of range: {text[:40]!r} is not a time of the years 1 to 9999 "
+                                   f"in UTC.", param=name) from None
     until = moments["until"] or now
     try:
         since = moments["since"] or until - timedelta(days=USAGE_DEFAULT_DAYS)

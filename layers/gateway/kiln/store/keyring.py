@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import secrets
 import time
+import unicodedata
 from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Collection, Mapping
@@ -44,6 +45,11 @@ ROLES = ("inference", "management")
 # what a caller may set on a key, at creation or later
 EDITABLE = ("label", "role", "models", "concurrency", "spend_limit", "spend_period")
 MAX_LABEL = 100
+# what a label may not hold besides control characters: the bidirectional embeddings,
+# overrides and isolates, which reorder the text shown around them
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+# a spend limit is below this (38 digits before the point at most)
+MAX_SPEND_LIMIT = Decimal("1E+38")
 # the spend figures live on the org item: see kiln.store.keyspend
 
 
@@ -78,6 +84,11 @@ def _label(value: Any, known_models: Any, org_limit: Any) -> str:
         raise InvalidKeyAttribute("label", "label must be a string.", "invalid_type")
     if len(value) > MAX_LABEL:
         raise InvalidKeyAttribute("label", f"label must be at most {MAX_LABEL} characters.")
+    hidden = next((char for char in value if unicodedata.category(char) == "Cc" or char in _BIDI_CONTROLS), None)
+    if hidden is not None:
+        # a label is shown to people (`kiln admin keys list`, consoles): a newline, an escape
+        # sequence or a direction override would let it pass for other rows or other text
+        raise InvalidKeyAttribute("label", f"label must not hold control characters; it holds U+{ord(hidden):04X}.")
     return value
 
 
@@ -120,6 +131,9 @@ def _spend_limit(value: Any, known_models: Any, org_limit: Any) -> Decimal:
         number(amount)
     except UnstorableValue:
         raise InvalidKeyAttribute("spend_limit", "spend_limit has too many digits or is out of range.") from None
+    if amount >= MAX_SPEND_LIMIT:
+        # stored as a plain number: beyond 38 digits before the point DynamoDB's readers round it
+        raise InvalidKeyAttribute("spend_limit", "spend_limit must be below 1e38 USD.")
     return amount
 
 
@@ -309,15 +323,25 @@ class Keyring:
         for name, value in changes.items():
             if value is not None:
                 item[name] = _wire(name, value)
-        await self._aws.dynamodb(
-            "PutItem",
-            {
-                "TableName": self._keys_table,
-                "Item": item,
-                "ConditionExpression": "attribute_not_exists(#hash)",
-                "ExpressionAttributeNames": {"#hash": KEY.hash_key},
-            },
-        )
+        try:
+            await self._aws.dynamodb(
+                "PutItem",
+                {
+                    "TableName": self._keys_table,
+                    "Item": item,
+                    "ConditionExpression": "attribute_not_exists(#hash)",
+                    "ExpressionAttributeNames": {"#hash": KEY.hash_key},
+                },
+            )
+        except Exception as exc:
+            # The client sends a write again when its answer was lost: the first attempt was
+            # applied, so the second finds the item. A hash of 256 random bits is this key's
+            # alone: the item holding it with this key id is this very write's.
+            if not isinstance(condition_failure(exc), ConditionFailed):
+                raise
+            found = await self.by_hash(item[KEY.key_hash]["S"])
+            if found is None or found.key_id != key.key_id:
+                raise
         return IssuedKey(**key.__dict__, secret=secret)
 
     async def update(self, key_id: str, attributes: Mapping[str, Any], *, org_id: str | None = None,
