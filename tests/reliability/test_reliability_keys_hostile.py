@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kiln.store.keys import create_key, list_keys
-from support import LedgerCheck
+from support import LedgerCheck, make_stack
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x y z"}]}
@@ -198,8 +198,9 @@ def test_a_key_at_its_own_concurrency_racing_its_settles_leaks_nothing(stack):
 # -- paths ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="Starlette's redirect_slashes answers a trailing slash with a 307 to the "
-                                       "path without it (a Location built from the Host header), not the error shape")
+@pytest.mark.xfail(strict=True, reason="Starlette's redirect_slashes answers a trailing slash (on every route) "
+                                       "with a 307 to the path without it, its Location built from the client's Host "
+                                       "header and without an API Gateway stage: not the error shape")
 @pytest.mark.parametrize("method,path", [("GET", "/v1/keys/"), ("POST", "/v1/keys/"),
                                          ("PATCH", "/v1/keys/key_0000000000000000/"), ("GET", "/v1/key/"),
                                          ("GET", "/v1/usage/")])
@@ -230,3 +231,39 @@ def test_a_revoked_key_leaves_nothing_on_its_orgs_item(stack):
     ledger.check()
     left = [name for name in stack.key_figures(org_id) if any(key_id in name for key_id in rotated)]
     assert left == []
+
+
+# -- the org item under contention -----------------------------------------------------------------
+
+
+def test_keys_with_limits_and_their_reads_under_conflicting_writes_add_up(faulty_aws, mock):
+    """The emulator's fault mode (conflicts on half the org item's writes, throttling, lost
+    answers): requests of keys at their own limits, interleaved with each key's reads of
+    itself and of the org's usage, are answered 200 or 429, never 503, and the ledger is exact."""
+    stack = make_stack(faulty_aws.url, mock)
+    try:
+        org_id, _ = stack.org(concurrency=6)
+        keys = [stack.key(org_id, concurrency=2, spend_limit="1", spend_period="day") for _ in range(3)]
+        ledger = LedgerCheck(stack, org_id)
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+                async def one(index: int) -> httpx.Response:
+                    headers = {"Authorization": f"Bearer {keys[index % 3]}"}
+                    if index % 5 == 0:
+                        return await client.get("/v1/key", headers=headers)
+                    if index % 7 == 0:
+                        return await client.get("/v1/usage", headers=headers, params={"group_by": "key"})
+                    body = {**BODY, "stream": bool(index % 2), "mock": {"tokens": 3, "token_delay_ms": 5}}
+                    return await client.post(CHAT, json=body, headers=headers)
+
+                return await asyncio.gather(*(one(index) for index in range(90)))
+
+        responses = asyncio.run(run())
+        for response in responses:
+            ledger.saw(response)
+        assert {response.status_code for response in responses} <= {200, 429}, [
+            response.text for response in responses if response.status_code not in (200, 429)]
+        ledger.check(timeout=20)
+    finally:
+        stack.close()
