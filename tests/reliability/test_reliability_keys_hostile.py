@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from decimal import Decimal
 
 import httpx
 import pytest
 
 from kiln.store.keys import create_key, list_keys
+from kiln.store.keyspend import KeyLimits
 from support import LedgerCheck, make_stack
 
 CHAT = "/v1/chat/completions"
@@ -194,6 +196,27 @@ def test_a_key_at_its_own_concurrency_racing_its_settles_leaks_nothing(stack):
             assert "This key already has 2 requests in flight" in response.json()["error"]["message"]
     events = ledger.check()
     assert sum((event.cost for event in events), Decimal(0)) > 0
+
+
+
+def test_a_key_at_its_own_limit_with_dead_gateways_leases_is_served_once_they_expire(stack_factory):
+    """Two requests of a key with a concurrency of 2 were admitted by gateways that died: the
+    key's next request, once their leases have expired, reclaims them (each an `abandoned`
+    event) and is served, while the org itself was never at its limit."""
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.25)
+    org_id, _ = stack.org(concurrency=8)
+    issued = create_key(stack.tables, org_id, concurrency=2, spend_limit="5", spend_period="day")
+    ledger = LedgerCheck(stack, org_id)
+    dead = [stack.ledger.admit(org_id=org_id, key_id=issued.key_id, model="qwen3-32b", endpoint="chat.completions",
+                               streamed=False, limits=KeyLimits(concurrency=2)) for _ in range(2)]
+    refused = stack.post(CHAT, BODY, issued.secret)
+    assert_error(refused, 429, None, "rate_limit_exceeded")
+    assert "This key already has 2 requests in flight" in refused.json()["error"]["message"]
+    time.sleep(1.2)
+    assert ledger.saw(stack.post(CHAT, BODY, issued.secret)).status_code == 200
+    ledger.gen_ids += [lease.gen_id for lease in dead]
+    events = ledger.check()
+    assert sorted(event.status for event in events) == ["abandoned", "abandoned", "success"]
 
 
 # -- paths ---------------------------------------------------------------------------------------------
