@@ -20,7 +20,9 @@ from kiln.http1 import HttpClient, ProtocolFailure, Response
 from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
+from kiln.store.clock import epoch_of
 from kiln.store.keys import create_key
+from kiln.store.keyspend import period_kind, period_name
 from kiln.store.orgs import OrgInfo, create_org, get_org
 from kiln.store.usage import query_events
 from kiln.tls import client_context
@@ -428,7 +430,7 @@ class LedgerCheck:
         self.stack, self.org_id = stack, org_id
         start = stack.org_info(org_id)
         self.credits, self.in_flight = start.credits, start.in_flight
-        self.spend = key_totals(stack.key_figures(org_id))
+        self.spend = stack.key_figures(org_id)
         self.before = {event.gen_id for event in stack.events(org_id)}  # events of earlier requests
         self.gen_ids: list[str] = []
 
@@ -459,23 +461,25 @@ class LedgerCheck:
 
 
 def key_totals(figures: dict[str, Any]) -> dict[str, Decimal]:
-    """key id → its `total` spend, from Stack.key_figures."""
-    return {name.split(":")[1]: value for name, value in figures.items()
-            if name.startswith("key_spend:") and name.endswith(":total")}
+    """key id → its spend figure (a key with a spend limit has one), from Stack.key_figures."""
+    return {name.split(":")[1]: value for name, value in figures.items() if name.startswith("key_spend:")}
 
 
 def check_key_figures(stack: "Stack", org_id: str, events: list[UsageEvent],
                       before: dict[str, Decimal] | None = None) -> None:
-    """Each key's total spend grew by exactly its events' costs, and no key counts a request in flight."""
+    """Each key's spend figure grew by exactly the costs of its events admitted in the
+    figure's period, and no key counts a request in flight once the org has none."""
     figures = stack.key_figures(org_id)
     if stack.org_info(org_id).in_flight == 0:
         assert not [name for name in figures if name.startswith("key_leases:")], figures
-    costs: dict[str, Decimal] = {}
-    for event in events:
-        costs[event.key_id] = costs.get(event.key_id, Decimal(0)) + event.cost
-    grown = {key_id: total - (before or {}).get(key_id, Decimal(0)) for key_id, total in key_totals(figures).items()}
-    for key_id in set(grown) | set(costs):
-        assert grown.get(key_id, Decimal(0)) == costs.get(key_id, Decimal(0)), (key_id, grown, costs)
+    for name, value in figures.items():
+        if not name.startswith("key_spend:"):
+            continue
+        _, key_id, period = name.split(":")
+        kind = period_kind(period)
+        counted = sum((event.cost for event in events if event.key_id == key_id
+                       and period_name(kind, epoch_of(event.created_at)) == period), Decimal(0))
+        assert value - (before or {}).get(name, Decimal(0)) == counted, (name, value, counted)
 
 
 def stacks_on(aws_url: str, mock):

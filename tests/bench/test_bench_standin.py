@@ -10,7 +10,7 @@ from bench.standin import Store, StoreError, condition, item_size, read_units, u
 
 from kiln.aws import AwsError
 from kiln.errors import KeySpendLimitExceeded, RateLimitExceeded
-from kiln.store.keyspend import KeyLimits, periods_at
+from kiln.store.keyspend import KeyLimits
 from kiln.store.ledger import Ledger
 from kiln.store.usage import UsageEvent
 
@@ -89,9 +89,9 @@ def test_a_keys_own_limits_hold_through_the_stand_in_as_through_dynamodb():
     first = asyncio.run(scenario())
     item = org(s)
     assert "key_leases:k" not in item  # the set, emptied by the settle, is gone
-    assert sorted(name for name in item if name.startswith("key_spend:k:")) == sorted(
-        f"key_spend:k:{name}" for name in periods_at(first.started))
-    assert {item[f"key_spend:k:{name}"]["N"] for name in periods_at(first.started)} == {"0.3"}
+    figure = limits.figure("k", first.started)
+    assert [name for name in item if name.startswith("key_spend:k:")] == [figure] == [first.spend_figure]
+    assert item[figure] == {"N": "0.3"}
 
 
 def test_a_refused_admission_returns_the_item_as_it_was():

@@ -150,23 +150,28 @@ def test_a_management_key_cannot_call_a_model(stack, org):
     assert stack.events(org_id) == []
 
 
-def test_settling_adds_each_cost_to_the_four_periods_of_the_key(stack, org):
-    org_id, key = org
+def test_only_a_key_with_a_spend_limit_keeps_a_figure_on_its_org_and_it_is_exact(stack, org):
+    org_id, free_key = org
     ledger = LedgerCheck(stack, org_id)
-    for stream in (False, True):
-        ledger.saw(stack.post(CHAT, {**BODY, "stream": stream, "stream_options": {"include_usage": True}}, key))
+    weekly = stack.key(org_id, spend_limit="1", spend_period="week")
+    for key in (free_key, weekly):
+        for stream in (False, True):
+            ledger.saw(stack.post(CHAT, {**BODY, "stream": stream, "stream_options": {"include_usage": True}}, key))
     events = ledger.check()
-    key_id = events[0].key_id
-    now = time.time()
-    spend = stack.key_figures(org_id)
-    total = sum((event.cost for event in events), Decimal(0))
-    for period in ("day", "week", "month", "total"):
-        assert spend[f"key_spend:{key_id}:{period_name(period, now)}"] == total
+    by_key: dict[str, Decimal] = {}
+    for event in events:
+        by_key[event.key_id] = by_key.get(event.key_id, Decimal(0)) + event.cost
+    figures = {name: value for name, value in stack.key_figures(org_id).items() if name.startswith("key_spend:")}
+    assert len(figures) == 1  # the org item does not grow with keys that have no limit
+    ((name, spent),) = figures.items()
+    _, key_id, period = name.split(":")
+    assert period == period_name("week", time.time()) and spent == by_key[key_id]
     check_key_figures(stack, org_id, events)
 
 
 def test_past_periods_figures_are_removed_after_an_admission_sees_them(stack, org):
-    org_id, key = org
+    org_id, _ = org
+    key = stack.key(org_id, spend_limit="1", spend_period="day")
     stack.dynamodb.update_item(
         TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
         UpdateExpression="SET #old = :spent",
@@ -179,7 +184,8 @@ def test_past_periods_figures_are_removed_after_an_admission_sees_them(stack, or
         time.sleep(0.05)
     figures = stack.key_figures(org_id)
     assert "key_spend:key_0123456789abcdef:2020-01-01" not in figures
-    assert any(name.endswith(":total") for name in figures)  # the current ones stay
+    assert [name.rpartition(":")[2] for name in figures if name.startswith("key_spend:")] == [
+        period_name("day", time.time())]  # the current one stays
 
 
 def test_a_key_with_every_limit_still_costs_one_admission_write_and_one_settle_transaction(stack_factory):

@@ -7,7 +7,18 @@ from decimal import Decimal
 
 import pytest
 
-from kiln.store.keyspend import period_name, periods_at, resets_at, spend_attribute, spend_in, stale_spend_attributes
+from kiln.store.keyspend import (
+    KeyLimits,
+    figures_of,
+    period_kind,
+    period_name,
+    period_start,
+    periods_at,
+    resets_at,
+    spend_attribute,
+    spend_in,
+    stale_spend_attributes,
+)
 
 
 def _at(*parts: int) -> float:
@@ -50,3 +61,21 @@ def test_spend_is_read_for_the_current_period_and_past_periods_are_stale():
     assert spend_in(item, "key_a", "month", now) == 0
     assert spend_in(item, "key_b", "total", now) == 0
     assert sorted(stale_spend_attributes(item, now)) == ["key_spend:key_a:2026-11", "key_spend:key_a:2026-12-01"]
+
+
+def test_each_period_starts_where_the_previous_one_reset_and_a_name_tells_its_kind():
+    moment = _at(2026, 12, 2, 15, 0)
+    for period in ("day", "week", "month"):
+        start = period_start(period, moment)
+        assert start.timestamp() <= moment < resets_at(period, moment).timestamp()
+        assert resets_at(period, start.timestamp() - 1) == start  # the previous period ends where this begins
+        assert period_kind(period_name(period, moment)) == period
+    assert period_start("total", moment) is None and period_kind("total") == "total"
+
+
+def test_only_a_key_with_a_spend_limit_has_a_figure_and_it_names_its_own_period():
+    moment = _at(2026, 12, 2, 15, 0)
+    assert KeyLimits(concurrency=2).figure("key_a", moment) is None
+    assert KeyLimits(spend_limit=Decimal(5), spend_period="month").figure("key_a", moment) == "key_spend:key_a:2026-12"
+    item = {"key_spend:key_a:2026-12": {"N": "1"}, "key_spend:key_ab:total": {"N": "1"}, "key_leases:key_a": {"SS": ["g"]}}
+    assert figures_of(item, "key_a") == ["key_spend:key_a:2026-12"]  # not key_ab's

@@ -1,4 +1,4 @@
-"""A key's own limits, and its spend per period, kept on its org's item (contract §10).
+"""A key's own limits, and its spend against its limit, kept on its org's item (contract §10).
 
 Admission stays one conditional write and settlement one transaction because everything
 a key's limits need lives on the org item that both already write, in top-level
@@ -8,17 +8,20 @@ pre-created parent, work only on top-level attributes):
 - `key_leases:<key id>`: a string set of the generation ids the key has in flight. The
   admission ADDs its id (a set: a retried admission adds nothing twice), the settle or the
   reclaim DELETEs it, and a key's concurrency is the condition `size(...) < limit`.
-  DynamoDB removes a set that becomes empty.
-- `key_spend:<key id>:<period>`: what the key has spent in one period, for each of the four
-  kinds at once (`2026-12-01`, `2026-W49`, `2026-12`, `total`). The settle ADDs the cost to
-  the four periods the request was admitted in, so a change of `spend_period` counts from
-  the right figure, and the admission's condition reads the current period's figure.
+  DynamoDB removes a set that becomes empty, so only keys with requests in flight have one.
+- `key_spend:<key id>:<period>`: for a key with a spend limit only, what it has spent in the
+  current period of its `spend_period` (`2026-12-01`, `2026-W49`, `2026-12` or `total`). The
+  admission's condition reads it, the lease records its name, and the settle (or reclaim)
+  ADDs the request's cost to exactly that figure. Keys without a limit keep nothing on the
+  item, so the org item does not grow with the number of keys an org uses.
 
 Periods are UTC: a day starts at 00:00, a week on Monday (ISO weeks), a month on its 1st;
-`total` never resets. A request counts in the periods it was admitted in, as its usage
+`total` never resets. A request counts in the period it was admitted in, as its usage
 event's `created_at` does. The limit is soft by the requests in flight: their cost is known
 only when they settle, so a key can end a period above its limit by at most what those
-cost. Figures of past periods are removed in the background after an admission sees them.
+cost. Figures of periods that are over are removed in the background after an admission
+sees them; a revoked key's, or one whose limit is removed, by key management. A key's
+spend without a limit is read from its usage events.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from typing import Any
 __all__ = [
     "PERIODS",
     "KeyLimits",
+    "figures_of",
     "leases_attribute",
+    "period_start",
+    "period_kind",
     "period_name",
     "periods_at",
     "resets_at",
@@ -57,6 +63,13 @@ class KeyLimits:
     def any(self) -> bool:
         return self.concurrency is not None or self.spend_limit is not None
 
+    def figure(self, key_id: str, moment: float) -> str | None:
+        """The org item's attribute that holds this key's spend against its limit at `moment`
+        (None: no spend limit, no figure)."""
+        if self.spend_limit is None:
+            return None
+        return spend_attribute(key_id, period_name(self.spend_period, moment))
+
 
 def _utc(moment: float) -> datetime:
     return datetime.fromtimestamp(moment, timezone.utc)
@@ -75,6 +88,15 @@ def period_name(period: str, moment: float) -> str:
     if period == "total":
         return "total"
     raise ValueError(f"spend_period is one of {', '.join(PERIODS)}")
+
+
+def period_kind(name: str) -> str:
+    """The kind of a period from its name: 2026-12-01 day, 2026-W49 week, 2026-12 month, total."""
+    if name == "total":
+        return "total"
+    if "-W" in name:
+        return "week"
+    return "day" if name.count("-") == 2 else "month"
 
 
 def periods_at(moment: float) -> tuple[str, ...]:
@@ -97,6 +119,21 @@ def resets_at(period: str, moment: float) -> datetime | None:
     raise ValueError(f"spend_period is one of {', '.join(PERIODS)}")
 
 
+def period_start(period: str, moment: float) -> datetime | None:
+    """When the `period` that holds `moment` began (None for `total`: the key's whole life)."""
+    when = _utc(moment)
+    day = when.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        return day
+    if period == "week":
+        return day - timedelta(days=day.weekday())
+    if period == "month":
+        return day.replace(day=1)
+    if period == "total":
+        return None
+    raise ValueError(f"spend_period is one of {', '.join(PERIODS)}")
+
+
 def leases_attribute(key_id: str) -> str:
     return f"{LEASES_PREFIX}{key_id}"
 
@@ -109,6 +146,12 @@ def spend_in(item: dict[str, Any], key_id: str, period: str, moment: float) -> D
     """What the key has spent in the `period` holding `moment`, from an org item (wire form)."""
     raw = item.get(spend_attribute(key_id, period_name(period, moment)), {}).get("N")
     return Decimal(raw) if raw is not None else Decimal(0)
+
+
+def figures_of(item: dict[str, Any], key_id: str) -> list[str]:
+    """Every spend figure of this key on an org item (wire form or attribute names)."""
+    prefix = f"{SPEND_PREFIX}{key_id}:"
+    return [name for name in item if name.startswith(prefix)]
 
 
 def stale_spend_attributes(item: dict[str, Any], moment: float) -> list[str]:

@@ -55,16 +55,7 @@ from ..errors import (
 from .clock import iso_ms
 from .codec import number, to_item, within_digits
 from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
-from .keyspend import (
-    KeyLimits,
-    leases_attribute,
-    period_name,
-    periods_at,
-    resets_at,
-    spend_attribute,
-    spend_in,
-    stale_spend_attributes,
-)
+from .keyspend import KeyLimits, leases_attribute, resets_at, spend_in, stale_spend_attributes
 from .retry import RetryPolicy
 from .schema import LEASE, ORG, USAGE
 from .usage import UsageEvent
@@ -125,18 +116,22 @@ class Lease:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cost: Decimal | None = None
+    # the org item's attribute holding the key's spend against its limit, that this request's
+    # cost is added to when it settles (None: the key has no spend limit; kiln.store.keyspend)
+    spend_figure: str | None = None
 
     def to_attribute(self) -> dict[str, Any]:
-        return {
-            "M": {
-                LEASE.exp: {"N": repr(round(self.expires, 3))},
-                LEASE.started: {"N": repr(round(self.started, 3))},
-                LEASE.key: {"S": self.key_id},
-                LEASE.model: {"S": self.model},
-                LEASE.endpoint: {"S": self.endpoint},
-                LEASE.streamed: {"BOOL": self.streamed},
-            }
+        fields = {
+            LEASE.exp: {"N": repr(round(self.expires, 3))},
+            LEASE.started: {"N": repr(round(self.started, 3))},
+            LEASE.key: {"S": self.key_id},
+            LEASE.model: {"S": self.model},
+            LEASE.endpoint: {"S": self.endpoint},
+            LEASE.streamed: {"BOOL": self.streamed},
         }
+        if self.spend_figure is not None:
+            fields[LEASE.sf] = {"S": self.spend_figure}
+        return {"M": fields}
 
     @classmethod
     def from_attribute(cls, gen_id: str, org_id: str, value: dict[str, Any]) -> "Lease":
@@ -162,6 +157,7 @@ class Lease:
             prompt_tokens=count(LEASE.pt),
             completion_tokens=count(LEASE.ct),
             cost=Decimal(cost) if cost is not None else None,
+            spend_figure=fields.get(LEASE.sf, {}).get("S"),
         )
 
     def abandoned_event(self) -> UsageEvent:
@@ -223,7 +219,8 @@ class Ledger:
         (StorageError if DynamoDB fails)."""
         now = self._clock()
         limits = limits or KeyLimits()
-        lease = Lease(new_generation_id(now), org_id, key_id, model, endpoint, streamed, now, now + self._lease_ttl)
+        lease = Lease(new_generation_id(now), org_id, key_id, model, endpoint, streamed, now, now + self._lease_ttl,
+                      spend_figure=limits.figure(key_id, now))
         checks = list(ORG_CHECKS)
         names = {
             "#org_id": ORG.org_id,
@@ -245,7 +242,7 @@ class Ledger:
             values[":key_limit"] = {"N": str(limits.concurrency)}
         if limits.spend_limit is not None and limits.spend_limit > 0:
             checks.append(KEY_HAS_BUDGET)
-            names["#key_spend"] = spend_attribute(key_id, period_name(limits.spend_period, now))
+            names["#key_spend"] = lease.spend_figure
             values[":key_budget"] = {"N": number(limits.spend_limit)}
         elif limits.spend_limit is not None:
             checks.append(KEY_HAS_NO_BUDGET)
@@ -558,16 +555,15 @@ class Ledger:
 def _key_bookkeeping(charges: list[tuple[Lease, Decimal]], names: dict[str, str], values: dict[str, Any], *,
                      release: bool = True) -> str:
     """The ADD and DELETE clauses that keep each key's figures on the org item: its leases out
-    of its set of requests in flight (`release`), and each cost added to the key's spend in
-    the four periods its request was admitted in. Several leases of one key are summed: one
-    update expression may name an attribute only once."""
+    of its set of requests in flight (`release`), and each cost added to the spend figure its
+    lease names (a key with a spend limit). Several leases of one key are summed: one update
+    expression may name an attribute only once."""
     spend: dict[str, Decimal] = {}
     released: dict[str, list[str]] = {}
     for lease, cost in charges:
         released.setdefault(lease.key_id, []).append(lease.gen_id)
-        for name in periods_at(lease.started):
-            attribute = spend_attribute(lease.key_id, name)
-            spend[attribute] = spend.get(attribute, Decimal(0)) + cost
+        if lease.spend_figure is not None:
+            spend[lease.spend_figure] = spend.get(lease.spend_figure, Decimal(0)) + cost
     adds, deletes = [], []
     for index, (attribute, amount) in enumerate(spend.items()):
         names[f"#ks{index}"] = attribute

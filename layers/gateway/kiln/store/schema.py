@@ -77,8 +77,8 @@ ORG = ItemSchema(
         Attribute("leases", "M"),  # generation id -> a LEASE map: the org's requests in flight
         Attribute("created_at", "S"),
     ),
-    # and, per key with requests in flight or spend, top-level attributes of their own:
-    # key_leases:<key id> and key_spend:<key id>:<period> (see kiln.store.keyspend)
+    # and top-level attributes of their own, per key with requests in flight (key_leases:<key id>)
+    # or with a spend limit (key_spend:<key id>:<period>): see kiln.store.keyspend
 )
 
 # The fields of one entry of an org's `leases` map.
@@ -94,6 +94,7 @@ LEASE = ItemSchema(
         Attribute("pt", "N", null=True),  # prompt tokens, completion tokens and cost
         Attribute("ct", "N", null=True),  # as of the last renewal
         Attribute("cost", "money", null=True),
+        Attribute("sf", "S", null=True),  # the key's spend figure this request counts in (kiln.store.keyspend)
     ),
 )
 
