@@ -66,6 +66,9 @@ class Authenticator:
         self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
         self._pending: dict[str, asyncio.Future] = {}
         self._touches: set[asyncio.Task] = set()
+        # bumped by forget_key: a lookup that began before a key was forgotten may have read
+        # it as it was, and must not put that back in the cache
+        self._forgets = 0
 
     async def authenticate(self, authorization: str | None) -> Principal:
         secret = _bearer(authorization)
@@ -87,6 +90,7 @@ class Authenticator:
             return await asyncio.shield(pending)
         future = asyncio.get_running_loop().create_future()
         self._pending[key_hash] = future
+        forgets = self._forgets
         try:
             principal, stale_last_used = await self._load(key_hash)
             future.set_result(principal)
@@ -95,8 +99,10 @@ class Authenticator:
             future.exception()  # mark retrieved: the waiters, if any, re-raise it
             raise
         finally:
-            del self._pending[key_hash]
-        self._remember(key_hash, principal)
+            if self._pending.get(key_hash) is future:
+                del self._pending[key_hash]
+        if forgets == self._forgets:
+            self._remember(key_hash, principal)
         if stale_last_used:
             task = asyncio.ensure_future(self._touch(key_hash))
             self._touches.add(task)  # held until done, and not awaited: never on the request's path
@@ -111,6 +117,9 @@ class Authenticator:
 
     def forget_key(self, key_id: str) -> None:
         """Drop a key from this process's cache at once (it was revoked or changed here)."""
+        self._forgets += 1
+        for key_hash in list(self._pending):
+            del self._pending[key_hash]  # a lookup already under way is not shared with later ones
         for key_hash, (_, principal) in list(self._cache.items()):
             if principal is not None and principal.key_id == key_id:
                 del self._cache[key_hash]
