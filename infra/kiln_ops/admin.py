@@ -10,6 +10,7 @@ on stderr (argument errors: exit 2).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from decimal import Decimal
@@ -196,6 +197,16 @@ def _models_flag(text: str) -> list[str]:
     return models
 
 
+_AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _spend_limit_flag(text: str) -> Decimal:
+    """An amount of USD in ASCII digits: Decimal() alone takes "1_000" and digits of any script."""
+    if not _AMOUNT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}")
+    return usd(text.strip())
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def value(text: str) -> str:
         if text not in choices:
@@ -214,7 +225,7 @@ def _key_attribute_flags(parser: argparse.ArgumentParser, clears: str) -> None:
                         help=f"comma-separated catalog ids the key may call (default: every model){clears}")
     parser.add_argument("--concurrency", type=_or_none(_positive),
                         help=f"its own limit of requests in flight, at most the org's (default: the org's){clears}")
-    parser.add_argument("--spend-limit", type=_or_none(usd), dest="spend_limit",
+    parser.add_argument("--spend-limit", type=_or_none(_spend_limit_flag), dest="spend_limit",
                         help=f"USD the key may spend per --spend-period (default: no limit){clears}")
     parser.add_argument("--spend-period", type=_or_none(_choice("day", "week", "month", "total")),
                         dest="spend_period", help=f"day, week, month (UTC) or total (default){clears}")
@@ -370,22 +381,28 @@ def _keys_create(ctx: Context, args: argparse.Namespace, out) -> None:
         out(f"  {_key_summary(key)}")
 
 
-def _keys_update(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.store.keys import update_key
+def _with_keyring(ctx: Context, use: Callable[[Any], Any]) -> Any:
+    """`use(keyring)` on key management of these tables, the usage events included (a key's
+    spend without a limit is summed from them, and a new limit's figure seeded from them)."""
+    from kiln.store.keys import _run
 
+    usage_table = ctx.tables.usage.Meta.table_name
+    return _run(ctx.tables, lambda keyring: use(keyring.reading_usage(usage_table)))
+
+
+def _keys_update(ctx: Context, args: argparse.Namespace, out) -> None:
     changes = _key_flags(args)
     if not changes:
         raise AdminError("nothing to change: give --label, --role, --models, --concurrency, --spend-limit "
                          "or --spend-period (none clears one)")
-    key = update_key(ctx.tables, args.key_id, known_models=_known_models(ctx, changes), **changes)
+    known = _known_models(ctx, changes)
+    key = _with_keyring(ctx, lambda keyring: keyring.update(args.key_id, changes, known_models=known))
     out(f"updated key {key.key_id} ({key.prefix}…) of org {key.org_id}: {_key_summary(key)}")
     out("  the gateway applies it within its auth cache time")
 
 
 def _keys_revoke(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.store.keys import revoke_key
-
-    key = revoke_key(ctx.tables, args.key_id)
+    key = _with_keyring(ctx, lambda keyring: keyring.revoke(args.key_id))
     out(f"revoked key {key.key_id} ({key.prefix}…) of org {key.org_id}")
 
 
@@ -394,7 +411,10 @@ KEY_COLUMNS = ("key_id", "prefix", "status", "created_at", "last_used_at", "revo
 
 
 def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.store.keys import describe_keys
+    async def describe(keyring: Any) -> list[dict[str, Any]]:
+        # each key's spend this period: its figure (a key with a limit), else summed from the
+        # org's events, read once for every key
+        return await keyring.describe(args.org, await keyring.list(args.org))
 
     rows = [
         {
@@ -403,7 +423,7 @@ def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
             "prefix": key["prefix"] + "…",
             "models": ",".join(key["models"]) if key["models"] is not None else None,
         }
-        for key in describe_keys(ctx.tables, args.org)
+        for key in _with_keyring(ctx, describe)
     ]
     render(rows, KEY_COLUMNS, args.format, out)
 

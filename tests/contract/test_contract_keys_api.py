@@ -7,14 +7,20 @@ another org's key id is 404 exactly as an unknown one.
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kiln.store.clock import iso_ms
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
+from kiln.store.keyspend import KeyLimits
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
@@ -274,3 +280,203 @@ def test_any_key_attributes_get_a_key_or_a_400(shared_stack, fuzz_admin, body, m
         assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["param"] in body
     else:
         assert set(answer) - {"secret"} == KEY_FIELDS
+
+
+# -- a key's spend: its figure on the org item (a key with a limit), else its usage events ------------
+
+
+def put_event(stack, org_id: str, key_id: str, created_at: str, cost: str) -> None:
+    """A settled request of the key at `created_at`, written as the ledger writes one."""
+    stack.dynamodb.put_item(TableName=stack.settings.usage_table, Item={
+        "gen_id": {"S": f"gen-{secrets.token_hex(8)}"}, "org_id": {"S": org_id}, "created_at": {"S": created_at},
+        "key_id": {"S": key_id}, "model": {"S": "qwen3-32b"}, "endpoint": {"S": "chat.completions"},
+        "streamed": {"BOOL": False}, "status": {"S": "success"}, "cost": {"N": cost}})
+
+
+def figures_of_key(stack, org_id: str, key_id: str) -> dict[str, Decimal]:
+    return {name: value for name, value in stack.key_figures(org_id).items() if name.startswith(f"key_spend:{key_id}:")}
+
+
+def set_figure(stack, org_id: str, name: str, value: str) -> None:
+    stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                               UpdateExpression="SET #f = :v", ExpressionAttributeNames={"#f": name},
+                               ExpressionAttributeValues={":v": {"N": value}})
+
+
+def now_stored(offset: timedelta = timedelta(0)) -> str:
+    return iso_ms((datetime.now(timezone.utc) + offset).timestamp())
+
+
+def test_a_key_without_a_limit_shows_this_periods_spend_from_its_events(stack):
+    org_id, admin = management_org(stack)
+    daily = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
+    total = call(stack, "POST", "/v1/keys", admin, {}).json()
+    put_event(stack, org_id, daily["id"], now_stored(-timedelta(days=2)), "7")  # an earlier day: not today's
+    put_event(stack, org_id, total["id"], now_stored(-timedelta(days=2)), "7")  # before the key was made
+    for key in (daily, total):
+        assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    costs = {event.key_id: event.cost for event in stack.events(org_id) if event.cost != 7}
+    assert figures_of_key(stack, org_id, daily["id"]) == figures_of_key(stack, org_id, total["id"]) == {}
+    listed = {item["id"]: item for item in call(stack, "GET", "/v1/keys", admin).json()["data"]}
+    for key in (daily, total):
+        assert Decimal(str(listed[key["id"]]["spend"])) == costs[key["id"]]
+        one = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+        assert Decimal(str(one["spend"])) == costs[key["id"]]
+        assert Decimal(str(call(stack, "GET", "/v1/key", key["secret"]).json()["spend"])) == costs[key["id"]]
+
+
+def test_a_list_reads_the_orgs_events_once_for_every_key(stack):
+    org_id, admin = management_org(stack)
+    keys = [call(stack, "POST", "/v1/keys", admin, {"spend_period": period}).json()
+            for period in ("day", "week", "month", "total")]
+    for key in keys:
+        assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    before = stack.faults.count("Query", lambda payload: payload["TableName"] == stack.settings.usage_table)
+    listed = call(stack, "GET", "/v1/keys", admin).json()["data"]
+    assert stack.faults.count("Query", lambda payload: payload["TableName"] == stack.settings.usage_table) == before + 1
+    costs = {event.key_id: event.cost for event in stack.events(org_id)}
+    assert {item["id"]: Decimal(str(item["spend"])) for item in listed} == {
+        item["id"]: costs.get(item["id"], Decimal(0)) for item in listed}
+
+
+def test_a_key_with_a_limit_shows_its_figure(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    (figure,) = figures_of_key(stack, org_id, key["id"])
+    assert figure == KeyLimits(None, Decimal(5), "day").figure(key["id"], time.time())
+    set_figure(stack, org_id, figure, "1.25")  # what the figure says is what is shown
+    assert call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()["spend"] == 1.25
+    assert call(stack, "GET", "/v1/key", key["secret"]).json()["spend"] == 1.25
+
+
+def test_setting_a_limit_seeds_the_figure_with_this_periods_spend(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    spent = sum((event.cost for event in stack.events(org_id)), Decimal(0))
+    assert figures_of_key(stack, org_id, key["id"]) == {}
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": "5", "spend_period": "day"})
+    assert changed.status_code == 200, changed.text
+    day = KeyLimits(None, Decimal(5), "day").figure(key["id"], time.time())
+    assert figures_of_key(stack, org_id, key["id"]) == {day: spent}
+    assert Decimal(str(changed.json()["spend"])) == spent
+    # the figure goes on counting from there
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    assert figures_of_key(stack, org_id, key["id"]) == {day: sum((e.cost for e in stack.events(org_id)), Decimal(0))}
+
+
+def test_a_limit_at_what_the_key_already_spent_refuses_it_at_once(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "month"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    (event,) = stack.events(org_id)
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": str(event.cost)}).status_code == 200
+    refused = stack.post(CHAT, BODY, key["secret"])
+    assert refused.status_code == 402 and refused.json()["error"]["code"] == "key_spend_limit_exceeded"
+
+
+def test_a_new_spend_period_seeds_its_figure_and_removes_the_old_one(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    put_event(stack, org_id, key["id"], now_stored(timedelta(seconds=-1)), "0.5")  # counted in no figure
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    (day,) = figures_of_key(stack, org_id, key["id"])
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "month"})
+    assert changed.status_code == 200, changed.text
+    month = KeyLimits(None, Decimal(5), "month").figure(key["id"], time.time())
+    spent = sum((event.cost for event in stack.events(org_id)), Decimal(0))  # summed from the events
+    assert figures_of_key(stack, org_id, key["id"]) == {month: spent}
+    assert Decimal(str(changed.json()["spend"])) == spent
+
+
+def test_a_figure_that_exists_already_is_kept_as_it_is(stack):
+    """A figure there already is counting (requests settled into it): a seed never overwrites it."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "week"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    week = KeyLimits(None, Decimal(5), "week").figure(key["id"], time.time())
+    set_figure(stack, org_id, week, "3")
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
+    assert figures_of_key(stack, org_id, key["id"]) == {week: Decimal(3)}
+
+
+def test_changing_only_the_amount_leaves_the_figure_alone(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    (day,) = figures_of_key(stack, org_id, key["id"])
+    set_figure(stack, org_id, day, "2")  # not what the events sum to: a seed would show
+    writes = stack.faults.count("UpdateItem", lambda payload: payload["TableName"] == stack.settings.orgs_table)
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": "9", "label": "x"}).status_code == 200
+    assert figures_of_key(stack, org_id, key["id"]) == {day: Decimal(2)}
+    assert stack.faults.count("UpdateItem", lambda payload: payload["TableName"] == stack.settings.orgs_table) == writes
+
+
+def test_a_limit_set_on_a_key_that_spent_nothing_adds_no_figure(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {}).json()
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 1}).status_code == 200
+    assert figures_of_key(stack, org_id, key["id"]) == {}
+
+
+def test_removing_the_limit_removes_the_figures(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    set_figure(stack, org_id, f"key_spend:{key['id']}:2020-01", "1")  # one left by an earlier change
+    cleared = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": None})
+    assert cleared.status_code == 200, cleared.text
+    assert figures_of_key(stack, org_id, key["id"]) == {}
+    (event,) = stack.events(org_id)
+    assert Decimal(str(cleared.json()["spend"])) == event.cost  # from its events now
+
+
+def test_revoking_a_key_removes_its_figures(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "total"}).json()
+    other = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "total"}).json()
+    for each in (key, other):
+        assert stack.post(CHAT, BODY, each["secret"]).status_code == 200
+    revoked = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)
+    assert revoked.status_code == 200, revoked.text
+    assert figures_of_key(stack, org_id, key["id"]) == {}
+    assert len(figures_of_key(stack, org_id, other["id"])) == 1  # another key's are its own
+    costs = {event.key_id: event.cost for event in stack.events(org_id)}
+    assert Decimal(str(revoked.json()["spend"])) == costs[key["id"]]  # from its events
+    set_figure(stack, org_id, f"key_spend:{key['id']}:total", "1")  # a request that settled after
+    assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200  # revoking again tidies
+    assert figures_of_key(stack, org_id, key["id"]) == {}
+
+
+def test_removing_figures_is_tried_again_over_settle_conflicts(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    hits = stack.faults.fail("UpdateItem", code="TransactionConflictException", times=4,
+                             when=lambda payload: payload["TableName"] == stack.settings.orgs_table)
+    try:
+        assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
+    finally:
+        stack.faults.clear()
+    assert len(hits) == 5 and figures_of_key(stack, org_id, key["id"]) == {}
+
+
+def test_a_failure_to_remove_the_figures_does_not_undo_the_revocation(stack, caplog):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    stack.faults.fail("UpdateItem", code="ValidationException",
+                      when=lambda payload: payload["TableName"] == stack.settings.orgs_table)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln.keys"):
+            revoked = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)
+    finally:
+        stack.faults.clear()
+    assert revoked.status_code == 200 and revoked.json()["status"] == "revoked"
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 401
+    assert "key_figures_not_removed" in caplog.text and key["id"] in caplog.text
+    assert len(figures_of_key(stack, org_id, key["id"])) == 1  # left; revoking again removes it
+    assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
+    assert figures_of_key(stack, org_id, key["id"]) == {}

@@ -28,6 +28,7 @@ import pytest
 from kiln.settings import Settings
 from kiln.store import RecordNotFound
 from kiln.store.keys import hash_secret, looks_like_key
+from kiln.store.keyspend import KeyLimits
 from kiln_ops.admin import run_admin
 from kiln_ops.cli import build_parser
 from support import dead_url
@@ -424,6 +425,62 @@ def test_keys_list_shows_labels_roles_limits_and_this_periods_spend(admin, stack
                                            "PERIOD", "SPEND"]
     assert plain not in table.text and limited not in table.text
     assert any(line.startswith(limited_id) and "nightly" in line and "month" in line for line in table.lines)
+
+
+def _figures(stack, org_id: str, key_id: str) -> dict[str, Decimal]:
+    return {name: value for name, value in stack.key_figures(org_id).items() if name.startswith(f"key_spend:{key_id}:")}
+
+
+def test_keys_revoke_takes_the_keys_figure_off_its_org(admin, stack):
+    org_id, plain_id, _ = org_with_key(admin, credits="5")
+    limited_id, limited = created_key(admin("keys", "create", org_id, "--spend-limit", "1", "--spend-period", "total"))
+    assert stack.post(CHAT_PATH, CHAT, limited).status_code == 200
+    assert list(_figures(stack, org_id, limited_id)) == [f"key_spend:{limited_id}:total"]
+    assert admin("keys", "revoke", limited_id).code == 0
+    assert _figures(stack, org_id, limited_id) == {}
+    row = {row["key_id"]: row for row in json.loads(admin("keys", "list", org_id, "--format", "json").text)}[limited_id]
+    assert Decimal(row["spend"]) == stack.events(org_id)[0].cost  # from its events
+
+
+def test_keys_update_seeds_a_new_limits_figure_and_none_removes_it(admin, stack):
+    org_id, key_id, secret = org_with_key(admin, credits="5")
+    for _ in range(2):
+        assert stack.post(CHAT_PATH, CHAT, secret).status_code == 200
+    spent = sum((event.cost for event in stack.events(org_id)), Decimal(0))
+    assert _figures(stack, org_id, key_id) == {}
+    assert admin("keys", "update", key_id, "--spend-limit", "5", "--spend-period", "day").code == 0
+    day = KeyLimits(None, Decimal(5), "day").figure(key_id, time.time())
+    assert _figures(stack, org_id, key_id) == {day: spent}
+    assert admin("keys", "update", key_id, "--spend-period", "month").code == 0
+    month = KeyLimits(None, Decimal(5), "month").figure(key_id, time.time())
+    assert _figures(stack, org_id, key_id) == {month: spent}
+    stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                               UpdateExpression="SET #f = :v", ExpressionAttributeNames={"#f": month},
+                               ExpressionAttributeValues={":v": {"N": "4"}})
+    assert admin("keys", "update", key_id, "--spend-limit", "7").code == 0  # the amount only: left alone
+    assert _figures(stack, org_id, key_id) == {month: Decimal(4)}
+    row = {row["key_id"]: row for row in json.loads(admin("keys", "list", org_id, "--format", "json").text)}[key_id]
+    assert Decimal(row["spend"]) == 4  # a key with a limit shows its figure
+    assert admin("keys", "update", key_id, "--spend-limit", "none").code == 0
+    assert _figures(stack, org_id, key_id) == {}
+
+
+def test_keys_list_shows_a_key_without_a_limit_its_spend_this_period(admin, stack):
+    org_id, plain_id, plain = org_with_key(admin, credits="5")
+    daily_id, daily = created_key(admin("keys", "create", org_id, "--spend-period", "day"))
+    for secret in (plain, daily, daily):
+        assert stack.post(CHAT_PATH, CHAT, secret).status_code == 200
+    costs: dict[str, Decimal] = {}
+    for event in stack.events(org_id):
+        costs[event.key_id] = costs.get(event.key_id, Decimal(0)) + event.cost
+    rows = {row["key_id"]: row for row in json.loads(admin("keys", "list", org_id, "--format", "json").text)}
+    assert {key_id: Decimal(row["spend"]) for key_id, row in rows.items()} == costs
+    assert stack.key_figures(org_id) == {}
+
+
+@pytest.mark.parametrize("amount", ["1_000", "\u0661\u0660", "\uff15"])
+def test_keys_spend_limit_in_other_digits_is_refused(admin, amount):
+    assert_fails(admin("keys", "create", "any-org", "--spend-limit", amount), "not an amount of USD", code=2)
 
 
 # -- credits ------------------------------------------------------------------------------------

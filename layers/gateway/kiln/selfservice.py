@@ -10,15 +10,25 @@ and usage is summed by `kiln.usage_report`, as `kiln admin usage` sums it.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime, timedelta, timezone
-from typing import Any, Awaitable, Callable
+from decimal import Decimal
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from .auth import Principal
-from .errors import GatewayError, InvalidType, InvalidValue, KeyNotFound, ManagementKeyRequired, UnknownParameter
+from .errors import (
+    GatewayError,
+    InvalidJson,
+    InvalidType,
+    InvalidValue,
+    KeyNotFound,
+    ManagementKeyRequired,
+    UnknownParameter,
+)
 from .gateway import Gateway
 from .handlers import _authenticate, get_gateway, read_json
 from .jsonio import dumps
@@ -45,19 +55,65 @@ _ATTRIBUTE_ERRORS: dict[str, type[GatewayError]] = {
 
 def _keyring(gateway: Gateway) -> Keyring:
     settings = gateway.settings
-    return Keyring(gateway.aws, keys_table=settings.keys_table, orgs_table=settings.orgs_table, clock=gateway.clock)
+    return Keyring(gateway.aws, keys_table=settings.keys_table, orgs_table=settings.orgs_table,
+                   usage_table=settings.usage_table, clock=gateway.clock)
 
 
 async def _checks(gateway: Gateway, request: Request, record: RequestRecord, *, body: bool = False,
                   management: bool = False) -> tuple[Principal, Any]:
     """Checks 1-3 of §2 (maintenance, the body if any, the key), then the key's role."""
     await gateway.check_maintenance()
-    document = await read_json(request, gateway.settings.max_body_bytes) if body else None
+    document = await _read_body(request, gateway.settings.max_body_bytes) if body else None
     principal = await _authenticate(gateway, request)
     record.org_id = principal.org_id
     if management and not principal.management:
         raise ManagementKeyRequired(MANAGEMENT_REQUIRED)
     return principal, document
+
+
+class _Kept:
+    """The request as read_json reads it (its headers, its body's chunks), keeping the raw body."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self.headers = request.headers
+        self.raw = bytearray()
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        async for chunk in self._request.stream():
+            self.raw += chunk
+            yield chunk
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in seen:
+            raise _DuplicateName(name)
+        seen[name] = value
+    return seen
+
+
+class _DuplicateName(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+async def _read_body(request: Request, limit: int) -> Any:
+    """The body as read_json reads it, and 400 invalid_json if an object in it names a member
+    twice: JSON parsers keep the first or the last, so the key made would depend on who read it."""
+    kept = _Kept(request)
+    document = await read_json(kept, limit)  # type: ignore[arg-type]
+    try:
+        json.loads(bytes(kept.raw), object_pairs_hook=_unique_names)
+    except _DuplicateName as duplicate:
+        name = duplicate.name if len(duplicate.name) <= 64 else duplicate.name[:64] + "…"
+        raise InvalidJson(f"The request body names {json.dumps(name)} more than once; give each attribute "
+                          f"once.") from None
+    except ValueError:  # read_json accepted the body: nothing else can fail here
+        pass
+    return document
 
 
 def _served(endpoint: str, work: Callable[[Gateway, Request, RequestRecord], Awaitable[Response]]):
@@ -104,8 +160,8 @@ async def _current_key(gateway: Gateway, request: Request, record: RequestRecord
     key = await gateway.storage(keyring.by_hash(hash_secret(_secret(request))))
     if key is None or key.key_id != principal.key_id:
         key = await gateway.storage(keyring.get(principal.key_id, org_id=principal.org_id))
-    org = await gateway.storage(keyring.org(principal.org_id))
-    return json_response(dumps(key_object(key, org.item, keyring.clock())))
+    (shown,) = await gateway.storage(keyring.describe(principal.org_id, [key]))
+    return json_response(dumps(shown))
 
 
 def _secret(request: Request) -> str:
@@ -196,7 +252,8 @@ async def _create(gateway: Gateway, request: Request, record: RequestRecord) -> 
     keyring = _keyring(gateway)
     known = await _known_models(gateway, body)
     issued = await gateway.storage(_answer(keyring.create(principal.org_id, body, known_models=known)))
-    document = {**key_object(issued, {}, keyring.clock()), "secret": issued.secret}
+    # a new key has spent nothing: no read of its events
+    document = {**key_object(issued, {}, keyring.clock(), spend=Decimal(0)), "secret": issued.secret}
     return json_response(dumps(document), status=201)
 
 
@@ -204,17 +261,16 @@ async def _list(gateway: Gateway, request: Request, record: RequestRecord) -> Re
     principal, _ = await _checks(gateway, request, record, management=True)
     keyring = _keyring(gateway)
     keys = await gateway.storage(keyring.list(principal.org_id))
-    org = await gateway.storage(keyring.org(principal.org_id))
-    now = keyring.clock()
-    return json_response(dumps({"object": "list", "data": [key_object(key, org.item, now) for key in keys]}))
+    shown = await gateway.storage(keyring.describe(principal.org_id, keys))
+    return json_response(dumps({"object": "list", "data": shown}))
 
 
 async def _one(gateway: Gateway, principal: Principal, key_id: str, action: Awaitable[Any]) -> Response:
     """Run a keyring call on one key of the caller's org; any other id is 404 key_not_found."""
     keyring = _keyring(gateway)
     key = await gateway.storage(_answer(action, key_id))
-    org = await gateway.storage(keyring.org(principal.org_id))
-    return json_response(dumps(key_object(key, org.item, keyring.clock())))
+    (shown,) = await gateway.storage(keyring.describe(principal.org_id, [key]))
+    return json_response(dumps(shown))
 
 
 async def _retrieve(gateway: Gateway, request: Request, record: RequestRecord) -> Response:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 from .store.usage import UsageEvent
 
-__all__ = ["COLUMNS", "GROUPINGS", "Line", "Summary", "in_span", "parse_time", "stored_time", "summarize"]
+__all__ = ["COLUMNS", "GROUPINGS", "KeySpend", "Line", "Summary", "in_span", "parse_time", "stored_time", "summarize"]
 
 GROUPINGS: dict[str, Callable[[UsageEvent], str]] = {
     "model": lambda event: event.model,
@@ -62,6 +62,28 @@ class Summary:
 
     def columns(self) -> tuple[str, ...]:
         return ("group", *COLUMNS)
+
+
+@dataclass
+class KeySpend:
+    """Keys' spend summed from their usage events, each from its own start (a stored time):
+    one pass over the org's events, from the earliest start, serves every key."""
+
+    starts: dict[str, str]  # key id -> the first moment counted
+    spent: dict[str, Decimal] = field(default_factory=dict)
+
+    @property
+    def since(self) -> str | None:
+        """Where a read of the org's events needs to begin (None: no key to sum)."""
+        return min(self.starts.values(), default=None)
+
+    def add(self, key_id: str, created_at: str, cost: Decimal) -> None:
+        start = self.starts.get(key_id)
+        if start is not None and created_at >= start:
+            self.spent[key_id] = self.spent.get(key_id, Decimal(0)) + cost
+
+    def of(self, key_id: str) -> Decimal:
+        return self.spent.get(key_id, Decimal(0))
 
 
 def summarize(events: Iterable[UsageEvent], by: str, progress: Callable[[int], None] | None = None) -> Summary:

@@ -94,6 +94,7 @@ def create_app(
             await made.aclose()
 
     app = FastAPI(title="Kiln gateway", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.router.redirect_slashes = False  # a trailing slash is an unknown URL, not a 307 to a Host-built Location
     if isinstance(gateway, Gateway):
         app.state.gateway = gateway
     else:

@@ -10,24 +10,35 @@ by id through the keys table's `by_key_id` index (eventually consistent: a key m
 moment ago may take a second to be found by id; its secret works at once), then written
 by its hash with a condition naming its org, so an id of another org is never touched.
 Changes are PATCH-like: a field given as null goes back to its default.
+
+A key with a spend limit counts its spend in one figure on its org item (kiln.store.keyspend);
+key management keeps it in step: a revocation or a limit removed takes the key's figures off,
+a limit set or a new spend period starts the new period's figure at what the key already spent
+in it (from its usage events). A key without a limit is shown its spend summed from its events.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import random
 import re
 import secrets
 import time
 import unicodedata
 from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping, Sequence
 
+from ..usage_report import KeySpend
 from .clock import iso_ms
 from .codec import number
 from .errors import AlreadyRevoked, ConditionFailed, RecordNotFound, UnstorableValue, condition_failure
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
-from .keyspend import PERIODS, resets_at, spend_in
+from .keyspend import PERIODS, KeyLimits, figures_of, period_start, resets_at, spend_in
 from .schema import KEY, ORG
+from .usage import key_costs
 
 __all__ = [
     "EDITABLE",
@@ -40,16 +51,28 @@ __all__ = [
     "validate_changes",
 ]
 
+log = logging.getLogger("kiln.keys")
+
 KEY_ID = re.compile(r"key_[0-9a-f]{16}")
 ROLES = ("inference", "management")
 # what a caller may set on a key, at creation or later
 EDITABLE = ("label", "role", "models", "concurrency", "spend_limit", "spend_period")
+# what an attribute cleared (null) goes back to; the others to None
+_DEFAULTS = {"role": "inference", "spend_period": "total"}
+# A key-management write to an org item meets the settle transactions of its requests:
+# DynamoDB refuses it with TransactionConflictException, unapplied, so it is tried again
+# (as kiln.store.orgs does). Both writes made here are safe to apply twice.
+_CONFLICT_ATTEMPTS = 20
 MAX_LABEL = 100
 # what a label may not hold besides control characters: the bidirectional embeddings,
 # overrides and isolates, which reorder the text shown around them
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 # a spend limit is below this (38 digits before the point at most)
 MAX_SPEND_LIMIT = Decimal("1E+38")
+# an amount as text: ASCII digits, a point, an exponent (a number's JSON form, or Decimal's)
+_AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+# an id echoed in an error message is cut to this many characters
+MAX_SHOWN_ID = 64
 # the spend figures live on the org item: see kiln.store.keyspend
 
 
@@ -104,8 +127,13 @@ def _models(value: Any, known_models: Collection[str] | None, org_limit: Any) ->
     if known_models is not None:
         unknown = [item for item in value if item not in known_models]
         if unknown:
-            raise InvalidKeyAttribute("models", f"The model `{unknown[0]}` is not in the catalog.")
+            raise InvalidKeyAttribute("models", f"The model `{_shown(unknown[0])}` is not in the catalog.")
     return tuple(sorted(set(value)))
+
+
+def _shown(text: str) -> str:
+    """A caller's id as an error message echoes it: at most MAX_SHOWN_ID characters."""
+    return text if len(text) <= MAX_SHOWN_ID else text[:MAX_SHOWN_ID] + "…"
 
 
 def _concurrency(value: Any, known_models: Any, org_limit: int | None) -> int:
@@ -121,8 +149,11 @@ def _spend_limit(value: Any, known_models: Any, org_limit: Any) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal)):
         raise InvalidKeyAttribute("spend_limit", "spend_limit must be an amount of USD (a number or a decimal string).",
                                   "invalid_type")
+    text = value.strip() if isinstance(value, str) else str(value)
     try:
-        amount = Decimal(str(value).strip())
+        # Decimal() would take digits of any script and underscores between them ("1_000",
+        # "١٠"): an amount is written in ASCII digits, as JSON writes numbers
+        amount = Decimal(text) if _AMOUNT.fullmatch(text) else None
     except InvalidOperation:
         amount = None
     if amount is None or not amount.is_finite() or amount < 0:
@@ -188,9 +219,12 @@ def _info(item: dict[str, Any]) -> KeyInfo:
     )
 
 
-def key_object(key: KeyInfo, org_item: Mapping[str, Any], now: float) -> dict[str, Any]:
-    """A key as its org sees it (never its secret or hash); `spend` is the current period's."""
+def key_object(key: KeyInfo, org_item: Mapping[str, Any], now: float, *, spend: Decimal | None = None) -> dict[str, Any]:
+    """A key as its org sees it (never its secret or hash); `spend` is the current period's
+    (given, as Keyring.spends sums it; else the key's figure on `org_item`)."""
     resets = resets_at(key.spend_period, now)
+    if spend is None:
+        spend = spend_in(dict(org_item), key.key_id, key.spend_period, now)
     return {
         "object": "key",
         "id": key.key_id,
@@ -200,7 +234,7 @@ def key_object(key: KeyInfo, org_item: Mapping[str, Any], now: float) -> dict[st
         "concurrency": key.concurrency,
         "spend_limit": key.spend_limit,
         "spend_period": key.spend_period,
-        "spend": spend_in(dict(org_item), key.key_id, key.spend_period, now),
+        "spend": spend,
         "period_resets_at": iso_ms(resets.timestamp()) if resets is not None else None,
         "created_at": key.created_at,
         "last_used_at": key.last_used_at,
@@ -224,10 +258,16 @@ class OrgView:
 class Keyring:
     """Key management over the lean client; raises RecordNotFound, AlreadyRevoked, InvalidKeyAttribute."""
 
-    def __init__(self, aws: Any, *, keys_table: str, orgs_table: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, aws: Any, *, keys_table: str, orgs_table: str, usage_table: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self._aws = aws
-        self._keys_table, self._orgs_table = keys_table, orgs_table
+        self._keys_table, self._orgs_table, self._usage_table = keys_table, orgs_table, usage_table
         self.clock = clock
+
+    def reading_usage(self, usage_table: str) -> "Keyring":
+        """This keyring, reading keys' spend from the usage events of `usage_table` too."""
+        return Keyring(self._aws, keys_table=self._keys_table, orgs_table=self._orgs_table, usage_table=usage_table,
+                       clock=self.clock)
 
     # -- orgs --------------------------------------------------------------------------------
 
@@ -296,6 +336,100 @@ class Keyring:
                 return keys
             payload["ExclusiveStartKey"] = page["LastEvaluatedKey"]
 
+    # -- spend -----------------------------------------------------------------------------
+
+    async def spends(self, org_id: str, keys: Sequence[KeyInfo], org_item: Mapping[str, Any],
+                     now: float) -> dict[str, Decimal]:
+        """Key id -> its spend in the current period of its spend_period at `now`: a key with a
+        spend limit, its figure on `org_item`; any other (or a revoked key, whose figures are
+        gone), summed from its usage events (since its creation, for `total`), all of them
+        from one read of the org's events."""
+        spent: dict[str, Decimal] = {}
+        starts: dict[str, str] = {}
+        for key in keys:
+            if _counted_on_org(key):
+                spent[key.key_id] = spend_in(dict(org_item), key.key_id, key.spend_period, now)
+            else:
+                starts[key.key_id] = _period_began(key, now)
+        if starts:
+            summed = KeySpend(starts)
+            only = next(iter(starts)) if len(starts) == 1 else None
+            async for key_id, created_at, cost in key_costs(self._aws, self._usage(), org_id, summed.since or "",
+                                                             key_id=only):
+                summed.add(key_id, created_at, cost)
+            spent.update({key_id: summed.of(key_id) for key_id in starts})
+        return spent
+
+    async def describe(self, org_id: str, keys: Sequence[KeyInfo]) -> list[dict[str, Any]]:
+        """The keys (of `org_id`) as their org sees them (key_object), each with its spend."""
+        now = self.clock()
+        org = await self.org(org_id)
+        spent = await self.spends(org_id, keys, org.item, now)
+        return [key_object(key, org.item, now, spend=spent[key.key_id]) for key in keys]
+
+    def _usage(self) -> str:
+        if self._usage_table is None:
+            raise ValueError("this keyring reads no usage table: a key's spend without a limit cannot be summed")
+        return self._usage_table
+
+    # -- the keys' figures on the org item (kiln.store.keyspend) ------------------------------
+
+    async def _org_write(self, org_id: str, update: str, names: dict[str, str],
+                         values: dict[str, Any] | None = None, condition: str = "") -> bool:
+        """One UpdateItem of an org item that exists, tried again while it meets settle
+        transactions; False if its condition (or the org) failed."""
+        payload: dict[str, Any] = {
+            "TableName": self._orgs_table,
+            "Key": {ORG.hash_key: {"S": org_id}},
+            "UpdateExpression": update,
+            "ConditionExpression": "attribute_exists(#org_id)" + (f" AND {condition}" if condition else ""),
+            "ExpressionAttributeNames": {**names, "#org_id": ORG.org_id},
+        }
+        if values:
+            payload["ExpressionAttributeValues"] = values
+        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+            try:
+                await self._aws.dynamodb("UpdateItem", payload)
+                return True
+            except Exception as exc:
+                if isinstance(condition_failure(exc), ConditionFailed):
+                    return False
+                if getattr(exc, "code", None) != "TransactionConflictException" or attempt == _CONFLICT_ATTEMPTS:
+                    raise
+            await asyncio.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    async def remove_figures(self, org_id: str, key_id: str, *, keep: str | None = None) -> list[str]:
+        """REMOVE the key's spend figures (but `keep`) from its org item, as a consistent read
+        finds them: those removed."""
+        stale = [name for name in figures_of((await self.org(org_id)).item, key_id) if name != keep]
+        if stale:
+            names = {f"#f{index}": name for index, name in enumerate(stale)}
+            await self._org_write(org_id, "REMOVE " + ", ".join(names), names)
+        return stale
+
+    async def _tidy(self, key: KeyInfo, *, keep: str | None = None, why: str) -> None:
+        """remove_figures after a key change that stands whatever comes of it: a failure is
+        logged (the figures left only take room on the org item; the next change tries again)."""
+        try:
+            await self.remove_figures(key.org_id, key.key_id, keep=keep)
+        except Exception as exc:  # noqa: BLE001 - the key's change is made; this is housekeeping
+            log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
+                                    "after": why, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+
+    async def _seed(self, key: KeyInfo, now: float) -> str | None:
+        """The figure the key (as it will be) counts in at `now`, made if it is not there with
+        what the key has spent in that period so far, from its usage events. A figure that
+        exists is counting already and is left as it is. Its name (None: no limit)."""
+        figure = _limits(key).figure(key.key_id, now)
+        if figure is None:
+            return None
+        spent = (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
+        if spent:
+            await self._org_write(key.org_id, "SET #f = :spent", {"#f": figure}, {":spent": {"N": number(spent)}},
+                                  "attribute_not_exists(#f)")
+        return figure
+
     # -- writing ---------------------------------------------------------------------------
 
     async def create(self, org_id: str, attributes: Mapping[str, Any] | None = None, *,
@@ -355,6 +489,17 @@ class Keyring:
         changes = validate_changes(attributes, known_models=known_models, org_limit=limit)
         if not changes:
             return _info(item)
+        before = _info(item)
+        after = replace(before, **{name: (_DEFAULTS.get(name) if value is None else value)
+                                   for name, value in changes.items()})
+        now = self.clock()
+        # A key that comes to count against a limit, or in another period, gets the figure of
+        # its new period before any gateway counts in it; one that no longer has a limit keeps
+        # none. Gateways apply the change within their auth cache time: requests admitted
+        # before then (and those in flight) count in the figure their leases name.
+        recounted = _counted_on_org(after) and (not _counted_on_org(before)
+                                                or before.spend_period != after.spend_period)
+        keep = await self._seed(after, now) if recounted else None
         names = {"#hash": KEY.hash_key, "#org": KEY.org_id}
         values: dict[str, Any] = {":org": {"S": owner}}
         sets, removes = [], []
@@ -366,22 +511,32 @@ class Keyring:
                 values[f":a{index}"] = _wire(name, value)
                 sets.append(f"#a{index} = :a{index}")
         expression = (" SET " + ", ".join(sets) if sets else "") + (" REMOVE " + ", ".join(removes) if removes else "")
-        return _info(await self._write(item, expression.strip(), names, values))
+        changed = _info(await self._write(item, expression.strip(), names, values))
+        if recounted:
+            await self._tidy(changed, keep=keep, why="new spend period")
+        elif "spend_limit" in changes and not _counted_on_org(changed):
+            await self._tidy(changed, why="spend limit removed")
+        return changed
 
     async def revoke(self, key_id: str, *, org_id: str | None = None) -> KeyInfo:
-        """Refuse the key from now on (within the gateway's auth cache time); AlreadyRevoked if it was."""
+        """Refuse the key from now on (within the gateway's auth cache time), and take its spend
+        figures off its org item; AlreadyRevoked if it was (its figures are removed again:
+        a request in flight at the revocation adds to its figure when it settles)."""
         item = await self._item(key_id, org_id)
         if item.get(KEY.status, {}).get("S") == "revoked":
+            await self._tidy(_info(item), why="revoked")
             raise AlreadyRevoked(key_id, item.get(KEY.revoked_at, {}).get("S"))
         names = {"#hash": KEY.hash_key, "#org": KEY.org_id, "#status": KEY.status, "#revoked": KEY.revoked_at}
         values = {":org": {"S": item[KEY.org_id]["S"]}, ":revoked": {"S": "revoked"},
                   ":now": {"S": iso_ms(self.clock())}}
         try:
-            return _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
-                                           extra_condition=" AND #status <> :revoked"))
+            revoked = _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
+                                              extra_condition=" AND #status <> :revoked"))
         except AlreadyRevoked:
             current = await self._item(key_id, org_id)
             raise AlreadyRevoked(key_id, current.get(KEY.revoked_at, {}).get("S")) from None
+        await self._tidy(revoked, why="revoked")
+        return revoked
 
     async def _write(self, item: dict[str, Any], expression: str, names: dict[str, str], values: dict[str, Any], *,
                      extra_condition: str = "") -> dict[str, Any]:
@@ -406,3 +561,18 @@ class Keyring:
                 raise RecordNotFound("key", key_id) from None
             raise
         return answer["Attributes"]
+
+
+def _limits(key: KeyInfo) -> KeyLimits:
+    return KeyLimits(key.concurrency, key.spend_limit, key.spend_period)
+
+
+def _counted_on_org(key: KeyInfo) -> bool:
+    """Whether the key's spend is a figure on its org item: a key with a spend limit, not revoked."""
+    return key.spend_limit is not None and key.status != "revoked"
+
+
+def _period_began(key: KeyInfo, now: float) -> str:
+    """Where the key's current period began, as usage events store time (`total`: its creation)."""
+    start = period_start(key.spend_period, now)
+    return iso_ms(start.timestamp()) if start is not None else key.created_at

@@ -13,7 +13,7 @@ from .schema import USAGE
 if TYPE_CHECKING:  # pynamodb is for operators' tools; the request path never imports it
     from .records import Tables
 
-__all__ = ["UsageEvent", "STATUSES", "get_event", "org_events", "query_events", "recent_events"]
+__all__ = ["UsageEvent", "STATUSES", "get_event", "key_costs", "org_events", "query_events", "recent_events"]
 
 # What became of an admitted request.
 STATUSES = (
@@ -129,6 +129,35 @@ async def org_events(aws: Any, usage_table: str, org_id: str, since: str, until:
         page = await aws.dynamodb("Query", payload)
         for item in page.get("Items", []):
             yield UsageEvent.from_item(item)
+        if not page.get("LastEvaluatedKey"):
+            return
+        payload["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+
+async def key_costs(aws: Any, usage_table: str, org_id: str, since: str, *,
+                    key_id: str | None = None) -> AsyncIterator[tuple[str, str, Decimal]]:
+    """(key id, created_at, cost) of each of the org's events from `since` (inclusive, ISO 8601
+    UTC) on, in time order, of one key when `key_id` is given: what a key's spend is summed
+    from (kiln.store.keyring). Only those three fields are read."""
+    names = {"#org": USAGE.org_id, "#created": USAGE.created_at, "#key": USAGE.key_id, "#cost": USAGE.cost}
+    values: dict[str, Any] = {":org": {"S": org_id}, ":since": {"S": since}}
+    payload: dict[str, Any] = {
+        "TableName": usage_table,
+        "IndexName": "by_org_time",
+        "KeyConditionExpression": "#org = :org AND #created >= :since",
+        "ProjectionExpression": "#key, #created, #cost",
+        "ExpressionAttributeNames": names,
+        "ExpressionAttributeValues": values,
+    }
+    if key_id is not None:
+        payload["FilterExpression"] = "#key = :key"
+        values[":key"] = {"S": key_id}
+    while True:
+        page = await aws.dynamodb("Query", payload)
+        for item in page.get("Items", []):
+            cost = item.get(USAGE.cost, {}).get("N")
+            yield (item.get(USAGE.key_id, {}).get("S", ""), item.get(USAGE.created_at, {}).get("S", ""),
+                   Decimal(cost) if cost is not None else Decimal(0))
         if not page.get("LastEvaluatedKey"):
             return
         payload["ExclusiveStartKey"] = page["LastEvaluatedKey"]
