@@ -480,3 +480,22 @@ def test_a_failure_to_remove_the_figures_does_not_undo_the_revocation(stack, cap
     assert len(figures_of_key(stack, org_id, key["id"])) == 1  # left; revoking again removes it
     assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
     assert figures_of_key(stack, org_id, key["id"]) == {}
+
+
+def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
+    """What template.yaml grants the function that serves /v1/keys on the orgs table: an
+    UpdateItem naming only org_id and key_spend:* attributes, returning nothing."""
+    org_id, admin = management_org(stack)
+    made = call(stack, "POST", "/v1/keys", admin, {"label": "job"}).json()
+    assert stack.post(CHAT, BODY, made["secret"]).status_code == 200  # something to seed a limit with
+    mark = len(stack.faults.calls)
+    for method, body in (("PATCH", {"spend_limit": "1", "spend_period": "day"}), ("PATCH", {"spend_period": "month"}),
+                         ("PATCH", {"spend_limit": None}), ("PATCH", {"spend_limit": "2"}), ("DELETE", None)):
+        assert call(stack, method, f"/v1/keys/{made['id']}", admin, body).status_code == 200
+    writes = [payload for operation, payload in stack.faults.calls[mark:]
+              if operation == "UpdateItem" and payload["TableName"] == stack.settings.orgs_table]
+    assert writes  # seeding, moving and removing figures were written
+    for payload in writes:
+        names = set(payload.get("ExpressionAttributeNames", {}).values())
+        assert all(name == "org_id" or name.startswith("key_spend:") for name in names), payload
+        assert payload.get("ReturnValues", "NONE") == "NONE"

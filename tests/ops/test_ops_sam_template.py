@@ -404,8 +404,14 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
     # last use; the generations function also issues, changes and revokes them, contract §10)
     assert actions("ModelsRole") == gateway - {"dynamodb:PutItem"}
     assert actions("GenerationsRole") == gateway | {"dynamodb:Query"}
-    for role in ("ModelsRole", "GenerationsRole"):
-        assert granted(cfn, role, "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
+    assert granted(cfn, "ModelsRole", "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
+    assert granted(cfn, "GenerationsRole", "dynamodb:UpdateItem") == [
+        {"Fn::GetAtt": ["KeysTable", "Arn"]}, {"Fn::GetAtt": ["OrgsTable", "Arn"]}]
+    # on the org item, only the keys' spend figures: never credits, limits or leases
+    (figures,) = [statement for statement in statements(cfn, "GenerationsRole")
+                  if statement["Resource"] == {"Fn::GetAtt": ["OrgsTable", "Arn"]} and "dynamodb:UpdateItem" in statement["Action"]]
+    assert figures["Condition"] == {"ForAllValues:StringLike": {"dynamodb:Attributes": ["org_id", "key_spend:*"]},
+                                    "StringEqualsIfExists": {"dynamodb:ReturnValues": ["NONE"]}}
     assert granted(cfn, "GenerationsRole", "dynamodb:PutItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
     # it reads usage and finds keys through the indexes only: never a scan, never a whole table
     assert granted(cfn, "GenerationsRole", "dynamodb:Query") == [
