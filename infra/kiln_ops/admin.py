@@ -384,10 +384,9 @@ def _keys_create(ctx: Context, args: argparse.Namespace, out) -> None:
 def _with_keyring(ctx: Context, use: Callable[[Any], Any]) -> Any:
     """`use(keyring)` on key management of these tables, the usage events included (a key's
     spend without a limit is summed from them, and a new limit's figure seeded from them)."""
-    from kiln.store.keys import _run
+    from kiln.store.keys import with_keyring
 
-    usage_table = ctx.tables.usage.Meta.table_name
-    return _run(ctx.tables, lambda keyring: use(keyring.reading_usage(usage_table)))
+    return with_keyring(ctx.tables, use)
 
 
 def _keys_update(ctx: Context, args: argparse.Namespace, out) -> None:

@@ -264,11 +264,6 @@ class Keyring:
         self._keys_table, self._orgs_table, self._usage_table = keys_table, orgs_table, usage_table
         self.clock = clock
 
-    def reading_usage(self, usage_table: str) -> "Keyring":
-        """This keyring, reading keys' spend from the usage events of `usage_table` too."""
-        return Keyring(self._aws, keys_table=self._keys_table, orgs_table=self._orgs_table, usage_table=usage_table,
-                       clock=self.clock)
-
     # -- orgs --------------------------------------------------------------------------------
 
     async def org(self, org_id: str) -> OrgView:

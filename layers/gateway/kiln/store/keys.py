@@ -24,12 +24,12 @@ __all__ = [
     "IssuedKey",
     "KeyInfo",
     "create_key",
-    "describe_keys",
     "hash_secret",
     "list_keys",
     "looks_like_key",
     "revoke_key",
     "update_key",
+    "with_keyring",
 ]
 
 KEY_PREFIX = "sk-kiln-"
@@ -71,7 +71,9 @@ class IssuedKey(KeyInfo):
     secret: str = ""
 
 
-def _run(tables: Tables, use: Callable[[Keyring], Awaitable[T]]) -> T:
+def with_keyring(tables: Tables, use: Callable[[Keyring], Awaitable[T]]) -> T:
+    """`use(keyring)` on a fresh loop and client, over the tables `tables` names (the usage
+    events included: a key's spend without a limit, and a new limit's figure, come from them)."""
     from ..aws import AwsClient
     from .keyring import Keyring
 
@@ -80,7 +82,8 @@ def _run(tables: Tables, use: Callable[[Keyring], Awaitable[T]]) -> T:
     async def main() -> T:
         aws = AwsClient(region=meta.region, endpoint_url=meta.host)
         try:
-            return await use(Keyring(aws, keys_table=meta.table_name, orgs_table=tables.orgs.Meta.table_name))
+            return await use(Keyring(aws, keys_table=meta.table_name, orgs_table=tables.orgs.Meta.table_name,
+                                     usage_table=tables.usage.Meta.table_name))
         finally:
             await aws.aclose()
 
@@ -98,31 +101,19 @@ def create_key(tables: Tables, org_id: str, *, known_models: Collection[str] | N
                **attributes: Any) -> IssuedKey:
     """A new key of the org; `attributes` are those of keyring.EDITABLE (None: left out)."""
     given = {name: value for name, value in attributes.items() if value is not None}
-    return _run(tables, lambda keyring: keyring.create(org_id, given, known_models=known_models))
+    return with_keyring(tables, lambda keyring: keyring.create(org_id, given, known_models=known_models))
 
 
 def update_key(tables: Tables, key_id: str, *, known_models: Collection[str] | None = None,
                **changes: Any) -> KeyInfo:
     """Set the given attributes of a key; one given as None is cleared (back to its default)."""
-    return _run(tables, lambda keyring: keyring.update(key_id, changes, known_models=known_models))
+    return with_keyring(tables, lambda keyring: keyring.update(key_id, changes, known_models=known_models))
 
 
 def revoke_key(tables: Tables, key_id: str) -> KeyInfo:
     """Refuse the key from now on (within the gateway's auth cache time)."""
-    return _run(tables, lambda keyring: keyring.revoke(key_id))
+    return with_keyring(tables, lambda keyring: keyring.revoke(key_id))
 
 
 def list_keys(tables: Tables, org_id: str) -> list[KeyInfo]:
-    return _run(tables, lambda keyring: keyring.list(org_id))
-
-
-def describe_keys(tables: Tables, org_id: str) -> list[dict[str, Any]]:
-    """The org's keys as the API shows them (keyring.key_object), with this period's spend."""
-    from .keyring import key_object
-
-    async def describe(keyring: Keyring) -> list[dict[str, Any]]:
-        org = await keyring.org(org_id)
-        now = keyring.clock()
-        return [key_object(key, org.item, now) for key in await keyring.list(org_id)]
-
-    return _run(tables, describe)
+    return with_keyring(tables, lambda keyring: keyring.list(org_id))
