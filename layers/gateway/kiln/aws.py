@@ -17,6 +17,7 @@ import json
 import os
 import random
 from datetime import datetime, timezone
+from functools import lru_cache
 from typing import Any, Callable
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -127,6 +128,13 @@ def canonical_query(query: str) -> str:
     return "&".join(f"{key}={value}" for key, value in pairs)
 
 
+@lru_cache(maxsize=64)
+def _signed_url(url: str) -> tuple[str, str, str]:
+    """A URL's Host, canonical URI and canonical query string, worked out once per URL."""
+    parts = urlsplit(url)
+    return canonical_host(parts), canonical_uri(parts.path), canonical_query(parts.query)
+
+
 def sign(
     *,
     credentials: Credentials,
@@ -141,9 +149,9 @@ def sign(
     """SigV4 headers (Host included: send it as it is) for a POST of `body` to `url`."""
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     date = amz_date[:8]
-    parts = urlsplit(url)
+    host, uri, query = _signed_url(url)
     sent = {name.lower(): value for name, value in headers.items()}
-    sent["host"] = canonical_host(parts)
+    sent["host"] = host
     sent["x-amz-date"] = amz_date
     if credentials.token:
         sent["x-amz-security-token"] = credentials.token  # sent as given, signed trimmed
@@ -151,8 +159,8 @@ def sign(
     canonical = "\n".join(
         [
             "POST",
-            canonical_uri(parts.path),
-            canonical_query(parts.query),
+            uri,
+            query,
             "".join(f"{name}:{_trimall(sent[name])}\n" for name in names),
             ";".join(names),
             hashlib.sha256(body).hexdigest(),

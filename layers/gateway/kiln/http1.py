@@ -22,6 +22,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from functools import lru_cache
 from typing import AsyncIterator, Callable
 from urllib.parse import SplitResult, urlsplit
 
@@ -283,10 +284,8 @@ class HttpClient:
         None when the caller bounds the whole wait itself), each read of the body by
         `read_timeout`."""
         head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
-        parts = urlsplit(url)
-        origin = _Origin(parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host = next((value for name, value in headers.items() if name.lower() == "host"), None) or canonical_host(parts)
+        origin, target, url_host = _addressed(url)
+        host = next((value for name, value in headers.items() if name.lower() == "host"), None) or url_host
         head = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
         head += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in ("host", "content-length")]
         wire = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
@@ -381,6 +380,16 @@ class HttpClient:
             connection.close()
         self._open.clear()
         self._idle.clear()
+
+
+@lru_cache(maxsize=256)
+def _addressed(url: str) -> tuple[_Origin, str, str]:
+    """Where a URL's request goes, its request target and its Host, worked out once per URL
+    (a gateway calls the same few URLs over and over)."""
+    parts = urlsplit(url)
+    origin = _Origin(parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return origin, target, canonical_host(parts)
 
 
 def canonical_host(parts: SplitResult) -> str:

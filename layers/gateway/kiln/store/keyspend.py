@@ -156,9 +156,8 @@ def figures_of(item: dict[str, Any], key_id: str) -> list[str]:
 
 def stale_spend_attributes(item: dict[str, Any], moment: float) -> list[str]:
     """The spend figures of periods that are over (kept by no limit any more)."""
+    figures = [name for name in item if name.startswith(SPEND_PREFIX)]
+    if not figures:
+        return []  # most orgs: no key with a limit, and no date to work out
     current = set(periods_at(moment))
-    stale = []
-    for name in item:
-        if name.startswith(SPEND_PREFIX) and name.rpartition(":")[2] not in current:
-            stale.append(name)
-    return stale
+    return [name for name in figures if name.rpartition(":")[2] not in current]

@@ -37,7 +37,8 @@ class ItemSchema:
         """`ORG.credits` is "credits": a name that is not declared is an error, not a typo stored."""
         for attribute in object.__getattribute__(self, "attributes"):
             if attribute.name == name:
-                return attribute.name
+                object.__setattr__(self, name, name)  # found once: later reads are plain attributes
+                return name
         raise AttributeError(f"no attribute {name!r} in this item")
 
     @property
