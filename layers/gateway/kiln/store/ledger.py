@@ -345,16 +345,18 @@ class Ledger:
         leases = [lease for lease in leases if lease.gen_id not in self._reclaiming]
         if not leases:
             return
-        task = asyncio.get_running_loop().create_task(self._reclaim_quietly(org_id, leases))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self._reclaim_quietly(org_id, leases))
 
     def _prune_later(self, org_id: str, stale: list[str]) -> None:
         """Remove spend figures of periods that are over, in a task of its own."""
         if not stale or org_id in self._pruning:
             return
         self._pruning.add(org_id)
-        task = asyncio.get_running_loop().create_task(self._prune(org_id, stale[:MAX_PRUNE]))
+        self._in_background(self._prune(org_id, stale[:MAX_PRUNE]))
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        """Run `work` in a task of its own, held until done (drain() waits for it)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
