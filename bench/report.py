@@ -10,6 +10,7 @@ from string import Template
 from typing import Any
 
 from . import sections
+from .sections import fmt as _fmt
 
 __all__ = ["evaluate_goals", "find_baseline", "find_baselines", "render", "save"]
 
@@ -145,14 +146,6 @@ def evaluate_goals(results: dict) -> list[dict]:
 
 
 # -- markdown ------------------------------------------------------------------------------
-
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
 
 def _verdict(passed: bool | None) -> str:
     return {True: "**PASS**", False: "**FAIL**", None: "not measured"}[passed]

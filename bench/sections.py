@@ -8,10 +8,11 @@ from typing import Any
 
 from . import goals as g
 
-__all__ = ["coldstart_production", "cpu", "lambda_sizes", "overhead", "profile_standin", "samejob"]
+__all__ = ["coldstart_production", "cpu", "fmt", "lambda_sizes", "overhead", "profile_standin", "samejob"]
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
+    """A figure of the report: `digits` decimals for a float, – for none."""
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -31,8 +32,8 @@ def cpu(results: dict) -> str:
              "Kiln on the embedded AWS without the probe, its storage client included, the emulator's CPU not):", "",
              "| mode | conc. | Kiln ms/req | Portkey ms/req | Kiln ÷ Portkey | ≤ 0.5 |", "|---|---:|---:|---:|---:|---|"]
     for r in goal["rows"]:
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {_fmt(r['kiln_cpu_ms'], 2)} | {_fmt(r['portkey_cpu_ms'], 2)} | "
-                     f"{_fmt(r['ratio'], 2)} | {_yn(r['pass'])} |")
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {fmt(r['kiln_cpu_ms'], 2)} | {fmt(r['portkey_cpu_ms'], 2)} | "
+                     f"{fmt(r['ratio'], 2)} | {_yn(r['pass'])} |")
     return "\n".join(lines)
 
 
@@ -45,11 +46,11 @@ def overhead(results: dict) -> str:
     lines = [
         f"**kiln-standin** is the same chat/completions function, with the bench's probe, whose storage is the stand-in "
         f"(`bench/standin.py`): DynamoDB and SSM answered from memory after a fixed service time of "
-        f"{_fmt(stand.get('service_ms'))} ms per call, as DynamoDB in-region, any number of calls waiting at once (no "
+        f"{fmt(stand.get('service_ms'))} ms per call, as DynamoDB in-region, any number of calls waiting at once (no "
         "lock), each operation applied at once and atomically on its event loop. Seeded from the embedded AWS, it holds "
         "the same org, key and catalog. "
         + (f"Over the matrix it served {stats.get('calls')} calls, {stats.get('errors')} of them refused (conditions), "
-           f"with a measured mean wait of {_fmt(stats.get('waited_ms_mean'), 2)} ms per call and up to "
+           f"with a measured mean wait of {fmt(stats.get('waited_ms_mean'), 2)} ms per call and up to "
            f"{stats.get('in_flight_max')} calls at once." if stats else ""),
         "",
         "Storage wait is the time the storage itself took: the stand-in's service time per call, as it measured it "
@@ -65,22 +66,22 @@ def overhead(results: dict) -> str:
         "Portkey |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in goal["rows"]:
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {_fmt(r['kiln_added_p50'])} | "
-                     f"{_fmt(r['storage_calls_per_request'], 3)} × {_fmt(r['service_ms'], 2)} | {_fmt(r['storage_wait'])} | "
-                     f"**{_fmt(r['kiln_net_p50'])}** | {_fmt(r['portkey_added_p50'])} | {_fmt(r['litellm_added_p50'])} | "
-                     f"{_fmt(r['kiln_added_p99'])} | {_fmt(r['kiln_net_p99'])} | {_fmt(r['portkey_added_p99'])} | "
-                     f"{_fmt(r['probe_storage_wall_p50'])} | {_yn(r['pass'])} |")
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {fmt(r['kiln_added_p50'])} | "
+                     f"{fmt(r['storage_calls_per_request'], 3)} × {fmt(r['service_ms'], 2)} | {fmt(r['storage_wait'])} | "
+                     f"**{fmt(r['kiln_net_p50'])}** | {fmt(r['portkey_added_p50'])} | {fmt(r['litellm_added_p50'])} | "
+                     f"{fmt(r['kiln_added_p99'])} | {fmt(r['kiln_net_p99'])} | {fmt(r['portkey_added_p99'])} | "
+                     f"{fmt(r['probe_storage_wall_p50'])} | {_yn(r['pass'])} |")
     rows = []
     for mode in ("buffered", "stream"):
         for concurrency in (results.get("config") or {}).get("concurrencies") or []:
             a, b = g.cell(results, "kiln", mode, concurrency) or {}, g.cell(results, "kiln-standin", mode, concurrency) or {}
             if not a or not b:
                 continue
-            rows.append(f"| {mode} | {concurrency} | {_fmt(a.get('req_per_s'))} | {_fmt(b.get('req_per_s'))} | "
-                        f"{_fmt((a.get('cpu_ms_per_request') or {}).get('kiln'), 2)} | "
-                        f"{_fmt((b.get('cpu_ms_per_request') or {}).get('kiln-standin'), 2)} | "
-                        f"{_fmt((a.get('cpu_ms_per_request') or {}).get('emulator'), 2)} | "
-                        f"{_fmt((b.get('cpu_ms_per_request') or {}).get('storage stand-in'), 2)} |")
+            rows.append(f"| {mode} | {concurrency} | {fmt(a.get('req_per_s'))} | {fmt(b.get('req_per_s'))} | "
+                        f"{fmt((a.get('cpu_ms_per_request') or {}).get('kiln'), 2)} | "
+                        f"{fmt((b.get('cpu_ms_per_request') or {}).get('kiln-standin'), 2)} | "
+                        f"{fmt((a.get('cpu_ms_per_request') or {}).get('emulator'), 2)} | "
+                        f"{fmt((b.get('cpu_ms_per_request') or {}).get('storage stand-in'), 2)} |")
     if rows:
         lines += ["", "The same function on the two storages (the probe adds a little CPU to kiln-standin):", "",
                   "| mode | conc. | req/s, embedded AWS | req/s, stand-in | Kiln CPU ms/req, embedded AWS | "
@@ -114,7 +115,7 @@ def samejob(results: dict) -> str:
     if probe:
         if probe.get("ran"):
             lines.append(f"Why the database mode cannot run here, tried at preparing time (`{probe.get('step')}`, exit "
-                         f"{probe.get('exit')}, {_fmt(probe.get('seconds'))} s): Prisma's client fetches its query engine "
+                         f"{probe.get('exit')}, {fmt(probe.get('seconds'))} s): Prisma's client fetches its query engine "
                          "for this platform from Prisma's binaries host when it generates, and that host does not resolve "
                          "from this machine; no Debian or PyPI package ships the engine. Its last lines:")
             lines += ["", "```", (probe.get("output") or "").strip()[-700:], "```", "",
@@ -136,18 +137,18 @@ def samejob(results: dict) -> str:
               "| mode | conc. | Kiln added p50 (stand-in) | Kiln added p50 (embedded AWS) | LiteLLM same job added p50 | "
               "Kiln ÷ LiteLLM | LiteLLM 429 answers | ≤ 1/3 |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in goal["rows"]:
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {_fmt(r['kiln_added'])} | {_fmt(r['kiln_on_emulator_added'])} | "
-                     f"{_fmt(r['samejob_added'])} | {_fmt(r['ratio'], 2)} | "
-                     f"{r['samejob_refused']}/{_fmt(r['samejob_requests'])} | {_yn(r['pass'])} |")
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {fmt(r['kiln_added'])} | {fmt(r['kiln_on_emulator_added'])} | "
+                     f"{fmt(r['samejob_added'])} | {fmt(r['ratio'], 2)} | "
+                     f"{r['samejob_refused']}/{fmt(r['samejob_requests'])} | {_yn(r['pass'])} |")
     rows = []
     for mode in ("buffered", "stream"):
         for concurrency in (1, 8):
             peer = g.cell(results, "litellm-samejob", mode, concurrency) or {}
             plain = g.cell(results, "litellm", mode, concurrency) or {}
             if peer or plain:
-                rows.append(f"| {mode} | {concurrency} | {_fmt((plain.get('cpu_ms_per_request') or {}).get('litellm'), 2)} | "
-                            f"{_fmt((peer.get('cpu_ms_per_request') or {}).get('litellm-samejob'), 2)} | "
-                            f"{_fmt(peer.get('target_peak_rss_mb'))} |")
+                rows.append(f"| {mode} | {concurrency} | {fmt((plain.get('cpu_ms_per_request') or {}).get('litellm'), 2)} | "
+                            f"{fmt((peer.get('cpu_ms_per_request') or {}).get('litellm-samejob'), 2)} | "
+                            f"{fmt(peer.get('target_peak_rss_mb'))} |")
     if rows:
         lines += ["", "LiteLLM's own CPU per request, plain proxy and same job (Redis's CPU not included):", "",
                   "| mode | conc. | plain LiteLLM ms/req | same-job LiteLLM ms/req | same-job peak RSS MB |",
@@ -171,15 +172,15 @@ def coldstart_production(results: dict) -> str:
     for app, entry in (production.get("pyc") or {}).items():
         nopyc = (production.get("nopyc") or {}).get(app) or {}
         ok = None if entry.get("ratio_to_bare") is None else entry["ratio_to_bare"] <= g.COLD_RATIO
-        lines.append(f"| {app} | {entry['path']} | {_fmt(entry.get('first_answer_ms'))} | {_fmt(entry.get('bare_ms'))} | "
-                     f"{_fmt(entry.get('ratio_to_bare'), 2)} | {_fmt(nopyc.get('first_answer_ms'))} | "
-                     f"{_fmt(nopyc.get('bare_ms'))} | {_fmt(nopyc.get('ratio_to_bare'), 2)} | {_yn(ok)} |")
+        lines.append(f"| {app} | {entry['path']} | {fmt(entry.get('first_answer_ms'))} | {fmt(entry.get('bare_ms'))} | "
+                     f"{fmt(entry.get('ratio_to_bare'), 2)} | {fmt(nopyc.get('first_answer_ms'))} | "
+                     f"{fmt(nopyc.get('bare_ms'))} | {fmt(nopyc.get('ratio_to_bare'), 2)} | {_yn(ok)} |")
     mangum = c.get("mangum") or {}
     rows = []
     for variant in ("pyc", "nopyc"):
         for app, entry in (mangum.get(variant) or {}).items():
-            rows.append(f"| {app} | {variant} | {_fmt(entry.get('ready_ms_median'))} | {_fmt(entry.get('first_answer_ms_median'))} | "
-                        f"{_fmt(entry.get('second_invoke_ms_median'))} | "
+            rows.append(f"| {app} | {variant} | {fmt(entry.get('ready_ms_median'))} | {fmt(entry.get('first_answer_ms_median'))} | "
+                        f"{fmt(entry.get('second_invoke_ms_median'))} | "
                         f"{'; '.join(entry.get('errors') or []) or '–'} | {'; '.join(entry.get('second_invoke_errors') or []) or '–'} |")
     if rows:
         lines += ["", "The Mangum path in detail (import = Lambda's init; the second invocation is a warm one in the same "
@@ -203,24 +204,24 @@ def lambda_sizes(results: dict, template_memory_mb: int | None) -> str:
              "memory limit = the size. A busy loop checks each quota first (measured share of one CPU). Storage is the "
              "stand-in. One request at a time, as one execution environment serves them: buffered requests, short "
              f"streams (12 tokens, no delay), then one long stream per size, all sizes at once ({long.get('tokens')} "
-             f"tokens 100 ms apart, {_fmt(long.get('seconds'), 0)} s). CPU per request from the cgroup's own counter.", "",
+             f"tokens 100 ms apart, {fmt(long.get('seconds'), 0)} s). CPU per request from the cgroup's own counter.", "",
              "| size MB | vCPU | quota µs/period | measured share | ready ms | buffered TTFB p50 / p99 ms | buffered CPU "
              "ms/req | short stream TTFB p50 / p99 ms | short stream total p50 ms | short stream CPU ms/req | long stream "
              "s | long stream CPU ms | peak RSS MB | throttled periods |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for size, e in sizes:
         if "error" in e:
-            lines.append(f"| {size} | {_fmt(e.get('vcpu'), 3)} | {e.get('quota_us')} | – | did not start: "
+            lines.append(f"| {size} | {fmt(e.get('vcpu'), 3)} | {e.get('quota_us')} | – | did not start: "
                          f"{e['error'][:120]} |" + " |" * 9)
             continue
         b, st, lg = e.get("buffered") or {}, e.get("short_stream") or {}, e.get("long_stream") or {}
-        lines.append(f"| {size} | {_fmt(e.get('vcpu'), 3)} | {e.get('quota_us')} | "
-                     f"{_fmt((e.get('quota_check') or {}).get('measured_share'), 3)} | {_fmt(e.get('ready_ms'), 0)} | "
-                     f"{_fmt(b.get('ttfb_p50_ms'))} / {_fmt(b.get('ttfb_p99_ms'))} | {_fmt(b.get('cpu_ms_per_request'), 2)} | "
-                     f"{_fmt(st.get('ttfb_p50_ms'))} / {_fmt(st.get('ttfb_p99_ms'))} | {_fmt(st.get('latency_p50_ms'))} | "
-                     f"{_fmt(st.get('cpu_ms_per_request'), 2)} | "
-                     f"{_fmt((lg.get('latency_mean_ms') or 0) / 1000 if lg.get('latency_mean_ms') else None, 2)} | "
-                     f"{_fmt(lg.get('cpu_ms_per_request'), 1)} | {_fmt(e.get('peak_rss_mb'))} | "
+        lines.append(f"| {size} | {fmt(e.get('vcpu'), 3)} | {e.get('quota_us')} | "
+                     f"{fmt((e.get('quota_check') or {}).get('measured_share'), 3)} | {fmt(e.get('ready_ms'), 0)} | "
+                     f"{fmt(b.get('ttfb_p50_ms'))} / {fmt(b.get('ttfb_p99_ms'))} | {fmt(b.get('cpu_ms_per_request'), 2)} | "
+                     f"{fmt(st.get('ttfb_p50_ms'))} / {fmt(st.get('ttfb_p99_ms'))} | {fmt(st.get('latency_p50_ms'))} | "
+                     f"{fmt(st.get('cpu_ms_per_request'), 2)} | "
+                     f"{fmt((lg.get('latency_mean_ms') or 0) / 1000 if lg.get('latency_mean_ms') else None, 2)} | "
+                     f"{fmt(lg.get('cpu_ms_per_request'), 1)} | {fmt(e.get('peak_rss_mb'))} | "
                      f"{(e.get('throttling') or {}).get('nr_throttled', '–')} |")
     lines += ["", f"**Prices** ({prices.get('region')}; {prices.get('as_of')}): Lambda arm64 "
               f"${prices.get('lambda_gb_second_arm64', 0):.10f}".rstrip("0") + f" per GB-s and ${round(prices.get('lambda_request', 0) * 1e6, 2)} per "
@@ -236,17 +237,17 @@ def lambda_sizes(results: dict, template_memory_mb: int | None) -> str:
               "**$ per million requests**:", "",
               "| size MB | workload | Lambda duration | Lambda requests | API Gateway | DynamoDB | SSM | **total** | "
               "WRU/req | RRU/req |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    names = {"buffered": "buffered", "short_stream": "short stream", "long_stream": f"{_fmt(long.get('seconds'), 0)} s stream"}
+    names = {"buffered": "buffered", "short_stream": "short stream", "long_stream": f"{fmt(long.get('seconds'), 0)} s stream"}
     for size, e in sizes:
         for workload, name in names.items():
             w = e.get(workload) or {}
             cost = w.get("cost")
             if not cost:
                 continue
-            lines.append(f"| {size} | {name} | {_fmt(cost['lambda_duration'], 2)} | {_fmt(cost['lambda_requests'], 2)} | "
-                         f"{_fmt(cost['api_gateway'], 2)} | {_fmt(cost['dynamodb'], 2)} | {_fmt(cost['ssm'], 2)} | "
-                         f"**{_fmt(cost['total'], 2)}** | {_fmt(w.get('write_units_per_request'), 2)} | "
-                         f"{_fmt(w.get('read_units_per_request'), 3)} |")
+            lines.append(f"| {size} | {name} | {fmt(cost['lambda_duration'], 2)} | {fmt(cost['lambda_requests'], 2)} | "
+                         f"{fmt(cost['api_gateway'], 2)} | {fmt(cost['dynamodb'], 2)} | {fmt(cost['ssm'], 2)} | "
+                         f"**{fmt(cost['total'], 2)}** | {fmt(w.get('write_units_per_request'), 2)} | "
+                         f"{fmt(w.get('read_units_per_request'), 3)} |")
     default = s.get("default") or {}
     lines += ["", f"**Chosen default: {default.get('size_mb')} MB** — {default.get('why')}."
               + (f" Eligible: {', '.join(f'{x} MB' for x in default.get('eligible') or [])}." if default.get("eligible") else "")]
@@ -270,8 +271,8 @@ def profile_standin(results: dict) -> str:
     if "error" in gateway or not gateway.get("samples"):
         return f"_No samples: {gateway.get('error', '')[:300]}_"
     load = p.get("load") or {}
-    lines = [f"{load.get('requests')} buffered requests at concurrency 16, p50 {_fmt((load.get('latency_ms') or {}).get('p50'))} "
-             f"ms, {_fmt(load.get('req_per_s'))} req/s under the profiler; {gateway['samples']} gateway samples holding "
+    lines = [f"{load.get('requests')} buffered requests at concurrency 16, p50 {fmt((load.get('latency_ms') or {}).get('p50'))} "
+             f"ms, {fmt(load.get('req_per_s'))} req/s under the profiler; {gateway['samples']} gateway samples holding "
              f"the GIL (the stand-in: {(p.get('stand-in') or {}).get('samples', '–')}). Grouped as above.", "",
              "| share of busy samples | spent in |", "|---:|---|"]
     for group, share in sorted((gateway.get("groups") or {}).items(), key=lambda kv: -kv[1]):
