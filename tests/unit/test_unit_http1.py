@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -303,6 +304,88 @@ def test_a_body_over_its_bound_is_refused_without_being_held(declared):
             response = await http.request("POST", url, headers={}, body=b"")
             with pytest.raises(BodyTooLarge):
                 await response.read(max_bytes=1024 * 1024)
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_next_piece_returns_on_quiet_without_losing_what_comes_after():
+    """A keep-alive wake interrupts only the wait: the bytes that come next (the rest of a
+    chunk cut across two reads included) arrive in order, and the connection stays reusable."""
+    release = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ndata")
+        await writer.drain()
+        await release.wait()
+        writer.write(b": a\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"7\r\ndata: b\r\n7\r\ndata: c\r\n0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, connections):
+            response = await http.request("POST", url, headers={}, body=b"{}", read_timeout=5)
+            quiet = [await response.next_piece(time.monotonic() + 0.05) for _ in range(3)]
+            assert quiet == [b"data", None, None]  # what had come, then nothing
+            release.set()
+            assert await response.next_piece(time.monotonic() + 5) == b": a"
+            # pieces that came in one read are handed over as one
+            assert await response.next_piece(time.monotonic() + 5) == b"data: bdata: c"
+            assert await response.next_piece(time.monotonic() + 5) == b""
+            again = await http.request("GET", url, headers={}, body=b"")
+            assert await again.read() == b"ok" and len(connections) == 1
+        await http.aclose()
+
+    run(main())
+
+
+def test_next_piece_counts_the_read_timeout_from_when_the_silence_began():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=0.3)
+            started, wakes = time.monotonic(), 0
+            with pytest.raises(Timeout):
+                while True:  # each wake well within the read timeout: silence still ends it
+                    assert await response.next_piece(time.monotonic() + 0.1) is None
+                    wakes += 1
+            assert 2 <= wakes <= 3 and time.monotonic() - started < 1.0
+            assert http.open_connections == 0  # a timed-out body is never reused
+        await http.aclose()
+
+    run(main())
+
+
+def test_next_piece_cancelled_midway_closes_the_connection():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"")
+            waiting = asyncio.ensure_future(response.next_piece())
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
             assert http.open_connections == 0
         await http.aclose()
 

@@ -11,9 +11,8 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import aclosing
 from decimal import Decimal
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 import anyio
 from starlette.responses import Response
@@ -221,24 +220,27 @@ class Exchange:
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes
         )
         deadline = upstream.sent_at + self.call.model.timeouts.total
+        keepalive = self.gateway.settings.keepalive_seconds
         status, failure = "success", None
         try:
-            async with aclosing(_with_keepalive(upstream.chunks(), self.gateway.settings.keepalive_seconds)) as pieces:
-                async for piece in pieces:
-                    if time.monotonic() > deadline:
-                        raise UpstreamStreamError("exceeded the model's total time")
-                    if piece is None:
-                        yield KEEPALIVE
-                        continue
-                    out = relay.feed(piece)
-                    if out:
-                        if self.ttfb_ms is None:
-                            self.ttfb_ms = int((time.monotonic() - self.started) * 1000)
-                        yield out
-                    if relay.done:
-                        break
-                else:
+            # one read at a time, each bounded by the keep-alive: a silence sends `: keepalive`
+            # and goes on waiting, the read it interrupted loses nothing (kiln.http1)
+            while True:
+                piece = await upstream.next_piece(time.monotonic() + keepalive)
+                if time.monotonic() > deadline:
+                    raise UpstreamStreamError("exceeded the model's total time")
+                if piece is None:
+                    yield KEEPALIVE
+                    continue
+                if not piece:
                     raise UpstreamStreamError(self.call.api.unfinished)
+                out = relay.feed(piece)
+                if out:
+                    if self.ttfb_ms is None:
+                        self.ttfb_ms = int((time.monotonic() - self.started) * 1000)
+                    yield out
+                if relay.done:
+                    break
         except UpstreamStreamError as exc:
             upstream.broke()
             status, failure = "stream_interrupted", str(exc)
@@ -282,39 +284,6 @@ class Exchange:
         if status == "client_disconnected":
             return b""
         return self.call.api.stream_error(GATEWAY_CUT if status == "gateway_error" else STREAM_CUT)
-
-
-async def _with_keepalive(chunks: AsyncIterator[bytes], interval: float) -> AsyncGenerator[bytes | None, None]:
-    """The upstream's chunks, with None whenever it has been silent for `interval` seconds.
-
-    Each read runs as its own task, so waiting with a timeout never interrupts it. A read
-    is cancelled only when the stream is abandoned midway (client gone, upstream failed),
-    and then its connection is closed, never returned to the pool half-read.
-    """
-    iterator = chunks.__aiter__()
-    pending: asyncio.Future | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(iterator.__anext__())
-            done, _ = await asyncio.wait((pending,), timeout=interval)
-            if not done:
-                yield None
-                continue
-            read, pending = pending, None
-            try:
-                chunk = read.result()
-            except StopAsyncIteration:
-                return
-            yield chunk
-    finally:
-        if pending is not None:
-            pending.cancel()
-            with anyio.CancelScope(shield=True):
-                try:
-                    await pending
-                except BaseException:  # noqa: BLE001 - a cancelled or failed read: nothing to keep
-                    pass
 
 
 def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:

@@ -158,6 +158,7 @@ class Response:
         self.status = message.status
         self.headers = message.headers
         self._closed = False
+        self._silent_since: float | None = None  # when the current wait for the body began
 
     @classmethod
     def complete(cls, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":
@@ -186,6 +187,59 @@ class Response:
             self._discard()
             raise
         self._release()
+
+    async def next_piece(self, until: float | None = None) -> bytes | None:
+        """What of the body has arrived and was not taken yet, in one piece (the chunks that came
+        in one read are joined), b"" once all of it has: a stream read one read at a time, with
+        no task or generator around each wait.
+
+        None when nothing came by `until` (a `time.monotonic()` instant): nothing is lost, the
+        next call goes on waiting. Silence is still bounded by the read timeout, counted from
+        when it began whatever `until` was, and raises Timeout as `chunks` does; any failure,
+        or a cancellation, closes the connection."""
+        message = self._message
+        if message.pending:
+            return _taken(message.pending)
+        if message.complete:
+            self._release()
+            return b""
+        connection = self._connection
+        assert connection is not None
+        try:
+            if self._silent_since is None:
+                self._silent_since = time.monotonic()
+            while True:
+                limit = None if self._read_timeout is None else self._silent_since + self._read_timeout
+                wake = limit if until is None or (limit is not None and limit <= until) else until
+                try:
+                    if wake is None:
+                        data = await connection.reader.read(READ_SIZE)
+                    else:
+                        async with asyncio.timeout(max(0.0, wake - time.monotonic())):
+                            data = await connection.reader.read(READ_SIZE)
+                except TimeoutError:
+                    if limit is not None and time.monotonic() >= limit:
+                        raise Timeout("the server sent nothing in time") from None
+                    return None
+                except OSError as exc:
+                    raise ProtocolFailure(f"connection lost: {exc}") from exc
+                self._silent_since = None
+                if not data:
+                    if message.headers_complete and _delimited_by_close(message.headers):
+                        message.complete = True
+                    else:
+                        raise ProtocolFailure("the server closed the connection before the response was complete")
+                else:
+                    _feed(self._parser, data)
+                if message.pending:
+                    return _taken(message.pending)
+                if message.complete:
+                    self._release()
+                    return b""
+                self._silent_since = time.monotonic()
+        except BaseException:
+            self._discard()
+            raise
 
     async def read(self, limit: int | None = None, *, max_bytes: int | None = None) -> bytes:
         """The whole body. `limit`: keep that much, drop the rest with the connection (error
@@ -412,6 +466,15 @@ async def _read(connection: _Connection, timeout: float | None, timeout_message:
         raise Timeout(timeout_message) from None
     except OSError as exc:
         raise ProtocolFailure(f"connection lost: {exc}", nothing_received=nothing_received) from exc
+
+
+def _taken(pending: deque) -> bytes:
+    """Every piece waiting, as one."""
+    if len(pending) == 1:
+        return pending.popleft()
+    joined = b"".join(pending)
+    pending.clear()
+    return joined
 
 
 def _feed(parser: object, data: bytes) -> None:

@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from .catalog import Backend, ModelEntry
 from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
@@ -161,23 +161,22 @@ class UpstreamExchange:
             self.broke()
             raise UpstreamFailed(BAD_GATEWAY, detail=f"{self.backend.name}: {describe_transport_error(exc)}") from exc
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, until the request's deadline; transport failures become UpstreamStreamError."""
-        pieces = self.response.chunks()
+    async def next_piece(self, quiet_until: float | None = None) -> bytes | None:
+        """The body's next piece as it arrives, b"" at its end; None if the backend was silent
+        until `quiet_until` (a `time.monotonic()` instant: the caller's keep-alive), nothing
+        lost. Within the request's deadline; transport failures become UpstreamStreamError
+        (and close the connection)."""
+        until = quiet_until if self.deadline is None or (quiet_until is not None and quiet_until < self.deadline) \
+            else self.deadline
         try:
-            while True:
-                remaining = None if self.deadline is None else self.deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise _TotalTimeExceeded()
-                try:
-                    async with asyncio.timeout(remaining):
-                        chunk = await pieces.__anext__()
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    raise _TotalTimeExceeded() from None
-                yield chunk
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise _TotalTimeExceeded()
+            piece = await self.response.next_piece(until)
+            if piece is None and self.deadline is not None and time.monotonic() >= self.deadline:
+                raise _TotalTimeExceeded()
+            return piece
         except _TotalTimeExceeded as exc:
+            await self.response.aclose()
             self._timed_out("total")
             raise UpstreamStreamError(describe_transport_error(exc), timeout="total") from None
         except HttpError as exc:
@@ -185,8 +184,6 @@ class UpstreamExchange:
             if kind:
                 self._timed_out(kind)
             raise UpstreamStreamError(describe_transport_error(exc), timeout=kind) from exc
-        finally:
-            await pieces.aclose()
 
     async def aclose(self) -> None:
         await self.response.aclose()
