@@ -186,3 +186,27 @@ def test_the_run_script_serves_as_the_web_adapter_starts_it_and_streams_chunk_by
         process.wait(timeout=10)
         log.close()
     assert key not in (tmp_path / "run.log").read_text()
+
+
+@pytest.mark.parametrize("function", ["chat_completions", "completions", "responses", "models", "generations"])
+def test_a_function_starts_without_the_framework_it_only_needs_for_its_schema(function, tmp_path):
+    """Lambda's init imports the function's module: FastAPI (with pydantic, most of a bare
+    FastAPI app's cold start) is imported only once /openapi.json is asked for, and then
+    describes every route of the function."""
+    root = repo_root()
+    script = (
+        "import sys, app\n"
+        "from starlette.testclient import TestClient\n"
+        "loaded = sorted(name for name in ('fastapi', 'pydantic') if name in sys.modules)\n"
+        "with TestClient(app.app) as client:\n"
+        "    schema = client.get('/openapi.json').json()\n"
+        "print(loaded, sorted(schema['paths']), 'fastapi' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root / "layers" / "gateway"), "POWERTOOLS_METRICS_DISABLED": "true",
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=root / "functions" / function, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    module = importlib.import_module(f"kiln_functions.{function}.app")
+    expected = sorted({route.path for route in module.routes})
+    assert out.stdout.strip().endswith(f"[] {expected} True"), out.stdout[-2000:]

@@ -1,4 +1,9 @@
-"""The ASGI app every function serves: its routes, the gateway's services, errors in one shape."""
+"""The ASGI app every function serves: its routes, the gateway's services, errors in one shape.
+
+A Starlette app: its handlers each take the Request and answer, with nothing for a framework
+to solve per call. FastAPI describes the same routes for `/openapi.json`, and is imported only
+when that is first asked for: its import is most of a bare FastAPI app's cold start.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable, Sequence
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -24,6 +30,7 @@ from .selfservice import HANDLERS as SELF_SERVICE
 __all__ = ["RouteSpec", "create_app", "lambda_handler", "routes_of"]
 
 HEALTH_PATH = "/healthz"  # the Web Adapter's readiness check (AWS_LWA_READINESS_CHECK_PATH in template.yaml)
+OPENAPI_PATH = "/openapi.json"
 
 log = logging.getLogger("kiln.web")
 
@@ -82,29 +89,60 @@ def create_app(
     routes: Sequence[RouteSpec],
     gateway: Gateway | Callable[[], Gateway] | None = None,
     observer: Observer | None = None,
-) -> FastAPI:
+) -> Starlette:
     """An app serving `routes`. The gateway is made on first use (or given, for tests)."""
     factory = gateway if callable(gateway) and not isinstance(gateway, Gateway) else None
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: Starlette):
         yield
         made = app.state._state.get("gateway")
         if made is not None and not isinstance(gateway, Gateway):  # ours to close
             await made.aclose()
 
-    app = FastAPI(title="Kiln gateway", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
+    served = [_served(HEALTH_PATH, _healthz, ("GET",), "healthz")]
+    served += [_served(route.path, route.endpoint, route.methods, route.name) for route in routes]
+    served.append(_served(OPENAPI_PATH, _openapi(routes), ("GET",), "openapi"))
+    # outermost: it sees every response, the error handlers' included
+    middleware = [Middleware(ObservabilityMiddleware, observer=observer, quiet_paths=frozenset({HEALTH_PATH}))]
+    if not isinstance(gateway, Gateway):
+        middleware.append(Middleware(_LazyGateway, factory=factory or Gateway.from_env))
+    app = Starlette(
+        routes=served,
+        middleware=middleware,
+        exception_handlers={
+            GatewayError: _gateway_error,
+            StarletteHTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
+        lifespan=lifespan,
+    )
     app.router.redirect_slashes = False  # a trailing slash is an unknown URL, not a 307 to a Host-built Location
     if isinstance(gateway, Gateway):
         app.state.gateway = gateway
-    else:
-        app.add_middleware(_LazyGateway, factory=factory or Gateway.from_env)
-    app.router.routes.append(_served(HEALTH_PATH, _healthz, ("GET",), "healthz"))
+    return app
+
+
+def _openapi(routes: Sequence[RouteSpec]) -> Handler:
+    """GET /openapi.json: the routes as FastAPI describes them (made once, on first use)."""
+    routes = list(routes)
+    document: list[bytes] = []
+
+    async def openapi(request: Request) -> Response:
+        if not document:
+            document.append(_described(routes))
+        return Response(document[0], media_type="application/json")
+
+    return openapi
+
+
+def _described(routes: Sequence[RouteSpec]) -> bytes:
+    from fastapi import FastAPI
+    from starlette.responses import JSONResponse
+
+    described = FastAPI(title="Kiln gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     for route in routes:
-        app.router.routes.append(_served(route.path, route.endpoint, route.methods, route.name))
-        # the same route as FastAPI describes it, for /openapi.json only: the one above,
-        # matched first, serves every request it would have served
-        app.add_api_route(
+        described.add_api_route(
             route.path,
             route.endpoint,
             methods=list(route.methods),
@@ -114,12 +152,7 @@ def create_app(
             responses=route.responses or None,
             response_class=Response,
         )
-    # outermost: it sees every response, the error handlers' included
-    app.add_middleware(ObservabilityMiddleware, observer=observer, quiet_paths=frozenset({HEALTH_PATH}))
-    app.add_exception_handler(GatewayError, _gateway_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected_error)
-    return app
+    return JSONResponse(described.openapi()).body
 
 
 def _served(path: str, endpoint: Handler, methods: Sequence[str], name: str) -> Route:
@@ -174,7 +207,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
     return _answer(request, InternalError("The gateway failed to process the request."))
 
 
-def lambda_handler(app: FastAPI) -> Callable[[dict, Any], dict]:
+def lambda_handler(app: Starlette) -> Callable[[dict, Any], dict]:
     """The buffered Lambda entry point (API Gateway REST / Function URL events) via Mangum."""
     adapter: list[Any] = []
 
