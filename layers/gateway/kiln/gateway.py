@@ -140,6 +140,15 @@ class Gateway:
             raise
         return answer["Parameter"]["Value"]
 
+    def warm(self, authorization: str | None, *, catalog: bool = True) -> bool:
+        """The maintenance flag, the key behind `authorization` and (with `catalog`) the catalog
+        are all in memory: a request's checks need no I/O."""
+        if not self._maintenance.fresh or not self.auth.answers_at_once(authorization):
+            return False
+        if not catalog:
+            return True
+        return self._catalog.fresh and (self._upstream_key is None or self._upstream_key.fresh)
+
     async def maintenance(self) -> MaintenanceFlag:
         try:
             return await self._maintenance.get()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Awaitable
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .apis import ModelApi
 from .auth import Principal
+from .catalog import Catalog
 from .errors import (
     GatewayError,
     GenerationNotFound,
@@ -26,7 +27,7 @@ from .normalize import normalize
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
 
-__all__ = ["complete", "get_gateway", "list_models", "retrieve_generation", "retrieve_model"]
+__all__ = ["checks", "complete", "get_gateway", "list_models", "retrieve_generation", "retrieve_model"]
 
 
 MANAGEMENT_KEY_ON_A_MODEL = (
@@ -48,9 +49,8 @@ async def complete(request: Request, api: ModelApi) -> Response:
     record = record_of(request)
     record.endpoint = api.name
     try:
-        await gateway.check_maintenance()  # 1
-        body = await read_json(request, gateway.settings.max_body_bytes)  # 2
-        principal, catalog = await _key_and_catalog(gateway, request)  # 3 (and what 4 needs)
+        # 1, 2, 3 (and the catalog 4 needs)
+        principal, body, catalog = await checks(gateway, request, read_body=_model_call_body, catalog=True)
         record.org_id = principal.org_id
         if principal.management:
             raise ManagementKeyForbidden(MANAGEMENT_KEY_ON_A_MODEL)
@@ -72,33 +72,63 @@ async def complete(request: Request, api: ModelApi) -> Response:
     return await Exchange(gateway, principal, call, lease, record).respond()  # 6
 
 
-def _authenticate(gateway: Gateway, request: Request) -> Awaitable[Principal]:
-    """Check 3 of §2: the caller's key, as a storage call. Two Authorization headers are no
-    key at all: which one a proxy meant to win cannot be known."""
+def _credential(request: Request) -> str | None:
+    """The caller's Authorization header. Two of them are no key at all: which one a proxy
+    meant to win cannot be known."""
     credentials = request.headers.getlist("authorization")
-    return gateway.storage(gateway.auth.authenticate(credentials[0] if len(credentials) == 1 else None))
+    return credentials[0] if len(credentials) == 1 else None
 
 
-async def _key_and_catalog(gateway: Gateway, request: Request) -> tuple:
-    """Authenticate and fetch the catalog at once (on cold caches, two reads in parallel), then
-    answer in the contract's order: a bad key before anything the catalog could say."""
-    principal, catalog = await asyncio.gather(
-        _authenticate(gateway, request),
-        gateway.catalog(),
+def _model_call_body(request: Request) -> Awaitable[object]:
+    return read_json(request, get_gateway(request).settings.max_body_bytes)
+
+
+async def checks(
+    gateway: Gateway,
+    request: Request,
+    *,
+    read_body: Callable[[Request], Awaitable[Any]] | None = None,
+    catalog: bool = False,
+) -> tuple[Principal, Any, Catalog | None]:
+    """Checks 1 to 3 of §2: maintenance, the body (when `read_body` reads one), the key; and,
+    with `catalog`, the catalog check 4 needs. Answered in the contract's order whatever the
+    order their reads end in. With every cache warm they make no I/O and run one after the
+    other; on a cold one (a new execution environment, an entry that expired) the storage
+    reads run at once, beside the body's upload, instead of one after the other."""
+    credential = _credential(request)
+    if gateway.warm(credential, catalog=catalog):
+        await gateway.check_maintenance()
+        body = await read_body(request) if read_body is not None else None
+        principal = await gateway.storage(gateway.auth.authenticate(credential))
+        return principal, body, (await gateway.catalog() if catalog else None)
+    reads = asyncio.gather(
+        gateway.check_maintenance(),
+        gateway.storage(gateway.auth.authenticate(credential)),
+        *((gateway.catalog(),) if catalog else ()),
         return_exceptions=True,
     )
-    for outcome in (principal, catalog):
+    body: Any = None
+    try:
+        if read_body is not None:
+            body = await read_body(request)
+    except GatewayError as error:
+        body = error  # answered after the maintenance flag, before the key
+    except BaseException:
+        reads.cancel()
+        raise
+    maintenance, principal, *rest = await reads
+    for outcome in (maintenance, body, principal, *rest):
         if isinstance(outcome, BaseException):
             raise outcome
-    return principal, catalog
+    return principal, body, (rest[0] if catalog else None)
 
 
-async def _reader_checks(gateway: Gateway, request: Request, record: RequestRecord) -> Principal:
+async def _reader_checks(gateway: Gateway, request: Request, record: RequestRecord, *,
+                         catalog: bool = False) -> tuple[Principal, Catalog | None]:
     """Checks 1 and 3 of §2 for the endpoints that read (they have no body and admit nothing)."""
-    await gateway.check_maintenance()
-    principal = await _authenticate(gateway, request)
+    principal, _, models = await checks(gateway, request, catalog=catalog)
     record.org_id = principal.org_id
-    return principal
+    return principal, models
 
 
 async def list_models(request: Request) -> Response:
@@ -107,8 +137,7 @@ async def list_models(request: Request) -> Response:
     record = record_of(request)
     record.endpoint = "models"
     try:
-        principal = await _reader_checks(gateway, request, record)
-        catalog = await gateway.catalog()
+        principal, catalog = await _reader_checks(gateway, request, record, catalog=True)
     except GatewayError as error:
         record.error_code = error.code
         return error_response(error)
@@ -123,8 +152,8 @@ async def retrieve_model(request: Request) -> Response:
     record.endpoint = "models"
     model_id = request.path_params["model_id"]
     try:
-        principal = await _reader_checks(gateway, request, record)
-        model = (await gateway.catalog()).get(model_id)
+        principal, catalog = await _reader_checks(gateway, request, record, catalog=True)
+        model = catalog.get(model_id)
         if model is None or not principal.may_use(model_id):
             raise ModelNotFound(model_id)
     except GatewayError as error:
@@ -140,7 +169,7 @@ async def retrieve_generation(request: Request) -> Response:
     record.endpoint = "generations"
     gen_id = request.path_params["gen_id"]
     try:
-        principal = await _reader_checks(gateway, request, record)
+        principal, _ = await _reader_checks(gateway, request, record)
         event = None
         if GENERATION_ID.fullmatch(gen_id):
             event = await gateway.storage(gateway.store.event_of_org(gen_id, principal.org_id))

@@ -67,6 +67,11 @@ class CachedParameter(Generic[T]):
         self._first_read_failed: tuple[float, str] | None = None  # when, and why
         self._lock = asyncio.Lock()
 
+    @property
+    def fresh(self) -> bool:
+        """`get` would answer from memory, with no I/O and no wait."""
+        return self._loaded and self._clock() < self._expires
+
     async def get(self) -> T:
         if self._loaded and self._clock() < self._expires:
             return self._value  # type: ignore[return-value]

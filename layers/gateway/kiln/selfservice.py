@@ -30,7 +30,7 @@ from .errors import (
     UnknownParameter,
 )
 from .gateway import Gateway
-from .handlers import _authenticate, get_gateway, read_json
+from .handlers import checks, get_gateway, read_json
 from .jsonio import dumps
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
@@ -62,9 +62,8 @@ def _keyring(gateway: Gateway) -> Keyring:
 async def _checks(gateway: Gateway, request: Request, record: RequestRecord, *, body: bool = False,
                   management: bool = False) -> tuple[Principal, Any]:
     """Checks 1-3 of §2 (maintenance, the body if any, the key), then the key's role."""
-    await gateway.check_maintenance()
-    document = await _read_body(request, gateway.settings.max_body_bytes) if body else None
-    principal = await _authenticate(gateway, request)
+    limit = gateway.settings.max_body_bytes
+    principal, document, _ = await checks(gateway, request, read_body=(lambda raw: _read_body(raw, limit)) if body else None)
     record.org_id = principal.org_id
     if management and not principal.management:
         raise ManagementKeyRequired(MANAGEMENT_REQUIRED)

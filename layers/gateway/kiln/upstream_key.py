@@ -43,6 +43,10 @@ class UpstreamKey:
     def name(self) -> str:
         return self._cache.name
 
+    @property
+    def fresh(self) -> bool:
+        return self._cache.fresh
+
     async def bind(self, catalog: Catalog) -> Catalog:
         key = await self._cache.get()
         bound = self._bound
