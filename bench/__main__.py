@@ -190,6 +190,7 @@ def git_state() -> dict:
 
 def measure(args: argparse.Namespace, prepared: dict) -> dict:
     from . import coldstart, peers, scenarios
+    from .goals import CPU_TARGET
     from .procs import Procs
     from .stack import Stack
 
@@ -262,11 +263,24 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                 procs.stop(standin.child)
             return standin_target()
 
+        def bare_target() -> scenarios.Target:
+            child, url = stack.start_function(CPU_TARGET, aws_url=standin_url)
+            return scenarios.Target(CPU_TARGET, f"{url}/v1", kiln_headers, child)
+
+        def restart_bare() -> scenarios.Target:
+            if bare.child is not None:
+                procs.stop(bare.child)
+            return bare_target()
+
         if standin_url and "matrix" not in skip:
             standin = standin_target()
             standin.restart, standin.gaps = restart_standin, False
             standin.after_cell = standin_after_cell
             targets.append(standin)
+            # the same function over the same stand-in without the probe: its own CPU, for the CPU goal
+            bare = bare_target()
+            bare.restart, bare.gaps = restart_bare, False
+            targets.append(bare)
         litellm_status = peers.PeerStatus(**prepared["litellm"])
         portkey_status = peers.PeerStatus(**prepared["portkey"])
         need_peers = bool({"matrix", "gaps"} - skip) and not args.skip_peers

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CPU_RATIO", "COLD_RATIO", "SAMEJOB_RATIO", "added", "cell", "coldstart_production", "cpu_vs_portkey",
+__all__ = ["CPU_RATIO", "CPU_TARGET", "COLD_RATIO", "SAMEJOB_RATIO", "added", "cell", "coldstart_production", "cpu_vs_portkey",
            "lambda_sizes", "samejob", "standin_overhead"]
 
 CPU_RATIO = 0.5  # Kiln's CPU per request ≤ 1/2 of Portkey's
+CPU_TARGET = "kiln-standin-bare"  # the chat function over the storage stand-in, without the probe
 SAMEJOB_RATIO = 1 / 3  # Kiln's added p50 ≤ 1/3 of the same-job peer's
 COLD_RATIO = 1.2  # cold start ≤ 1.2 × a bare FastAPI app's on the same path, with .pyc
 
@@ -50,28 +51,41 @@ def _verdict(checks: list[bool | None]) -> bool | None:
 
 
 def cpu_vs_portkey(results: dict, ratio: float = CPU_RATIO) -> dict[str, Any]:
-    """Kiln's own process CPU per request against Portkey's, every mode and concurrency of the matrix
-    (Kiln without the probe, on the embedded AWS: its storage client's CPU counts, the emulator's not)."""
+    """Kiln's own process CPU per request against Portkey's, every mode and concurrency of the matrix.
+
+    Kiln's is measured over the storage stand-in without the probe (CPU_TARGET; its storage
+    client's CPU counts), where the machine's two CPUs are shared with a mock and a stand-in about
+    as light as in Portkey's cells. Over the embedded AWS, whose own CPU per request is five to ten
+    times the gateway's, Kiln's process spends more CPU time on the same calls wherever the two
+    run at once (concurrency 8 and 16): that figure is kept beside it, not compared."""
     rows = []
     for mode in ("buffered", "stream"):
         for concurrency in _concurrencies(results):
-            k = ((cell(results, "kiln", mode, concurrency) or {}).get("cpu_ms_per_request") or {}).get("kiln")
+            k = ((cell(results, CPU_TARGET, mode, concurrency) or {}).get("cpu_ms_per_request") or {}).get(CPU_TARGET)
+            e = ((cell(results, "kiln", mode, concurrency) or {}).get("cpu_ms_per_request") or {}).get("kiln")
             p = ((cell(results, "portkey", mode, concurrency) or {}).get("cpu_ms_per_request") or {}).get("portkey")
             r = round(k / p, 3) if k is not None and p else None
-            rows.append({"mode": mode, "concurrency": concurrency, "kiln_cpu_ms": k, "portkey_cpu_ms": p, "ratio": r,
-                         "pass": None if r is None else r <= ratio})
+            rows.append({"mode": mode, "concurrency": concurrency, "kiln_cpu_ms": k, "kiln_emulated_cpu_ms": e,
+                         "portkey_cpu_ms": p, "ratio": r, "pass": None if r is None else r <= ratio})
     measured = "; ".join(f"{r['mode']} c={r['concurrency']}: {r['kiln_cpu_ms']} vs {r['portkey_cpu_ms']} ms (×{r['ratio']})"
                          for r in rows)
-    return {"id": "cpu_vs_portkey", "goal": f"Kiln's CPU per request ≤ {ratio:g} × Portkey's, buffered and streamed, same run",
+    return {"id": "cpu_vs_portkey", "goal": f"Kiln's CPU per request (on the storage stand-in) ≤ {ratio:g} × Portkey's, buffered and streamed, same run",
             "measured": measured or "not measured", "rows": rows, "pass": _verdict([r["pass"] for r in rows])}
+
+
+def _kiln_on_standin(results: dict, mode: str, concurrency: int) -> str:
+    """Which Kiln target's latency stands for Kiln on the stand-in: the unprobed one if measured."""
+    timed = cell(results, CPU_TARGET, mode, concurrency)
+    return CPU_TARGET if timed is not None and not timed.get("skipped") else "kiln-standin"
 
 
 def standin_overhead(results: dict) -> dict[str, Any]:
     """On the fixed-latency stand-in: Kiln's added p50/p99 minus the storage time its requests waited
     for, i.e. the stand-in's service time (as it measured it over the cell) × the storage calls per
     request (as the probe counted them; all on the request path, one after another), against
-    Portkey's added latency. The probe's storage wall (calls in flight, as the gateway saw them:
-    its own loop's delays included) is kept beside it, for reference."""
+    Portkey's added latency. Kiln's latency is the unprobed function's (CPU_TARGET, the same stand-in)
+    when the run has it, else the probed one's; the probe's storage wall (calls in flight, as the
+    gateway saw them: its own loop's delays included) is kept beside it, for reference."""
     rows = []
     for mode in ("buffered", "stream"):
         for concurrency in _concurrencies(results):
@@ -83,13 +97,15 @@ def standin_overhead(results: dict) -> dict[str, Any]:
             row: dict[str, Any] = {"mode": mode, "concurrency": concurrency, "storage_wait": wait,
                                    "storage_calls_per_request": calls, "service_ms": service,
                                    "probe_storage_wall_p50": (probe.get("storage_ms_per_request") or {}).get("p50")}
+            timed = _kiln_on_standin(results, mode, concurrency)
+            row["kiln_target"] = timed
+            row["kiln_errors"] = (cell(results, timed, mode, concurrency) or {}).get("errors")
             for stat in ("p50", "p99"):
-                a = added(results, "kiln-standin", mode, concurrency, stat)
+                a = added(results, timed, mode, concurrency, stat)
                 row[f"kiln_added_{stat}"] = a
                 row[f"kiln_net_{stat}"] = round(a - wait, 3) if a is not None and wait is not None else None
                 row[f"portkey_added_{stat}"] = added(results, "portkey", mode, concurrency, stat)
                 row[f"litellm_added_{stat}"] = added(results, "litellm", mode, concurrency, stat)
-            row["kiln_errors"] = entry.get("errors")
             net, portkey = row["kiln_net_p50"], row["portkey_added_p50"]
             row["pass"] = None if net is None or portkey is None else (net <= portkey and not row["kiln_errors"])
             rows.append(row)
@@ -106,7 +122,7 @@ def samejob(results: dict, ratio: float = SAMEJOB_RATIO, concurrencies: tuple[in
     rows = []
     for mode in ("buffered", "stream"):
         for concurrency in concurrencies:
-            k = added(results, "kiln-standin", mode, concurrency)
+            k = added(results, _kiln_on_standin(results, mode, concurrency), mode, concurrency)
             s = added(results, "litellm-samejob", mode, concurrency)
             peer = cell(results, "litellm-samejob", mode, concurrency) or {}
             rows.append({"mode": mode, "concurrency": concurrency, "kiln_added": k,

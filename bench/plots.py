@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"direct": "#7f7f7f", "kiln": "#d62728", "portkey": "#1f77b4", "litellm": "#2ca02c", "kiln-standin": "#ff9896",
+COLORS = {"direct": "#7f7f7f", "kiln": "#d62728", "portkey": "#1f77b4", "litellm": "#2ca02c", "kiln-standin": "#ff9896", "kiln-standin-bare": "#8c564b",
           "litellm-samejob": "#98df8a"}
 
 
