@@ -190,3 +190,53 @@ def test_each_requests_metrics_document_holds_only_its_own_values(monkeypatch):
     assert all(d["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["service"], ["service", "endpoint"]] for d in requests)
     assert [(d["code"], d["Errors"]) for d in errors] == [("storage_unavailable", [1.0])]
     assert errors[0]["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["service"], ["service", "code"]]
+
+
+def test_a_requests_emf_document_is_the_one_powertools_add_metric_would_make(monkeypatch):
+    """The metrics are serialized by Powertools from names and units it checked once: the
+    document is the one its own add_metric path makes, and a request costs one flush."""
+    import io
+    import json
+    from decimal import Decimal
+
+    from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
+
+    from kiln.store.usage import UsageEvent
+
+    class _Counted(io.StringIO):
+        flushes = 0
+
+        def flush(self) -> None:
+            _Counted.flushes += 1
+            super().flush()
+
+    # a logger of its own: Powertools gives a logger's handlers to the first Logger made for its name
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(observability, "telemetry_settings", lambda: SimpleNamespace(
+        metrics_namespace="Kiln", service_name="kiln-one-flush", metrics_disabled=False))
+    stream = _Counted()
+    observer = observability.Observer(stream=stream, metrics_enabled=True)
+    assert observer.service == "kiln-one-flush"
+    record = observability.RequestRecord("POST", "/v1/chat/completions")
+    record.status, record.endpoint, record.finished = 200, "chat.completions", record.started + 0.0123
+    record.usage = UsageEvent("gen-1", "org-1", "2026-12-01T00:00:00.000Z", "key-1", "m", "chat.completions", True,
+                              "success", Decimal("0.00042"), 200, 10, 12, usage_source="estimated", ttfb_ms=3)
+    observer.emit(record)
+    assert _Counted.flushes == 1
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    ours = next(line for line in lines if "_aws" in line)
+    assert next(line for line in lines if line.get("message") == "request")["generation_id"] == "gen-1"
+
+    reference = EphemeralMetrics(namespace=observer.namespace, service=observer.service)
+    reference.add_dimensions(service=observer.service, endpoint="chat.completions")
+    for name, unit, value in (("Requests", MetricUnit.Count, 1), ("Latency", MetricUnit.Milliseconds, 12),
+                              ("Errors5xx", MetricUnit.Count, 0), ("RateLimited", MetricUnit.Count, 0),
+                              ("UpstreamFailures", MetricUnit.Count, 0), ("TimeToFirstByte", MetricUnit.Milliseconds, 3),
+                              ("PromptTokens", MetricUnit.Count, 10), ("CompletionTokens", MetricUnit.Count, 12),
+                              ("CostUSD", MetricUnit.NoUnit, 0.00042), ("UsageEstimated", MetricUnit.Count, 1)):
+        reference.add_metric(name=name, unit=unit, value=value)
+    expected = json.loads(json.dumps(reference.serialize_metric_set()))
+    ours["_aws"].pop("Timestamp")
+    expected["_aws"].pop("Timestamp")
+    assert ours == expected

@@ -153,49 +153,68 @@ class Observer:
     def emit(self, record: RequestRecord) -> None:
         entry = record.as_log()
         level = logging.ERROR if (record.status or 0) >= 500 else logging.INFO
-        self.logger.log(level, "request", extra=entry)
         if self.metrics_enabled:
+            # written first, flushed with the log line: one write to the stream per request
             self._metrics(record, entry["latency_ms"])
+        self.logger.log(level, "request", extra=entry)
 
     def _metrics(self, record: RequestRecord, latency_ms: int) -> None:
-        from aws_lambda_powertools.metrics import MetricUnit
+        status = record.status or 500
+        usage = record.usage
+        failures = record.backend_failures + (1 if usage is not None and usage.status in _UPSTREAM_FAILURES else 0)
+        values: dict[str, float] = {
+            "Requests": 1,
+            "Latency": latency_ms,
+            "Errors5xx": 1 if status >= 500 else 0,
+            "RateLimited": 1 if status == 429 else 0,
+            "UpstreamFailures": failures,
+        }
+        if usage is not None:
+            if usage.ttfb_ms is not None:
+                values["TimeToFirstByte"] = usage.ttfb_ms
+            values["PromptTokens"] = usage.prompt_tokens or 0
+            values["CompletionTokens"] = usage.completion_tokens or 0
+            values["CostUSD"] = float(usage.cost)
+            values["UsageEstimated"] = 1 if usage.usage_source == "estimated" else 0
+        # published twice: per service (what the alarms watch) and per service and endpoint
+        self._write_metrics("request", values, endpoint=record.endpoint or record.path)
+        if record.error_code:
+            self._write_metrics("error", {"Errors": 1}, code=record.error_code)
 
-        metrics = self._metric_set("request")
+    def _write_metrics(self, kind: str, values: dict[str, float], **dimensions: str) -> None:
+        """One EMF document, serialized by Powertools, from metrics whose names and units it
+        checked once (`_checked_units`): its per-call checks are the same every time."""
+        metrics = self._metric_set(kind)
         try:
-            # published twice: per service (what the alarms watch) and per service and endpoint
-            metrics.add_dimensions(service=self.service, endpoint=record.endpoint or record.path)
-            metrics.add_metric(name="Requests", unit=MetricUnit.Count, value=1)
-            metrics.add_metric(name="Latency", unit=MetricUnit.Milliseconds, value=latency_ms)
-            status = record.status or 500
-            metrics.add_metric(name="Errors5xx", unit=MetricUnit.Count, value=1 if status >= 500 else 0)
-            metrics.add_metric(name="RateLimited", unit=MetricUnit.Count, value=1 if status == 429 else 0)
-            usage = record.usage
-            failures = record.backend_failures + (1 if usage is not None and usage.status in _UPSTREAM_FAILURES else 0)
-            metrics.add_metric(name="UpstreamFailures", unit=MetricUnit.Count, value=failures)
-            if usage is not None:
-                if usage.ttfb_ms is not None:
-                    metrics.add_metric(name="TimeToFirstByte", unit=MetricUnit.Milliseconds, value=usage.ttfb_ms)
-                metrics.add_metric(name="PromptTokens", unit=MetricUnit.Count, value=usage.prompt_tokens or 0)
-                metrics.add_metric(name="CompletionTokens", unit=MetricUnit.Count, value=usage.completion_tokens or 0)
-                metrics.add_metric(name="CostUSD", unit=MetricUnit.NoUnit, value=float(usage.cost))
-                metrics.add_metric(
-                    name="UsageEstimated", unit=MetricUnit.Count, value=1 if usage.usage_source == "estimated" else 0
-                )
-            self._flush(metrics)
+            metrics.add_dimensions(service=self.service, **dimensions)
+            document = metrics.serialize_metric_set(metrics={
+                name: {"Unit": _checked_units()[name], "StorageResolution": 60, "Value": [float(value)]}
+                for name, value in values.items()
+            })
         finally:
             metrics.clear_metrics()
-        if record.error_code:
-            errors = self._metric_set("error")
-            try:
-                errors.add_dimensions(service=self.service, code=record.error_code)
-                errors.add_metric(name="Errors", unit=MetricUnit.Count, value=1)
-                self._flush(errors)
-            finally:
-                errors.clear_metrics()
+        self._stream.write(json.dumps(document, separators=(",", ":")) + "\n")
 
-    def _flush(self, metrics: Any) -> None:
-        self._stream.write(json.dumps(metrics.serialize_metric_set(), separators=(",", ":")) + "\n")
-        self._stream.flush()
+
+_UNITS: dict[str, str] = {}
+
+
+def _checked_units() -> dict[str, str]:
+    """Every metric the gateway emits, with its CloudWatch unit, as Powertools' add_metric
+    validates and normalizes them (once per process)."""
+    if not _UNITS:
+        from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
+
+        units = {"Requests": MetricUnit.Count, "Latency": MetricUnit.Milliseconds, "Errors5xx": MetricUnit.Count,
+                 "RateLimited": MetricUnit.Count, "UpstreamFailures": MetricUnit.Count,
+                 "TimeToFirstByte": MetricUnit.Milliseconds, "PromptTokens": MetricUnit.Count,
+                 "CompletionTokens": MetricUnit.Count, "CostUSD": MetricUnit.NoUnit, "UsageEstimated": MetricUnit.Count,
+                 "Errors": MetricUnit.Count}
+        checker = EphemeralMetrics(namespace="check")
+        for name, unit in units.items():
+            checker.add_metric(name=name, unit=unit, value=0)
+        _UNITS.update({name: metric["Unit"] for name, metric in checker.metric_set.items()})
+    return _UNITS
 
 
 class ObservabilityMiddleware:
