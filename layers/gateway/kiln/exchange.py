@@ -25,7 +25,7 @@ from .jsonio import dumps, loads_strict
 from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
 from .observability import RequestRecord
-from .responses import RelayResponse, error_response, json_response
+from .responses import LastPiece, RelayResponse, error_response, json_response
 from .sse import KEEPALIVE, SseRelay
 from .store import Lease, UsageEvent
 from .store.clock import iso_ms
@@ -250,7 +250,7 @@ class Exchange:
         except Exception as exc:  # a fault of ours: still settle, still end the stream clearly
             log.exception("stream %s failed inside the gateway", self.gen_id)
             status, failure = "gateway_error", f"gateway error: {type(exc).__name__}"
-        yield await self._end_stream(upstream, relay, status, failure)
+        yield LastPiece(await self._end_stream(upstream, relay, status, failure))
 
     async def _end_stream(self, upstream: UpstreamExchange, relay: SseRelay, status: str, error: str | None) -> bytes:
         """Close the upstream, settle, and return the stream's last bytes; never raises.

@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from .errors import GatewayError
 
-__all__ = ["GENERATION_HEADER", "RelayResponse", "error_response", "json_response"]
+__all__ = ["GENERATION_HEADER", "LastPiece", "RelayResponse", "error_response", "json_response"]
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 
@@ -26,6 +26,11 @@ def error_response(error: GatewayError, gen_id: str | None = None) -> Response:
 
 def json_response(body: bytes, gen_id: str | None = None, status: int = 200) -> Response:
     return Response(body, status_code=status, headers=_generation_headers(gen_id), media_type="application/json")
+
+
+class LastPiece(bytes):
+    """The stream's last bytes, which a body generator may mark as such: they go out with the
+    end of the body, in one write, instead of the end in a write of its own."""
 
 
 class RelayResponse(Response):
@@ -67,9 +72,14 @@ class RelayResponse(Response):
                 async def stream() -> None:
                     try:
                         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                        ended = False
                         async for chunk in self.body_iterator:
-                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                            ended = isinstance(chunk, LastPiece)
+                            await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+                            if ended:
+                                break
+                        if not ended:
+                            await send({"type": "http.response.body", "body": b"", "more_body": False})
                     except OSError:
                         pass  # the client went away mid-write; the generator is closed below
                     finally:
