@@ -40,6 +40,14 @@ async def read_request(reader) -> bytes:
     return head + await reader.readexactly(length)
 
 
+async def silent_after_the_headers(reader, writer):
+    """A server that answers 200 with a chunked body, then sends nothing more."""
+    await read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(5)
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -114,15 +122,9 @@ def test_a_connection_cut_mid_body_is_a_protocol_failure_and_is_not_reused():
 
 
 def test_silence_beyond_the_read_timeout_is_a_timeout():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(5)
-
     async def main():
         http = client()
-        async with server(handler) as (url, _):
+        async with server(silent_after_the_headers) as (url, _):
             response = await http.request("POST", url, headers={}, body=b"", read_timeout=0.2)
             with pytest.raises(Timeout):
                 await response.read()
@@ -348,15 +350,9 @@ def test_next_piece_returns_on_quiet_without_losing_what_comes_after():
 
 
 def test_next_piece_counts_the_read_timeout_from_when_the_silence_began():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(5)
-
     async def main():
         http = client()
-        async with server(handler) as (url, _):
+        async with server(silent_after_the_headers) as (url, _):
             response = await http.request("POST", url, headers={}, body=b"", read_timeout=0.3)
             started, wakes = time.monotonic(), 0
             with pytest.raises(Timeout):
@@ -371,15 +367,9 @@ def test_next_piece_counts_the_read_timeout_from_when_the_silence_began():
 
 
 def test_next_piece_cancelled_midway_closes_the_connection():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(5)
-
     async def main():
         http = client()
-        async with server(handler) as (url, _):
+        async with server(silent_after_the_headers) as (url, _):
             response = await http.request("POST", url, headers={}, body=b"")
             waiting = asyncio.ensure_future(response.next_piece())
             await asyncio.sleep(0.05)
