@@ -500,19 +500,27 @@ def test_usage_events_expire_through_ttl(cfn):
 
 
 def test_alarms_watch_metrics_the_gateway_emits(cfn):
-    """The custom alarms read metric names that kiln.observability really publishes."""
-    import inspect
+    """The custom alarms read metric names that kiln.observability really publishes: the EMF
+    documents of a failed request (5xx, 429, an upstream failure) name every one of them."""
+    import io
+    import json
 
     from kiln import observability
 
-    source = inspect.getsource(observability)
+    stream = io.StringIO()
+    observer = observability.Observer(stream=stream, metrics_enabled=True)
+    for status, code in ((502, "upstream_error"), (429, "rate_limited")):
+        record = observability.RequestRecord("POST", "/v1/chat/completions")
+        record.status, record.endpoint, record.error_code, record.backend_failures = status, "chat.completions", code, 1
+        observer.emit(record)
+    documents = [json.loads(line) for line in stream.getvalue().splitlines() if line.startswith('{"_aws"')]
+    emitted = {metric["Name"] for document in documents for metric in document["_aws"]["CloudWatchMetrics"][0]["Metrics"]}
     resources = cfn["Resources"]
     names = [resources[alarm]["Properties"]["MetricName"] for alarm in ("UpstreamErrorsAlarm", "RateLimitSurgeAlarm")]
     for query in resources["Gateway5xxRateAlarm"]["Properties"]["Metrics"]:
         if "MetricStat" in query:
             names.append(query["MetricStat"]["Metric"]["MetricName"])
-    for name in names:
-        assert f'name="{name}"' in source, name
+    assert names and set(names) <= emitted, set(names) - emitted
 
 
 def test_sam_deploy_guided_deploys_when_every_prompt_is_answered_with_enter():
