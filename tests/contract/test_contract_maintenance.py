@@ -67,3 +67,32 @@ def test_the_switch_is_read_through_the_cache_not_per_request(stack_factory):
     for _ in range(5):
         assert stack.post("/v1/chat/completions", body, key).status_code == 200
     assert stack.faults.count("GetParameter", lambda payload: payload["Name"] == name) == 1
+
+
+@pytest.mark.parametrize("method,path", ENDPOINTS)
+def test_while_on_a_request_reads_nothing_but_the_switch_even_on_cold_caches(stack_factory, method, path):
+    """§6 (docs/design.md, check 1): while on, 503 and no other I/O, before the body is read:
+    not the key, its org or the catalog, no key's last-use write; a stalled upload is not waited for."""
+    stack = stack_factory(maintenance_cache_seconds=0, auth_cache_seconds=0, catalog_cache_seconds=0)
+    _, key = stack.org()
+    stack.set_maintenance({"enabled": True})
+    stack.faults.calls.clear()
+    response = stack.http.request(method, path, json={"model": "qwen3-32b", "prompt": "x"},
+                                  headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 503
+    assert [operation for operation, _ in stack.faults.calls] == ["GetParameter"]
+    assert stack.faults.calls[0][1]["Name"] == stack.settings.maintenance_parameter
+
+
+def test_while_on_a_stalled_upload_is_answered_at_once(stack_factory):
+    import socket
+
+    stack = stack_factory(maintenance_cache_seconds=0)
+    _, key = stack.org()
+    stack.set_maintenance({"enabled": True})
+    host, port = stack.url.split("//", 1)[1].rstrip("/").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as client:
+        client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                       "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\"".encode())
+        answer = client.recv(4096)  # the rest of the body never comes
+    assert answer.startswith(b"HTTP/1.1 503 ")

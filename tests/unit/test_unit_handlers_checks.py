@@ -1,5 +1,6 @@
 """kiln.handlers.checks: the contract's first checks (§2 steps 1-3, and the catalog), answered in
-its order, with their reads at once when a cache is cold and no I/O when every cache is warm."""
+its order: the maintenance flag first and alone, then, when a cache is cold, the key's and the
+catalog's reads at once beside the body's upload; with every cache warm, no I/O and no task."""
 
 from __future__ import annotations
 
@@ -93,8 +94,25 @@ def test_on_cold_caches_the_reads_run_at_once_beside_the_upload():
 
     elapsed, principal, body, catalog = asyncio.run(main())
     assert body == {"a": 1} and catalog == ["a catalog"] and principal.credential == "Bearer sk-test"
-    assert gateway.most_in_flight == 3
-    assert elapsed < 2 * READ_S  # one read's time, not four one after the other
+    assert gateway.reads[0] == "maintenance" and sorted(gateway.reads[1:]) == ["catalog", "key"]
+    assert gateway.most_in_flight == 2  # the key and the catalog, together
+    # the flag's read, then one read's time for the key, the catalog and the upload together
+    # (one after the other: the flag, the upload, then the key and catalog, 3 × READ_S)
+    assert elapsed < 2.5 * READ_S
+
+
+def test_while_maintenance_is_on_nothing_else_is_read_not_even_the_body():
+    gateway = FakeGateway(maintenance=True, key_ok=False)
+
+    async def main():
+        started = time.monotonic()
+        with pytest.raises(Maintenance):
+            await checks(gateway, request_with(b"{}", upload_s=5), read_body=body_reader, catalog=True)
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(main())
+    assert gateway.reads == ["maintenance"]
+    assert elapsed < 2 * READ_S  # not the stalled upload's 5 s
 
 
 def test_with_warm_caches_the_checks_run_in_order_with_no_task():

@@ -91,18 +91,20 @@ async def checks(
     catalog: bool = False,
 ) -> tuple[Principal, Any, Catalog | None]:
     """Checks 1 to 3 of §2: maintenance, the body (when `read_body` reads one), the key; and,
-    with `catalog`, the catalog check 4 needs. Answered in the contract's order whatever the
-    order their reads end in. With every cache warm they make no I/O and run one after the
-    other; on a cold one (a new execution environment, an entry that expired) the storage
-    reads run at once, beside the body's upload, instead of one after the other."""
+    with `catalog`, the catalog check 4 needs, answered in the contract's order.
+
+    The maintenance flag comes first and alone: while it is on, nothing else is read, not even
+    the body. Then, with every cache warm (nearly every request), the others run one after
+    the other with no I/O and no task; on a cold cache (a new execution environment, an entry
+    that expired) the key's and the catalog's reads run at once, beside the body's upload, and
+    a bad body is still answered before a bad key, a bad key before the catalog's state."""
     credential = _credential(request)
-    if gateway.warm(credential, catalog=catalog):
-        await gateway.check_maintenance()
+    await gateway.check_maintenance()
+    if gateway.warm(credential, catalog=catalog) or (read_body is None and not catalog):
         body = await read_body(request) if read_body is not None else None
         principal = await gateway.storage(gateway.auth.authenticate(credential))
         return principal, body, (await gateway.catalog() if catalog else None)
     reads = asyncio.gather(
-        gateway.check_maintenance(),
         gateway.storage(gateway.auth.authenticate(credential)),
         *((gateway.catalog(),) if catalog else ()),
         return_exceptions=True,
@@ -112,12 +114,12 @@ async def checks(
         if read_body is not None:
             body = await read_body(request)
     except GatewayError as error:
-        body = error  # answered after the maintenance flag, before the key
+        body = error  # answered before the key
     except BaseException:
         reads.cancel()
         raise
-    maintenance, principal, *rest = await reads
-    for outcome in (maintenance, body, principal, *rest):
+    principal, *rest = await reads
+    for outcome in (body, principal, *rest):
         if isinstance(outcome, BaseException):
             raise outcome
     return principal, body, (rest[0] if catalog else None)

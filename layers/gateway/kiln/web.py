@@ -102,7 +102,7 @@ def create_app(
 
     served = [_served(HEALTH_PATH, _healthz, ("GET",), "healthz")]
     served += [_served(route.path, route.endpoint, route.methods, route.name) for route in routes]
-    served.append(_served(OPENAPI_PATH, _openapi(routes), ("GET",), "openapi"))
+    served.append(_served(OPENAPI_PATH, _openapi(routes), ("GET", "HEAD"), "openapi"))  # as FastAPI serves it
     # outermost: it sees every response, the error handlers' included
     middleware = [Middleware(ObservabilityMiddleware, observer=observer, quiet_paths=frozenset({HEALTH_PATH}))]
     if not isinstance(gateway, Gateway):
