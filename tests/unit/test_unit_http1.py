@@ -380,3 +380,51 @@ def test_next_piece_cancelled_midway_closes_the_connection():
         await http.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize("after, complete", [(b"0\r\n\r\nXYZ nonsense\r\n", True), (b"zz\r\nnot a chunk", False)])
+def test_next_piece_hands_over_what_came_before_malformed_bytes(after, complete):
+    """Bytes that are not HTTP, in the same read as the end of a body (or mid-body), do not take
+    away what came before them: it is handed over, then the body ends (or fails), and the
+    connection is never reused."""
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"7\r\ndata: a\r\n" + after)
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=2)
+            assert await response.next_piece(time.monotonic() + 2) == b"data: a"
+            if complete:
+                assert await response.next_piece(time.monotonic() + 2) == b""
+            else:
+                with pytest.raises(ProtocolFailure):
+                    await response.next_piece(time.monotonic() + 2)
+            assert http.open_connections == 0 and http.idle_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_whole_body_followed_by_bytes_that_are_not_http_is_read_whole_and_not_reused():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokXYZ nonsense\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=2)
+            assert await response.read() == b"ok"
+            assert http.open_connections == 0 and http.idle_connections == 0
+        await http.aclose()
+
+    run(main())

@@ -159,6 +159,7 @@ class Response:
         self.headers = message.headers
         self._closed = False
         self._silent_since: float | None = None  # when the current wait for the body began
+        self._spoiled: ProtocolFailure | None = None  # malformed bytes came after the pieces still to take
 
     @classmethod
     def complete(cls, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":
@@ -182,6 +183,8 @@ class Response:
                     yield message.pending.popleft()
                 if message.complete:
                     break
+                if self._spoiled is not None:
+                    raise self._spoiled
                 await self._receive()
         except BaseException:
             self._discard()
@@ -206,6 +209,8 @@ class Response:
         connection = self._connection
         assert connection is not None
         try:
+            if self._spoiled is not None:
+                raise self._spoiled
             if self._silent_since is None:
                 self._silent_since = time.monotonic()
             while True:
@@ -230,12 +235,14 @@ class Response:
                     else:
                         raise ProtocolFailure("the server closed the connection before the response was complete")
                 else:
-                    _feed(self._parser, data)
+                    self._spoiled = _fed(self._parser, message, data)
                 if message.pending:
                     return _taken(message.pending)
                 if message.complete:
                     self._release()
                     return b""
+                if self._spoiled is not None:
+                    raise self._spoiled
                 self._silent_since = time.monotonic()
         except BaseException:
             self._discard()
@@ -271,7 +278,7 @@ class Response:
                 self._message.complete = True
                 return
             raise ProtocolFailure("the server closed the connection before the response was complete")
-        _feed(self._parser, data)
+        self._spoiled = _fed(self._parser, self._message, data)
 
     def _release(self) -> None:
         if self._closed:
@@ -375,6 +382,7 @@ class HttpClient:
         except OSError as exc:
             raise ProtocolFailure(f"connection lost while sending: {exc}", nothing_received=True) from exc
         head = 0  # bytes of the status line and headers fed so far
+        spoiled: ProtocolFailure | None = None
         while not message.headers_complete:
             data = await _read(connection, head_timeout, "no response in time", nothing_received=not head)
             if not data:
@@ -382,16 +390,18 @@ class HttpClient:
             # never more than the bound reaches the parser before the headers are complete
             piece = data[: max_header_bytes - head] if head + len(data) > max_header_bytes else data
             head += len(piece)
-            _feed(parser, piece)
+            spoiled = _fed(parser, message, piece)
             if len(message.headers) > max_headers:
                 raise ResponseTooLarge(f"more than {max_headers} response headers")
             if not message.headers_complete:
                 if head >= max_header_bytes:
                     raise ResponseTooLarge(f"response headers over {max_header_bytes} bytes")
-            elif len(piece) < len(data):
-                _feed(parser, data[len(piece):])  # the start of the body, read with the end of the headers
+            elif len(piece) < len(data) and spoiled is None:
+                spoiled = _fed(parser, message, data[len(piece):])  # the body's start, read with the headers' end
         message.status = parser.get_status_code()
-        return Response(self, connection, parser, message, read_timeout)
+        response = Response(self, connection, parser, message, read_timeout)
+        response._spoiled = spoiled
+        return response
 
     async def _connection(self, origin: _Origin, connect_timeout: float | None) -> _Connection:
         idle = self._idle.get(origin.key)
@@ -475,6 +485,21 @@ def _taken(pending: deque) -> bytes:
     joined = b"".join(pending)
     pending.clear()
     return joined
+
+
+def _fed(parser: object, message: _Message, data: bytes) -> ProtocolFailure | None:
+    """Feed `data`; malformed bytes after some of the body (the end of a body followed by bytes
+    that are not HTTP, or a body broken midway) are returned, not raised: what came before them
+    is handed over first, the connection is never reused, and an unfinished body then fails.
+    Malformed bytes before any of the body raise at once."""
+    try:
+        _feed(parser, data)
+    except ProtocolFailure as exc:
+        if not (message.headers_complete and (message.complete or message.pending)):
+            raise
+        message.keep_alive = False
+        return exc
+    return None
 
 
 def _feed(parser: object, data: bytes) -> None:
