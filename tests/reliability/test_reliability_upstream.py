@@ -63,6 +63,54 @@ def test_a_slow_first_token_gets_keepalives_and_nothing_times_out_early(stack_fa
     assert data_events(response.text)[-1] == "[DONE]"
 
 
+def test_an_event_trickled_slower_than_the_keepalive_still_gets_keepalives(stack_factory):
+    """The upstream is never silent (a byte every 50 ms) but no event is whole for 1.5 s: the
+    client is sent `: keepalive` whenever it has had nothing for the interval, never a part of
+    the event, then the event whole."""
+    import socket
+    import threading
+
+    event = b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"qwen3-32b",' \
+            b'"choices":[{"index":0,"delta":{"content":"slow"},"finish_reason":null}]}\n\n'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(head)
+            step = max(1, len(event) // 30)
+            for i in range(0, len(event), step):
+                piece = event[i:i + step]
+                conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                time.sleep(0.05)
+            done = b"data: [DONE]\n\n"
+            conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            conn.recv(65536)
+
+    threading.Thread(target=serve, daemon=True).start()
+    stack = stack_factory(keepalive_seconds=0.3)
+    org_id, key = stack.org()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    trickle = model("qwen3-32b", [{"name": "trickle", "url": url}], timeouts={"first_byte": 2, "idle": 5, "total": 30})
+    stack.ssm.put_parameter(Name=stack.settings.catalog_parameter, Overwrite=True, Type="String", Tier="Advanced",
+                            Value=json.dumps({"models": [trickle]}))
+    arrivals = []
+    started = time.monotonic()
+    with stack.http.stream("POST", CHAT, json={"model": "qwen3-32b", "messages": MESSAGES, "stream": True},
+                           headers={"Authorization": f"Bearer {key}"}) as response:
+        for piece in response.iter_raw():
+            arrivals.append((time.monotonic() - started, piece))
+    listener.close()
+    text = b"".join(piece for _, piece in arrivals).decode()
+    assert text.count(": keepalive") >= 3
+    assert data_events(text)[0]["choices"][0]["delta"]["content"] == "slow" and data_events(text)[-1] == "[DONE]"
+    assert max(b[0] - a[0] for a, b in zip(arrivals, arrivals[1:], strict=False)) < 0.6  # never silent for two intervals
+    (event_record,) = stack.events(org_id)
+    assert event_record.status == "success" and stack.org_info(org_id).in_flight == 0
+
+
 def test_a_refusing_backend_is_ejected_but_the_last_one_in_service_is_always_tried(stack_factory):
     stack = stack_factory(backend_failure_threshold=2, backend_cooldown_seconds=0.5)
     org_id, key = stack.org()

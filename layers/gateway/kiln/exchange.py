@@ -223,22 +223,31 @@ class Exchange:
         keepalive = self.gateway.settings.keepalive_seconds
         status, failure = "success", None
         try:
-            # one read at a time, each bounded by the keep-alive: a silence sends `: keepalive`
-            # and goes on waiting, the read it interrupted loses nothing (kiln.http1)
+            # One read at a time, each bounded by the keep-alive: `: keepalive` goes out whenever
+            # the client has been sent nothing for that long (an upstream that is silent, or one
+            # that trickles an event no faster than that), and the read it interrupted loses
+            # nothing (kiln.http1).
+            sent_at = time.monotonic()
             while True:
-                piece = await upstream.next_piece(time.monotonic() + keepalive)
-                if time.monotonic() > deadline:
+                piece = await upstream.next_piece(sent_at + keepalive)
+                now = time.monotonic()
+                if now > deadline:
                     raise UpstreamStreamError("exceeded the model's total time")
                 if piece is None:
                     yield KEEPALIVE
+                    sent_at = time.monotonic()
                     continue
                 if not piece:
                     raise UpstreamStreamError(self.call.api.unfinished)
                 out = relay.feed(piece)
                 if out:
                     if self.ttfb_ms is None:
-                        self.ttfb_ms = int((time.monotonic() - self.started) * 1000)
+                        self.ttfb_ms = int((now - self.started) * 1000)
                     yield out
+                    sent_at = time.monotonic()
+                elif now - sent_at >= keepalive:
+                    yield KEEPALIVE  # between two events for the client: it has had none of this one yet
+                    sent_at = time.monotonic()
                 if relay.done:
                     break
         except UpstreamStreamError as exc:
