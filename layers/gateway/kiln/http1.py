@@ -148,7 +148,7 @@ class Response:
 
     def __init__(
         self, client: "HttpClient | None", connection: "_Connection | None", parser: object, message: _Message,
-        read_timeout: float | None,
+        read_timeout: float | None, spoiled: "ProtocolFailure | None" = None,
     ) -> None:
         self._client = client
         self._connection = connection
@@ -159,7 +159,7 @@ class Response:
         self.headers = message.headers
         self._closed = False
         self._silent_since: float | None = None  # when the current wait for the body began
-        self._spoiled: ProtocolFailure | None = None  # malformed bytes came after the pieces still to take
+        self._spoiled = spoiled  # malformed bytes came after the pieces still to take (`_fed`)
 
     @classmethod
     def complete(cls, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":
@@ -175,21 +175,13 @@ class Response:
         return None
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives. Each wait is bounded by the read timeout."""
-        message = self._message
+        """The body as it arrives (`next_piece`: each wait bounded by the read timeout)."""
         try:
-            while True:
-                while message.pending:
-                    yield message.pending.popleft()
-                if message.complete:
-                    break
-                if self._spoiled is not None:
-                    raise self._spoiled
-                await self._receive()
-        except BaseException:
+            while piece := await self.next_piece():
+                yield piece
+        except BaseException:  # a body left unread midway is never reused
             self._discard()
             raise
-        self._release()
 
     async def next_piece(self, until: float | None = None) -> bytes | None:
         """What of the body has arrived and was not taken yet, in one piece (the chunks that came
@@ -215,7 +207,7 @@ class Response:
                 self._silent_since = time.monotonic()
             while True:
                 limit = None if self._read_timeout is None else self._silent_since + self._read_timeout
-                wake = limit if until is None or (limit is not None and limit <= until) else until
+                wake = _sooner(limit, until)
                 try:
                     if wake is None:
                         data = await connection.reader.read(READ_SIZE)
@@ -258,7 +250,7 @@ class Response:
                 self._discard()
                 raise BodyTooLarge(f"the body is {int(declared)} bytes, more than {max_bytes}")
         parts, size = [], 0
-        async for part in self.chunks():
+        while part := await self.next_piece():  # any failure there closes the connection
             parts.append(part)
             size += len(part)
             if limit is not None and size >= limit:
@@ -268,17 +260,6 @@ class Response:
                 self._discard()
                 raise BodyTooLarge(f"the body is more than {max_bytes} bytes")
         return b"".join(parts)[:limit] if limit is not None else b"".join(parts)
-
-    async def _receive(self) -> None:
-        connection = self._connection
-        assert connection is not None
-        data = await _read(connection, self._read_timeout, "the server sent nothing in time")
-        if not data:
-            if self._message.headers_complete and _delimited_by_close(self._message.headers):
-                self._message.complete = True
-                return
-            raise ProtocolFailure("the server closed the connection before the response was complete")
-        self._spoiled = _fed(self._parser, self._message, data)
 
     def _release(self) -> None:
         if self._closed:
@@ -399,9 +380,7 @@ class HttpClient:
             elif len(piece) < len(data) and spoiled is None:
                 spoiled = _fed(parser, message, data[len(piece):])  # the body's start, read with the headers' end
         message.status = parser.get_status_code()
-        response = Response(self, connection, parser, message, read_timeout)
-        response._spoiled = spoiled
-        return response
+        return Response(self, connection, parser, message, read_timeout, spoiled)
 
     async def _connection(self, origin: _Origin, connect_timeout: float | None) -> _Connection:
         idle = self._idle.get(origin.key)
@@ -476,6 +455,11 @@ async def _read(connection: _Connection, timeout: float | None, timeout_message:
         raise Timeout(timeout_message) from None
     except OSError as exc:
         raise ProtocolFailure(f"connection lost: {exc}", nothing_received=nothing_received) from exc
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    """The earlier of two instants, either of which may be none."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _taken(pending: deque) -> bytes:

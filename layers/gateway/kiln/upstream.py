@@ -166,8 +166,7 @@ class UpstreamExchange:
         until `quiet_until` (a `time.monotonic()` instant: the caller's keep-alive), nothing
         lost. Within the request's deadline; transport failures become UpstreamStreamError
         (and close the connection)."""
-        until = quiet_until if self.deadline is None or (quiet_until is not None and quiet_until < self.deadline) \
-            else self.deadline
+        until = self._deadline(quiet_until)
         try:
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 raise _TotalTimeExceeded()
