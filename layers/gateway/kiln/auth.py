@@ -71,10 +71,10 @@ class Authenticator:
         self._forgets = 0
 
     async def authenticate(self, authorization: str | None) -> Principal:
-        secret = _bearer(authorization)
-        if secret is None or not looks_like_key(secret):
+        key_hash = _key_hash(authorization)
+        if key_hash is None:
             raise InvalidApiKey(INVALID_KEY)
-        principal = await self._principal(hash_secret(secret))
+        principal = await self._principal(key_hash)
         if principal is None or not principal.key_active:
             raise InvalidApiKey(INVALID_KEY)
         if not principal.org_active:
@@ -84,15 +84,17 @@ class Authenticator:
     def answers_at_once(self, authorization: str | None) -> bool:
         """`authenticate` would answer from memory: a credential that is no key, or a key
         whose lookup is cached."""
-        secret = _bearer(authorization)
-        if secret is None or not looks_like_key(secret):
-            return True
-        cached = self._cache.get(hash_secret(secret))
-        return cached is not None and cached[0] > self._clock()
+        key_hash = _key_hash(authorization)
+        return key_hash is None or self._cached(key_hash) is not None
+
+    def _cached(self, key_hash: str) -> tuple[float, Principal | None] | None:
+        """The key's cache entry while it is fresh."""
+        cached = self._cache.get(key_hash)
+        return cached if cached is not None and cached[0] > self._clock() else None
 
     async def _principal(self, key_hash: str) -> Principal | None:
-        cached = self._cache.get(key_hash)
-        if cached is not None and cached[0] > self._clock():
+        cached = self._cached(key_hash)
+        if cached is not None:
             return cached[1]
         pending = self._pending.get(key_hash)
         if pending is not None:
@@ -153,6 +155,12 @@ class Authenticator:
                               limits=key.limits)
         due = iso_ms(time.time() - LAST_USED_RESOLUTION_SECONDS)
         return principal, key.active and key.last_used_at < due
+
+
+def _key_hash(authorization: str | None) -> str | None:
+    """The hash a key is stored by, if the header carries something shaped like a key."""
+    secret = _bearer(authorization)
+    return hash_secret(secret) if secret is not None and looks_like_key(secret) else None
 
 
 def _bearer(authorization: str | None) -> str | None:

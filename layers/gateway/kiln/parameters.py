@@ -73,7 +73,7 @@ class CachedParameter(Generic[T]):
         return self._loaded and self._clock() < self._expires
 
     async def get(self) -> T:
-        if self._loaded and self._clock() < self._expires:
+        if self.fresh:
             return self._value  # type: ignore[return-value]
         asked = self._clock()
         async with self._lock:
