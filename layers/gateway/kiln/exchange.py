@@ -233,20 +233,18 @@ class Exchange:
                 now = time.monotonic()
                 if now > deadline:
                     raise UpstreamStreamError("exceeded the model's total time")
-                if piece is None:
-                    yield KEEPALIVE
-                    sent_at = time.monotonic()
-                    continue
-                if not piece:
+                if piece == b"":
                     raise UpstreamStreamError(self.call.api.unfinished)
-                out = relay.feed(piece)
-                if out:
-                    if self.ttfb_ms is None:
+                if piece is None:
+                    out = KEEPALIVE  # silent for the interval
+                else:
+                    out = relay.feed(piece)
+                    if out and self.ttfb_ms is None:
                         self.ttfb_ms = int((now - self.started) * 1000)
+                    elif not out and now - sent_at >= keepalive:
+                        out = KEEPALIVE  # always between two whole events: the relay sends only those
+                if out:
                     yield out
-                    sent_at = time.monotonic()
-                elif now - sent_at >= keepalive:
-                    yield KEEPALIVE  # between two events for the client: it has had none of this one yet
                     sent_at = time.monotonic()
                 if relay.done:
                     break
