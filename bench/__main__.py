@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / ".bench"
@@ -221,14 +222,21 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             child, url = stack.start_function("kiln-chat_completions")
             return scenarios.Target("kiln", f"{url}/v1", kiln_headers, child, gap_base=f"{url}/v1")
 
-        def restart_kiln() -> scenarios.Target:
-            if kiln.child is not None:
-                procs.stop(kiln.child)
-            return kiln_target()
+        def restartable(start: Callable[[], scenarios.Target]) -> scenarios.Target:
+            """A target started by `start`, which the matrix restarts for each cell (its
+            process stopped, a fresh one started the same way)."""
+            target = start()
+
+            def restart() -> scenarios.Target:
+                if target.child is not None:
+                    procs.stop(target.child)
+                return start()
+
+            target.restart = restart
+            return target
 
         direct = scenarios.Target("direct", f"{stack.mock_url}/v1", {}, None, gap_base=stack.gap_base)
-        kiln = kiln_target()
-        kiln.restart = restart_kiln
+        kiln = restartable(kiln_target)
         targets = [direct, kiln]
         standin_url = None
         if {"matrix", "sizes", "profile"} - skip:
@@ -258,28 +266,17 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             out["standin_cell"] = {"calls": calls, "service_ms_mean": round(waited * 1000 / calls, 3) if calls else None}
             return out
 
-        def restart_standin() -> scenarios.Target:
-            if standin.child is not None:
-                procs.stop(standin.child)
-            return standin_target()
-
         def bare_target() -> scenarios.Target:
             child, url = stack.start_function(CPU_TARGET, aws_url=standin_url)
             return scenarios.Target(CPU_TARGET, f"{url}/v1", kiln_headers, child)
 
-        def restart_bare() -> scenarios.Target:
-            if bare.child is not None:
-                procs.stop(bare.child)
-            return bare_target()
-
         if standin_url and "matrix" not in skip:
-            standin = standin_target()
-            standin.restart, standin.gaps = restart_standin, False
-            standin.after_cell = standin_after_cell
+            standin = restartable(standin_target)
+            standin.gaps, standin.after_cell = False, standin_after_cell
             targets.append(standin)
             # the same function over the same stand-in without the probe: its own CPU, for the CPU goal
-            bare = bare_target()
-            bare.restart, bare.gaps = restart_bare, False
+            bare = restartable(bare_target)
+            bare.gaps = False
             targets.append(bare)
         litellm_status = peers.PeerStatus(**prepared["litellm"])
         portkey_status = peers.PeerStatus(**prepared["portkey"])
