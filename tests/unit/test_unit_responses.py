@@ -36,3 +36,121 @@ def test_a_body_without_a_marked_end_is_ended_by_an_empty_message():
     sent = _messages([b"data: a\n\n"])
     bodies = [(m["body"], m["more_body"]) for m in sent if m["type"] == "http.response.body"]
     assert bodies == [(b"data: a\n\n", True), (b"", False)]
+
+
+def _relay(body, *, receive, send=None, on_close=None) -> None:
+    async def ignore(message):
+        pass
+
+    async def main():
+        await RelayResponse(body, "gen-1", on_close=on_close)({"type": "http"}, receive, send or ignore)
+        await asyncio.sleep(0)  # the listener's cancel is delivered
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        assert others == [], "the disconnect listener outlived its response"
+
+    asyncio.run(main())
+
+
+def test_a_client_leaving_while_the_upstream_is_silent_cancels_the_body_and_its_settle_still_finishes():
+    import anyio
+
+    seen: list[str] = []
+
+    async def body():
+        try:
+            yield b"data: a\n\n"
+            await asyncio.sleep(30)  # the upstream says nothing
+            yield b"never"
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):  # as the relay settles
+                await asyncio.sleep(0.05)
+                seen.append("settled")
+            raise
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    async def closed():
+        seen.append("on_close")
+
+    _relay(body(), receive=receive, on_close=closed)
+    assert seen == ["settled", "on_close"]
+
+
+def test_requests_messages_before_the_disconnect_do_not_end_the_stream():
+    messages = iter([{"type": "http.request", "body": b"", "more_body": False}] * 3)
+    sent: list[bytes] = []
+
+    async def body():
+        await asyncio.sleep(0.05)
+        yield LastPiece(b"data: [DONE]\n\n")
+
+    async def receive():
+        try:
+            return next(messages)
+        except StopIteration:
+            await asyncio.sleep(10)
+            return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    _relay(body(), receive=receive, send=send)
+    assert sent == [b"data: [DONE]\n\n"]
+
+
+def test_a_failed_write_closes_the_body_and_runs_on_close():
+    seen: list[str] = []
+
+    async def body():
+        try:
+            yield b"data: a\n\n"
+            yield b"data: b\n\n"
+        finally:
+            seen.append("closed")
+
+    async def receive():
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("connection reset")
+
+    async def closed():
+        seen.append("on_close")
+
+    _relay(body(), receive=receive, send=send, on_close=closed)
+    assert seen == ["closed", "on_close"]
+
+
+def test_the_server_cancelling_the_request_still_closes_the_body():
+    seen: list[str] = []
+
+    async def body():
+        try:
+            yield b"data: a\n\n"
+            await asyncio.sleep(30)
+        finally:
+            seen.append("closed")
+
+    async def receive():
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async def ignore(message):
+        pass
+
+    async def main():
+        task = asyncio.get_running_loop().create_task(RelayResponse(body(), "gen-1")({"type": "http"}, receive, ignore))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+
+    asyncio.run(main())
+    assert seen == ["closed", "cancelled"]

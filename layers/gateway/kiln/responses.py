@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncGenerator, Awaitable, Callable, Mapping
 
 import anyio
@@ -66,33 +67,39 @@ class RelayResponse(Response):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The stream runs in the request's own task; a second task only listens for the
+        # client's leaving and, when it does, cancels the stream's scope (an anyio scope, so
+        # that the settle's shielded scopes hold against it). Stopping the listener when the
+        # stream ends is a plain cancel: no task group to build and tear down per request.
+        streaming = anyio.CancelScope()
+
+        async def listen() -> None:
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:  # noqa: BLE001 - without a listener a failed write still ends the stream
+                return
+            streaming.cancel()
+
+        listener = asyncio.get_running_loop().create_task(listen())
         try:
-            async with anyio.create_task_group() as group:
-
-                async def stream() -> None:
-                    try:
-                        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                        ended = False
-                        async for chunk in self.body_iterator:
-                            ended = isinstance(chunk, LastPiece)
-                            await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
-                            if ended:
-                                break
-                        if not ended:
-                            await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    except OSError:
-                        pass  # the client went away mid-write; the generator is closed below
-                    finally:
-                        group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        group.cancel_scope.cancel()
-                        break
+            with streaming:
+                await self._send_body(send)
         finally:
+            listener.cancel()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 if self.on_close is not None:
                     await self.on_close()
+
+    async def _send_body(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                ended = isinstance(chunk, LastPiece)
+                await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+                if ended:
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client went away mid-write; the generator is closed by the caller
