@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import secrets
@@ -109,12 +110,29 @@ class StorageFaults:
         self._rules.append(rule)
         return rule["hits"]
 
+    def slow(self, operation: str, seconds: float, *, when: Callable[[dict], bool] = lambda payload: True,
+             times: int | None = None) -> list[int]:
+        """Hold matching `operation` calls for `seconds` before they are sent (a slow answer)."""
+        rule = {"operation": operation, "code": None, "delay": seconds, "when": when, "times": times, "hits": []}
+        self._rules.append(rule)
+        return rule["hits"]
+
+    def delay(self, headers: dict[str, str], body: bytes) -> float:
+        """How long this call waits before it is sent."""
+        operation = headers.get("x-amz-target", "").rpartition(".")[2]
+        for rule in self._rules:
+            if rule.get("delay") and rule["operation"] == operation and rule["when"](json.loads(body or b"{}")):
+                rule["hits"].append(1)
+                if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
+                    return rule["delay"]
+        return 0.0
+
     def lost(self, headers: dict[str, str], body: bytes) -> bool:
         """Is the answer to this call, already applied, to be lost?"""
         operation = headers.get("x-amz-target", "").rpartition(".")[2]
         payload = json.loads(body or b"{}")
         for rule in self._rules:
-            if rule["code"] is None and rule["operation"] == operation and rule["when"](payload):
+            if rule["code"] is None and not rule.get("delay") and rule["operation"] == operation and rule["when"](payload):
                 rule["hits"].append(1)
                 if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
                     return True
@@ -152,6 +170,9 @@ class FaultInjectingHttp(HttpClient):
         injected = self._faults.answer(headers, body)
         if injected is not None:
             return injected
+        delay = self._faults.delay(headers, body)
+        if delay:
+            await asyncio.sleep(delay)
         response = await super().request(method, url, headers=headers, body=body, **options)
         if self._faults.lost(headers, body):
             await response.read()  # applied by DynamoDB; the answer never reaches the gateway

@@ -26,6 +26,7 @@ from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
 from .observability import RequestRecord
 from .responses import LastPiece, RelayResponse, error_response, json_response
+from .shielded import to_the_end
 from .sse import KEEPALIVE, SseRelay
 from .store import Lease, UsageEvent
 from .store.clock import iso_ms
@@ -158,10 +159,15 @@ class Exchange:
             error=error[:500] if error else None,
         )
         self.record.usage = event
-        # A settle must finish even when the client's disconnect cancels this task.
+        # A settle must finish even when this task is cancelled: by the client's disconnect (an
+        # anyio cancellation, which the shield holds off) or by a server that stops (a native
+        # one, which only a task of its own escapes).
         with anyio.CancelScope(shield=True):
-            await self._keeper.stop()  # no renewal may race the settle
-            await self.gateway.settle(self.lease, event)
+            await to_the_end(self._stop_keeper_and_settle(event))
+
+    async def _stop_keeper_and_settle(self, event: UsageEvent) -> None:
+        await self._keeper.stop()  # no renewal may race the settle
+        await self.gateway.settle(self.lease, event)
 
     def _price(self, usage: TokenUsage) -> Decimal:
         return cost_of(usage, self.call.model.pricing)
