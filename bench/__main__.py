@@ -23,15 +23,17 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / ".bench"
-SECTIONS = ("matrix", "breakdown", "client", "ab", "profile", "gaps", "sse", "coldstart", "memory", "sizes")
+SECTIONS = ("matrix", "cpu", "breakdown", "client", "ab", "profile", "gaps", "sse", "coldstart", "memory", "sizes")
 
 FULL = dict(count=400, time_limit=60.0, warmup=16, concurrencies=(1, 8, 16), breakdown_count=300, steady_seconds=12.0,
             profile_count=400, gap_requests=10, sse_repeats=5, cold_repeats=5, memory_buffered=1750, memory_streamed=250,
             memory_concurrency=8, ab_count=300, ab_rounds=2, client_calls=1000, standin_service_ms=4.0,
+            cpu_rounds=5, cpu_count=300, cpu_warmup=50,
             sizes_mb=(128, 256, 512, 768, 1024, 1536, 2048), sizes_buffered=50, sizes_streams=30, long_tokens=300)
 QUICK = dict(count=20, time_limit=10.0, warmup=2, concurrencies=(1, 8, 16), breakdown_count=30, steady_seconds=3.0,
              profile_count=60, gap_requests=1, sse_repeats=1, cold_repeats=1, memory_buffered=150, memory_streamed=50,
              memory_concurrency=8, ab_count=30, ab_rounds=1, client_calls=100, standin_service_ms=4.0,
+             cpu_rounds=1, cpu_count=20, cpu_warmup=5,
              sizes_mb=(128, 1024), sizes_buffered=5, sizes_streams=3, long_tokens=20)
 
 
@@ -322,6 +324,13 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                 time_limit=size["time_limit"], warmup=size["warmup"], mock_port=mock_port, log=log,
                 others={"emulator": stack.emulator.pid, "mock upstream": stack.mock.pid,
                         **({"storage stand-in": stack.standin.pid} if standin_url else {})})
+        if "cpu" not in skip and CPU_TARGET in by_name and "portkey" in by_name:
+            log(f"CPU rounds: {CPU_TARGET} and portkey side by side, {size['cpu_rounds']} rounds of "
+                f"{size['cpu_count']} requests after {size['cpu_warmup']} per mode and concurrency")
+            results["cpu_rounds"] = scenarios.cpu_rounds(
+                [by_name[CPU_TARGET], by_name["portkey"]], modes=(False, True),
+                concurrencies=tuple(size["concurrencies"]), rounds=size["cpu_rounds"], count=size["cpu_count"],
+                warmup=size["cpu_warmup"], log=log)
         if standin_url:
             results["standin"]["stats"] = standin_stats()
         if "gaps" not in skip:

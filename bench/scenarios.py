@@ -147,6 +147,53 @@ def latency_matrix(targets: list[Target], *, modes: tuple[bool, ...], concurrenc
 
 # -- where Kiln's time goes ----------------------------------------------------------------
 
+def cpu_rounds(targets: list[Target], *, modes: tuple[bool, ...], concurrencies: tuple[int, ...], rounds: int,
+               count: int, warmup: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """CPU per request of each target's own process, `rounds` times per mode and concurrency, the
+    targets side by side (their order reversed every other round), each time over `count` requests
+    after `warmup` that are not counted; a target the matrix restarts gets a fresh process each time.
+
+    One matrix cell of a few hundred requests moves by tens of percent from run to run on this
+    machine, for every gateway; the median of rounds taken side by side, with their range, is the
+    figure the CPU goal compares."""
+    cells: dict[str, dict[str, Any]] = {}
+    for stream in modes:
+        for concurrency in concurrencies:
+            key = f"{'stream' if stream else 'buffered'}_c{concurrency}"
+            raw: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+            for round_ in range(rounds):
+                for target in (targets if round_ % 2 == 0 else list(reversed(targets))):
+                    if target.restart is not None:
+                        fresh = target.restart()
+                        target.child, target.base = fresh.child, fresh.base
+                    if target.child is None or not target.check_alive():
+                        raw[target.name].append({"error": "not running: " + "; ".join(target.problems)[:300]})
+                        continue
+                    run_cell(target.url, target.headers, _body(stream), stream=stream, concurrency=concurrency,
+                             count=warmup, time_limit=30, warmup=0)
+                    before = cpu_seconds(target.child.pid, tree=True)
+                    result = run_cell(target.url, target.headers, _body(stream), stream=stream,
+                                      concurrency=concurrency, count=count, time_limit=60, warmup=0)
+                    after = cpu_seconds(target.child.pid, tree=True)
+                    n = result["requests"]
+                    raw[target.name].append({
+                        "requests": n, "errors": result["errors"],
+                        "cpu_ms_per_request": round((after - before) * 1000 / n, 3)
+                        if n and None not in (before, after) else None})
+            cells[key] = {name: _spread(runs) for name, runs in raw.items()}
+            log(f"  CPU rounds {key:12s} " + "  ".join(
+                f"{name}={cells[key][name]['median']} ms/req [{cells[key][name]['min']}–{cells[key][name]['max']}]"
+                for name in raw))
+    return {"rounds": rounds, "count": count, "warmup": warmup, "targets": [t.name for t in targets], "cells": cells}
+
+
+def _spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    values = [r["cpu_ms_per_request"] for r in runs if r.get("cpu_ms_per_request") is not None and not r.get("errors")]
+    return {"values": values, "median": round(statistics.median(values), 3) if values else None,
+            "min": min(values, default=None), "max": max(values, default=None),
+            "errors": sum(r.get("errors") or 0 for r in runs), "runs": runs}
+
+
 def _probe(url: str, what: str) -> dict:
     if what == "reset":
         return httpx.post(f"{url}/__bench/reset", timeout=10, trust_env=False).json()

@@ -24,20 +24,34 @@ def _yn(value: bool | None) -> str:
     return {True: "yes", False: "**no**", None: "–"}[value]
 
 
+def _range(values: list | None) -> str:
+    return f"{fmt(values[0], 2)}–{fmt(values[1], 2)}" if values else "–"
+
+
 def cpu(results: dict) -> str:
     goal = g.cpu_vs_portkey(results)
     if not any(r["kiln_cpu_ms"] for r in goal["rows"]):
         return "_Not measured in this run._"
-    lines = ["CPU per request of each gateway's own process (user + system from /proc over the cell, warm-up included). "
-             f"Kiln's is measured on the storage stand-in without the probe (`{g.CPU_TARGET}`), its storage client "
-             "included: there the two CPUs are shared with a mock and a stand-in about as light as in Portkey's cells. "
-             "On the embedded AWS (beside it, not compared), whose own CPU per request is 5-10 times the gateway's, "
-             "Kiln's process spends more CPU time on the same calls wherever the two run at once (c=8 and 16):", "",
-             "| mode | conc. | Kiln ms/req (stand-in) | Portkey ms/req | Kiln ÷ Portkey | ≤ 0.5 | Kiln ms/req on the embedded AWS |",
-             "|---|---:|---:|---:|---:|---|---:|"]
+    rounds = results.get("cpu_rounds") or {}
+    lines = [f"CPU per request of each gateway's own process (user + system from /proc). Kiln's is measured on the "
+             f"storage stand-in without the probe (`{g.CPU_TARGET}`), its storage client included: there the two CPUs "
+             "are shared with a mock and a stand-in about as light as in Portkey's cells. On the embedded AWS (the last "
+             "column, not compared), whose own CPU per request is 5-10 times the gateway's, Kiln's process spends more "
+             "CPU time on the same calls wherever the two run at once (c=8 and 16)."]
+    if rounds:
+        lines[0] += (f" One cell of the matrix moves by tens of percent from run to run, for Portkey as for Kiln: the "
+                     f"figures compared are the medians of {rounds.get('rounds')} rounds of {rounds.get('count')} "
+                     f"requests, the two gateways side by side (their order reversed every other round; a fresh Kiln "
+                     f"process each time, as in the matrix), each after {rounds.get('warmup')} requests not counted, "
+                     "with their range; the matrix's cell (its warm-up included) is beside them.")
+    lines += ["", "| mode | conc. | Kiln ms/req (stand-in) | range | Portkey ms/req | range | Kiln ÷ Portkey | ≤ 0.5 | "
+              "matrix cell: Kiln | Portkey | Kiln ms/req on the embedded AWS |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in goal["rows"]:
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {fmt(r['kiln_cpu_ms'], 2)} | {fmt(r['portkey_cpu_ms'], 2)} | "
-                     f"{fmt(r['ratio'], 2)} | {_yn(r['pass'])} | {fmt(r.get('kiln_emulated_cpu_ms'), 2)} |")
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {fmt(r['kiln_cpu_ms'], 2)} | {_range(r.get('kiln_range'))} | "
+                     f"{fmt(r['portkey_cpu_ms'], 2)} | {_range(r.get('portkey_range'))} | {fmt(r['ratio'], 2)} | "
+                     f"{_yn(r['pass'])} | {fmt(r.get('kiln_matrix_cpu_ms'), 2)} | {fmt(r.get('portkey_matrix_cpu_ms'), 2)} | "
+                     f"{fmt(r.get('kiln_emulated_cpu_ms'), 2)} |")
     return "\n".join(lines)
 
 

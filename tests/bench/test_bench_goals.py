@@ -88,3 +88,26 @@ def test_sizes_goal_needs_every_workload_priced_and_the_template_to_agree():
     assert "not priced: 512 MB short_stream" in goals.lambda_sizes(run)["measured"]
     assert goals.lambda_sizes(run)["pass"] is False
     assert goals.lambda_sizes({})["pass"] is None
+
+
+def test_cpu_goal_compares_the_medians_of_rounds_side_by_side_where_the_run_has_them():
+    cells = []
+    for mode in ("buffered", "stream"):
+        cells.append(matrix_cell(goals.CPU_TARGET, mode, 1, 10, cpu_ms_per_request={goals.CPU_TARGET: 3.0}))
+        cells.append(matrix_cell("portkey", mode, 1, 3, cpu_ms_per_request={"portkey": 4.0}))  # one noisy cell: ×0.75
+    run = results(cells)
+    run["cpu_rounds"] = {"cells": {
+        f"{mode}_c1": {goals.CPU_TARGET: {"values": [2.0, 2.2, 2.9], "median": 2.2, "min": 2.0, "max": 2.9},
+                       "portkey": {"values": [4.0, 5.0, 6.0], "median": 5.0, "min": 4.0, "max": 6.0}}
+        for mode in ("buffered", "stream")}}
+    goal = goals.cpu_vs_portkey(run)
+    row = goal["rows"][0]
+    assert (row["source"], row["kiln_cpu_ms"], row["portkey_cpu_ms"], row["ratio"]) == ("rounds", 2.2, 5.0, 0.44)
+    assert (row["kiln_matrix_cpu_ms"], row["portkey_matrix_cpu_ms"]) == (3.0, 4.0)  # kept beside, not compared
+    assert row["kiln_range"] == [2.0, 2.9] and row["rounds"] == 3
+    assert goal["pass"] is True and goal["measured"].startswith("medians of 3 rounds")
+    run["cpu_rounds"]["cells"]["stream_c1"]["portkey"].update(median=4.0)  # ×0.55
+    assert goals.cpu_vs_portkey(run)["pass"] is False
+    del run["cpu_rounds"]["cells"]["stream_c1"]  # a cell without rounds falls back to the matrix (×0.75)
+    assert goals.cpu_vs_portkey(run)["rows"][1]["source"] == "matrix"
+    assert goals.cpu_vs_portkey(run)["pass"] is False
