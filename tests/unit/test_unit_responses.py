@@ -7,6 +7,15 @@ import asyncio
 from kiln.responses import LastPiece, RelayResponse
 
 
+async def _client_stays() -> dict:
+    await asyncio.sleep(30)
+    return {"type": "http.disconnect"}
+
+
+async def _ignore(message: dict) -> None:
+    pass
+
+
 def _messages(pieces: list[bytes]) -> list[dict]:
     sent: list[dict] = []
 
@@ -14,14 +23,10 @@ def _messages(pieces: list[bytes]) -> list[dict]:
         for piece in pieces:
             yield piece
 
-    async def receive():
-        await asyncio.sleep(10)
-        return {"type": "http.disconnect"}
-
     async def send(message):
         sent.append(message)
 
-    asyncio.run(RelayResponse(body(), "gen-1")({"type": "http"}, receive, send))
+    asyncio.run(RelayResponse(body(), "gen-1")({"type": "http"}, _client_stays, send))
     return sent
 
 
@@ -39,11 +44,8 @@ def test_a_body_without_a_marked_end_is_ended_by_an_empty_message():
 
 
 def _relay(body, *, receive, send=None, on_close=None) -> None:
-    async def ignore(message):
-        pass
-
     async def main():
-        await RelayResponse(body, "gen-1", on_close=on_close)({"type": "http"}, receive, send or ignore)
+        await RelayResponse(body, "gen-1", on_close=on_close)({"type": "http"}, receive, send or _ignore)
         await asyncio.sleep(0)  # the listener's cancel is delivered
         others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
         assert others == [], "the disconnect listener outlived its response"
@@ -111,10 +113,6 @@ def test_a_failed_write_closes_the_body_and_runs_on_close():
         finally:
             seen.append("closed")
 
-    async def receive():
-        await asyncio.sleep(10)
-        return {"type": "http.disconnect"}
-
     async def send(message):
         if message["type"] == "http.response.body":
             raise OSError("connection reset")
@@ -122,7 +120,7 @@ def test_a_failed_write_closes_the_body_and_runs_on_close():
     async def closed():
         seen.append("on_close")
 
-    _relay(body(), receive=receive, send=send, on_close=closed)
+    _relay(body(), receive=_client_stays, send=send, on_close=closed)
     assert seen == ["closed", "on_close"]
 
 
@@ -136,15 +134,8 @@ def test_the_server_cancelling_the_request_still_closes_the_body():
         finally:
             seen.append("closed")
 
-    async def receive():
-        await asyncio.sleep(30)
-        return {"type": "http.disconnect"}
-
-    async def ignore(message):
-        pass
-
     async def main():
-        task = asyncio.get_running_loop().create_task(RelayResponse(body(), "gen-1")({"type": "http"}, receive, ignore))
+        task = asyncio.get_running_loop().create_task(RelayResponse(body(), "gen-1")({"type": "http"}, _client_stays, _ignore))
         await asyncio.sleep(0.05)
         task.cancel()
         try:
