@@ -48,6 +48,18 @@ async def silent_after_the_headers(reader, writer):
     await asyncio.sleep(5)
 
 
+def answering(raw: bytes, *, then_wait: float = 0.0):
+    """A server that reads the request, answers `raw` as it is, and keeps the connection
+    open `then_wait` seconds before closing it."""
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(raw)
+        await writer.drain()
+        await asyncio.sleep(then_wait)
+
+    return handler
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -104,10 +116,7 @@ def test_a_chunked_stream_arrives_piece_by_piece():
 
 
 def test_a_connection_cut_mid_body_is_a_protocol_failure_and_is_not_reused():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
-        await writer.drain()
+    handler = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
 
     async def main():
         http = client()
@@ -204,10 +213,7 @@ def test_an_abandoned_or_cancelled_stream_closes_its_connection():
 
 
 def test_a_connection_close_answer_is_not_pooled_and_a_close_delimited_body_is_whole():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
-        await writer.drain()
+    handler = answering(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
 
     async def main():
         http = client()
@@ -247,11 +253,8 @@ def test_response_headers_over_their_byte_bound_are_refused_having_read_little_m
 
 
 def test_too_many_response_headers_are_refused():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"Content-Length: 0\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(1)
+    handler = answering(b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"Content-Length: 0\r\n\r\n",
+                        then_wait=1)
 
     async def main():
         http = client()
@@ -268,11 +271,7 @@ def test_too_many_response_headers_are_refused():
 def test_headers_just_under_the_bound_with_the_body_in_the_same_read_are_whole():
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Pad: " + b"p" * 900 + b"\r\n\r\n"
 
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(head + b"hello")
-        await writer.drain()
-        await asyncio.sleep(1)
+    handler = answering(head + b"hello", then_wait=1)
 
     async def main():
         http = client()
@@ -413,11 +412,7 @@ def test_next_piece_hands_over_what_came_before_malformed_bytes(after, complete)
 
 
 def test_a_whole_body_followed_by_bytes_that_are_not_http_is_read_whole_and_not_reused():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokXYZ nonsense\r\n")
-        await writer.drain()
-        await asyncio.sleep(1)
+    handler = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokXYZ nonsense\r\n", then_wait=1)
 
     async def main():
         http = client()
