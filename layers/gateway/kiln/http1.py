@@ -30,7 +30,7 @@ import httptools
 
 __all__ = [
     "BodyTooLarge", "ConnectFailed", "ConnectTimeout", "HttpClient", "HttpError", "ProtocolFailure", "Response",
-    "ResponseTooLarge", "Timeout", "canonical_host",
+    "ResponseTooLarge", "Timeout", "canonical_host", "sooner",
 ]
 
 READ_SIZE = 64 * 1024
@@ -207,7 +207,7 @@ class Response:
                 self._silent_since = time.monotonic()
             while True:
                 limit = None if self._read_timeout is None else self._silent_since + self._read_timeout
-                wake = _sooner(limit, until)
+                wake = sooner(limit, until)
                 try:
                     if wake is None:
                         data = await connection.reader.read(READ_SIZE)
@@ -457,7 +457,7 @@ async def _read(connection: _Connection, timeout: float | None, timeout_message:
         raise ProtocolFailure(f"connection lost: {exc}", nothing_received=nothing_received) from exc
 
 
-def _sooner(a: float | None, b: float | None) -> float | None:
+def sooner(a: float | None, b: float | None) -> float | None:
     """The earlier of two instants, either of which may be none."""
     return b if a is None else a if b is None else min(a, b)
 

@@ -31,6 +31,7 @@ from .http1 import (
     Response,
     ResponseTooLarge,
     Timeout,
+    sooner,
 )
 from .jsonio import compact
 from .tls import client_context
@@ -134,9 +135,7 @@ class UpstreamExchange:
                                  models_backends=self.model.available_backends())
 
     def _deadline(self, deadline: float | None = None) -> float | None:
-        if deadline is None:
-            return self.deadline
-        return deadline if self.deadline is None else min(deadline, self.deadline)
+        return sooner(deadline, self.deadline)
 
     def _timed_out(self, kind: str) -> None:
         if self.timed_out is not None and self.model is not None:
