@@ -54,6 +54,12 @@ class Target:
     def url(self) -> str:
         return f"{self.base}/chat/completions"
 
+    def start_fresh(self) -> None:
+        """A fresh process in place of this one, if the target is restartable (its URLs follow)."""
+        if self.restart is not None:
+            fresh = self.restart()
+            self.child, self.base, self.gap_base = fresh.child, fresh.base, fresh.gap_base
+
     def check_alive(self) -> bool:
         if self.child is not None and not self.child.alive() and not self.crashed:
             self.crashed = True
@@ -101,10 +107,8 @@ def latency_matrix(targets: list[Target], *, modes: tuple[bool, ...], concurrenc
                     continue
                 cell: dict[str, Any] = {"target": target.name, "mode": "stream" if stream else "buffered",
                                         "concurrency": concurrency}
-                if target.restart is not None:
-                    # a fresh process per cell: one cell's state (caches, leaks) never spills into the next
-                    fresh = target.restart()
-                    target.child, target.base = fresh.child, fresh.base
+                # a fresh process per cell: one cell's state (caches, leaks) never spills into the next
+                target.start_fresh()
                 if not target.check_alive():
                     cell.update(skipped="target crashed earlier: " + target.problems[-1][:300])
                     cells.append(cell)
@@ -163,9 +167,7 @@ def cpu_rounds(targets: list[Target], *, modes: tuple[bool, ...], concurrencies:
             raw: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
             for round_ in range(rounds):
                 for target in (targets if round_ % 2 == 0 else list(reversed(targets))):
-                    if target.restart is not None:
-                        fresh = target.restart()
-                        target.child, target.base = fresh.child, fresh.base
+                    target.start_fresh()
                     if target.child is None or not target.check_alive():
                         raw[target.name].append({"error": "not running: " + "; ".join(target.problems)[:300]})
                         continue
@@ -617,10 +619,7 @@ def chunk_gaps(targets: list[Target], *, requests: int, time_limit: float, log: 
     for target in targets:
         if not target.gaps:
             continue
-        if target.restart is not None:
-            fresh = target.restart()
-            target.child, target.base = fresh.child, fresh.base
-            target.gap_base = fresh.gap_base
+        target.start_fresh()
         if not target.check_alive():
             out["targets"][target.name] = {"skipped": target.problems[-1][:500]}
             continue
