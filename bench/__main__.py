@@ -193,7 +193,7 @@ def git_state() -> dict:
 
 def measure(args: argparse.Namespace, prepared: dict) -> dict:
     from . import coldstart, peers, scenarios
-    from .goals import CPU_TARGET
+    from .goals import CPU_TARGET, FLOOR_KILN, FLOOR_PROXY, LOOPBACK_STANDIN, LOOPBACK_TARGET, STORAGE_CALLS_PER_REQUEST
     from .procs import Procs
     from .stack import Stack
 
@@ -272,6 +272,13 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             child, url = stack.start_function(CPU_TARGET, aws_url=standin_url)
             return scenarios.Target(CPU_TARGET, f"{url}/v1", kiln_headers, child)
 
+        def floor_target(name: str, storage_calls: int) -> scenarios.Target:
+            def start() -> scenarios.Target:
+                child, url = stack.start_floor(name, storage_calls=storage_calls, storage_url=standin_url or "")
+                return scenarios.Target(name, f"{url}/v1", {}, child)
+
+            return restartable(start)
+
         if standin_url and "matrix" not in skip:
             standin = restartable(standin_target)
             standin.gaps, standin.after_cell = False, standin_after_cell
@@ -307,6 +314,19 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                     log(f"  LiteLLM same job: {results['samejob_checks']}")
                     targets.append(scenarios.Target("litellm-samejob", samejob_status.url, peers.samejob_headers(),
                                                     samejob_child, concurrencies=(1, 8), gaps=False))
+                    if standin_url and "matrix" not in skip:
+                        # Kiln over storage as near as the peer's Redis on loopback (a stand-in with no
+                        # service time), for the same-job comparison at equal storage latency
+                        loopback_url = stack.start_standin(0.0, name=LOOPBACK_STANDIN)
+                        results["standin"]["loopback"] = {"url": loopback_url, "service_ms": 0.0}
+
+                        def loopback_target() -> scenarios.Target:
+                            child, url = stack.start_function(LOOPBACK_TARGET, aws_url=loopback_url)
+                            return scenarios.Target(LOOPBACK_TARGET, f"{url}/v1", kiln_headers, child)
+
+                        loopback = restartable(loopback_target)
+                        loopback.concurrencies, loopback.gaps = (1, 8), False
+                        targets.append(loopback)
             results["peers"]["litellm-samejob"] = samejob_status
             results["prisma_probe"] = prepared.get("prisma_probe")
             portkey_child = peers.start_portkey(procs, HOME, portkey_status)
@@ -325,12 +345,18 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                 others={"emulator": stack.emulator.pid, "mock upstream": stack.mock.pid,
                         **({"storage stand-in": stack.standin.pid} if standin_url else {})})
         if "cpu" not in skip and CPU_TARGET in by_name and "portkey" in by_name:
-            log(f"CPU rounds: {CPU_TARGET} and portkey side by side, {size['cpu_rounds']} rounds of "
-                f"{size['cpu_count']} requests after {size['cpu_warmup']} per mode and concurrency")
+            # beside them, the floors: the same exchanges with no gateway in the process (bench/floor.py)
+            floors = [floor_target(FLOOR_KILN, STORAGE_CALLS_PER_REQUEST), floor_target(FLOOR_PROXY, 0)]
+            log(f"CPU rounds: {CPU_TARGET}, portkey and the floors ({FLOOR_KILN}, {FLOOR_PROXY}) side by side, "
+                f"{size['cpu_rounds']} rounds of {size['cpu_count']} requests after {size['cpu_warmup']} per mode and "
+                "concurrency")
             results["cpu_rounds"] = scenarios.cpu_rounds(
-                [by_name[CPU_TARGET], by_name["portkey"]], modes=(False, True),
+                [by_name[CPU_TARGET], by_name["portkey"], *floors], modes=(False, True),
                 concurrencies=tuple(size["concurrencies"]), rounds=size["cpu_rounds"], count=size["cpu_count"],
                 warmup=size["cpu_warmup"], log=log)
+            for floor in floors:
+                if floor.child is not None:
+                    procs.stop(floor.child)
         if standin_url:
             results["standin"]["stats"] = standin_stats()
         if "gaps" not in skip:

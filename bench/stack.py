@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -65,6 +65,7 @@ class Stack:
     mock_url: str = ""  # http://127.0.0.1:P (no /v1)
     key: str = ""
     settings_env: dict | None = None
+    standins: dict = field(default_factory=dict)  # name → Child of each storage stand-in started
 
     @property
     def gap_base(self) -> str:
@@ -116,19 +117,44 @@ class Stack:
         self.settings_env = settings.to_env()
         self._clients = (dynamodb, ssm)
 
-    def start_standin(self, service_ms: float) -> str:
-        """The storage stand-in with the embedded AWS's tables and parameters as they are now; its URL."""
+    def start_standin(self, service_ms: float, name: str = "standin") -> str:
+        """A storage stand-in with the embedded AWS's tables and parameters as they are now; its URL.
+        The first one started ("standin") is `self.standin`; others (another service time) are
+        `self.standins[name]`."""
         from .standin import seed_from
 
-        seed = self.procs.log_dir / "standin-seed.json"
+        seed = self.procs.log_dir / f"{name}-seed.json"
         seed.write_text(json.dumps(seed_from(*self._clients)))
         port = free_port()
-        self.standin = self.procs.start(
-            "standin", [self.python, "-m", "bench.standin", "--port", str(port), "--service-ms", str(service_ms),
-                        "--seed", str(seed)], env=clean_env(), cwd=ROOT)
+        child = self.procs.start(
+            name, [self.python, "-m", "bench.standin", "--port", str(port), "--service-ms", str(service_ms),
+                   "--seed", str(seed)], env=clean_env(), cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/__standin/stats", child=self.standin, ok=lambda status: status == 200)
+        wait_http(f"{url}/__standin/stats", child=child, ok=lambda status: status == 200)
+        if name == "standin":
+            self.standin = child
+        self.standins[name] = child
         return url
+
+    def start_floor(self, name: str, *, storage_calls: int = 0, storage_url: str = "") -> tuple[Child, str]:
+        """bench/floor.py under uvicorn with run.sh's flags: the exchanges of a request (`storage_calls`
+        GetItems of the org to the stand-in at `storage_url`, one upstream call to the mock) and nothing
+        else. Its URL."""
+        from kiln.settings import Settings
+        from kiln.store.schema import ORG as ORG_ITEM
+
+        port = free_port()
+        orgs_table = Settings.from_env(self.settings_env or {}).orgs_table
+        env = clean_env(FLOOR_UPSTREAM=f"{self.mock_url}/v1/chat/completions", FLOOR_STORAGE=storage_url,
+                        FLOOR_STORAGE_CALLS=str(storage_calls),
+                        FLOOR_STORAGE_BODY=json.dumps({"TableName": orgs_table, "Key": {ORG_ITEM.hash_key: {"S": ORG}},
+                                                       "ConsistentRead": True}))
+        child = self.procs.start(name, [self.python, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port),
+                                        "--no-access-log", "--log-level", "warning", "--timeout-keep-alive", "75",
+                                        "bench.floor:app"], env=env, cwd=ROOT)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/healthz", child=child, ok=lambda status: status == 200)
+        return child, url
 
     def function_env(self, port: int, task_root: Path, *, python_dir: str | None = None, pythonpath: str | None = None,
                      **extra: str) -> dict[str, str]:

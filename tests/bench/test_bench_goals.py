@@ -65,6 +65,25 @@ def test_samejob_goal_compares_added_latency_and_counts_the_peers_refusals():
     assert goals.samejob(results(cells, (1, 8)))["pass"] is False
 
 
+def test_samejob_goal_compares_kiln_over_storage_as_near_as_the_peers_where_the_run_has_it():
+    cells = []
+    for c in (1, 8):
+        for mode in ("buffered", "stream"):
+            cells += [matrix_cell("direct", mode, c, 1.0), matrix_cell(goals.CPU_TARGET, mode, c, 16.0),
+                      matrix_cell(goals.LOOPBACK_TARGET, mode, c, 6.0), matrix_cell("litellm-samejob", mode, c, 31.0)]
+    goal = goals.samejob(results(cells, (1, 8)))
+    row = goal["rows"][0]
+    assert (row["kiln_source"], row["kiln_added"], row["ratio"]) == ("loopback", 5.0, round(5 / 30, 3))
+    # Kiln with its storage at DynamoDB's latency: shown with its own ratio, not compared
+    assert (row["kiln_dynamodb_latency_added"], row["dynamodb_latency_ratio"]) == (15.0, 0.5)
+    assert goal["pass"] is True and goal["measured"].startswith("both over storage on loopback")
+    cells[2]["latency_ms"]["p50"] = 12.0  # +11 against +30: more than a third
+    assert goals.samejob(results(cells, (1, 8)))["pass"] is False
+    cells[2]["latency_ms"]["p50"] = 6.0
+    cells[2]["errors"] = 3  # a fast cell that failed requests is no pass
+    assert goals.samejob(results(cells, (1, 8)))["pass"] is False
+
+
 def test_coldstart_goal_reads_the_production_paths():
     def entry(ratio, errors=()):
         return {"path": "p", "first_answer_ms": 100 * ratio, "bare_ms": 100, "ratio_to_bare": ratio, "errors": list(errors)}
@@ -111,3 +130,23 @@ def test_cpu_goal_compares_the_medians_of_rounds_side_by_side_where_the_run_has_
     del run["cpu_rounds"]["cells"]["stream_c1"]  # a cell without rounds falls back to the matrix (×0.75)
     assert goals.cpu_vs_portkey(run)["rows"][1]["source"] == "matrix"
     assert goals.cpu_vs_portkey(run)["pass"] is False
+
+
+def test_cpu_goal_says_where_kilns_own_exchanges_already_cost_more_than_the_goal_allows():
+    def spread(median):
+        return {"values": [median], "median": median, "min": median, "max": median}
+
+    cells = [matrix_cell(goals.CPU_TARGET, mode, 1, 10, cpu_ms_per_request={goals.CPU_TARGET: 3.0})
+             for mode in ("buffered", "stream")]
+    run = results(cells)
+    run["cpu_rounds"] = {"cells": {
+        "buffered_c1": {goals.CPU_TARGET: spread(2.5), "portkey": spread(2.4), goals.FLOOR_KILN: spread(1.5),
+                        goals.FLOOR_PROXY: spread(0.7)},
+        "stream_c1": {goals.CPU_TARGET: spread(3.0), "portkey": spread(4.4), goals.FLOOR_KILN: spread(2.0),
+                      goals.FLOOR_PROXY: spread(1.1)}}}
+    goal = goals.cpu_vs_portkey(run)
+    buffered, stream = goal["rows"]
+    assert (buffered["floor_ratio"], buffered["floor_reachable"], buffered["kiln_above_floor_ms"]) == (0.625, False, 1.0)
+    assert (stream["floor_ratio"], stream["floor_reachable"], stream["floor_proxy_ms"]) == (0.455, True, 1.1)
+    assert goal["pass"] is False  # the verdict is Kiln's own, whatever the floor says
+    assert "above 0.5 in 1 of 2 cells" in goal["measured"]
