@@ -344,6 +344,20 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                 time_limit=size["time_limit"], warmup=size["warmup"], mock_port=mock_port, log=log,
                 others={"emulator": stack.emulator.pid, "mock upstream": stack.mock.pid,
                         **({"storage stand-in": stack.standin.pid} if standin_url else {})})
+        if standin_url:
+            results["standin"]["stats"] = standin_stats()  # over the matrix
+        loopback_standin = stack.standins.get(LOOPBACK_STANDIN)
+        if loopback_standin is not None:
+            import httpx
+
+            loopback = results["standin"]["loopback"]
+            try:
+                loopback["stats"] = httpx.get(f"{loopback['url']}/__standin/stats", timeout=10, trust_env=False).json()
+            except httpx.HTTPError as exc:
+                loopback["stats_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if LOOPBACK_TARGET in by_name and by_name[LOOPBACK_TARGET].child is not None:
+                procs.stop(by_name[LOOPBACK_TARGET].child)
+            procs.stop(loopback_standin)  # the matrix was its only use
         if "cpu" not in skip and CPU_TARGET in by_name and "portkey" in by_name:
             # beside them, the floors: the same exchanges with no gateway in the process (bench/floor.py)
             floors = [floor_target(FLOOR_KILN, STORAGE_CALLS_PER_REQUEST), floor_target(FLOOR_PROXY, 0)]
@@ -357,8 +371,6 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             for floor in floors:
                 if floor.child is not None:
                     procs.stop(floor.child)
-        if standin_url:
-            results["standin"]["stats"] = standin_stats()
         if "gaps" not in skip:
             log(f"chunk gaps: upstream emits a token every 20 ms, {size['gap_requests']} streams per target")
             results["gaps"] = scenarios.chunk_gaps(targets, requests=size["gap_requests"], time_limit=90, log=log)

@@ -3,17 +3,20 @@
 An ASGI app, served by uvicorn with functions/run.sh's flags (uvloop, httptools), that answers
 POST /v1/chat/completions by making the exchanges a gateway makes and nothing else:
 
-- `FLOOR_STORAGE_CALLS` storage exchanges (Kiln makes two on every request: admission before the
-  upstream, settle after its answer and before the client's last byte; here the first goes before
-  the upstream and the others after it), each a DynamoDB GetItem of `FLOOR_STORAGE_BODY` sent to `FLOOR_STORAGE`
-  with headers of the size a signed request has (no signing: the stand-in does not check);
-- one upstream exchange: the client's body, as it came, to `FLOOR_UPSTREAM`; its answer relayed to
-  the client as it arrives (each body piece of a stream as one ASGI message).
+- `FLOOR_STORAGE_CALLS` storage exchanges with `FLOOR_STORAGE`. Kiln makes two on every request:
+  admission before the upstream, the settle after its answer and before the client's last bytes;
+  here too, the first goes before the upstream and the others after it. Each is a DynamoDB GetItem
+  of `FLOOR_STORAGE_BODY` (about 100 bytes, where Kiln's transactions are about a kilobyte) with
+  headers of the size a signed request has (not signed: the stand-in does not check);
+- one upstream exchange: the client's body, as it came, to `FLOOR_UPSTREAM`; a buffered answer
+  sent whole with its length, a stream relayed one piece per read, its last read held until the
+  storage calls after it are done (as Kiln holds its tail until the settle).
 
-No validation, no routing, no JSON, no authentication, no logging: keep-alive connections on
-asyncio streams, each request written in one write, each answer parsed by httptools. Its CPU per
-request is what the exchanges themselves take (system calls, loopback, the event loop, the
-server's parsing), the part of a gateway's CPU that no work on its own code can remove. With
+No validation, no routing, no JSON, no authentication, no signing, no logging: keep-alive
+connections on asyncio streams, each request in one write, each answer parsed by httptools. Its
+CPU per request is what the exchanges take made plainly on the stack the functions run on (system
+calls, loopback, the event loop, the server's parsing): not a proof that nothing could do them
+for less, but the part of a gateway's CPU that work on its own logic does not remove. With
 `FLOOR_STORAGE_CALLS=0` it is the floor of a proxy that makes one exchange, Portkey's job.
 
 Run it as `python -m uvicorn … bench.floor:app` (the bench does: `Stack.start_floor`).
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import deque
-from typing import Any
+from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -60,15 +63,24 @@ class _Answer:
         self.headers: list[tuple[bytes, bytes]] = []
         self.pieces: list[bytes] = []
         self.complete = False
+        self.keep_alive = False
+        self.parser: Any = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        # asked now: once the message is complete the parser has reset its flags
+        self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self.pieces.append(bytes(body))
 
     def on_message_complete(self) -> None:
         self.complete = True
+
+
+Relay = Callable[[int, list[tuple[bytes, bytes]], bytes], Awaitable[None]]
 
 
 class _Origin:
@@ -79,36 +91,60 @@ class _Origin:
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.authority, self.path = parts.netloc, parts.path or "/"
         self.idle: deque[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = deque()
+        self.opened = 0  # connections opened, over the origin's life
 
-    async def exchange(self, request: bytes, piece: Any = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """Write `request` in one write and read its answer. With `piece`, each body piece is passed
-        on through `await piece(status, headers, data)` as it arrives instead of being kept."""
-        reader, writer = self.idle.popleft() if self.idle else await asyncio.open_connection(self.host, self.port)
-        answer = _Answer()
-        parser = httptools.HttpResponseParser(answer)
-        kept: list[bytes] = []
-        try:
-            writer.write(request)
-            while not answer.complete:
-                data = await reader.read(65536)
-                if not data:
-                    raise ConnectionError("the server closed the connection mid-answer")
-                parser.feed_data(data)
-                if answer.pieces:
-                    if piece is None:
+    async def exchange(self, request: bytes, relay: Relay | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Write `request` in one write and read its answer: status, headers and the body. With
+        `relay`, the body of each read but the last goes on through `await relay(status, headers,
+        piece)` as it arrives, one piece per read (as Kiln relays a stream), and only the last read's
+        is returned: the tail a gateway holds until its settle is done."""
+        while True:
+            reused = bool(self.idle)
+            if reused:
+                reader, writer = self.idle.popleft()
+            else:
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                self.opened += 1
+            answer = _Answer()
+            parser = answer.parser = httptools.HttpResponseParser(answer)
+            kept: list[bytes] = []
+            try:
+                writer.write(request)
+                while not answer.complete:
+                    data = await reader.read(65536)
+                    if not data:
+                        raise ConnectionError("the server closed the connection mid-answer")
+                    parser.feed_data(data)
+                    if not answer.pieces:
+                        continue
+                    if relay is None or answer.complete:
                         kept += answer.pieces
                     else:
-                        for data in answer.pieces:
-                            await piece(parser.get_status_code(), answer.headers, data)
+                        await relay(parser.get_status_code(), answer.headers, b"".join(answer.pieces))
                     answer.pieces.clear()
-        except BaseException:
-            writer.close()
-            raise
-        if parser.should_keep_alive():
-            self.idle.append((reader, writer))
-        else:
-            writer.close()
-        return parser.get_status_code(), answer.headers, b"".join(kept)
+            except ConnectionError:
+                writer.close()
+                if reused and not answer.headers:
+                    continue  # a kept-alive connection the server had closed: once more, on a new one
+                raise
+            except BaseException:
+                writer.close()
+                raise
+            if answer.keep_alive:
+                self.idle.append((reader, writer))
+            else:
+                writer.close()
+            return parser.get_status_code(), answer.headers, b"".join(kept)
+
+
+async def _storage_call(storage: _Origin, body: bytes) -> None:
+    status, _, answer = await storage.exchange(storage_request(storage.authority, body))
+    if status != 200:
+        raise RuntimeError(f"the storage answered {status}: {answer[:200]!r}")
+
+
+def _streamed(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
 def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 0, storage_body: bytes = b"{}") -> Any:
@@ -131,36 +167,37 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
             if not message.get("more_body"):
                 break
         # as a gateway does: one storage exchange before the upstream (admission), the others after
-        # its answer and before the client's last byte (the settle)
+        # its answer and before the client's last bytes (the settle)
         if storage is not None:
-            await storage.exchange(storage_request(storage.authority, storage_body))
+            await _storage_call(storage, storage_body)
         started = False
         kept: list[bytes] = []
 
-        async def relay(status: int, headers: list[tuple[bytes, bytes]], data: bytes) -> None:
+        async def relay(status: int, headers: list[tuple[bytes, bytes]], piece: bytes) -> None:
             # a stream's pieces go on as they come; a buffered answer's are kept for one message
             nonlocal started
+            if not _streamed(headers):
+                kept.append(piece)
+                return
             if not started:
-                if not any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers):
-                    kept.append(data)
-                    return
                 await send({"type": "http.response.start", "status": status,
                             "headers": [(k, v) for k, v in headers if k == b"content-type"]})
                 started = True
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
 
-        status, headers, _ = await upstream.exchange(upstream_request(upstream.authority, upstream.path, b"".join(chunks)),
-                                                     piece=relay)
+        status, headers, tail = await upstream.exchange(
+            upstream_request(upstream.authority, upstream.path, b"".join(chunks)), relay=relay)
         if storage is not None:
             for _ in range(storage_calls - 1):
-                await storage.exchange(storage_request(storage.authority, storage_body))
+                await _storage_call(storage, storage_body)
         if started:
-            await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.body", "body": tail})  # the tail, with the end of the stream
             return
-        answer = b"".join(kept)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [*((k, v) for k, v in headers if k == b"content-type"),
-                                (b"content-length", str(len(answer)).encode())]})
+        answer = b"".join(kept) + tail
+        start_headers = [(k, v) for k, v in headers if k == b"content-type"]
+        if not _streamed(headers):
+            start_headers.append((b"content-length", str(len(answer)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": start_headers})
         await send({"type": "http.response.body", "body": answer})
 
     return app

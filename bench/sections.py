@@ -52,7 +52,7 @@ def cpu(results: dict) -> str:
                      f"{fmt(r['portkey_cpu_ms'], 2)} | {_range(r.get('portkey_range'))} | {fmt(r['ratio'], 2)} | "
                      f"{_yn(r['pass'])} | {fmt(r.get('kiln_matrix_cpu_ms'), 2)} | {fmt(r.get('portkey_matrix_cpu_ms'), 2)} | "
                      f"{fmt(r.get('kiln_emulated_cpu_ms'), 2)} |")
-    floors = [r for r in goal["rows"] if r.get("floor_kiln_ms") is not None]
+    floors = [r for r in goal["rows"] if "floor_kiln_ms" in r]
     if floors:
         lines += ["", f"**The floor.** In the same rounds, side by side with them: `{g.FLOOR_KILN}` makes the exchanges "
                   f"a Kiln request makes ({g.STORAGE_CALLS_PER_REQUEST} storage calls to the same stand-in, one before "
@@ -64,8 +64,8 @@ def cpu(results: dict) -> str:
                   "of a gateway's CPU that work on its own code does not remove. Where Kiln's floor alone is above "
                   f"{g.CPU_RATIO:g} × Portkey's CPU, no code on this stack that makes those exchanges meets the goal.", "",
                   f"| mode | conc. | {g.FLOOR_KILN} ms/req | range | ÷ Portkey | within {g.CPU_RATIO:g} × Portkey | "
-                  f"Kiln above its floor, ms/req | {g.FLOOR_PROXY} ms/req | range |",
-                  "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+                  f"Kiln above its floor, ms/req | {g.FLOOR_PROXY} ms/req | range | failed requests (floors) |",
+                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         spreads = (results.get("cpu_rounds") or {}).get("cells") or {}
         for r in floors:
             spread = spreads.get(f"{r['mode']}_c{r['concurrency']}") or {}
@@ -74,7 +74,8 @@ def cpu(results: dict) -> str:
                          f"{_range([kiln_floor['min'], kiln_floor['max']] if kiln_floor.get('values') else None)} | "
                          f"{fmt(r['floor_ratio'], 2)} | {_yn(r['floor_reachable'])} | {fmt(r['kiln_above_floor_ms'], 2)} | "
                          f"{fmt(r['floor_proxy_ms'], 2)} | "
-                         f"{_range([proxy['min'], proxy['max']] if proxy.get('values') else None)} |")
+                         f"{_range([proxy['min'], proxy['max']] if proxy.get('values') else None)} | "
+                         f"{r.get('floor_errors') or 0} |")
     return "\n".join(lines)
 
 
@@ -176,19 +177,32 @@ def samejob(results: dict) -> str:
                   + (f" ({checks['error']})" if checks.get("error") else "")]
     if status.get("problems"):
         lines += [""] + [f"- problem: `{p[:500]}`".replace("\n", " ") for p in status["problems"]]
-    lines += ["", "Same mock, same load generator, same run. The peer's limiter is Redis on loopback, a fraction of a "
-              f"millisecond a call; the figure compared is Kiln's over storage as near (`{g.LOOPBACK_TARGET}`: a second "
-              "stand-in with no service time, loopback only), so that the ratio is of the two gateways' work and not of "
-              "two stores' latencies. Beside it, Kiln with its storage at DynamoDB's latency (the stand-in at "
-              f"{fmt((results.get('standin') or {}).get('service_ms'))} ms a call, two calls on every request's path, "
-              "nothing subtracted) with its own ratio, not compared, and Kiln on the embedded AWS for reference. LiteLLM "
-              "runs at c=1 and 8 only (its key's limit is 8). Its 429 answers (the limiter refusing a client that never "
-              "has more than 8 requests open) are errors of the cell, outside its latency figures.", "",
-              "| mode | conc. | Kiln added p50, storage on loopback | LiteLLM same job added p50 | Kiln ÷ LiteLLM | ≤ 1/3 | "
+    on_loopback = any(r.get("kiln_source") == "loopback" for r in goal["rows"])
+    service = fmt((results.get("standin") or {}).get("service_ms"))
+    if on_loopback:
+        loopback_stats = ((results.get("standin") or {}).get("loopback") or {}).get("stats") or {}
+        lines += ["", "Same mock, same load generator, same run. The peer's limiter is Redis on loopback, a fraction of a "
+                  f"millisecond a call; the figure compared is Kiln's with its storage on loopback too (`{g.LOOPBACK_TARGET}`: "
+                  "a second stand-in with no service time), so that the ratio is mostly of the two gateways' own work, "
+                  "not of two stores' latencies. The stand-in is Python, on the same two CPUs: its round trip is longer "
+                  "than Redis's, which favours the peer"
+                  + (f" (it served {loopback_stats.get('calls')} calls, {loopback_stats.get('errors')} refused, up to "
+                     f"{loopback_stats.get('in_flight_max')} at once)" if loopback_stats else "")
+                  + ". Beside it, Kiln with its storage at DynamoDB's latency (the stand-in at "
+                  f"{service} ms a call, two calls on every request's path, nothing subtracted) with its own ratio, not "
+                  "compared, and Kiln on the embedded AWS for reference."]
+    else:
+        lines += ["", "Same mock, same load generator, same run; Kiln with its storage at DynamoDB's latency (the stand-in "
+                  f"at {service} ms a call, nothing subtracted: this run has no cells with Kiln's storage on loopback) "
+                  "and, for reference, on the embedded AWS."]
+    lines[-1] += (" LiteLLM runs at c=1 and 8 only (its key's limit is 8). Its 429 answers (the limiter refusing a client "
+                  "that never has more than 8 requests open) are errors of the cell, outside its latency figures.")
+    lines += ["", "| mode | conc. | Kiln added p50, storage on loopback | LiteLLM same job added p50 | Kiln ÷ LiteLLM | ≤ 1/3 | "
               "Kiln added p50, storage at DynamoDB's latency | ÷ LiteLLM | Kiln added p50 (embedded AWS) | "
               "LiteLLM 429 answers |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in goal["rows"]:
-        compared = fmt(r["kiln_added"]) + ("" if r.get("kiln_source", "loopback") == "loopback" else " (DynamoDB latency)")
+        compared = ("failed: not measured" if r.get("kiln_failed") else fmt(r["kiln_added"])) + (
+            "" if r.get("kiln_source", "loopback") == "loopback" else " (DynamoDB latency)")
         lines.append(f"| {r['mode']} | {r['concurrency']} | {compared} | {fmt(r['samejob_added'])} | {fmt(r['ratio'], 2)} | "
                      f"{_yn(r['pass'])} | {fmt(r.get('kiln_dynamodb_latency_added'))} | "
                      f"{fmt(r.get('dynamodb_latency_ratio'), 2)} | {fmt(r['kiln_on_emulator_added'])} | "

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import pytest
-from bench.floor import floor_app
+from bench.floor import _Origin, floor_app
 from bench.standin import Store, app_for
 
 from kiln_ops.mock_upstream import MockUpstream
@@ -30,14 +31,14 @@ def servers():
             server.stop()
 
 
-def floor(upstream: str, standin: str, calls: int) -> ServerThread:
+def floor(upstream: str, standin: str, calls: int, path: str = "/v1/chat/completions") -> ServerThread:
     body = json.dumps({"TableName": ORGS, "Key": {"org_id": {"S": "o"}}, "ConsistentRead": True}).encode()
-    return ServerThread(floor_app(f"{upstream}/v1/chat/completions", storage_url=standin, storage_calls=calls,
+    return ServerThread(floor_app(f"{upstream}{path}", storage_url=standin, storage_calls=calls,
                                   storage_body=body)).start()
 
 
-def standin_calls(standin: str) -> dict:
-    return httpx.get(f"{standin}/__standin/stats", timeout=5).json()["by_operation"]
+def standin_stats(standin: str) -> dict:
+    return httpx.get(f"{standin}/__standin/stats", timeout=5).json()
 
 
 def test_a_buffered_answer_comes_whole_with_its_length_after_the_storage_calls(servers):
@@ -45,29 +46,67 @@ def test_a_buffered_answer_comes_whole_with_its_length_after_the_storage_calls(s
     server = floor(upstream, standin, calls=2)
     try:
         with httpx.Client(base_url=server.url, timeout=10) as client:
-            for _ in range(3):  # keep-alive connections, reused
+            for _ in range(3):
                 answer = client.post("/v1/chat/completions", json=BODY)
                 assert answer.status_code == 200
                 assert answer.headers["content-type"].startswith("application/json")
                 assert int(answer.headers["content-length"]) == len(answer.content)
                 assert answer.json()["object"] == "chat.completion" and answer.json()["usage"]["completion_tokens"] > 0
-        assert standin_calls(standin) == {"DynamoDB_20120810.GetItem": 6}  # two per request, every one answered
+        stats = standin_stats(standin)
+        assert stats["by_operation"] == {"DynamoDB_20120810.GetItem": 6} and stats["errors"] == 0  # two per request
         assert mock.stats.requests == 3 and mock.stats.bodies[-1] == BODY  # the client's body, as it came
     finally:
         server.stop()
 
 
-def test_a_stream_is_relayed_piece_by_piece_to_its_end(servers):
+def test_a_stream_is_relayed_as_it_comes_with_its_tail_after_the_settle_call(servers):
     mock, upstream, standin = servers
-    server = floor(upstream, standin, calls=0)
+    server = floor(upstream, standin, calls=2, path="/x/token_delay_ms=40,tokens=5/v1/chat/completions")
     try:
         with httpx.Client(base_url=server.url, timeout=10) as client:
             with client.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as answer:
                 assert answer.status_code == 200
                 assert answer.headers["content-type"].startswith("text/event-stream")
-                events = [line for line in answer.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and len(events) > 2
-        assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
-        assert standin_calls(standin) == {}  # the one-exchange floor calls no storage
+                assert "content-length" not in answer.headers
+                reads = list(answer.iter_raw())
+        events = [line for line in b"".join(reads).decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+        assert len(reads) >= 3  # tokens 40 ms apart reach the client apart: relayed, not buffered
+        assert standin_stats(standin)["by_operation"] == {"DynamoDB_20120810.GetItem": 2}
     finally:
         server.stop()
+
+
+def test_connections_are_kept_alive_and_one_the_server_closed_is_replaced():
+    answers_per_connection = [2]  # the server answers two requests on a connection, then closes it unasked
+    accepted = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        for _ in range(answers_per_connection[0]):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+
+    async def scenario() -> tuple[list[tuple[int, bytes]], list[int]]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        origin = _Origin(f"http://127.0.0.1:{port}/")
+        answers, opened = [], []
+        for _ in range(2):
+            status, _, body = await origin.exchange(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            answers.append((status, body))
+            opened.append(origin.opened)
+        await asyncio.sleep(0.2)  # the server has closed the idle connection by now
+        status, _, body = await origin.exchange(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        answers.append((status, body))
+        opened.append(origin.opened)
+        server.close()
+        return answers, opened
+
+    answers, opened = asyncio.run(scenario())
+    assert answers == [(200, b"ok")] * 3
+    assert opened == [1, 1, 2]  # the second exchange reused the first's connection; the closed one was replaced
+    assert len(accepted) == 2

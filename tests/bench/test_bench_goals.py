@@ -76,12 +76,21 @@ def test_samejob_goal_compares_kiln_over_storage_as_near_as_the_peers_where_the_
     assert (row["kiln_source"], row["kiln_added"], row["ratio"]) == ("loopback", 5.0, round(5 / 30, 3))
     # Kiln with its storage at DynamoDB's latency: shown with its own ratio, not compared
     assert (row["kiln_dynamodb_latency_added"], row["dynamodb_latency_ratio"]) == (15.0, 0.5)
-    assert goal["pass"] is True and goal["measured"].startswith("both over storage on loopback")
+    assert goal["pass"] is True and goal["measured"].startswith("both with their storage on loopback")
     cells[2]["latency_ms"]["p50"] = 12.0  # +11 against +30: more than a third
     assert goals.samejob(results(cells, (1, 8)))["pass"] is False
     cells[2]["latency_ms"]["p50"] = 6.0
     cells[2]["errors"] = 3  # a fast cell that failed requests is no pass
     assert goals.samejob(results(cells, (1, 8)))["pass"] is False
+    # a loopback cell that measured nothing (its process crashed) fails its row: no quiet fall-back
+    cells[2] = {"target": goals.LOOPBACK_TARGET, "mode": "buffered", "concurrency": 1, "skipped": "crashed"}
+    row = goals.samejob(results(cells, (1, 8)))["rows"][0]
+    assert (row["kiln_source"], row["kiln_failed"], row["pass"]) == ("loopback", True, False)
+    # a run without loopback cells (older results) compares Kiln at DynamoDB's latency, and says so
+    older = goals.samejob(results([c for c in cells if c["target"] != goals.LOOPBACK_TARGET], (1, 8)))
+    assert {r["kiln_source"] for r in older["rows"]} == {"dynamodb-latency"}
+    assert older["rows"][0]["ratio"] == 0.5 and older["pass"] is False
+    assert "loopback" not in older["measured"] and "loopback" not in older["goal"]
 
 
 def test_coldstart_goal_reads_the_production_paths():
@@ -150,3 +159,8 @@ def test_cpu_goal_says_where_kilns_own_exchanges_already_cost_more_than_the_goal
     assert (stream["floor_ratio"], stream["floor_reachable"], stream["floor_proxy_ms"]) == (0.455, True, 1.1)
     assert goal["pass"] is False  # the verdict is Kiln's own, whatever the floor says
     assert "above 0.5 in 1 of 2 cells" in goal["measured"]
+    # a floor that failed in every round has no figure, and says how many requests failed
+    run["cpu_rounds"]["cells"]["stream_c1"][goals.FLOOR_KILN] = {"values": [], "median": None, "min": None,
+                                                                  "max": None, "errors": 7}
+    stream = goals.cpu_vs_portkey(run)["rows"][1]
+    assert (stream["floor_kiln_ms"], stream["floor_reachable"], stream["floor_errors"]) == (None, None, 7)
