@@ -41,8 +41,8 @@ def cpu(results: dict) -> str:
     if rounds:
         lines[0] += (f" One cell of the matrix moves by tens of percent from run to run, for Portkey as for Kiln: the "
                      f"figures compared are the medians of {rounds.get('rounds')} rounds of {rounds.get('count')} "
-                     f"requests, the two gateways side by side (their order reversed every other round; a fresh Kiln "
-                     f"process each time, as in the matrix), each after {rounds.get('warmup')} requests not counted, "
+                     f"requests, the two gateways side by side, with the floors below (their order reversed every other "
+                     f"round; a fresh Kiln process each time, as in the matrix), each after {rounds.get('warmup')} requests not counted, "
                      "with their range; the matrix's cell (its warm-up included) is beside them.")
     lines += ["", "| mode | conc. | Kiln ms/req (stand-in) | range | Portkey ms/req | range | Kiln ÷ Portkey | ≤ 0.5 | "
               "matrix cell: Kiln | Portkey | Kiln ms/req on the embedded AWS |",
