@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kiln_ops.serve import read_body
+
 __all__ = ["app", "floor_app", "storage_request", "upstream_request"]
 
 _SIGNED_LIKE = (
@@ -160,12 +162,7 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
+        request_body = await read_body(receive)
         # as a gateway does: one storage exchange before the upstream (admission), the others after
         # its answer and before the client's last bytes (the settle)
         if storage is not None:
@@ -186,7 +183,7 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
             await send({"type": "http.response.body", "body": piece, "more_body": True})
 
         status, headers, tail = await upstream.exchange(
-            upstream_request(upstream.authority, upstream.path, b"".join(chunks)), relay=relay)
+            upstream_request(upstream.authority, upstream.path, request_body), relay=relay)
         if storage is not None:
             for _ in range(storage_calls - 1):
                 await _storage_call(storage, storage_body)

@@ -31,6 +31,8 @@ from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Callable
 
+from kiln_ops.serve import read_body
+
 __all__ = ["ConditionFailed", "Store", "StoreError", "TransactionCanceled", "condition", "item_size", "projection",
            "read_units", "seed_from", "update", "write_units"]
 
@@ -521,18 +523,13 @@ def app_for(store: Store, service_s: float) -> Callable:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": body})
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
+        request_body = await read_body(receive)
         target = next((v.decode() for k, v in scope["headers"] if k == b"x-amz-target"), "")
         started = time.perf_counter()
         in_flight[0] += 1
         stats["in_flight_max"] = max(stats["in_flight_max"], in_flight[0])
         try:
-            status, answer = 200, store.handle(target, json.loads(b"".join(chunks) or b"{}"))
+            status, answer = 200, store.handle(target, json.loads(request_body or b"{}"))
         except StoreError as exc:
             status, answer = 400, exc.body()
             stats["errors"] += 1

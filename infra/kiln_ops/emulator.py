@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields
 from decimal import Decimal, localcontext
 from typing import Any
 
+from .serve import read_body
+
 __all__ = ["FAULTS_ENV", "EmbeddedAws", "Faults", "FaultyDynamoDB", "patch_moto", "serialized_app"]
 
 FAULTS_ENV = "KILN_EMULATOR_FAULTS"
@@ -324,7 +326,7 @@ class FaultyDynamoDB:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self._app(scope, receive, send)
-        body = await _read_body(receive)
+        body = await read_body(receive)
         headers = {name.decode().lower(): value.decode() for name, value in scope.get("headers", [])}
         service, _, operation = headers.get("x-amz-target", "").partition(".")
         if not service.startswith("DynamoDB"):
@@ -435,18 +437,6 @@ class FaultyDynamoDB:
         if not lose:
             return await self._app(scope, _replay(body), send)
         await _answer(send, *await _capture(self._app, scope, body), lose=True)
-
-
-async def _read_body(receive: Any) -> bytes:
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        parts.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(parts)
 
 
 def _replay(body: bytes) -> Any:

@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+from .serve import read_body
+
 __all__ = ["MockOptions", "MockUpstream"]
 
 CHAT_REPLY = ["Hello", "!", " How", " can", " I", " help", " you", " today", "?", " Ask", " me", " anything."]
@@ -173,7 +175,7 @@ class MockUpstream:
             return await _send_json(send, 200, {"object": "list", "data": []})
         if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
             return await _send_json(send, 404, _error(f"no route {method} {path}", 404))
-        raw = await _read_body(receive)
+        raw = await read_body(receive)
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -446,18 +448,6 @@ def _error(message: str, status: int) -> dict:
 
 def _event(chunk: dict, spaced: bool = False) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(", ", ": ") if spaced else (",", ":")).encode() + b"\n\n"
-
-
-async def _read_body(receive: Any) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
 
 
 async def _send_json(send: Any, status: int, payload: Any) -> None:

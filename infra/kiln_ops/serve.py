@@ -23,11 +23,24 @@ from typing import Any, Callable
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["HEADER_TIMEOUT", "BODY_TIMEOUT", "BoundedHttpProtocol", "ServerThread", "free_port", "serve"]
+__all__ = ["HEADER_TIMEOUT", "BODY_TIMEOUT", "BoundedHttpProtocol", "ServerThread", "free_port", "read_body", "serve"]
 
 # A client's whole request head must arrive within this, and its body within the next.
 HEADER_TIMEOUT = 10.0
 BODY_TIMEOUT = 30.0
+
+
+async def read_body(receive: Any) -> bytes:
+    """An ASGI request's whole body (what came before a disconnect, if the client left)."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(parts)
 
 
 def _error_response(status: int, reason: str, message: str, code: str) -> bytes:
