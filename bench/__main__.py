@@ -357,6 +357,7 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
                 loopback["stats_error"] = f"{type(exc).__name__}: {exc}"[:300]
             if LOOPBACK_TARGET in by_name and by_name[LOOPBACK_TARGET].child is not None:
                 procs.stop(by_name[LOOPBACK_TARGET].child)
+                by_name[LOOPBACK_TARGET].child = None  # stopped: nothing later stops it again
             procs.stop(loopback_standin)  # the matrix was its only use
         if "cpu" not in skip and CPU_TARGET in by_name and "portkey" in by_name:
             # beside them, the floors: the same exchanges with no gateway in the process (bench/floor.py)

@@ -110,12 +110,14 @@ class _Origin:
             answer = _Answer()
             parser = answer.parser = httptools.HttpResponseParser(answer)
             kept: list[bytes] = []
+            received = False
             try:
                 writer.write(request)
                 while not answer.complete:
                     data = await reader.read(65536)
                     if not data:
                         raise ConnectionError("the server closed the connection mid-answer")
+                    received = True
                     parser.feed_data(data)
                     if not answer.pieces:
                         continue
@@ -126,8 +128,8 @@ class _Origin:
                     answer.pieces.clear()
             except ConnectionError:
                 writer.close()
-                if reused and not answer.headers:
-                    continue  # a kept-alive connection the server had closed: once more, on a new one
+                if reused and not received:
+                    continue  # a kept-alive connection the server had closed: again, on the next one
                 raise
             except BaseException:
                 writer.close()

@@ -94,8 +94,10 @@ def cpu_vs_portkey(results: dict, ratio: float = CPU_RATIO) -> dict[str, Any]:
             r = round(k / p, 3) if k is not None and p else None
             row.update(kiln_cpu_ms=k, portkey_cpu_ms=p, ratio=r, **{"pass": None if r is None else r <= ratio})
             if floors and row["source"] == "rounds":
-                row.update(floor_kiln_ms=floor, floor_proxy_ms=proxy, floor_errors=floors.get("errors", 0)
-                           + (spread.get(FLOOR_PROXY) or {}).get("errors", 0),
+                proxies = spread.get(FLOOR_PROXY) or {}
+                row.update(floor_kiln_ms=floor, floor_proxy_ms=proxy,
+                           floor_errors=floors.get("errors", 0) + proxies.get("errors", 0),
+                           floor_rounds_not_run=floors.get("rounds_not_run", 0) + proxies.get("rounds_not_run", 0),
                            floor_ratio=round(floor / p, 3) if floor is not None and p else None,
                            floor_reachable=None if floor is None or not p else floor <= p * ratio,
                            kiln_above_floor_ms=round(k - floor, 3) if k is not None and floor is not None else None)

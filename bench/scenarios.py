@@ -193,7 +193,8 @@ def _spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
     values = [r["cpu_ms_per_request"] for r in runs if r.get("cpu_ms_per_request") is not None and not r.get("errors")]
     return {"values": values, "median": round(statistics.median(values), 3) if values else None,
             "min": min(values, default=None), "max": max(values, default=None),
-            "errors": sum(r.get("errors") or 0 for r in runs), "runs": runs}
+            "errors": sum(r.get("errors") or 0 for r in runs),
+            "rounds_not_run": sum(1 for r in runs if r.get("error")), "runs": runs}
 
 
 def _probe(url: str, what: str) -> dict:

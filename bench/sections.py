@@ -64,7 +64,7 @@ def cpu(results: dict) -> str:
                   "of a gateway's CPU that work on its own code does not remove. Where Kiln's floor alone is above "
                   f"{g.CPU_RATIO:g} × Portkey's CPU, no code on this stack that makes those exchanges meets the goal.", "",
                   f"| mode | conc. | {g.FLOOR_KILN} ms/req | range | ÷ Portkey | within {g.CPU_RATIO:g} × Portkey | "
-                  f"Kiln above its floor, ms/req | {g.FLOOR_PROXY} ms/req | range | failed requests (floors) |",
+                  f"Kiln above its floor, ms/req | {g.FLOOR_PROXY} ms/req | range | floors: failed requests, rounds not run |",
                   "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         spreads = (results.get("cpu_rounds") or {}).get("cells") or {}
         for r in floors:
@@ -75,7 +75,7 @@ def cpu(results: dict) -> str:
                          f"{fmt(r['floor_ratio'], 2)} | {_yn(r['floor_reachable'])} | {fmt(r['kiln_above_floor_ms'], 2)} | "
                          f"{fmt(r['floor_proxy_ms'], 2)} | "
                          f"{_range([proxy['min'], proxy['max']] if proxy.get('values') else None)} | "
-                         f"{r.get('floor_errors') or 0} |")
+                         f"{r.get('floor_errors') or 0}, {r.get('floor_rounds_not_run') or 0} |")
     return "\n".join(lines)
 
 

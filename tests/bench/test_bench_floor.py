@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -59,7 +60,42 @@ def test_a_buffered_answer_comes_whole_with_its_length_after_the_storage_calls(s
         server.stop()
 
 
-def test_a_stream_is_relayed_as_it_comes_with_its_tail_after_the_settle_call(servers):
+def test_a_refused_storage_call_fails_the_request():
+    store = Store({ORGS: ["org_id"]})
+    standin = ServerThread(app_for(store, 0.0)).start()
+    upstream = ServerThread(MockUpstream()).start()
+    server = ServerThread(floor_app(f"{upstream.url}/v1/chat/completions", storage_url=standin.url, storage_calls=2,
+                                    storage_body=b'{"TableName": "missing", "Key": {}}')).start()
+    try:
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json=BODY, timeout=10)
+        assert answer.status_code == 500  # not an answer relayed as if the storage had agreed
+        assert standin_stats(standin.url)["errors"] == 1
+    finally:
+        for s in (server, upstream, standin):
+            s.stop()
+
+
+def test_the_end_of_a_stream_waits_for_the_storage_calls_after_the_upstream():
+    store = Store({ORGS: ["org_id"]})
+    store.put_seed(ORGS, ORG_ITEM)
+    standin = ServerThread(app_for(store, 0.5)).start()  # each storage call takes half a second
+    upstream = ServerThread(MockUpstream()).start()
+    server = floor(upstream.url, standin.url, calls=2, path="/x/token_delay_ms=20,tokens=4/v1/chat/completions")
+    try:
+        arrivals = []
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            with client.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as answer:
+                for piece in answer.iter_raw():
+                    arrivals.append((time.monotonic(), piece))
+        assert b"data: [DONE]" in arrivals[-1][1] and b"[DONE]" not in b"".join(p for _, p in arrivals[:-1])
+        # tokens 20 ms apart, then the settle's half second, then the tail
+        assert arrivals[-1][0] - arrivals[-2][0] >= 0.4
+    finally:
+        for s in (server, upstream, standin):
+            s.stop()
+
+
+def test_a_stream_is_relayed_as_it_comes(servers):
     mock, upstream, standin = servers
     server = floor(upstream, standin, calls=2, path="/x/token_delay_ms=40,tokens=5/v1/chat/completions")
     try:
