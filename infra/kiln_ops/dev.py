@@ -12,10 +12,12 @@ infra/catalog.json pointed at the model server), a demo org with a fresh key, th
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,6 +100,10 @@ def run_dev(
     try:
         if faults is not None and aws_endpoint_url is not None:
             raise SystemExit("kiln dev: --faults applies to the embedded AWS, not to --aws-endpoint-url")
+        refused = _cannot_listen(host, port)
+        if refused:
+            # before anything starts: no exports that would lead nowhere, no stack left half up
+            raise SystemExit(f"kiln dev: {host}:{port} {refused}")
         if aws_endpoint_url is None:
             aws_port = free_port()
             fault_args = ["--faults", faults.describe()] if faults is not None and faults.enabled else []
@@ -183,6 +189,25 @@ def _demo_keys(settings: Any) -> tuple[str, str]:
         pass
     inference = create_key(tables, DEMO_ORG, label="kiln dev").secret
     return inference, create_key(tables, DEMO_ORG, label="kiln dev (management)", role="management").secret
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the gateway could not listen on host:port, and what to do (None if it can), found by
+    binding as uvicorn does."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"does not resolve ({exc}): pass a --host this machine has"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "is already in use: stop what holds it (an earlier kiln dev?) or pass --port with a free port"
+            return f"cannot be listened on ({exc.strerror or exc}): pass another --host or --port"
+    return None
 
 
 def _display_host(host: str) -> str:

@@ -128,3 +128,20 @@ def test_kiln_dev_against_an_existing_aws_endpoint_and_upstream(aws, mock, tmp_p
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=20)
+
+
+def test_kiln_dev_on_a_port_already_taken_says_so_before_starting_anything(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
+    with socket.socket() as holder:  # another server on the gateway's port (an earlier kiln dev, say)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(port)],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert done.returncode != 0
+    assert f"127.0.0.1:{port} is already in use" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "export " not in done.stdout and not (tmp_path / ".kiln" / "dev.env").exists()  # no exports that lead nowhere
+    assert "kiln dev: created" not in done.stderr  # nothing provisioned, no emulator or mock started
+    assert time.monotonic() - started < 15
