@@ -249,10 +249,10 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
 
         standin_before: dict = {}
 
-        def standin_stats() -> dict:
+        def standin_stats(url: str | None = None) -> dict:
             import httpx
 
-            return httpx.get(f"{standin_url}/__standin/stats", timeout=10, trust_env=False).json()
+            return httpx.get(f"{url or standin_url}/__standin/stats", timeout=10, trust_env=False).json()
 
         def standin_target() -> scenarios.Target:
             child, url = stack.start_function("kiln-standin", probe=True, aws_url=standin_url)
@@ -352,7 +352,7 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
 
             loopback = results["standin"]["loopback"]
             try:
-                loopback["stats"] = httpx.get(f"{loopback['url']}/__standin/stats", timeout=10, trust_env=False).json()
+                loopback["stats"] = standin_stats(loopback["url"])
             except httpx.HTTPError as exc:
                 loopback["stats_error"] = f"{type(exc).__name__}: {exc}"[:300]
             if LOOPBACK_TARGET in by_name and by_name[LOOPBACK_TARGET].child is not None:

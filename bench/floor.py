@@ -1,6 +1,6 @@
 """The floor: what a request's exchanges cost a Python process on this machine with no gateway in it.
 
-An ASGI app, served by uvicorn with functions/run.sh's flags (uvloop, httptools), that answers
+An ASGI app, served by functions/run.sh as a function is (uvicorn, uvloop, httptools), that answers
 POST /v1/chat/completions by making the exchanges a gateway makes and nothing else:
 
 - `FLOOR_STORAGE_CALLS` storage exchanges with `FLOOR_STORAGE`. Kiln makes two on every request:
@@ -19,7 +19,8 @@ calls, loopback, the event loop, the server's parsing): not a proof that nothing
 for less, but the part of a gateway's CPU that work on its own logic does not remove. With
 `FLOOR_STORAGE_CALLS=0` it is the floor of a proxy that makes one exchange, Portkey's job.
 
-Run it as `python -m uvicorn … bench.floor:app` (the bench does: `Stack.start_floor`).
+`Stack.start_floor` serves it through functions/run.sh itself, as a function is served, with
+bench/floor_root as the task root (its app.py builds the app from the FLOOR_* variables).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import httptools
 
 from kiln_ops.serve import read_body
 
-__all__ = ["app", "floor_app", "storage_request", "upstream_request"]
+__all__ = ["floor_app", "from_env", "storage_request", "upstream_request"]
 
 _SIGNED_LIKE = (
     # what a SigV4-signed call carries beyond its body, of the same sizes (values are not checked)
@@ -141,8 +142,8 @@ class _Origin:
             return parser.get_status_code(), answer.headers, b"".join(kept)
 
 
-async def _storage_call(storage: _Origin, body: bytes) -> None:
-    status, _, answer = await storage.exchange(storage_request(storage.authority, body))
+async def _storage_call(storage: _Origin, wire: bytes) -> None:
+    status, _, answer = await storage.exchange(wire)
     if status != 200:
         raise RuntimeError(f"the storage answered {status}: {answer[:200]!r}")
 
@@ -156,6 +157,7 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
     `storage_url` and one with `upstream_url` (the full URL of its chat/completions), as above."""
     upstream = _Origin(upstream_url)
     storage = _Origin(storage_url) if storage_calls else None
+    storage_wire = storage_request(storage.authority, storage_body) if storage is not None else b""
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -168,14 +170,17 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
         # as a gateway does: one storage exchange before the upstream (admission), the others after
         # its answer and before the client's last bytes (the settle)
         if storage is not None:
-            await _storage_call(storage, storage_body)
+            await _storage_call(storage, storage_wire)
+        streamed: bool | None = None  # known at the answer's first piece
         started = False
         kept: list[bytes] = []
 
         async def relay(status: int, headers: list[tuple[bytes, bytes]], piece: bytes) -> None:
             # a stream's pieces go on as they come; a buffered answer's are kept for one message
-            nonlocal started
-            if not _streamed(headers):
+            nonlocal streamed, started
+            if streamed is None:
+                streamed = _streamed(headers)
+            if not streamed:
                 kept.append(piece)
                 return
             if not started:
@@ -188,13 +193,13 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
             upstream_request(upstream.authority, upstream.path, request_body), relay=relay)
         if storage is not None:
             for _ in range(storage_calls - 1):
-                await _storage_call(storage, storage_body)
+                await _storage_call(storage, storage_wire)
         if started:
             await send({"type": "http.response.body", "body": tail})  # the tail, with the end of the stream
             return
         answer = b"".join(kept) + tail
         start_headers = [(k, v) for k, v in headers if k == b"content-type"]
-        if not _streamed(headers):
+        if not (_streamed(headers) if streamed is None else streamed):
             start_headers.append((b"content-length", str(len(answer)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": start_headers})
         await send({"type": "http.response.body", "body": answer})
@@ -202,13 +207,8 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
     return app
 
 
-_from_env: list[Any] = []
-
-
-async def app(scope: dict, receive: Any, send: Any) -> None:
+def from_env() -> Any:
     """floor_app configured by FLOOR_UPSTREAM, FLOOR_STORAGE, FLOOR_STORAGE_CALLS, FLOOR_STORAGE_BODY."""
-    if not _from_env:
-        _from_env.append(floor_app(os.environ["FLOOR_UPSTREAM"], storage_url=os.environ.get("FLOOR_STORAGE", ""),
-                                   storage_calls=int(os.environ.get("FLOOR_STORAGE_CALLS", "0")),
-                                   storage_body=os.environ.get("FLOOR_STORAGE_BODY", "{}").encode()))
-    await _from_env[0](scope, receive, send)
+    return floor_app(os.environ["FLOOR_UPSTREAM"], storage_url=os.environ.get("FLOOR_STORAGE", ""),
+                     storage_calls=int(os.environ.get("FLOOR_STORAGE_CALLS", "0")),
+                     storage_body=os.environ.get("FLOOR_STORAGE_BODY", "{}").encode())

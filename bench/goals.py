@@ -171,14 +171,15 @@ def samejob(results: dict, ratio: float = SAMEJOB_RATIO, concurrencies: tuple[in
     rows = []
     for mode in ("buffered", "stream"):
         for concurrency in concurrencies:
-            dynamo = added(results, _kiln_on_standin(results, mode, concurrency), mode, concurrency)
+            dynamo_target = _kiln_on_standin(results, mode, concurrency)
+            dynamo = added(results, dynamo_target, mode, concurrency)
             # the loopback cell where the run has one (measured or not: a failed one fails the row)
             loopback_cell = cell(results, LOOPBACK_TARGET, mode, concurrency)
             if loopback_cell is not None:
                 k, source, kiln_cell = added(results, LOOPBACK_TARGET, mode, concurrency), "loopback", loopback_cell
             else:
                 k, source = dynamo, "dynamodb-latency"
-                kiln_cell = cell(results, _kiln_on_standin(results, mode, concurrency), mode, concurrency) or {}
+                kiln_cell = cell(results, dynamo_target, mode, concurrency) or {}
             s = added(results, "litellm-samejob", mode, concurrency)
             peer = cell(results, "litellm-samejob", mode, concurrency) or {}
             failed = source == "loopback" and k is None and s is not None

@@ -58,7 +58,7 @@ def cpu(results: dict) -> str:
                   f"a Kiln request makes ({g.STORAGE_CALLS_PER_REQUEST} storage calls to the same stand-in, one before "
                   f"the upstream and one after, then the upstream call) and `{g.FLOOR_PROXY}` only the upstream call, "
                   "each with nothing else in the process: no validation, no signing, no JSON, no authentication, no log "
-                  "(`bench/floor.py`: uvicorn with run.sh's flags, keep-alive connections on asyncio streams, one write "
+                  "(`bench/floor.py`, served by functions/run.sh as a function is: keep-alive connections on asyncio streams, one write "
                   "per request, httptools parsing the answers). Their CPU is what the exchanges take, made the plainest way "
                   "on the stack the functions run on (uvicorn, uvloop, asyncio streams, this machine's loopback): the part "
                   "of a gateway's CPU that work on its own code does not remove. Where Kiln's floor alone is above "

@@ -68,6 +68,10 @@ class Stack:
     standins: dict = field(default_factory=dict)  # name → Child of each storage stand-in started
 
     @property
+    def standin(self) -> Child:
+        return self.standins["standin"]
+
+    @property
     def gap_base(self) -> str:
         return f"{self.mock_url}/x/token_delay_ms={GAP_DELAY_MS},tokens={GAP_TOKENS}/v1"
 
@@ -119,8 +123,7 @@ class Stack:
 
     def start_standin(self, service_ms: float, name: str = "standin") -> str:
         """A storage stand-in with the embedded AWS's tables and parameters as they are now; its URL.
-        The first one started ("standin") is `self.standin`; others (another service time) are
-        `self.standins[name]`."""
+        Each is `self.standins[name]`; the bench's own ("standin") is also `self.standin`."""
         from .standin import seed_from
 
         seed = self.procs.log_dir / f"{name}-seed.json"
@@ -131,27 +134,25 @@ class Stack:
                    "--seed", str(seed)], env=clean_env(), cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/__standin/stats", child=child, ok=lambda status: status == 200)
-        if name == "standin":
-            self.standin = child
         self.standins[name] = child
         return url
 
     def start_floor(self, name: str, *, storage_calls: int = 0, storage_url: str = "") -> tuple[Child, str]:
-        """bench/floor.py under uvicorn with run.sh's flags: the exchanges of a request (`storage_calls`
-        GetItems of the org to the stand-in at `storage_url`, one upstream call to the mock) and nothing
-        else. Its URL."""
+        """bench/floor.py served by the real functions/run.sh, as a function is: the exchanges of a
+        request (`storage_calls` GetItems of the org to the stand-in at `storage_url`, one upstream
+        call to the mock) and nothing else. Its URL."""
         from kiln.settings import Settings
         from kiln.store.schema import ORG as ORG_ITEM
 
         port = free_port()
+        task_root = ROOT / "bench" / "floor_root"
         orgs_table = Settings.from_env(self.settings_env or {}).orgs_table
-        env = clean_env(FLOOR_UPSTREAM=f"{self.mock_url}/v1/chat/completions", FLOOR_STORAGE=storage_url,
-                        FLOOR_STORAGE_CALLS=str(storage_calls),
-                        FLOOR_STORAGE_BODY=json.dumps({"TableName": orgs_table, "Key": {ORG_ITEM.hash_key: {"S": ORG}},
-                                                       "ConsistentRead": True}))
-        child = self.procs.start(name, [self.python, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port),
-                                        "--no-access-log", "--log-level", "warning", "--timeout-keep-alive", "75",
-                                        "bench.floor:app"], env=env, cwd=ROOT)
+        env = self.function_env(
+            port, task_root, pythonpath=str(ROOT), FLOOR_UPSTREAM=f"{self.mock_url}/v1/chat/completions",
+            FLOOR_STORAGE=storage_url, FLOOR_STORAGE_CALLS=str(storage_calls),
+            FLOOR_STORAGE_BODY=json.dumps({"TableName": orgs_table, "Key": {ORG_ITEM.hash_key: {"S": ORG}},
+                                           "ConsistentRead": True}))
+        child = self.procs.start(name, ["sh", str(ROOT / "functions" / "run.sh")], env=env, cwd=task_root)
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/healthz", child=child, ok=lambda status: status == 200)
         return child, url
