@@ -99,44 +99,32 @@ class StorageFaults:
              reasons: list[str] | None = None) -> list[int]:
         """Fail `operation` calls whose payload matches `when` (`times` of them, or all);
         `reasons`: a TransactionCanceledException's cancellation reasons, item by item."""
-        rule = {"operation": operation, "code": code, "when": when, "times": times, "hits": [], "reasons": reasons}
-        self._rules.append(rule)
-        return rule["hits"]
+        return self._rule("fail", operation, when, times, code=code, reasons=reasons)
 
     def lose(self, operation: str, *, when: Callable[[dict], bool] = lambda payload: True,
              times: int | None = None) -> list[int]:
         """Apply matching `operation` calls, then lose their answers (a reset after the write)."""
-        rule = {"operation": operation, "code": None, "when": when, "times": times, "hits": []}
-        self._rules.append(rule)
-        return rule["hits"]
+        return self._rule("lose", operation, when, times)
 
     def slow(self, operation: str, seconds: float, *, when: Callable[[dict], bool] = lambda payload: True,
              times: int | None = None) -> list[int]:
         """Hold matching `operation` calls for `seconds` before they are sent (a slow answer)."""
-        rule = {"operation": operation, "code": None, "delay": seconds, "when": when, "times": times, "hits": []}
+        return self._rule("slow", operation, when, times, delay=seconds)
+
+    def _rule(self, kind: str, operation: str, when: Callable[[dict], bool], times: int | None, **extra: Any) -> list[int]:
+        rule = {"kind": kind, "operation": operation, "when": when, "times": times, "hits": [], **extra}
         self._rules.append(rule)
         return rule["hits"]
 
-    def delay(self, headers: dict[str, str], body: bytes) -> float:
-        """How long this call waits before it is sent."""
-        operation = headers.get("x-amz-target", "").rpartition(".")[2]
+    def _firing(self, kind: str, operation: str, payload: dict) -> dict[str, Any] | None:
+        """The first rule of `kind` this call triggers: every matching rule counts the call as a
+        hit, and the first still within its `times` fires."""
         for rule in self._rules:
-            if rule.get("delay") and rule["operation"] == operation and rule["when"](json.loads(body or b"{}")):
+            if rule["kind"] == kind and rule["operation"] == operation and rule["when"](payload):
                 rule["hits"].append(1)
                 if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
-                    return rule["delay"]
-        return 0.0
-
-    def lost(self, headers: dict[str, str], body: bytes) -> bool:
-        """Is the answer to this call, already applied, to be lost?"""
-        operation = headers.get("x-amz-target", "").rpartition(".")[2]
-        payload = json.loads(body or b"{}")
-        for rule in self._rules:
-            if rule["code"] is None and not rule.get("delay") and rule["operation"] == operation and rule["when"](payload):
-                rule["hits"].append(1)
-                if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
-                    return True
-        return False
+                    return rule
+        return None
 
     def clear(self) -> None:
         self._rules.clear()
@@ -144,19 +132,25 @@ class StorageFaults:
     def count(self, operation: str, when: Callable[[dict], bool] = lambda payload: True) -> int:
         return sum(1 for op, payload in self.calls if op == operation and when(payload))
 
-    def answer(self, headers: dict[str, str], body: bytes) -> Response | None:
-        operation = headers.get("x-amz-target", "").rpartition(".")[2]
-        payload = json.loads(body or b"{}")
+    def answer(self, operation: str, payload: dict) -> Response | None:
+        """The injected failure answering this call, if a rule fails it (every call is recorded)."""
         self.calls.append((operation, payload))
-        for rule in self._rules:
-            if rule["code"] is not None and rule["operation"] == operation and rule["when"](payload):
-                rule["hits"].append(1)
-                if rule["times"] is None or len(rule["hits"]) <= rule["times"]:
-                    error = {"__type": f"com.amazonaws.dynamodb.v20120810#{rule['code']}", "message": "injected by the test"}
-                    if rule.get("reasons"):
-                        error["CancellationReasons"] = [{"Code": reason} for reason in rule["reasons"]]
-                    return Response.complete(400, json.dumps(error).encode())
-        return None
+        rule = self._firing("fail", operation, payload)
+        if rule is None:
+            return None
+        error = {"__type": f"com.amazonaws.dynamodb.v20120810#{rule['code']}", "message": "injected by the test"}
+        if rule.get("reasons"):
+            error["CancellationReasons"] = [{"Code": reason} for reason in rule["reasons"]]
+        return Response.complete(400, json.dumps(error).encode())
+
+    def delay(self, operation: str, payload: dict) -> float:
+        """How long this call waits before it is sent."""
+        rule = self._firing("slow", operation, payload)
+        return rule["delay"] if rule is not None else 0.0
+
+    def lost(self, operation: str, payload: dict) -> bool:
+        """Is the answer to this call, already applied, to be lost?"""
+        return self._firing("lose", operation, payload) is not None
 
 
 class FaultInjectingHttp(HttpClient):
@@ -167,14 +161,16 @@ class FaultInjectingHttp(HttpClient):
         self._faults = faults
 
     async def request(self, method: str, url: str, *, headers: dict[str, str], body: bytes, **options: Any) -> Response:
-        injected = self._faults.answer(headers, body)
+        operation = headers.get("x-amz-target", "").rpartition(".")[2]
+        payload = json.loads(body or b"{}")
+        injected = self._faults.answer(operation, payload)
         if injected is not None:
             return injected
-        delay = self._faults.delay(headers, body)
+        delay = self._faults.delay(operation, payload)
         if delay:
             await asyncio.sleep(delay)
         response = await super().request(method, url, headers=headers, body=body, **options)
-        if self._faults.lost(headers, body):
+        if self._faults.lost(operation, payload):
             await response.read()  # applied by DynamoDB; the answer never reaches the gateway
             raise ProtocolFailure("connection reset after the request was sent (injected by the test)")
         return response
