@@ -194,6 +194,8 @@ def test_malformed_key_ids_are_404(stack, bad):
         ({"spend_limit": -1}, "spend_limit", "invalid_value"),
         ({"spend_limit": "abc"}, "spend_limit", "invalid_value"),
         ({"spend_limit": "1e999999"}, "spend_limit", "invalid_value"),
+        ({"spend_limit": "1e1000000"}, "spend_limit", "invalid_value"),  # beyond any context's exponent
+        ({"spend_limit": "1E+999999999"}, "spend_limit", "invalid_value"),
         ({"spend_limit": True}, "spend_limit", "invalid_type"),
         ({"spend_limit": [1]}, "spend_limit", "invalid_type"),
         ({"spend_period": "year"}, "spend_period", "invalid_value"),

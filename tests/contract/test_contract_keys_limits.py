@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from decimal import Decimal
+from decimal import Context, Decimal
 
 import httpx
 import openai
@@ -80,6 +80,22 @@ def test_a_total_limit_says_it_does_not_reset_and_a_zero_limit_admits_nothing(st
     body = response.json()["error"]
     assert body["code"] == "key_spend_limit_exceeded" and "does not reset" in body["message"]
     assert _org_writes(stack) == writes + 1  # refused by the admission's one write
+    ledger.check()
+
+
+def test_the_refusal_names_the_limit_and_the_spend_to_their_last_digit(stack, org):
+    """38 significant digits are a limit DynamoDB keeps: the message rounds neither figure."""
+    org_id, _ = org
+    ledger = LedgerCheck(stack, org_id)
+    limit = "0.00000000000000000000000000000012345678901234567890123456789012345678"
+    key = stack.key(org_id, spend_limit=limit, spend_period="month")
+    assert ledger.saw(stack.post(CHAT, BODY, key)).status_code == 200  # admitted below the limit, settles above
+    (event,) = ledger.check()
+    refused = ledger.saw(stack.post(CHAT, BODY, key))
+    assert refused.status_code == 402, refused.text
+    message = refused.json()["error"]["message"]
+    assert f"its limit of ${limit}." in message
+    assert f"has spent ${event.cost.normalize(Context(prec=60)):f} this month" in message
     ledger.check()
 
 

@@ -7,8 +7,8 @@ from decimal import Decimal
 import pytest
 
 from kiln.settings import Settings
-from kiln.store import UsageEvent, bind
-from kiln.store.codec import from_item, to_item
+from kiln.store import UnstorableValue, UsageEvent, bind
+from kiln.store.codec import from_item, number, to_item, within_digits
 
 EVENTS = [
     UsageEvent(gen_id="gen-01", org_id="acme", created_at="2026-11-30T10:00:00.000Z", key_id="key_1", model="m",
@@ -33,3 +33,36 @@ def test_usage_items_encode_as_pynamodb_does(event):
 def test_usage_items_decode_back_to_the_same_event(event):
     assert UsageEvent.from_item(to_item(event)) == event
     assert from_item(to_item(event))["cost"] == event.cost
+
+
+@pytest.mark.parametrize("value", ["1E+999999999", "1e1000000", "-1E+1000000", "1E-1000000", "1E-999999999",
+                                   "123456789E+999999999"])
+def test_a_number_beyond_any_exponent_is_unstorable_not_an_arithmetic_error(value):
+    with pytest.raises(UnstorableValue):
+        number(Decimal(value))
+
+
+@pytest.mark.parametrize(("value", "stored"), [
+    ("1E+125", "1" + "0" * 125), ("1E-130", "0." + "0" * 129 + "1"), ("-2.50", "-2.5"), ("0E-999999999", "0"),
+    ("12345678901234567890123456789012345678", "12345678901234567890123456789012345678"),
+    ("1234567890123456789012345678901234567800000", "1234567890123456789012345678901234567800000"),
+])
+def test_a_number_dynamodb_takes_is_written_exactly(value, stored):
+    assert number(Decimal(value)) == stored
+
+
+@pytest.mark.parametrize("value", ["1234567890123456789012345678901234567891", "1E+126", "-1E+126", "9E-131", "-9E-131"])
+def test_a_number_of_too_many_digits_or_beyond_the_range_is_unstorable(value):
+    with pytest.raises(UnstorableValue):
+        number(Decimal(value))
+
+
+@pytest.mark.parametrize(("value", "rounded"), [
+    ("0.000000665", "0.000000665"),
+    ("1.234567890123456789012345678901234567891", "1.2345678901234567890123456789012345679"),
+    ("1E+999999999", "1E+999999999"),  # 1 digit: unchanged, whatever its exponent
+    ("1234567890123456789012345678901234567891E+999999999", "1.2345678901234567890123456789012345679E+1000000038"),
+    ("1234567890123456789012345678901234567891E-999999999", "1.2345678901234567890123456789012345679E-999999960"),
+])
+def test_within_digits_rounds_to_38_digits_at_any_exponent(value, rounded):
+    assert str(within_digits(Decimal(value))) == str(Decimal(rounded))

@@ -8,7 +8,7 @@ A test checks that both encode every usage event identically.
 from __future__ import annotations
 
 from dataclasses import fields
-from decimal import ROUND_HALF_EVEN, Context, Decimal
+from decimal import MAX_EMAX, MIN_EMIN, ROUND_HALF_EVEN, Context, Decimal
 from typing import Any
 
 from ..jsonio import decimal_text
@@ -19,14 +19,25 @@ __all__ = ["DIGITS", "decode", "encode", "from_item", "number", "to_item", "with
 # DynamoDB numbers: up to 38 significant digits, magnitudes from 1E-130 to below 1E+126.
 DIGITS = 38
 _SMALLEST, _LARGEST = Decimal("1E-130"), Decimal("1E+126")
-_WIDE = Context(prec=400, Emax=999999, Emin=-999999)  # normalizes any number exactly
+# Rounds to 38 digits at any exponent a Decimal can hold: no overflow, no underflow.
+_ROUNDED = Context(prec=DIGITS, rounding=ROUND_HALF_EVEN, Emax=MAX_EMAX, Emin=MIN_EMIN)
+
+
+def significant_digits(value: Decimal) -> int:
+    """How many significant digits a finite Decimal has (trailing zeros are not), worked out
+    from its digits alone: no arithmetic, so no context's exponent limits (1E+999999999 has 1)."""
+    digits = value.as_tuple().digits
+    kept = len(digits)
+    while kept > 1 and digits[kept - 1] == 0:
+        kept -= 1
+    return kept
 
 
 def within_digits(value: Decimal) -> Decimal:
     """`value` rounded (half even) to DynamoDB's 38 significant digits; unchanged when it fits."""
-    if not value.is_finite() or len(value.normalize(_WIDE).as_tuple().digits) <= DIGITS:
+    if not value.is_finite() or significant_digits(value) <= DIGITS:
         return value
-    return Context(prec=DIGITS, rounding=ROUND_HALF_EVEN).plus(value)
+    return _ROUNDED.plus(value)
 
 
 def number(value: int | Decimal) -> str:
@@ -35,9 +46,9 @@ def number(value: int | Decimal) -> str:
     if not exact.is_finite():
         raise UnstorableValue(f"{value!r} is not a finite number")
     if exact != 0:
-        if len(exact.normalize(_WIDE).as_tuple().digits) > DIGITS:
+        if significant_digits(exact) > DIGITS:
             raise UnstorableValue(f"{value!r} has more than {DIGITS} significant digits")
-        if not _SMALLEST <= abs(exact) < _LARGEST:
+        if not _SMALLEST <= exact.copy_abs() < _LARGEST:  # copy_abs: no context, no overflow
             raise UnstorableValue(f"{value!r} is outside DynamoDB's range of numbers")
     return decimal_text(exact)
 

@@ -52,6 +52,7 @@ from ..errors import (
     OrganizationDisabled,
     RateLimitExceeded,
 )
+from ..jsonio import decimal_text
 from .clock import iso_ms
 from .codec import number, to_item, within_digits
 from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
@@ -580,14 +581,14 @@ def _key_bookkeeping(charges: list[tuple[Lease, Decimal]], names: dict[str, str]
 
 
 def _spent_message(spent: Decimal, limits: KeyLimits, now: float) -> str:
-    limit = f"${limits.spend_limit.normalize():f}" if limits.spend_limit else "$0"
+    limit = f"${decimal_text(limits.spend_limit)}" if limits.spend_limit else "$0"
     resets = resets_at(limits.spend_period, now)
     if resets is None:
         when = "This limit does not reset: ask your organization to raise it."
     else:
         when = f"The limit resets at {resets.strftime('%Y-%m-%dT%H:%M:%SZ')}."
     period = "in total" if limits.spend_period == "total" else f"this {limits.spend_period}"
-    return f"This key has spent ${spent.normalize():f} {period}, its limit of {limit}. {when}"
+    return f"This key has spent ${decimal_text(spent)} {period}, its limit of {limit}. {when}"
 
 
 def ledger_of(aws: AwsClient, settings: Any, *, clock: Callable[[], float] = time.time) -> Ledger:
