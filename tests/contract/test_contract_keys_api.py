@@ -394,7 +394,7 @@ def test_a_new_spend_period_seeds_its_figure_and_removes_the_old_one(stack):
 
 
 def test_a_figure_that_exists_already_is_kept_as_it_is(stack):
-    """A figure there already is counting (requests settled into it): a seed never overwrites it."""
+    """A figure there already is counting (requests settled into it): a seed never lowers it."""
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "week"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
@@ -402,6 +402,44 @@ def test_a_figure_that_exists_already_is_kept_as_it_is(stack):
     set_figure(stack, org_id, week, "3")
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
     assert figures_of_key(stack, org_id, key["id"]) == {week: Decimal(3)}
+
+
+def test_a_figure_below_what_the_key_spent_is_raised_to_its_events(stack):
+    """A figure made again by a late settle after its limit was removed holds that request
+    alone: setting the limit again counts everything the key spent in the period."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "week"}).json()
+    for _ in range(2):
+        assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    spent = sum((event.cost for event in stack.events(org_id)), Decimal(0))
+    week = KeyLimits(None, Decimal(5), "week").figure(key["id"], time.time())
+    set_figure(stack, org_id, week, "0.0000001")
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5})
+    assert changed.status_code == 200, changed.text
+    assert figures_of_key(stack, org_id, key["id"]) == {week: spent}
+    assert Decimal(str(changed.json()["spend"])) == spent
+
+
+@pytest.mark.parametrize("found", [None, "0.0000001"], ids=["no figure", "a lower figure"])
+def test_a_seed_whose_figure_changed_meanwhile_reads_again(stack, found):
+    """A settle that lands between the seed's reads and its write fails the write's
+    condition: the seed reads again (the settle's event is in the new sum) and writes."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    day = KeyLimits(None, Decimal(5), "day").figure(key["id"], time.time())
+    if found is not None:
+        set_figure(stack, org_id, day, found)
+    seeds = stack.faults.fail("UpdateItem", code="ConditionalCheckFailedException", times=1,
+                              when=lambda payload: payload.get("UpdateExpression") == "SET #f = :spent")
+    try:
+        changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5})
+    finally:
+        stack.faults.clear()
+    assert changed.status_code == 200, changed.text
+    assert len(seeds) == 2  # the write refused, then the one after reading again
+    (event,) = stack.events(org_id)
+    assert figures_of_key(stack, org_id, key["id"]) == {day: event.cost}
 
 
 def test_changing_only_the_amount_leaves_the_figure_alone(stack):

@@ -157,6 +157,36 @@ def test_a_key_changed_and_revoked_mid_stream_still_settles_exactly(stack):
     assert_error(stack.post(CHAT, BODY, key["secret"]), 401, None, "invalid_api_key")
 
 
+@pytest.mark.parametrize("away", [{"spend_limit": None}, {"spend_period": "week"}],
+                         ids=["limit removed", "period changed"])
+def test_a_limit_taken_away_and_back_while_a_request_runs_counts_all_the_keys_spend(stack, away):
+    """The request in flight settles into the figure its lease names after that figure was
+    removed, making it again with its own cost alone; the limit set back must still count
+    everything the key spent in the period (contract §10), not that one request."""
+    org_id, admin = management_org(stack)
+    limits = {"spend_limit": "5", "spend_period": "day"}
+    key = call(stack, "POST", "/v1/keys", admin, limits).json()
+    ledger = LedgerCheck(stack, org_id)
+    for _ in range(3):
+        assert ledger.saw(stack.post(CHAT, BODY, key["secret"])).status_code == 200
+    slow = {**BODY, "stream": True, "mock": {"tokens": 6, "token_delay_ms": 100}}
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(stack.post(CHAT, slow, key["secret"])))
+    thread.start()
+    stack.mock.wait_for(lambda stats: stats["in_flight"] >= 1)
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, away).status_code == 200
+    thread.join()
+    assert ledger.saw(answers[0]).status_code == 200
+    back = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, limits)
+    assert back.status_code == 200, back.text
+    events = ledger.check()  # and every figure on the org item is what its events add up to
+    spent = sum((event.cost for event in events), Decimal(0))
+    assert Decimal(str(back.json()["spend"])) == spent
+    day = KeyLimits(None, Decimal(5), "day").figure(key["id"], time.time())
+    assert {name: value for name, value in stack.key_figures(org_id).items() if name.startswith("key_spend:")} == {
+        day: spent}
+
+
 def test_a_management_key_that_revokes_itself_is_refused_at_once(stack_factory):
     stack = stack_factory(auth_cache_seconds=60)  # lookups cached, as deployed
     org_id, admin = management_org(stack)

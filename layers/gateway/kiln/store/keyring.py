@@ -34,7 +34,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from ..usage_report import KeySpend
 from .clock import iso_ms
 from .codec import number
-from .errors import AlreadyRevoked, ConditionFailed, RecordNotFound, UnstorableValue, condition_failure
+from .errors import AlreadyRevoked, ConditionFailed, RecordNotFound, StorageError, UnstorableValue, condition_failure
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
 from .keyspend import PERIODS, KeyLimits, figures_of, period_start, resets_at, spend_in
 from .schema import KEY, ORG
@@ -413,17 +413,33 @@ class Keyring:
                                     "after": why, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
 
     async def _seed(self, key: KeyInfo, now: float) -> str | None:
-        """The figure the key (as it will be) counts in at `now`, made if it is not there with
-        what the key has spent in that period so far, from its usage events. A figure that
-        exists is counting already and is left as it is. Its name (None: no limit)."""
+        """The figure the key (as it will be) counts in at `now`, brought up to what the key has
+        spent in that period so far, from its usage events. Its name (None: no limit).
+
+        A figure found there already holds at most that much: settles ADD their costs to it
+        together with writing their events, seeds set it from the events. It can hold less:
+        a request admitted under an earlier limit settles into the figure its lease names
+        after key management removed that figure, and makes it again with its own cost
+        alone. So a seed raises the figure to the events' sum and never lowers it, on the
+        condition that it is still what was read: a settle that lands meanwhile has its
+        event in the next sum, and the seed reads again."""
         figure = _limits(key).figure(key.key_id, now)
         if figure is None:
             return None
-        spent = (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
-        if spent:
-            await self._org_write(key.org_id, "SET #f = :spent", {"#f": figure}, {":spent": {"N": number(spent)}},
-                                  "attribute_not_exists(#f)")
-        return figure
+        for _ in range(_CONFLICT_ATTEMPTS):
+            found = (await self.org(key.org_id)).item.get(figure, {}).get("N")
+            spent = (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
+            counted = Decimal(found) if found is not None else Decimal(0)
+            if spent <= counted:
+                return figure  # counting already (or nothing spent: the first settle makes it)
+            values = {":spent": {"N": number(spent)}}
+            if found is None:
+                condition = "attribute_not_exists(#f)"
+            else:
+                condition, values[":found"] = "#f = :found", {"N": found}
+            if await self._org_write(key.org_id, "SET #f = :spent", {"#f": figure}, values, condition):
+                return figure
+        raise StorageError(f"the spend figure {figure} kept changing while it was seeded", "SeedRaced")
 
     # -- writing ---------------------------------------------------------------------------
 
