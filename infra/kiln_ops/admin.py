@@ -272,7 +272,12 @@ def _describe(exc: BaseException) -> str:
             return "no AWS credentials: configure them (or evaluate kiln dev's exports)"
         if name in ("EndpointConnectionError", "ConnectionRefusedError", "ConnectTimeoutError"):
             return f"cannot reach AWS: {cause}"
-    return str(translate_storage_error(exc))
+    translated = str(translate_storage_error(exc))
+    for cause in _causes(exc):  # a refusal says why: DynamoDB's message, as botocore has it
+        message = (getattr(cause, "response", None) or {}).get("Error", {}).get("Message")
+        if isinstance(message, str) and message and message not in translated:
+            return f"{translated}: {message[:300]}"
+    return translated
 
 
 def _causes(exc: BaseException | None):

@@ -41,4 +41,13 @@ def usd(text: str) -> Decimal:
         value = None
     if value is None or not value.is_finite():
         raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}")
+    from kiln.store import UnstorableValue
+    from kiln.store.codec import number
+
+    try:
+        number(value)
+    except UnstorableValue:
+        raise argparse.ArgumentTypeError(
+            f"not an amount DynamoDB can store: {text!r} (up to 38 significant digits, "
+            "a magnitude from 1e-130 to below 1e126)") from None
     return value

@@ -9,9 +9,12 @@ Three things are changed from plain moto, each because the gateway depends on it
    touches as its rollback backup, so a settle grew from 12 ms to over a second as the
    usage table filled. Here a transaction checks every condition first, then applies the
    writes, backing up only the items it writes.
-3. **Exact numbers.** Arithmetic in update expressions is done in Decimal whatever the
-   spelling of the operands (moto reads `1E-7` as an integer and fails), and results are
-   written without exponents, as DynamoDB returns them.
+3. **Exact numbers, DynamoDB's only.** Arithmetic in update expressions is done in Decimal
+   whatever the spelling of the operands (moto reads `1E-7` as an integer and fails), and
+   results are written without exponents, as DynamoDB returns them. A number DynamoDB cannot
+   hold (more than 38 significant digits, a magnitude from 1E+126 up or below 1E-130),
+   anywhere in a request or as the result of its arithmetic, is refused with DynamoDB's
+   ValidationException; moto checks only an item's, through a float, and stores the rest.
 4. **Idempotent transactions.** A `TransactWriteItems` with a `ClientRequestToken` seen in
    the last 10 minutes is answered as the first one was and not applied again (the same
    parameters), refused with `IdempotentParameterMismatchException` (others), or with
@@ -37,8 +40,10 @@ import random
 import threading
 import time
 from dataclasses import dataclass, fields
-from decimal import Decimal, localcontext
+from decimal import Decimal, InvalidOperation, localcontext
 from typing import Any
+
+from kiln.store.codec import significant_digits
 
 from .serve import read_body
 
@@ -59,6 +64,31 @@ def _number_text(value: Decimal) -> str:
     return format(value.normalize(), "f")
 
 
+_SMALLEST, _LARGEST = Decimal("1E-130"), Decimal("1E+126")
+
+
+def _refuse_unholdable(text: Any) -> None:
+    """DynamoDB's ValidationException for a number it cannot hold (others are left to moto)."""
+    from moto.dynamodb.exceptions import MockValidationException
+
+    if not isinstance(text, str):
+        return
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        return  # not a number: moto has its own answer
+    if not value.is_finite() or value.is_zero():
+        return
+    if significant_digits(value) > 38:
+        raise MockValidationException("Attempting to store more than 38 significant digits in a Number")
+    if value.copy_abs() >= _LARGEST:
+        raise MockValidationException(
+            "Number overflow. Attempting to store a number with magnitude larger than supported range")
+    if value.copy_abs() < _SMALLEST:
+        raise MockValidationException(
+            "Number underflow. Attempting to store a number with magnitude smaller than supported range")
+
+
 def patch_moto() -> None:
     """Apply changes 2 and 3 to moto's DynamoDB backend (idempotent)."""
     global _patched
@@ -66,6 +96,16 @@ def patch_moto() -> None:
         return
     from moto.dynamodb.models import DynamoDBBackend
     from moto.dynamodb.models.dynamo_type import DDBType, DynamoType
+    from moto.dynamodb.models.table import Table
+
+    def validate_number_type(self: Table, value: Any) -> None:
+        _refuse_unholdable(value)  # before moto's own check, which reads 1e1000000 as a float: inf
+        _original_validate(self, value)
+
+    def init(self: DynamoType, type_as_dict: Any) -> None:
+        _original_init(self, type_as_dict)
+        if self.type == DDBType.NUMBER:  # every number of a request, and every result of its arithmetic
+            _refuse_unholdable(self.value)
 
     def add(self: DynamoType, other: DynamoType) -> DynamoType:
         if self.type != other.type or self.type != DDBType.NUMBER:
@@ -81,7 +121,10 @@ def patch_moto() -> None:
             context.prec = 38
             return DynamoType({DDBType.NUMBER: _number_text(_number(self.value) - _number(other.value))})
 
-    _original_add, _original_sub = DynamoType.__add__, DynamoType.__sub__
+    _original_add, _original_sub, _original_init = DynamoType.__add__, DynamoType.__sub__, DynamoType.__init__
+    _original_validate = Table._validate_number_type
+    Table._validate_number_type = validate_number_type  # type: ignore[method-assign]
+    DynamoType.__init__ = init  # type: ignore[method-assign]
     DynamoType.__add__ = add  # type: ignore[method-assign]
     DynamoType.__sub__ = sub  # type: ignore[method-assign]
     DynamoDBBackend.transact_write_items = _transact_write_items  # type: ignore[method-assign]

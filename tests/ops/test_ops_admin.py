@@ -647,12 +647,18 @@ def test_adding_zero_credits_is_rejected(admin, stack):
         (("credits", "add", "{org}", "Infinity"), "not an amount of USD: 'Infinity'"),
         (("credits", "add", "{org}", "$5"), "not an amount of USD: '$5'"),
         (("orgs", "create", "{new}", "--credits", "lots"), "not an amount of USD: 'lots'"),
+        (("credits", "add", "{org}", "1e200"), "not an amount DynamoDB can store: '1e200'"),
+        (("credits", "add", "{org}", "1e1000000"), "not an amount DynamoDB can store: '1e1000000'"),
+        (("credits", "add", "{org}", "1e-1000000"), "not an amount DynamoDB can store: '1e-1000000'"),
+        (("credits", "add", "{org}", "0." + "1" * 39), "not an amount DynamoDB can store: '0.1111"),
+        (("orgs", "create", "{new}", "--credits", "1E+999999999"), "not an amount DynamoDB can store: '1E+999999999'"),
         (("orgs", "create", "{new}", "--concurrency", "0"), "must be at least 1"),
         (("orgs", "create", "{new}", "--concurrency", "two"), "not a whole number: 'two'"),
         (("orgs", "set-limit", "{org}", "0"), "must be at least 1"),
         (("orgs", "set-limit", "{org}", "-3"), "must be at least 1"),
     ],
-    ids=["usd-word", "usd-nan", "usd-inf", "usd-dollar", "create-credits", "create-zero-limit", "create-word-limit",
+    ids=["usd-word", "usd-nan", "usd-inf", "usd-dollar", "create-credits", "usd-too-large", "usd-beyond-any-exponent",
+         "usd-too-small", "usd-39-digits", "create-credits-beyond", "create-zero-limit", "create-word-limit",
          "limit-zero", "limit-negative"],
 )
 def test_bad_arguments_exit_2_with_the_reason(admin, stack, argv, reason):
@@ -666,6 +672,14 @@ def test_bad_arguments_exit_2_with_the_reason(admin, stack, argv, reason):
     assert (info.credits, info.concurrency_limit) == (Decimal("1"), 3)
     with pytest.raises(RecordNotFound):
         stack.org_info(fresh)
+
+
+def test_a_top_up_whose_balance_dynamodb_cannot_hold_fails_with_dynamodbs_reason(admin, stack):
+    org_id = new_org_id()
+    largest = "9." + "9" * 37 + "E+125"
+    assert admin("orgs", "create", org_id, "--credits", largest).code == 0
+    assert_fails(admin("credits", "add", org_id, "1E+125"), "Number overflow")
+    assert stack.org_info(org_id).credits == Decimal(largest)
 
 
 def _run_elsewhere(capsys, settings, *argv: str) -> Result:

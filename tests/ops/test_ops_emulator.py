@@ -117,6 +117,63 @@ def test_arithmetic_is_exact_whatever_the_spelling(stack):
     assert stack.org_info(org_id).credits == Decimal("0.00000009") - 200 * Decimal("0.000000665")
 
 
+# DynamoDB's numbers: 38 significant digits, magnitudes 1E-130 to 9.99…E+125; anything else,
+# anywhere in a request or as the result of its arithmetic, is a ValidationException.
+_LARGEST = "9." + "9" * 37 + "E+125"
+_REFUSED = {
+    "1E+126": "Number overflow", "-1E+126": "Number overflow", "1e200": "Number overflow",
+    "1e1000000": "Number overflow", "1E+999999999": "Number overflow",
+    "9E-131": "Number underflow", "1e-1000000": "Number underflow",
+    "1" * 39: "more than 38 significant digits", "0." + "1" * 39: "more than 38 significant digits",
+}
+
+
+def _validation_error(call) -> str:
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError) as refused:
+        call()
+    assert refused.value.response["Error"]["Code"] == "ValidationException", refused.value.response
+    return refused.value.response["Error"]["Message"]
+
+
+@pytest.mark.parametrize("value", list(_REFUSED))
+def test_a_number_dynamodb_refuses_is_refused_in_an_item_and_in_an_update(stack, value):
+    org_id, _ = stack.org(credits="1")
+    client, table = stack.tables.client, stack.settings.orgs_table
+    put = _validation_error(lambda: client.put_item(
+        TableName=table, Item={"org_id": {"S": f"n-{secrets.token_hex(4)}"}, "credits": {"N": value}}))
+    assert _REFUSED[value] in put
+    for update in ("SET credits = :v", "SET credits = credits + :v", "ADD credits :v"):
+        message = _validation_error(lambda update=update: client.update_item(
+            TableName=table, Key={"org_id": {"S": org_id}}, UpdateExpression=update,
+            ExpressionAttributeValues={":v": {"N": value}}))
+        assert _REFUSED[value] in message, (update, message)
+    assert stack.org_info(org_id).credits == Decimal(1)  # nothing was written
+
+
+def test_arithmetic_whose_result_dynamodb_cannot_hold_is_refused(stack):
+    org_id, _ = stack.org(credits="1")
+    client, table = stack.tables.client, stack.settings.orgs_table
+    key = {"org_id": {"S": org_id}}
+    client.update_item(TableName=table, Key=key, UpdateExpression="SET credits = :v",
+                       ExpressionAttributeValues={":v": {"N": _LARGEST}})
+    for update in ("SET credits = credits + :one", "ADD credits :one"):
+        message = _validation_error(lambda update=update: client.update_item(
+            TableName=table, Key=key, UpdateExpression=update, ExpressionAttributeValues={":one": {"N": "1E+125"}}))
+        assert "Number overflow" in message
+    assert stack.org_info(org_id).credits == Decimal(_LARGEST)
+
+
+@pytest.mark.parametrize("value", [_LARGEST, "-" + _LARGEST, "1E-130", "-1E-130", "1" * 38, "0", "0E-999999999"])
+def test_the_numbers_at_dynamodbs_limits_are_stored_exactly(stack, value):
+    org_id = f"n-{secrets.token_hex(4)}"
+    client, table = stack.tables.client, stack.settings.orgs_table
+    client.put_item(TableName=table, Item={"org_id": {"S": org_id}, "credits": {"N": value}})
+    stored = client.get_item(TableName=table, Key={"org_id": {"S": org_id}})["Item"]["credits"]["N"]
+    assert Decimal(stored) == Decimal(value)
+
+
 def test_a_cancelled_transaction_writes_nothing(stack):
     org_id, _ = stack.org(credits="1")
     client = stack.tables.client
