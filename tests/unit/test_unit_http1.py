@@ -423,3 +423,59 @@ def test_a_whole_body_followed_by_bytes_that_are_not_http_is_read_whole_and_not_
         await http.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "in one write"])
+@pytest.mark.parametrize("interim", [
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n",
+], ids=["100", "103", "100 then 102"])
+def test_interim_answers_are_skipped_and_each_request_gets_its_own_final_answer(interim, together):
+    """A 1xx is not the answer (RFC 9110 §15.2): the final one follows on the same connection.
+    Taken for the answer, its request would end early and the next request on the kept-alive
+    connection would read the answer meant for this one."""
+    async def handler(reader, writer):
+        while True:
+            body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
+            final = b"HTTP/1.1 200 OK\r\nX-Final: yes\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            if together:
+                writer.write(interim + final)
+            else:
+                writer.write(interim)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(final)
+            await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, connections):
+            answers = []
+            for body in (b"first", b"second", b"third"):
+                response = await http.request("POST", url, headers={}, body=body, read_timeout=2)
+                answers.append((response.status, response.header("x-final"), response.header("link"),
+                                await response.read()))
+            assert answers == [(200, "yes", None, b"first"), (200, "yes", None, b"second"), (200, "yes", None, b"third")]
+            assert len(connections) == 1  # kept alive throughout
+        await http.aclose()
+
+    run(main())
+
+
+def test_interim_answers_without_end_are_bounded_like_headers():
+    """A server that sends 1xx after 1xx never answers: the headers' byte bound stops it."""
+    async def handler(reader, writer):
+        await read_request(reader)
+        for _ in range(5000):
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            with pytest.raises(ResponseTooLarge):
+                await http.request("POST", url, headers={}, body=b"x", read_timeout=2, max_header_bytes=4096)
+        await http.aclose()
+
+    run(main())

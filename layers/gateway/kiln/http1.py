@@ -108,7 +108,8 @@ class _Connection:
 class _Message:
     """httptools' callbacks for one response."""
 
-    __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser", "max_headers")
+    __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser", "max_headers",
+                 "interim")
 
     def __init__(
         self,
@@ -126,12 +127,21 @@ class _Message:
         self.keep_alive = False
         self.parser: object = None
         self.max_headers = MAX_HEADERS
+        self.interim = False  # parsing a 1xx answer, which the final one follows
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(self.headers) <= self.max_headers:  # one more than allowed is kept: the caller sees it and refuses
             self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (100 Continue, 103 Early Hints…) is not the answer: its
+            # headers are dropped and the parser goes on to the final one, which follows on
+            # the same connection (RFC 9110 §15.2). Its bytes count in the headers' bound.
+            self.interim = True
+            self.headers.clear()
+            return
         self.headers_complete = True
         # asked now: once the message is complete the parser has reset its flags
         self.keep_alive = self.parser.should_keep_alive()
@@ -140,6 +150,9 @@ class _Message:
         self.pending.append(bytes(body))
 
     def on_message_complete(self) -> None:
+        if self.interim:  # the end of a 1xx, not of the answer
+            self.interim = False
+            return
         self.complete = True
 
 
