@@ -49,6 +49,19 @@ def test_other_upstream_4xx_keep_their_status(stack, org, status):
     assert_settled(stack, org_id, "upstream_rejected", status)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("message", ['{"error":' + "[" * 5000, "[" * 5000, '{"error":{"message":' + "{" * 3000],
+                         ids=["nested error", "nested array", "nested message"])
+def test_an_upstream_4xx_nested_past_any_parser_is_still_passed_on(stack, org, stream, message):
+    """A body nested thousands deep is no error shape: its text is the message, never a 500."""
+    org_id, key = org
+    response = stack.post(CHAT, chat(stream=stream, mock={"status": 400, "plain_text": True, "message": message}), key)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] == message[:2000]
+    assert_settled(stack, org_id, "upstream_rejected", 400)
+
+
 @pytest.mark.parametrize("fault", [{"status": 500}, {"status": 503}, {"status": 500, "plain_text": True}])
 @pytest.mark.parametrize("stream", [False, True])
 def test_upstream_5xx_with_no_other_backend_is_502_plain_text(stack, org, fault, stream):

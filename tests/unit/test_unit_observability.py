@@ -82,6 +82,8 @@ def test_a_request_without_or_with_broken_headers_has_no_ids_and_is_served():
     scope = _web_adapter_scope()
     scope["headers"] = [(b"x-amzn-lambda-context", b"{not json"), (b"x-amzn-request-context", b"[1]")]
     assert observability.request_ids(scope) == {}
+    scope["headers"] = [(b"x-amzn-lambda-context", b"[" * 5000), (b"x-amzn-request-context", b'{"a":' * 3000)]
+    assert observability.request_ids(scope) == {}  # nested past any parser: no ids, not a 500
 
 
 def _serve(middleware, scope):

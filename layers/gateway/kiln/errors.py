@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .jsonio import compact
+from .jsonio import compact, loads_strict
 
 __all__ = [
     "GatewayError",
@@ -266,7 +266,8 @@ class InternalError(GatewayError):
 def _describe_upstream_error(raw: bytes) -> tuple[str, str | None, str | None]:
     text = raw.decode("utf-8", errors="replace").strip()
     try:
-        payload: Any = json.loads(text)
+        # strict: a body nested past any parser's depth raises ValueError too, not RecursionError
+        payload: Any = loads_strict(text.encode(), lone_surrogates=True)
     except ValueError:
         return text[:2000], None, None
     if isinstance(payload, dict):

@@ -21,6 +21,7 @@ import time
 from contextvars import ContextVar
 from typing import Any, TextIO
 
+from .jsonio import loads_strict
 from .store.usage import UsageEvent
 from .telemetry import telemetry_settings
 
@@ -53,7 +54,7 @@ def request_ids(scope: dict) -> dict[str, str]:
 
 def _json_field(raw: bytes, name: str) -> Any:
     try:
-        document = json.loads(raw)
+        document = loads_strict(raw)  # ValueError for anything malformed, nesting too deep included
     except ValueError:
         return None
     return document.get(name) if isinstance(document, dict) else None
