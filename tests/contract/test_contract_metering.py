@@ -154,3 +154,61 @@ def test_generation_ids_are_unique_under_concurrency(stack):
         thread.join()
     assert len(set(seen)) == 16
     assert {e.gen_id for e in stack.events(org_id)} == set(seen)
+
+
+def _completion_answer(prompts: int, per_choice: int, prompt_tokens: int) -> str:
+    return json.dumps({
+        "id": "cmpl-batch", "object": "text_completion", "created": 1700000000, "model": "gpt-oss-120b",
+        "choices": [{"index": index, "text": " w" * per_choice, "finish_reason": "length"} for index in range(prompts)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": prompts * per_choice,
+                  "total_tokens": prompt_tokens + prompts * per_choice},
+    })
+
+
+def test_a_batch_of_prompts_is_billed_for_every_prompt_and_its_choices(stack, org):
+    """/v1/completions takes a list of prompts; the usage of all of them is what the model
+    can have produced, and is believed (contract §4)."""
+    org_id, key = org
+    body = {"model": "gpt-oss-120b", "prompt": ["hello there"] * 20, "max_tokens": 10,
+            "mock": {"raw_body": _completion_answer(20, 10, 40)}}
+    usage = json.loads(stack.post(COMPLETIONS, body, key).text, parse_float=Decimal)["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (40, 200)
+    (event,) = stack.events(org_id)
+    assert (event.prompt_tokens, event.completion_tokens, event.usage_source) == (40, 200, "upstream")
+    assert event.cost == (40 * Decimal("0.035") + 200 * Decimal("0.07")) / 1_000_000
+
+
+def test_a_batch_still_caps_what_no_prompt_of_it_can_have_produced(stack, org):
+    org_id, key = org
+    body = {"model": "gpt-oss-120b", "prompt": ["a", "b"], "max_tokens": 10,
+            "mock": {"raw_body": _completion_answer(2, 11, 2)}}  # 11 per prompt: above max_tokens
+    assert stack.post(COMPLETIONS, body, key).status_code == 200
+    (event,) = stack.events(org_id)
+    assert event.usage_source == "capped" and event.completion_tokens <= 20
+
+
+def test_a_limit_of_another_endpoint_caps_nothing(stack, org):
+    """max_output_tokens is the Responses API's, max_completion_tokens chat's: a server of
+    another endpoint ignores them, so they bound nothing of its usage."""
+    org_id, key = org
+    chat = {**PAGE_CHAT, "max_output_tokens": 1, "mock": {"tokens": 6}}
+    completion = {**PAGE_COMPLETION, "max_tokens": 7, "max_completion_tokens": 1, "max_output_tokens": 1}
+    assert json.loads(stack.post(CHAT, chat, key).text)["usage"]["completion_tokens"] == 6
+    assert json.loads(stack.post(COMPLETIONS, completion, key).text)["usage"]["completion_tokens"] == 7
+    events = sorted(stack.events(org_id), key=lambda event: event.endpoint)
+    assert [(e.endpoint, e.completion_tokens, e.usage_source) for e in events] == [
+        ("chat.completions", 6, "upstream"), ("completions", 7, "upstream")]
+
+
+def test_either_chat_limit_may_be_the_one_the_server_honours(stack, org):
+    """vLLM lets max_completion_tokens win over max_tokens, others the reverse: a reply up to
+    the larger of the two is one the model can have produced."""
+    org_id, key = org
+    body = {**PAGE_CHAT, "max_tokens": 1, "max_completion_tokens": 4000, "mock": {"tokens": 9}}
+    body["mock"]["raw_body"] = json.dumps({
+        "id": "chatcmpl-l", "object": "chat.completion", "created": 1700000000, "model": "gpt-oss-120b",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "w " * 9}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18}})
+    assert json.loads(stack.post(CHAT, body, key).text)["usage"]["completion_tokens"] == 9
+    (event,) = stack.events(org_id)
+    assert (event.completion_tokens, event.usage_source) == (9, "upstream")

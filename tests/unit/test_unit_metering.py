@@ -134,15 +134,41 @@ def test_a_completion_request_is_estimated_from_its_prompt_whatever_else_it_hold
     assert estimate_prompt_tokens(body, chat=False) == 10
 
 
-def test_bounds_take_the_smallest_token_limit_and_every_choice():
-    assert UsageBounds.of_request({}, 4096) == UsageBounds(4096, 4096)
-    assert UsageBounds.of_request({"max_tokens": 16}, 4096) == UsageBounds(4096, 16)
-    assert UsageBounds.of_request({"max_tokens": 99999}, 4096) == UsageBounds(4096, 4096)
-    assert UsageBounds.of_request({"max_tokens": 64, "max_completion_tokens": 32}, 4096).completion == 32
-    assert UsageBounds.of_request({"max_output_tokens": 8, "n": 3}, 4096).completion == 24
+CHAT_LIMITS = ("max_tokens", "max_completion_tokens")
+
+
+def test_bounds_take_the_endpoints_token_limit_and_every_choice():
+    assert UsageBounds.of_request({}, 4096, limits=CHAT_LIMITS) == UsageBounds(4096, 4096)
+    assert UsageBounds.of_request({"max_tokens": 16}, 4096, limits=CHAT_LIMITS) == UsageBounds(4096, 16)
+    assert UsageBounds.of_request({"max_tokens": 99999}, 4096, limits=CHAT_LIMITS) == UsageBounds(4096, 4096)
+    assert UsageBounds.of_request({"max_output_tokens": 8, "n": 3}, 4096, limits=("max_output_tokens",)).completion == 24
     # types a client may send that bound nothing
-    assert UsageBounds.of_request({"max_tokens": "16", "n": True}, 4096).completion == 4096
-    assert UsageBounds.of_request({"n": 10**9}, 10).completion == 10 * 128
+    assert UsageBounds.of_request({"max_tokens": "16", "n": True}, 4096, limits=CHAT_LIMITS).completion == 4096
+    assert UsageBounds.of_request({"n": 10**9}, 10, limits=CHAT_LIMITS).completion == 10 * 128
+
+
+def test_of_two_limits_a_server_may_honour_the_larger_bounds():
+    both = {"max_tokens": 64, "max_completion_tokens": 32}
+    assert UsageBounds.of_request(both, 4096, limits=CHAT_LIMITS).completion == 64
+    assert UsageBounds.of_request({**both, "max_completion_tokens": 4000}, 4096, limits=CHAT_LIMITS).completion == 4000
+
+
+def test_a_limit_the_endpoint_does_not_have_bounds_nothing():
+    body = {"max_output_tokens": 1, "max_completion_tokens": 1}
+    assert UsageBounds.of_request(body, 4096, limits=("max_tokens",)).completion == 4096
+
+
+def test_every_prompt_of_a_batch_has_its_context_and_its_choices():
+    bounds = UsageBounds.of_request({"max_tokens": 10, "n": 2}, 4096, limits=("max_tokens",), prompts=20)
+    assert bounds == UsageBounds(prompt=4096 * 20, completion=10 * 2 * 20)
+
+
+@pytest.mark.parametrize(("prompt", "count"), [
+    ("one", 1), (["a", "b", "c"], 3), ([1, 2, 3], 1), ([[1, 2], [3]], 2), ([], 1), (None, 1), (["a", 1], 1)])
+def test_a_completion_counts_its_prompts(prompt, count):
+    from kiln.apis.completions import API
+
+    assert API.prompts({"prompt": prompt}) == count
 
 
 BOUNDS = UsageBounds(prompt=100, completion=16)

@@ -55,8 +55,9 @@ def test_what_was_wrong_with_a_reported_usage_is_said_in_words(reported, problem
 
 
 def test_one_choice_is_one_choice():
-    assert UsageBounds.of_request({"n": 1, "max_tokens": 10}, 4096) == UsageBounds(prompt=4096, completion=10)
-    assert UsageBounds.of_request({"n": 0, "max_tokens": 10}, 4096) == UsageBounds(prompt=4096, completion=10)
+    limits = ("max_tokens",)
+    assert UsageBounds.of_request({"n": 1, "max_tokens": 10}, 4096, limits=limits) == UsageBounds(4096, 10)
+    assert UsageBounds.of_request({"n": 0, "max_tokens": 10}, 4096, limits=limits) == UsageBounds(4096, 10)
 
 
 def test_chat_messages_that_are_no_array_count_as_one_message():

@@ -54,7 +54,8 @@ class Exchange:
         self.started = time.monotonic()
         self.ttfb_ms: int | None = None
         self.upstream_name: str | None = None
-        self.bounds = UsageBounds.of_request(call.body, call.model.context_length)
+        self.bounds = UsageBounds.of_request(call.body, call.model.context_length, limits=call.api.token_limits,
+                                             prompts=call.api.prompts(call.body))
         self._prompt_estimate: int | None = None
         self._upstream: UpstreamExchange | None = None
         self._relay_state: SseRelay | None = None

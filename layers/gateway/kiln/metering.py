@@ -31,8 +31,6 @@ _EXACT = Context(prec=120)
 _STORED = Context(prec=38)
 # `n` beyond this is no request a model server serves; it bounds the completion tokens.
 MAX_CHOICES = 128
-# the request fields that cap a reply's tokens, per endpoint's naming
-_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 # A rough but stable rule for text we cannot tokenize: ~4 characters per token.
 CHARS_PER_TOKEN = 4
@@ -83,22 +81,26 @@ def _count(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class UsageBounds:
-    """The most a request can have used: its prompt within the model's context, its reply
-    within its own token limit (per choice) and the context, for each of its `n` choices."""
+    """The most a request can have used: each of its prompts within the model's context, its
+    reply within its own token limit (per choice) and the context, for each of its `n`
+    choices of each prompt."""
 
     prompt: int
     completion: int
 
     @classmethod
-    def of_request(cls, body: dict[str, Any], context_length: int) -> "UsageBounds":
-        per_choice = context_length
-        for name in _TOKEN_LIMITS:
-            limit = body.get(name)
-            if _count(limit):
-                per_choice = min(per_choice, limit)
+    def of_request(cls, body: dict[str, Any], context_length: int, *, limits: tuple[str, ...],
+                   prompts: int = 1) -> "UsageBounds":
+        """`limits`: the fields that cap a reply's tokens on the endpoint's model servers (a
+        field of another endpoint, which they ignore, caps nothing); where a server may
+        honour either of two, the larger is the bound. `prompts`: how many the request
+        carries (a batch of completions), each answered with its `n` choices."""
+        given = [body[name] for name in limits if _count(body.get(name))]
+        per_choice = min(context_length, max(given)) if given else context_length
         n = body.get("n")
         choices = min(n, MAX_CHOICES) if _count(n) and n >= 1 else 1
-        return cls(prompt=context_length, completion=per_choice * choices)
+        prompts = max(prompts, 1)
+        return cls(prompt=context_length * prompts, completion=per_choice * choices * prompts)
 
 
 def billable_usage(

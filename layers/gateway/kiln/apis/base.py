@@ -35,6 +35,8 @@ class ModelApi:
     upstream_path: str = ""  # appended to a backend's base URL
     # the message of the stream's error when the upstream's body ends before its last event
     unfinished = "the stream ended before [DONE]"
+    # the request fields its model servers honour to cap a reply's tokens (contract §4)
+    token_limits: tuple[str, ...] = ()
 
     # -- validation (contract §2 step 4) ---------------------------------------------------
 
@@ -56,6 +58,10 @@ class ModelApi:
     def reported_usage(self, usage: Any) -> Any:
         """The upstream's usage object in the chat names (prompt_tokens, …); anything else as is."""
         return usage
+
+    def prompts(self, body: dict[str, Any]) -> int:
+        """How many prompts the request carries, each answered on its own (a batch)."""
+        return 1
 
     def estimate_prompt(self, body: dict[str, Any]) -> int:
         raise NotImplementedError

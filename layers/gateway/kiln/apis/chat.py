@@ -16,6 +16,8 @@ class ChatApi(ChatStyleApi):
     name = "chat.completions"
     openapi_body = staticmethod(schemas.chat_body)
     upstream_path = "/chat/completions"
+    # vLLM takes max_completion_tokens over max_tokens, other servers the reverse
+    token_limits = ("max_tokens", "max_completion_tokens")
 
     def check_before_model(self, body: dict[str, Any]) -> None:
         messages = body.get("messages")

@@ -15,6 +15,15 @@ class CompletionsApi(ChatStyleApi):
     name = "completions"
     openapi_body = staticmethod(schemas.completion_body)
     upstream_path = "/completions"
+    token_limits = ("max_tokens",)
+
+    def prompts(self, body: dict[str, Any]) -> int:
+        """A list of strings, or of token-id lists, is a batch; a string or one list of token
+        ids is one prompt."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+            return len(prompt)
+        return 1
 
     def estimate_prompt(self, body: dict[str, Any]) -> int:
         return estimate_prompt_tokens(body, chat=False)

@@ -32,6 +32,7 @@ class ResponsesApi(ModelApi):
     name = "responses"
     openapi_body = staticmethod(schemas.responses_body)
     upstream_path = "/responses"
+    token_limits = ("max_output_tokens",)
     unfinished = "the stream ended before its final event"
 
     def check(self, body: dict[str, Any], model: Any) -> None:
