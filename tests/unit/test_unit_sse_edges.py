@@ -198,3 +198,21 @@ def test_a_usage_chunk_split_over_data_lines_is_read_whole(first_line):
     out, relay = relay_all([HELLO + usage + DONE], wants_usage=True)
     assert out == HELLO
     assert relay.usage == TokenUsage(5, 7) and relay.usage_chunk["id"] == "c1"
+
+
+UNREADABLE_USAGE = [
+    b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":300,"completion_tokens":300},"x":'
+    + b"[" * 250 + b"]" * 250 + b"}\n\n",  # nested past the strict parser's depth
+    b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1e999}}\n\n',  # overflows
+    b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":NaN}}\n\n',
+]
+
+
+@pytest.mark.parametrize("event", UNREADABLE_USAGE, ids=["too deep", "1e999", "NaN"])
+def test_a_usage_event_the_relay_cannot_read_never_reaches_a_client_that_did_not_ask(event):
+    """Not readable, its usage cannot be taken out: it is not relayed (the usage billed is
+    the gateway's own count); a client that asked for usage gets it as it came."""
+    out, relay = relay_all([HELLO, event, DONE])
+    assert out == HELLO and relay.usage is None and relay.done
+    out, relay = relay_all([HELLO, event, DONE], wants_usage=True)
+    assert out == HELLO + event

@@ -160,7 +160,10 @@ class SseRelay:
     def _usage(self, event: bytes, payload: bytes) -> bytes | None:
         chunk = parse_json(payload)
         if not isinstance(chunk, dict):
-            return event
+            # Unreadable (nested too deep, NaN, 1e999…), its usage can be neither read nor taken
+            # out: only a client that asked for usage gets it, as it came; the bill is the
+            # gateway's own count.
+            return event if self._client_wants_usage else None
         if isinstance(chunk.get("usage"), dict):
             self.reported_usage = chunk["usage"]
             self.usage = TokenUsage.from_upstream(self.reported_usage)  # well-formed; bounds are the caller's
