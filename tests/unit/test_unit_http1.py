@@ -479,3 +479,43 @@ def test_interim_answers_without_end_are_bounded_like_headers():
         await http.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize("then", [b"", b"\x81\x05hello"], ids=["nothing after", "another protocol's bytes"])
+def test_a_switch_of_protocols_is_an_answer_of_its_own_and_its_connection_is_never_reused(then):
+    """101 (an upgrade) is no answer to a POST: it comes back as the status it is (the caller
+    fails over on it as on any status it does not expect), never an exception of the parser's,
+    and what follows it is not HTTP: the connection is closed."""
+    raw = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n" + then
+
+    async def main():
+        http = client()
+        async with server(answering(raw, then_wait=1)) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"x", read_timeout=2)
+            assert response.status == 101
+            with contextlib.suppress(ProtocolFailure):
+                await response.read()
+        assert http.idle_connections == 0 and http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nX-Final: yes\r\nContent-Length: 2\r\n\r\nr0",
+    b"HTTP/1.1 204 No Content\r\nX-Final: yes\r\n\r\n",
+])
+def test_a_1xx_after_the_answer_leaves_the_answer_whole_and_the_connection_unused(answer):
+    raw = answer + b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
+
+    async def main():
+        http = client()
+        async with server(answering(raw, then_wait=1)) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"x", read_timeout=2)
+            assert (response.status, response.header("x-final"), response.header("link")) == (
+                int(answer[9:12]), "yes", None)
+            assert await response.read() == (b"r0" if answer.startswith(b"HTTP/1.1 200") else b"")
+        assert http.idle_connections == 0  # it said more than it was asked: not reused
+        await http.aclose()
+
+    run(main())

@@ -130,10 +130,17 @@ class _Message:
         self.interim = False  # parsing a 1xx answer, which the final one follows
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.complete:
+            return  # a message after the answer: never part of it (see on_headers_complete)
         if len(self.headers) <= self.max_headers:  # one more than allowed is kept: the caller sees it and refuses
             self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self.complete:
+            # The server went on past its answer (a stray 1xx after it, say): that answer
+            # stands as it was, and a connection that says more than it was asked is not reused.
+            self.keep_alive = False
+            return
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints…) is not the answer: its
@@ -142,12 +149,14 @@ class _Message:
             self.interim = True
             self.headers.clear()
             return
+        self.status = status  # the final answer's, whatever the parser reads after it
         self.headers_complete = True
         # asked now: once the message is complete the parser has reset its flags
         self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
-        self.pending.append(bytes(body))
+        if not self.complete:
+            self.pending.append(bytes(body))
 
     def on_message_complete(self) -> None:
         if self.interim:  # the end of a 1xx, not of the answer
@@ -392,7 +401,6 @@ class HttpClient:
                     raise ResponseTooLarge(f"response headers over {max_header_bytes} bytes")
             elif len(piece) < len(data) and spoiled is None:
                 spoiled = _fed(parser, message, data[len(piece):])  # the body's start, read with the headers' end
-        message.status = parser.get_status_code()
         return Response(self, connection, parser, message, read_timeout, spoiled)
 
     async def _connection(self, origin: _Origin, connect_timeout: float | None) -> _Connection:
@@ -502,6 +510,9 @@ def _fed(parser: object, message: _Message, data: bytes) -> ProtocolFailure | No
 def _feed(parser: object, data: bytes) -> None:
     try:
         parser.feed_data(data)
+    except httptools.HttpParserUpgrade:
+        # 101 Switching Protocols (or an upgrade): no HTTP answer to a POST will follow
+        raise ProtocolFailure("the server switched protocols instead of answering") from None
     except httptools.HttpParserError as exc:
         raise ProtocolFailure(f"malformed response: {exc}") from exc
 
