@@ -62,6 +62,19 @@ def test_an_upstream_4xx_nested_past_any_parser_is_still_passed_on(stack, org, s
     assert_settled(stack, org_id, "upstream_rejected", 400)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_4xx_whose_message_no_utf8_can_carry_is_passed_on_as_its_text(stack, org, stream):
+    """A lone surrogate escape in the error's message can be written in no UTF-8 body: the
+    message is the upstream's text as it came, and the answer keeps its status and its id."""
+    org_id, key = org
+    raw = '{"error":{"message":"bad token \\ud800 here","code":"bad"}}'
+    response = stack.post(CHAT, chat(stream=stream, mock={"status": 400, "plain_text": True, "message": raw}), key)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == raw
+    assert response.headers["X-Neocloud-Generation-Id"]
+    assert_settled(stack, org_id, "upstream_rejected", 400)
+
+
 @pytest.mark.parametrize("fault", [{"status": 500}, {"status": 503}, {"status": 500, "plain_text": True}])
 @pytest.mark.parametrize("stream", [False, True])
 def test_upstream_5xx_with_no_other_backend_is_502_plain_text(stack, org, fault, stream):

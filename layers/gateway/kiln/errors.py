@@ -266,8 +266,9 @@ class InternalError(GatewayError):
 def _describe_upstream_error(raw: bytes) -> tuple[str, str | None, str | None]:
     text = raw.decode("utf-8", errors="replace").strip()
     try:
-        # strict: a body nested past any parser's depth raises ValueError too, not RecursionError
-        payload: Any = loads_strict(text.encode(), lone_surrogates=True)
+        # strict: a body nested past any parser's depth raises ValueError too, not RecursionError,
+        # and so does a lone surrogate escape, which no UTF-8 answer could carry on
+        payload: Any = loads_strict(text.encode())
     except ValueError:
         return text[:2000], None, None
     if isinstance(payload, dict):
