@@ -216,3 +216,12 @@ def test_a_usage_event_the_relay_cannot_read_never_reaches_a_client_that_did_not
     assert out == HELLO and relay.usage is None and relay.done
     out, relay = relay_all([HELLO, event, DONE], wants_usage=True)
     assert out == HELLO + event
+
+
+def test_an_unreadable_content_chunk_carrying_usage_keeps_its_content():
+    """Continuous usage stats put usage on every content chunk: one the relay cannot read is
+    still the client's content, passed on as it came and counted."""
+    chunk = (b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hello"},"logprob":NaN}],'
+             b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n')
+    out, relay = relay_all([chunk, DONE])
+    assert out == chunk and relay.relayed_tokens == 1 and relay.usage is None

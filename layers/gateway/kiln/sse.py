@@ -28,6 +28,7 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
 
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")')
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 
@@ -161,9 +162,13 @@ class SseRelay:
         chunk = parse_json(payload)
         if not isinstance(chunk, dict):
             # Unreadable (nested too deep, NaN, 1e999…), its usage can be neither read nor taken
-            # out: only a client that asked for usage gets it, as it came; the bill is the
-            # gateway's own count.
-            return event if self._client_wants_usage else None
+            # out; the bill is the gateway's own count. The usage chunk (no choices) goes only to
+            # a client that asked for usage; a content chunk carrying usage is passed on as it
+            # came (its content is the client's: §7).
+            if self._client_wants_usage or (b'"choices"' in payload and not _NO_CHOICES.search(payload)):
+                self.relayed_tokens += len(_TEXT_DELTA.findall(payload))
+                return event
+            return None
         if isinstance(chunk.get("usage"), dict):
             self.reported_usage = chunk["usage"]
             self.usage = TokenUsage.from_upstream(self.reported_usage)  # well-formed; bounds are the caller's
