@@ -134,7 +134,7 @@ def test_a_completion_request_is_estimated_from_its_prompt_whatever_else_it_hold
     assert estimate_prompt_tokens(body, chat=False) == 10
 
 
-CHAT_LIMITS = ("max_tokens", "max_completion_tokens")
+CHAT_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 
 def test_bounds_take_the_endpoints_token_limit_and_every_choice():
@@ -142,8 +142,9 @@ def test_bounds_take_the_endpoints_token_limit_and_every_choice():
     assert UsageBounds.of_request({"max_tokens": 16}, 4096, limits=CHAT_LIMITS) == UsageBounds(4096, 16)
     assert UsageBounds.of_request({"max_tokens": 99999}, 4096, limits=CHAT_LIMITS) == UsageBounds(4096, 4096)
     assert UsageBounds.of_request({"max_output_tokens": 8, "n": 3}, 4096, limits=("max_output_tokens",)).completion == 24
-    # types a client may send that bound nothing
+    # values a client may send that bound nothing
     assert UsageBounds.of_request({"max_tokens": "16", "n": True}, 4096, limits=CHAT_LIMITS).completion == 4096
+    assert UsageBounds.of_request({"max_tokens": None}, 4096, limits=CHAT_LIMITS).completion == 4096
     assert UsageBounds.of_request({"n": 10**9}, 10, limits=CHAT_LIMITS).completion == 10 * 128
 
 
@@ -151,6 +152,12 @@ def test_of_two_limits_a_server_may_honour_the_larger_bounds():
     both = {"max_tokens": 64, "max_completion_tokens": 32}
     assert UsageBounds.of_request(both, 4096, limits=CHAT_LIMITS).completion == 64
     assert UsageBounds.of_request({**both, "max_completion_tokens": 4000}, 4096, limits=CHAT_LIMITS).completion == 4000
+
+
+def test_a_limit_read_as_none_at_all_leaves_only_the_context():
+    """llama.cpp's server takes n_predict before max_tokens, and -1 there is no limit."""
+    assert UsageBounds.of_request({"max_tokens": 1, "n_predict": -1}, 4096, limits=CHAT_LIMITS).completion == 4096
+    assert UsageBounds.of_request({"max_tokens": 1, "n_predict": 4000}, 8192, limits=CHAT_LIMITS).completion == 4000
 
 
 def test_a_limit_the_endpoint_does_not_have_bounds_nothing():

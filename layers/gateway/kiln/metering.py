@@ -92,10 +92,12 @@ class UsageBounds:
     def of_request(cls, body: dict[str, Any], context_length: int, *, limits: tuple[str, ...],
                    prompts: int = 1) -> "UsageBounds":
         """`limits`: the fields that cap a reply's tokens on the endpoint's model servers (a
-        field of another endpoint, which they ignore, caps nothing); where a server may
-        honour either of two, the larger is the bound. `prompts`: how many the request
-        carries (a batch of completions), each answered with its `n` choices."""
-        given = [body[name] for name in limits if _count(body.get(name))]
+        field of another endpoint, which they ignore, caps nothing); as servers differ on
+        which of them wins, the largest given is the bound, and one given that is no count
+        (llama.cpp reads `n_predict: -1` as no limit) leaves only the context. `prompts`:
+        how many the request carries (a batch of completions), each with its `n` choices."""
+        given = [body[name] if _count(body[name]) else context_length
+                 for name in limits if body.get(name) is not None]
         per_choice = min(context_length, max(given)) if given else context_length
         n = body.get("n")
         choices = min(n, MAX_CHOICES) if _count(n) and n >= 1 else 1

@@ -16,8 +16,9 @@ class ChatApi(ChatStyleApi):
     name = "chat.completions"
     openapi_body = staticmethod(schemas.chat_body)
     upstream_path = "/chat/completions"
-    # vLLM takes max_completion_tokens over max_tokens, other servers the reverse
-    token_limits = ("max_tokens", "max_completion_tokens")
+    # vLLM takes max_completion_tokens over max_tokens, other servers the reverse, and
+    # llama.cpp's server n_predict over both
+    token_limits = ("max_tokens", "max_completion_tokens", "n_predict")
 
     def check_before_model(self, body: dict[str, Any]) -> None:
         messages = body.get("messages")

@@ -15,7 +15,7 @@ class CompletionsApi(ChatStyleApi):
     name = "completions"
     openapi_body = staticmethod(schemas.completion_body)
     upstream_path = "/completions"
-    token_limits = ("max_tokens",)
+    token_limits = ("max_tokens", "n_predict")  # n_predict: llama.cpp's server, which takes it first
 
     def prompts(self, body: dict[str, Any]) -> int:
         """A list of strings, or of token-id lists, is a batch; a string or one list of token
