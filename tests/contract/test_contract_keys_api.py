@@ -442,6 +442,22 @@ def test_a_seed_whose_figure_changed_meanwhile_reads_again(stack, found):
     assert figures_of_key(stack, org_id, key["id"]) == {day: event.cost}
 
 
+def test_a_seed_that_never_gets_its_write_in_changes_nothing_and_says_retry(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    stack.faults.fail("UpdateItem", code="ConditionalCheckFailedException",
+                      when=lambda payload: payload.get("UpdateExpression") == "SET #f = :spent")
+    try:
+        changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5})
+    finally:
+        stack.faults.clear()
+    assert changed.status_code == 503 and changed.json()["error"]["code"] == "storage_unavailable", changed.text
+    assert call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()["spend_limit"] is None  # not half made
+    assert figures_of_key(stack, org_id, key["id"]) == {}
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
+
+
 def test_changing_only_the_amount_leaves_the_figure_alone(stack):
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()

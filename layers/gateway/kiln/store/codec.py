@@ -19,7 +19,8 @@ __all__ = ["DIGITS", "decode", "encode", "from_item", "number", "to_item", "with
 # DynamoDB numbers: up to 38 significant digits, magnitudes from 1E-130 to below 1E+126.
 DIGITS = 38
 _SMALLEST, _LARGEST = Decimal("1E-130"), Decimal("1E+126")
-# Rounds to 38 digits at any exponent a Decimal can hold: no overflow, no underflow.
+# Rounds to 38 digits with the widest exponents a Decimal has (no overflow short of its very
+# last exponents, which no cost comes near).
 _ROUNDED = Context(prec=DIGITS, rounding=ROUND_HALF_EVEN, Emax=MAX_EMAX, Emin=MIN_EMIN)
 
 

@@ -421,12 +421,17 @@ class Keyring:
         a request admitted under an earlier limit settles into the figure its lease names
         after key management removed that figure, and makes it again with its own cost
         alone. So a seed raises the figure to the events' sum and never lowers it, on the
-        condition that it is still what was read: a settle that lands meanwhile has its
-        event in the next sum, and the seed reads again."""
+        condition that it is still what was read: a settle that lands meanwhile fails the
+        write, and the seed reads again. The events are read from an index that DynamoDB
+        keeps eventually consistent: a request that settled a moment before may be missing
+        from the sum, which is the softness of contract §10 (at most the requests in flight
+        around the change)."""
         figure = _limits(key).figure(key.key_id, now)
         if figure is None:
             return None
-        for _ in range(_CONFLICT_ATTEMPTS):
+        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+            if attempt > 1:  # the key's settles are landing: let them
+                await asyncio.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
             found = (await self.org(key.org_id)).item.get(figure, {}).get("N")
             spent = (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
             counted = Decimal(found) if found is not None else Decimal(0)
