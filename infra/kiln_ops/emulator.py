@@ -43,7 +43,7 @@ from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation, localcontext
 from typing import Any
 
-from kiln.store.codec import significant_digits
+from kiln.store.codec import storage_problem
 
 from .serve import read_body
 
@@ -64,7 +64,12 @@ def _number_text(value: Decimal) -> str:
     return format(value.normalize(), "f")
 
 
-_SMALLEST, _LARGEST = Decimal("1E-130"), Decimal("1E+126")
+# DynamoDB's words for each number it cannot hold (kiln.store.codec.storage_problem)
+_REFUSALS = {
+    "digits": "Attempting to store more than 38 significant digits in a Number",
+    "overflow": "Number overflow. Attempting to store a number with magnitude larger than supported range",
+    "underflow": "Number underflow. Attempting to store a number with magnitude smaller than supported range",
+}
 
 
 def _refuse_unholdable(text: Any) -> None:
@@ -77,16 +82,9 @@ def _refuse_unholdable(text: Any) -> None:
         value = Decimal(text)
     except InvalidOperation:
         return  # not a number: moto has its own answer
-    if not value.is_finite() or value.is_zero():
-        return
-    if significant_digits(value) > 38:
-        raise MockValidationException("Attempting to store more than 38 significant digits in a Number")
-    if value.copy_abs() >= _LARGEST:
-        raise MockValidationException(
-            "Number overflow. Attempting to store a number with magnitude larger than supported range")
-    if value.copy_abs() < _SMALLEST:
-        raise MockValidationException(
-            "Number underflow. Attempting to store a number with magnitude smaller than supported range")
+    problem = storage_problem(value) if value.is_finite() else None
+    if problem is not None:
+        raise MockValidationException(_REFUSALS[problem])
 
 
 def patch_moto() -> None:

@@ -14,7 +14,8 @@ from typing import Any
 from ..jsonio import decimal_text
 from .errors import UnstorableValue
 
-__all__ = ["DIGITS", "decode", "encode", "from_item", "number", "to_item", "within_digits"]
+__all__ = ["DIGITS", "decode", "encode", "from_item", "number", "significant_digits", "storage_problem", "to_item",
+           "within_digits"]
 
 # DynamoDB numbers: up to 38 significant digits, magnitudes from 1E-130 to below 1E+126.
 DIGITS = 38
@@ -41,16 +42,29 @@ def within_digits(value: Decimal) -> Decimal:
     return _ROUNDED.plus(value)
 
 
+def storage_problem(value: Decimal) -> str | None:
+    """Why DynamoDB cannot hold a finite number: "digits" (more than 38 significant),
+    "overflow" (1E+126 and up), "underflow" (below 1E-130 but not 0); None: it can."""
+    if value.is_zero():
+        return None
+    if significant_digits(value) > DIGITS:
+        return "digits"
+    magnitude = value.copy_abs()  # copy_abs: no context, no overflow
+    if magnitude >= _LARGEST:
+        return "overflow"
+    return "underflow" if magnitude < _SMALLEST else None
+
+
 def number(value: int | Decimal) -> str:
     """A number as DynamoDB's N, exactly, or UnstorableValue if DynamoDB would refuse it."""
     exact = Decimal(value)
     if not exact.is_finite():
         raise UnstorableValue(f"{value!r} is not a finite number")
-    if exact != 0:
-        if significant_digits(exact) > DIGITS:
-            raise UnstorableValue(f"{value!r} has more than {DIGITS} significant digits")
-        if not _SMALLEST <= exact.copy_abs() < _LARGEST:  # copy_abs: no context, no overflow
-            raise UnstorableValue(f"{value!r} is outside DynamoDB's range of numbers")
+    problem = storage_problem(exact)
+    if problem == "digits":
+        raise UnstorableValue(f"{value!r} has more than {DIGITS} significant digits")
+    if problem is not None:
+        raise UnstorableValue(f"{value!r} is outside DynamoDB's range of numbers")
     return decimal_text(exact)
 
 

@@ -391,7 +391,7 @@ class Keyring:
                     return False
                 if getattr(exc, "code", None) != "TransactionConflictException" or attempt == _CONFLICT_ATTEMPTS:
                     raise
-            await asyncio.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
+            await _backoff(attempt)
         raise AssertionError("unreachable")
 
     async def remove_figures(self, org_id: str, key_id: str, *, keep: str | None = None) -> list[str]:
@@ -431,7 +431,7 @@ class Keyring:
             return None
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             if attempt > 1:  # the key's settles are landing: let them
-                await asyncio.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
+                await _backoff(attempt)
             found = (await self.org(key.org_id)).item.get(figure, {}).get("N")
             spent = (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
             counted = Decimal(found) if found is not None else Decimal(0)
@@ -581,6 +581,11 @@ class Keyring:
 
 def _limits(key: KeyInfo) -> KeyLimits:
     return KeyLimits(key.concurrency, key.spend_limit, key.spend_period)
+
+
+async def _backoff(attempt: int) -> None:
+    """The jittered wait before the next try of an org write that met a settle."""
+    await asyncio.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
 
 
 def _counted_on_org(key: KeyInfo) -> bool:
