@@ -176,6 +176,9 @@ def test_each_requests_metrics_document_holds_only_its_own_values(monkeypatch):
         def log(self, *_: object, **__: object) -> None:
             pass
 
+        def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - logging's name
+            return True
+
     monkeypatch.setattr(aws_lambda_powertools, "Logger", _Quiet)
     stream = io.StringIO()
     observer = observability.Observer(stream=stream, metrics_enabled=True)
@@ -242,3 +245,92 @@ def test_a_requests_emf_document_is_the_one_powertools_add_metric_would_make(mon
     ours["_aws"].pop("Timestamp")
     expected["_aws"].pop("Timestamp")
     assert ours == expected
+
+
+# -- the request line: Powertools' own, written without the logging module -------------------
+
+
+def _powertools_line(service: str, level: int, entry: dict, **logger_options) -> dict:
+    """The line Powertools' Logger writes for `entry`, as `service` (from a Logger of a name of
+    its own: Powertools gives a logger's handlers to the first Logger made for its name)."""
+    import io
+    import json
+    import logging
+
+    from aws_lambda_powertools import Logger
+
+    stream = io.StringIO()
+    Logger(service=f"{service}-reference", logger_handler=logging.StreamHandler(stream), **logger_options).log(
+        level, "request", extra=entry)
+    (line,) = stream.getvalue().splitlines()
+    return {**json.loads(line), "service": service}
+
+
+def _observer(monkeypatch, service: str, **logger_options):
+    import io
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(observability, "telemetry_settings", lambda: SimpleNamespace(
+        metrics_namespace="Kiln", service_name=service, metrics_disabled=True))
+    stream = io.StringIO()
+    return observability.Observer(stream=stream, metrics_enabled=False), stream
+
+
+def _request_record(status: int = 200, code: str | None = None, usage: bool = True):
+    from decimal import Decimal
+
+    from kiln.store.usage import UsageEvent
+
+    record = observability.RequestRecord("POST", "/v1/chat/completions",
+                                         {"lambda_request_id": "req-1", "api_request_id": "api-1"})
+    record.status, record.org_id, record.model, record.endpoint = status, "org-1", "m", "chat.completions"
+    record.error_code, record.finished = code, record.started + 0.0123
+    if usage:
+        record.usage = UsageEvent("gen-1", "org-1", "2026-12-01T00:00:00.000Z", "key-1", "m", "chat.completions",
+                                  True, "success", Decimal("0.00042"), 200, 10, 12, usage_source="reported",
+                                  ttfb_ms=3, upstream="primary")
+    return record
+
+
+def test_the_request_line_is_the_one_powertools_logger_writes(monkeypatch):
+    import json
+    import re
+
+    monkeypatch.setenv("_X_AMZN_TRACE_ID", "Root=1-5759e988-bd862e3fe1be46a994272793;Parent=53995c3f42cd8ad8;Sampled=1")
+    cases = [(_request_record(), "INFO"), (_request_record(503, "storage_unavailable", usage=False), "ERROR"),
+             (_request_record(429, "rate_limited"), "INFO")]
+    for index, (record, level) in enumerate(cases):
+        observer, stream = _observer(monkeypatch, f"kiln-line-{index}")
+        observer.emit(record)
+        (ours,) = [json.loads(line) for line in stream.getvalue().splitlines()]
+        theirs = _powertools_line(f"kiln-line-{index}", getattr(__import__("logging"), level), record.as_log())
+        assert ours["level"] == level and ours["xray_trace_id"] == "1-5759e988-bd862e3fe1be46a994272793"
+        assert re.fullmatch(r"emit:\d+", ours.pop("location")) and theirs.pop("location")
+        pattern = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}[+-]\d{4}"
+        assert re.fullmatch(pattern, ours.pop("timestamp")) and re.fullmatch(pattern, theirs.pop("timestamp"))
+        assert ours == theirs
+        assert list(ours)[:3] == ["level", "message", "service"]  # the formatter's order, then the entry's
+
+
+def test_the_request_line_follows_the_loggers_level_and_appended_keys(monkeypatch):
+    import json
+
+    monkeypatch.setenv("POWERTOOLS_LOG_LEVEL", "WARNING")
+    observer, stream = _observer(monkeypatch, "kiln-line-level")
+    observer.emit(_request_record())  # INFO: below the Logger's level
+    assert stream.getvalue() == ""
+    observer.logger.append_keys(region="eu-west-1")
+    observer.emit(_request_record(502, "upstream_error"))
+    (line,) = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert line["level"] == "ERROR" and line["region"] == "eu-west-1" and line["status"] == 502
+
+
+def test_a_format_key_the_line_cannot_fill_leaves_the_line_to_the_logger(monkeypatch):
+    import json
+
+    observer, stream = _observer(monkeypatch, "kiln-line-module")
+    observer.logger.append_keys(location="%(module)s:%(lineno)d", pid="%(process)d")  # only a reserved key's is a format
+    observer.emit(_request_record())
+    lines = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert len(lines) == 1 and lines[0]["generation_id"] == "gen-1"
+    assert lines[0]["location"].startswith("observability:") and lines[0]["pid"] == "%(process)d"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from contextvars import ContextVar
@@ -126,7 +127,11 @@ def record_of(scope_or_request: Any) -> RequestRecord:
 
 class Observer:
     """Powertools' JSON logger and EMF metrics, made once per process, written to one stream
-    (stdout: Lambda sends it to CloudWatch Logs, which reads the EMF records as metrics)."""
+    (stdout: Lambda sends it to CloudWatch Logs, which reads the EMF records as metrics).
+
+    A request's documents and its line are written as Powertools writes them, in one write
+    and one flush, without Powertools' per-call work: the EMF declarations are serialized
+    once per shape (`_metrics_document`), the line without a LogRecord (`_LogLine`)."""
 
     def __init__(self, *, stream: TextIO | None = None, metrics_enabled: bool | None = None) -> None:
         from aws_lambda_powertools import Logger
@@ -142,6 +147,8 @@ class Observer:
         # document (emit runs whole on the event loop: no two requests share one at a time).
         # Making one per request would list every CloudWatch unit again each time.
         self._metric_sets: dict[str, Any] = {}
+        self._declarations: dict[tuple[str, tuple[str, ...], tuple[str, ...]], str] = {}
+        self._line = _LogLine(self.logger)
 
     def _metric_set(self, kind: str) -> Any:
         metrics = self._metric_sets.get(kind)
@@ -154,12 +161,17 @@ class Observer:
     def emit(self, record: RequestRecord) -> None:
         entry = record.as_log()
         level = logging.ERROR if (record.status or 0) >= 500 else logging.INFO
-        if self.metrics_enabled:
-            # written first, flushed with the log line: one write to the stream per request
-            self._metrics(record, entry["latency_ms"])
-        self.logger.log(level, "request", extra=entry)
+        documents = self._metrics(record, entry["latency_ms"]) if self.metrics_enabled else []
+        line = self._line.render(level, "request", entry) if self.logger.isEnabledFor(level) else ""
+        if line is not None:
+            documents.append(line)
+        if documents:  # one write to the stream per request
+            self._stream.write("".join(documents))
+            self._stream.flush()
+        if line is None:
+            self.logger.log(level, "request", extra=entry)
 
-    def _metrics(self, record: RequestRecord, latency_ms: int) -> None:
+    def _metrics(self, record: RequestRecord, latency_ms: int) -> list[str]:
         status = record.status or 500
         usage = record.usage
         failures = record.backend_failures + (1 if usage is not None and usage.status in _UPSTREAM_FAILURES else 0)
@@ -178,13 +190,30 @@ class Observer:
             values["CostUSD"] = float(usage.cost)
             values["UsageEstimated"] = 1 if usage.usage_source == "estimated" else 0
         # published twice: per service (what the alarms watch) and per service and endpoint
-        self._write_metrics("request", values, endpoint=record.endpoint or record.path)
+        documents = [self._metrics_document("request", values, endpoint=record.endpoint or record.path)]
         if record.error_code:
-            self._write_metrics("error", {"Errors": 1}, code=record.error_code)
+            documents.append(self._metrics_document("error", {"Errors": 1}, code=record.error_code))
+        return documents
 
-    def _write_metrics(self, kind: str, values: dict[str, float], **dimensions: str) -> None:
-        """One EMF document, serialized by Powertools, from metrics whose names and units it
-        checked once (`_checked_units`): its per-call checks are the same every time."""
+    def _metrics_document(self, kind: str, values: dict[str, float], **dimensions: str) -> str:
+        """One EMF document line. Its `CloudWatchMetrics` part (namespace, dimension sets, the
+        metrics' names and units) depends only on which metrics and dimensions it has: Powertools
+        serializes that once per combination, from names and units it checked once
+        (`_checked_units`); each request adds only its timestamp and values."""
+        shape = (kind, tuple(values), tuple(dimensions))
+        declaration = self._declarations.get(shape)
+        if declaration is None:
+            declaration = self._declarations[shape] = json.dumps(
+                self._declaration(kind, values, dimensions), separators=(",", ":"))
+        members: dict[str, Any] = {"service": self.service, **dimensions}
+        for name, value in values.items():
+            members[name] = [float(value)]
+        # {"_aws":{...}, then the dimensions' and the metrics' members}: the latter are written
+        # as one object, whose opening brace gives way to the _aws member
+        return (f'{{"_aws":{{"Timestamp":{int(time.time() * 1000)},"CloudWatchMetrics":{declaration}}},'
+                f'{json.dumps(members, separators=(",", ":"))[1:]}\n')
+
+    def _declaration(self, kind: str, values: dict[str, float], dimensions: dict[str, str]) -> list[Any]:
         metrics = self._metric_set(kind)
         try:
             metrics.add_dimensions(service=self.service, **dimensions)
@@ -194,7 +223,65 @@ class Observer:
             })
         finally:
             metrics.clear_metrics()
-        self._stream.write(json.dumps(document, separators=(",", ":")) + "\n")
+        return document["_aws"]["CloudWatchMetrics"]
+
+
+class _LogLine:
+    """A log line as the Logger's Powertools formatter writes it, without the logging module's
+    per-record work (a LogRecord, the caller's frame walk, the handler's lock and filters).
+
+    The keys the formatter is configured with come first, in its order (level, location,
+    message, timestamp, service, and any key appended to the Logger since), then the entry's,
+    then the X-Ray trace id; keys whose value is None are left out, and the line is serialized
+    by the formatter's own serializer, its timestamp by its own `formatTime`. A format key this
+    cannot fill (another format over a LogRecord's attributes) leaves the line to the Logger."""
+
+    _LEVEL, _LOCATION, _TIME = "%(levelname)s", "%(funcName)s:%(lineno)d", "%(asctime)s"
+
+    def __init__(self, logger: Any) -> None:
+        formatter = getattr(logger, "registered_formatter", None)
+        usable = isinstance(getattr(formatter, "log_format", None), dict) and callable(
+            getattr(formatter, "json_serializer", None))
+        self._formatter = formatter if usable else None
+        from aws_lambda_powertools.logging.formatter import RESERVED_LOG_ATTRS
+
+        self._reserved = frozenset(RESERVED_LOG_ATTRS)  # the keys whose values it fills from a LogRecord
+
+    def render(self, level: int, message: str, entry: dict[str, Any]) -> str | None:
+        """The line for `entry`, logged by the caller at `level`; None when only the Logger can write it."""
+        formatter = self._formatter
+        if formatter is None:
+            return None
+        line: dict[str, Any] = {}
+        for key, value in formatter.log_format.items():
+            if key == "message":
+                value = message
+            elif value and key in self._reserved:  # a format over the LogRecord's attributes
+                if value == self._LEVEL:
+                    value = logging.getLevelName(level)
+                elif value == self._LOCATION:
+                    caller = sys._getframe(1)
+                    value = f"{caller.f_code.co_name}:{caller.f_lineno}"
+                elif value == self._TIME:
+                    value = formatter.formatTime(_Created(time.time()))
+                else:
+                    return None
+            line[key] = value
+        line.update(entry)
+        trace = os.environ.get("_X_AMZN_TRACE_ID") if formatter.log_format.get("xray_trace_id", "") is not None else None
+        if trace:
+            line["xray_trace_id"] = trace.split(";")[0].replace("Root=", "")
+        return formatter.json_serializer({key: value for key, value in line.items() if value is not None}) + "\n"
+
+
+class _Created:
+    """What a formatter's formatTime reads of a LogRecord."""
+
+    __slots__ = ("created", "msecs")
+
+    def __init__(self, created: float) -> None:
+        self.created = created
+        self.msecs = int((created - int(created)) * 1000) + 0.0
 
 
 _UNITS: dict[str, str] = {}
