@@ -519,3 +519,55 @@ def test_a_1xx_after_the_answer_leaves_the_answer_whole_and_the_connection_unuse
         await http.aclose()
 
     run(main())
+
+
+def test_a_request_the_server_does_not_read_is_a_timeout_and_its_connection_is_dropped():
+    """Sending is bounded too: a body the kernel cannot take (a server that reads nothing) times out."""
+    async def reads_nothing(reader, writer):
+        await asyncio.sleep(5)
+
+    async def main():
+        http = client()
+        async with server(reads_nothing) as (url, _):
+            started = time.monotonic()
+            with pytest.raises(Timeout, match="could not be sent in time"):
+                await http.request("POST", url, headers={}, body=b"x" * (64 << 20), read_timeout=0.3)
+            assert time.monotonic() - started < 3
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_request_on_a_connection_the_server_reset_fails_as_nothing_received():
+    """A kept-alive connection the server reset (RST, not FIN) before the next request: that
+    request goes again on a new connection, whether the send or the read sees the reset first."""
+    import socket
+    import struct
+
+    served = []
+
+    async def answers_then_resets(reader, writer):
+        await read_request(reader)
+        served.append(1)
+        if len(served) == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+        await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(answers_then_resets) as (url, _):
+            first = await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
+            assert await first.read() == b"ok"
+            await asyncio.sleep(0.3)  # the reset has arrived
+            second = await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
+            assert await second.read() == b"second"
+        await http.aclose()
+
+    run(main())

@@ -376,10 +376,14 @@ class HttpClient:
         message.max_headers = max_headers
         parser = httptools.HttpResponseParser(message)
         message.parser = parser
+        writer = connection.writer
         try:
-            async with asyncio.timeout(read_timeout):
-                connection.writer.write(wire)
-                await connection.writer.drain()
+            writer.write(wire)
+            if writer.transport.get_write_buffer_size():  # the kernel did not take it all: wait, bounded
+                async with asyncio.timeout(read_timeout):
+                    await writer.drain()
+            else:  # nothing to wait for (nearly every request): no timer
+                await writer.drain()  # still raises for a connection already lost
         except TimeoutError:
             raise Timeout("the request could not be sent in time") from None
         except OSError as exc:

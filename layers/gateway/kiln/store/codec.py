@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from decimal import MAX_EMAX, MIN_EMIN, ROUND_HALF_EVEN, Context, Decimal
+from functools import lru_cache
 from typing import Any
 
 from ..jsonio import decimal_text
@@ -55,8 +56,14 @@ def storage_problem(value: Decimal) -> str | None:
     return "underflow" if magnitude < _SMALLEST else None
 
 
+# an int strictly inside ±10**38 has at most 38 digits and no magnitude DynamoDB refuses
+_PLAIN_INT = 10**DIGITS
+
+
 def number(value: int | Decimal) -> str:
     """A number as DynamoDB's N, exactly, or UnstorableValue if DynamoDB would refuse it."""
+    if type(value) is int and -_PLAIN_INT < value < _PLAIN_INT:  # the counts and times of every item
+        return str(value)
     exact = Decimal(value)
     if not exact.is_finite():
         raise UnstorableValue(f"{value!r} is not a finite number")
@@ -100,7 +107,17 @@ def decode(value: dict[str, Any]) -> Any:
 
 def to_item(record: Any) -> dict[str, dict[str, Any]]:
     """A dataclass as an item: None fields left out, as pynamodb leaves out null attributes."""
-    return {f.name: encode(getattr(record, f.name)) for f in fields(record) if getattr(record, f.name) is not None}
+    item: dict[str, dict[str, Any]] = {}
+    for name in _field_names(type(record)):
+        value = getattr(record, name)
+        if value is not None:
+            item[name] = encode(value)
+    return item
+
+
+@lru_cache(maxsize=32)
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(kind))
 
 
 def from_item(item: dict[str, dict[str, Any]]) -> dict[str, Any]:
