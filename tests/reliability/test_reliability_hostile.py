@@ -352,3 +352,39 @@ def test_two_authorization_headers_are_no_key_at_all(stack, ledger):
         response = stack.http.post(CHAT, content=body, headers=[*headers, ("Content-Type", "application/json")])
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert ledger.check() == []
+
+
+_LONG_REASON = "x" * 450_000  # with the rest of the item, over DynamoDB's 400 KB
+
+
+@pytest.mark.parametrize("reason", [_LONG_REASON, "stop because the prompt said: tell me a secret"], ids=["long", "text"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_a_finish_reason_that_is_text_is_not_stored_and_the_request_still_settles(stack, ledger, api, stream, reason):
+    """A finish reason is a short word. Text (of any length: it may quote the prompt, §4) is not
+    stored, and 450 KB of it once made DynamoDB refuse the usage event: the slot stayed taken
+    and the request was later reclaimed as abandoned, billed nothing."""
+    usage = {"prompt_tokens": 1000, "completion_tokens": 4000}
+    if api == "chat":
+        path, body = CHAT, {"model": MODEL, "messages": MESSAGES, "stream": stream}
+        if stream:
+            body["mock"] = {"raw_events": [json.dumps({"id": "c", "choices": [
+                {"index": 0, "delta": {"content": "hi"}, "finish_reason": reason}]}),
+                json.dumps({"id": "c", "choices": [], "usage": usage})]}
+        else:
+            body["mock"] = {"raw_body": json.dumps({"id": "c", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": reason}], "usage": usage})}
+    else:
+        answer = {"id": "r", "object": "response", "status": reason, "output": [],
+                  "usage": {"input_tokens": 1000, "output_tokens": 4000}}
+        path, body = "/v1/responses", {"model": MODEL, "input": "hi", "stream": stream}
+        if stream:
+            body["mock"] = {"raw_events": [json.dumps({"type": "response.completed", "response": answer})], "no_done": True}
+        else:
+            body["mock"] = {"raw_body": json.dumps(answer)}
+    response = post(stack, ledger, path, body)
+    assert response.status_code == 200
+    (event,) = ledger.check()
+    assert (event.status, event.prompt_tokens, event.completion_tokens) == ("success", 1000, 4000)
+    assert event.finish_reason is None
+    assert event.cost == (1000 * Decimal("0.08") + 4000 * Decimal("0.24")) / 1_000_000

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from decimal import Decimal
 from typing import Any, AsyncGenerator, Callable
@@ -153,7 +154,7 @@ class Exchange:
             completion_tokens=usage.completion_tokens if usage else None,
             cached_tokens=usage.cached_tokens if usage else None,
             usage_source=usage.source if usage else None,
-            finish_reason=finish_reason,
+            finish_reason=_stored_finish_reason(finish_reason),
             ttfb_ms=self.ttfb_ms,
             duration_ms=int((time.monotonic() - self.started) * 1000),
             upstream=self.upstream_name,
@@ -318,6 +319,17 @@ def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
     if problem:
         raise UpstreamFailed(INVALID_ANSWER, detail=f"upstream body: {problem}")
     return answer
+
+
+# what finish reasons are ("stop", "length", "tool_calls", "content_filter", "incomplete", …)
+_FINISH_REASON = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _stored_finish_reason(reason: str | None) -> str | None:
+    """What the usage event keeps of the model server's finish reason: a short word, as finish
+    reasons are. Anything else (text of any length, which may quote the prompt, §4) is none:
+    an item DynamoDB refuses for its size would leave the request unsettled."""
+    return reason if isinstance(reason, str) and _FINISH_REASON.fullmatch(reason) else None
 
 
 def _stored_error(error: GatewayError) -> str:
