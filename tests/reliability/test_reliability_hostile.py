@@ -388,3 +388,43 @@ def test_a_finish_reason_that_is_text_is_not_stored_and_the_request_still_settle
     assert (event.status, event.prompt_tokens, event.completion_tokens) == ("success", 1000, 4000)
     assert event.finish_reason is None
     assert event.cost == (1000 * Decimal("0.08") + 4000 * Decimal("0.24")) / 1_000_000
+
+
+_RESPONSES_DELTA = json.dumps({"type": "response.output_text.delta", "delta": "hi"})
+
+
+@pytest.mark.parametrize("last", [
+    '{"type":"response.completed","response":{"usage":{"input_tokens":1e999,"output_tokens":5}}}',
+    '{"type":"response\\u002ecompleted","response":"done"}',
+    '{"type":"error","code":"x","message":"boom"}',
+], ids=["unreadable-final", "escaped-final-without-response", "upstream-error-event"])
+def test_a_responses_stream_the_upstream_ends_badly_ends_with_one_error_event(stack, ledger, last):
+    """§9: an upstream failure after the stream started ends it with one `event: error`; the
+    upstream's unreadable final event (it carries no cost) or its own error event is not relayed."""
+    body = {"model": MODEL, "input": "hi", "stream": True,
+            "mock": {"raw_events": [_RESPONSES_DELTA, _RESPONSES_DELTA, last], "no_done": True}}
+    response = post(stack, ledger, "/v1/responses", body)
+    blocks = [block for block in response.text.split("\n\n") if block.strip() and not block.startswith(":")]
+    payloads = [json.loads(block.split("data: ", 1)[1]) for block in blocks]
+    assert [payload["type"] for payload in payloads] == ["response.output_text.delta"] * 2 + ["error"], blocks
+    assert payloads[-1]["code"] == "upstream_error" and blocks[-1].startswith("event: error")
+    (event,) = ledger.check()
+    assert (event.status, event.completion_tokens, event.usage_source) == ("stream_interrupted", 2, "estimated")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_a_failed_response_is_billed_as_reported_and_settled_as_an_upstream_error(stack, ledger, stream):
+    answer = {"id": "r", "object": "response", "status": "failed", "output": [],
+              "error": {"code": "server_error", "message": "the model crashed"},
+              "usage": {"input_tokens": 100, "output_tokens": 20}}
+    body = {"model": MODEL, "input": "hi", "stream": stream,
+            "mock": {"raw_events": [json.dumps({"type": "response.failed", "response": answer})], "no_done": True}
+            if stream else {"raw_body": json.dumps(answer)}}
+    response = post(stack, ledger, "/v1/responses", body)
+    assert response.status_code == 200
+    (event,) = ledger.check()
+    assert (event.status, event.prompt_tokens, event.completion_tokens, event.finish_reason) == (
+        "upstream_error", 100, 20, "failed")
+    assert event.cost == (100 * Decimal("0.08") + 20 * Decimal("0.24")) / 1_000_000
+    relayed = response.json() if not stream else json.loads(response.text.rstrip("\n").rsplit("data: ", 1)[1])["response"]
+    assert Decimal(str(relayed["usage"]["cost"])) == event.cost  # the client still gets the failure, with its cost

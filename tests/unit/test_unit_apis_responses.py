@@ -171,17 +171,51 @@ def test_a_final_event_without_its_event_line_or_status_is_still_final():
 @pytest.mark.parametrize(
     "data",
     [
-        b'{"type":"response.completed","response":"done"}',
         b'{"type":"response.completed.extra","response":{}}',
         b'{"note":{"type":"response.completed"},"type":"response.output_text.done","response":{}}',
+        b'{"note":{"type":"error"},"type":"response.output_text.delta","delta":"caf\\u00e9"}',
         b'["type","response.completed"]',
-        b'{"type":"response.completed", oops',
+        b'{"type":"response.output_text.delta","delta":"\\u00e9", oops',
     ],
 )
-def test_what_only_looks_like_a_final_event_is_relayed(data):
+def test_what_only_looks_like_a_final_or_error_event_is_relayed(data):
     odd = b"event: x\ndata: " + data + b"\n\n"
     out, relay = relayed(odd + DELTA)
-    assert out == odd + DELTA and relay.done is False and relay.final is None
+    assert out == odd + DELTA and relay.done is False and relay.final is None and relay.failure is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"type":"response.completed","response":"done"}',
+        b'{"type":"response.completed"}',
+        b'{"type":"response.completed", oops',
+        b'{"type":"response.completed","response":{"usage":{"input_tokens":1e999}}}',
+        b'{"type":"error","code":"x","message":"boom"}',
+        b'{"type":"\\u0065rror","message":"boom"}',
+        b'{"\\u0074ype":"response.incomplete","response":"x"}',
+    ],
+    ids=["response-not-object", "no-response", "not-json", "unreadable-number", "error", "escaped-error",
+         "escaped-key"],
+)
+def test_a_final_event_the_gateway_cannot_read_or_an_error_event_ends_the_stream_unrelayed(data):
+    """One terminal event reaches the client (§9): the gateway's error event, not the
+    upstream's unreadable final event (without cost) or its own error event before it."""
+    out, relay = relayed(DELTA + b"event: x\ndata: " + data + b"\n\n" + DELTA)
+    assert out == DELTA and relay.done and relay.failure and relay.final is None
+
+
+def test_an_escaped_final_event_is_still_the_final_event():
+    final = b'event: response.completed\ndata: {"type":"response\\u002ecompleted","response":{"status":"completed","usage":{"input_tokens":3,"output_tokens":5}}}\n\n'
+    out, relay = relayed(DELTA + final)
+    assert out == DELTA and relay.done and relay.failure is None
+    assert relay.reported_usage == {"input_tokens": 3, "output_tokens": 5} and relay.upstream_failed is False
+
+
+def test_a_failed_response_is_the_final_event_and_the_upstreams_failure():
+    final = event("response.failed", {"type": "response.failed", "response": {"status": "failed"}})
+    out, relay = relayed(DELTA + final)
+    assert out == DELTA and relay.done and relay.upstream_failed and relay.failure is None
 
 
 def test_nothing_after_the_final_event_is_relayed():

@@ -217,7 +217,8 @@ class Exchange:
         api.with_usage(answer, usage, cost)
         body = dumps(answer)
         await self._settle(
-            "success", http_status=200, usage=usage, cost=cost, finish_reason=api.finish_reason(answer)
+            "upstream_error" if api.failed(answer) else "success", http_status=200, usage=usage, cost=cost,
+            finish_reason=api.finish_reason(answer),
         )
         return json_response(body, self.gen_id)
 
@@ -254,6 +255,8 @@ class Exchange:
                 if out:
                     yield out
                     sent_at = time.monotonic()
+                if relay.failure:
+                    raise UpstreamStreamError(relay.failure)
                 if relay.done:
                     break
         except UpstreamStreamError as exc:
@@ -291,8 +294,9 @@ class Exchange:
             except Exception as exc:  # noqa: BLE001 - the usage stands; only the last bytes failed
                 log.exception("stream %s: its last event could not be written", self.gen_id)
                 status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
+        settled = "upstream_error" if status == "success" and relay.upstream_failed else status
         await self._settle(
-            status, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
+            settled, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )
         if status == "success":
             return tail

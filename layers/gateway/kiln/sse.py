@@ -72,6 +72,8 @@ class SseRelay:
         self.first_chunk: dict[str, Any] | None = None
         self.relayed_tokens = 0
         self.finish_reason: str | None = None
+        self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
+        self.failure: str | None = None  # why the stream cannot end as the upstream ended it
 
     def feed(self, data: bytes) -> bytes:
         if not data:

@@ -80,6 +80,10 @@ class ModelApi:
     def finish_reason(self, answer: dict[str, Any]) -> str | None:
         return None
 
+    def failed(self, answer: dict[str, Any]) -> bool:
+        """Whether a 200 answer says the model server failed the request (settled as `upstream_error`)."""
+        return False
+
     # -- streaming (contract §7, §9) -----------------------------------------------------------
 
     def relay(self, *, client_wants_usage: bool, max_event_bytes: int) -> SseRelay:

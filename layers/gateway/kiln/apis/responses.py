@@ -24,6 +24,7 @@ __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
 
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _FINAL = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"')
+_ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # one token per non-empty delta of text, reasoning or tool-call arguments
 _DELTA = re.compile(rb'"delta"\s*:\s*"(?!")')
 
@@ -73,6 +74,9 @@ class ResponsesApi(ModelApi):
     def finish_reason(self, answer: dict[str, Any]) -> str | None:
         status = answer.get("status")
         return status if isinstance(status, str) else None
+
+    def failed(self, answer: dict[str, Any]) -> bool:
+        return answer.get("status") == "failed"
 
     def relay(self, *, client_wants_usage: bool, max_event_bytes: int) -> SseRelay:
         return ResponsesRelay(max_event_bytes=max_event_bytes)
@@ -125,20 +129,41 @@ class ResponsesRelay(SseRelay):
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if payload == b"[DONE]":
             return None  # a chat-style end marker: the Responses API has none (the SDK would stop at it)
-        if _FINAL.search(payload):
+        final_like = _FINAL.search(payload)
+        # read what may end the stream: what looks like a final or an error event, and any
+        # event with an escape (which can spell either type)
+        if final_like or _ERROR.search(payload) or b"\\u" in payload:
             data = parse_json(payload)
-            if isinstance(data, dict) and data.get("type") in FINAL_EVENTS and isinstance(data.get("response"), dict):
-                self.final = data
-                self.final_name = b"".join(line + b"\n" for line in event.split(b"\n") if line.startswith(b"event:"))
-                usage = data["response"].get("usage")
-                if isinstance(usage, dict):
-                    self.reported_usage = usage
-                status = data["response"].get("status")
-                self.finish_reason = status if isinstance(status, str) else None
-                self.done = True
-                return None
+            kind = data.get("type") if isinstance(data, dict) else None
+            if kind in FINAL_EVENTS:
+                if not isinstance(data["response"] if "response" in data else None, dict):
+                    return self._failed(f"its final event ({kind}) has no response object")
+                return self._final(event, data)
+            if kind == "error":  # the stream ends with the gateway's one error event (§9)
+                return self._failed("the model server sent an error event")
+            if final_like and data is None:
+                return self._failed("its final event is not JSON the gateway can read")
         self.relayed_tokens += len(_DELTA.findall(payload))
         return event
+
+    def _final(self, event: bytes, data: dict[str, Any]) -> None:
+        self.final = data
+        self.final_name = b"".join(line + b"\n" for line in event.split(b"\n") if line.startswith(b"event:"))
+        usage = data["response"].get("usage")
+        if isinstance(usage, dict):
+            self.reported_usage = usage
+        status = data["response"].get("status")
+        self.finish_reason = status if isinstance(status, str) else None
+        self.upstream_failed = data["type"] == "response.failed"
+        self.done = True
+        return None
+
+    def _failed(self, reason: str) -> None:
+        """The stream cannot end as the upstream ended it: nothing more is relayed, and the
+        request ends with the error event (the exchange reads `failure`)."""
+        self.failure = reason
+        self.done = True
+        return None
 
 
 API = ResponsesApi()
