@@ -57,3 +57,43 @@ def test_a_short_request_costs_no_renewal(stack_factory):
     writes = [op for op, payload in stack.faults.calls
               if op == "TransactWriteItems" or payload.get("TableName") == stack.settings.orgs_table and op != "GetItem"]
     assert writes == ["UpdateItem", "TransactWriteItems"]
+
+
+def test_a_client_that_stops_reading_is_bounded_by_the_total_time_and_keeps_its_lease(stack_factory, mock):
+    """A client that reads the headers and then nothing: the gateway's writes wait on it. The
+    request still ends within the model's total time (plus the keep-alive interval): it settles,
+    billed for what it relayed, and its slot is free. It once ran as long as the client held
+    the connection, its lease reclaimed as `abandoned` while it ran (the org then over its limit)."""
+    import json
+    import socket
+
+    from support import catalog_for_tests
+
+    catalog = catalog_for_tests(mock.url)
+    for entry in catalog["models"]:
+        if entry["id"] == "qwen3-32b":
+            entry["timeouts"] = {**entry.get("timeouts", {}), "first_byte": 2, "idle": 2, "total": 2}
+    stack = stack_factory(catalog=catalog, lease_ttl_seconds=LEASE_TTL, lease_renew_seconds=RENEW,
+                          keepalive_seconds=0.5)
+    org_id, key = stack.org(concurrency=1)
+    body = json.dumps({"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                       "mock": {"endless": True}}).encode()
+    host, port = stack.url.removeprefix("http://").split(":")
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect((host, int(port)))
+    started = time.monotonic()
+    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+                   + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert client.recv(12) == b"HTTP/1.1 200"  # then the client reads nothing more
+    try:
+        while not stack.events(org_id) and time.monotonic() - started < 8:
+            time.sleep(0.1)
+        ended = time.monotonic() - started
+        events = stack.events(org_id)
+        assert len(events) == 1 and events[0].status != "abandoned", [(e.status, e.error) for e in events]
+        assert ended < 2 + 0.5 + 2, ended  # the total time, the keep-alive, and the settle's own time
+        assert events[0].completion_tokens > 0 and events[0].cost > 0
+        assert stack.org_info(org_id).in_flight == 0
+    finally:
+        client.close()

@@ -85,7 +85,10 @@ class Exchange:
         self.upstream_name = upstream.backend.name
         self.record.backend_failures = len(upstream.failures)
         if self.call.stream:
-            return RelayResponse(self._relay(upstream), self.gen_id, on_close=self._never_relayed)
+            # the upstream's part is bounded by the model's total time (kiln.http1, _relay); the
+            # client's by the same, plus one keep-alive interval for the last bytes
+            deadline = upstream.sent_at + self.call.model.timeouts.total + self.gateway.settings.keepalive_seconds
+            return RelayResponse(self._relay(upstream), self.gen_id, on_close=self._never_relayed, deadline=deadline)
         try:
             return await self._buffered(upstream)
         except GatewayError as error:
@@ -263,7 +266,10 @@ class Exchange:
             upstream.broke()
             status, failure = "stream_interrupted", str(exc)
         except (asyncio.CancelledError, GeneratorExit):
-            await self._end_stream(upstream, relay, "client_disconnected", "the client disconnected")
+            late = time.monotonic() > deadline
+            await self._end_stream(upstream, relay, "client_disconnected",
+                                   "the client did not read the stream within the model's total time" if late
+                                   else "the client disconnected")
             raise
         except Exception as exc:  # a fault of ours: still settle, still end the stream clearly
             log.exception("stream %s failed inside the gateway", self.gen_id)

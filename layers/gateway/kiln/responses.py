@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from typing import AsyncGenerator, Awaitable, Callable, Mapping
 
 import anyio
@@ -42,6 +44,7 @@ class RelayResponse(Response):
     the upstream request and settle). A failed write closes the generator the same way.
     `on_close` runs last, whatever happened: a generator that never started (the client
     left before the first byte) never ran its own clean-up, and this is its owner's chance.
+    A `deadline` ends the stream the same way when the client reads too slowly to finish by then.
     """
 
     media_type = "text/event-stream"
@@ -52,9 +55,11 @@ class RelayResponse(Response):
         gen_id: str,
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], Awaitable[None]] | None = None,
+        deadline: float | None = None,
     ):
         self.body_iterator = body
         self.on_close = on_close
+        self.deadline = deadline  # time.monotonic() by which the stream is over, whatever the client reads
         self.status_code = 200
         self.background = None
         self.init_headers(
@@ -71,7 +76,10 @@ class RelayResponse(Response):
         # client's leaving and, when it does, cancels the stream's scope (an anyio scope, so
         # that the settle's shielded scopes hold against it). Stopping the listener when the
         # stream ends is a plain cancel: no task group to build and tear down per request.
-        streaming = anyio.CancelScope()
+        # A client that stops reading holds every write: past the deadline the stream is
+        # cancelled as if the client had left (its request settles; its lease never outlives it).
+        streaming = anyio.CancelScope(
+            deadline=math.inf if self.deadline is None else anyio.current_time() + self.deadline - time.monotonic())
 
         async def listen() -> None:
             try:
