@@ -428,3 +428,19 @@ def test_a_failed_response_is_billed_as_reported_and_settled_as_an_upstream_erro
     assert event.cost == (100 * Decimal("0.08") + 20 * Decimal("0.24")) / 1_000_000
     relayed = response.json() if not stream else json.loads(response.text.rstrip("\n").rsplit("data: ", 1)[1])["response"]
     assert Decimal(str(relayed["usage"]["cost"])) == event.cost  # the client still gets the failure, with its cost
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["then-done", "no-done"])
+def test_an_error_the_upstream_sends_mid_stream_ends_the_stream_with_the_error_event(stack, ledger, done):
+    """vLLM reports a failure after the 200 as a `data: {"error": …}` event: the client gets the
+    §5 error event (code upstream_error) once, never `[DONE]`, and the request is not a success."""
+    error = json.dumps({"error": {"object": "error", "message": "boom", "type": "BadRequestError", "code": 400}})
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True,
+            "mock": {"raw_events": [CONTENT, CONTENT, error], "no_done": not done}}
+    response = post(stack, ledger, CHAT, body)
+    events = data_events(response.text)
+    assert "[DONE]" not in events and "boom" not in response.text
+    assert [e["error"]["code"] for e in events if isinstance(e, dict) and "error" in e] == ["upstream_error"]
+    assert events[-1]["error"]["code"] == "upstream_error"
+    (event,) = ledger.check()
+    assert (event.status, event.completion_tokens) == ("stream_interrupted", 2)

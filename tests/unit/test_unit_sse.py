@@ -211,3 +211,24 @@ def test_an_event_just_under_the_bound_passes_whatever_the_pieces():
     event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 1000 + b'"}}]}\n\n'
     relay = SseRelay(client_wants_usage=False, max_event_bytes=len(event))
     assert fed_in_pieces(relay, event + event, piece=7) == event + event
+
+
+@pytest.mark.parametrize("error", [
+    b'{"error":{"object":"error","message":"boom","type":"BadRequestError","code":400}}',  # vLLM
+    b'{"object":"error","message":"boom","type":"InternalServerError","code":500}',
+    b'{"\\u0065rror":{"message":"boom"}}',
+])
+def test_an_error_the_upstream_sends_in_the_stream_ends_it_unrelayed(error):
+    out, relay = relay_all([ROLE + HELLO + b"data: " + error + b"\n\n" + HELLO + DONE])
+    assert out == ROLE + HELLO and relay.done and relay.failure
+
+
+@pytest.mark.parametrize("chunk", [
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"{\\"error\\": {\\"x\\": 1}}"},"finish_reason":null}]}',
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"caf\\u00e9"},"finish_reason":null}]}',
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}],"error":{"soft":1}}',
+])
+def test_content_that_only_mentions_an_error_is_relayed(chunk):
+    event = b"data: " + chunk + b"\n\n"
+    out, relay = relay_all([ROLE + event + DONE])
+    assert out == ROLE + event and relay.done and relay.failure is None

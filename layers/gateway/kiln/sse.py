@@ -31,6 +31,9 @@ _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")')
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
+# what an error the upstream sends in the stream looks like (vLLM: {"error": {...}}; older
+# servers: {"object": "error", ...}); an escape can spell it too
+_IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*\{|"object"\s*:\s*"error"|\\u')
 
 
 def error_event(message: str) -> bytes:
@@ -148,6 +151,11 @@ class SseRelay:
         if payload == b"[DONE]":
             self.done = True
             return None
+        if _IN_BAND_ERROR.search(payload) and _is_error(parse_json(payload)):
+            # the upstream failed mid-stream: the stream ends with the gateway's one error event (§5)
+            self.failure = "the model server sent an error in the stream"
+            self.done = True
+            return None
         if self.first_chunk is None:
             first = parse_json(payload)
             if isinstance(first, dict):
@@ -193,6 +201,12 @@ class SseRelay:
     def leftover(self) -> bytes:
         """Bytes of an event the upstream never finished (a cut stream)."""
         return b"".join(self._pending)
+
+
+def _is_error(data: Any) -> bool:
+    """An upstream's error event: an object that is an error, not a chunk."""
+    return isinstance(data, dict) and not data.get("choices") and (
+        isinstance(data.get("error"), dict) or data.get("object") == "error")
 
 
 def data_of(event: bytes) -> bytes | None:
