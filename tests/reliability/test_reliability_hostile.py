@@ -444,3 +444,34 @@ def test_an_error_the_upstream_sends_mid_stream_ends_the_stream_with_the_error_e
     assert events[-1]["error"]["code"] == "upstream_error"
     (event,) = ledger.check()
     assert (event.status, event.completion_tokens) == ("stream_interrupted", 2)
+
+
+def test_a_stream_whose_usage_is_below_what_it_relayed_is_billed_for_what_it_relayed(stack, ledger):
+    """Four texts relayed, `completion_tokens: 0` reported: the model cannot have written four
+    texts with no token (§4); the bill is the gateway's count, marked capped."""
+    usage = json.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 0}})
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [CONTENT] * 4 + [usage]}}
+    response = post(stack, ledger, CHAT, body)
+    assert data_events(response.text)[-1] == "[DONE]"
+    (event,) = ledger.check()
+    assert (event.status, event.usage_source, event.prompt_tokens, event.completion_tokens) == (
+        "success", "capped", 10, 4)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_long_text_in_one_delta_without_usage_is_billed_for_its_length(stack, ledger, api):
+    """4 000 characters in one delta, no usage: billed as the same text buffered would be
+    (4 characters a token), not 1 token."""
+    text = "x" * 4000
+    if api == "chat":
+        chunk = json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+        path, body = CHAT, {"model": MODEL, "messages": MESSAGES, "stream": True,
+                            "mock": {"raw_events": [chunk], "no_usage": True}}
+    else:
+        final = json.dumps({"type": "response.completed", "response": {"id": "r", "status": "completed", "output": []}})
+        path, body = "/v1/responses", {"model": MODEL, "input": "hi", "stream": True, "mock": {
+            "raw_events": [json.dumps({"type": "response.output_text.delta", "delta": text}), final], "no_done": True}}
+    response = post(stack, ledger, path, body)
+    assert response.status_code == 200
+    (event,) = ledger.check()
+    assert (event.status, event.usage_source, event.completion_tokens) == ("success", "estimated", 1000)

@@ -147,11 +147,11 @@ def test_every_event_is_relayed_as_sent_but_the_final_one_which_is_held_back():
     assert relay.final == json.loads(COMPLETED.split(b"data: ")[1])
     assert relay.final_name == b"event: response.completed\n"
     assert relay.reported_usage == USAGE and relay.finish_reason == "completed"
-    assert relay.relayed_tokens == 2  # "Hel" and the arguments; the empty delta does not count
+    assert relay.relayed_texts == 2  # "Hel" and the arguments; the empty delta does not count
     # and at every split point, the same
     for cut in range(1, len(stream)):
         again, other = relayed(stream[:cut], stream[cut:])
-        assert (again, other.final, other.final_name, other.relayed_tokens) == (out, relay.final, relay.final_name, 2), cut
+        assert (again, other.final, other.final_name, other.relayed_texts) == (out, relay.final, relay.final_name, 2), cut
 
 
 @pytest.mark.parametrize("kind, status", [("response.incomplete", "incomplete"), ("response.failed", "failed")])

@@ -239,3 +239,17 @@ def test_cost_keeps_at_most_the_38_digits_dynamodb_stores():
     pricing = Pricing(input=Decimal("0." + "3" * 45), output=Decimal(0))
     cost = cost_of(TokenUsage(7, 0), pricing)
     assert len(cost.as_tuple().digits) == 38 and cost == Decimal("0.000002" + "3" * 37)
+
+
+@pytest.mark.parametrize(("reported", "floor", "expected"), [
+    (0, 4, (5, "capped")),  # fewer than the texts relayed: the gateway's own count
+    (3, 4, (5, "capped")),
+    (4, 4, (4, "upstream")),
+    (9, 4, (9, "upstream")),
+    (0, 40, (16, "capped")),  # the bound still caps
+])
+def test_completion_tokens_below_the_texts_relayed_are_not_believed(reported, floor, expected):
+    usage, problems = billable_usage({"prompt_tokens": 7, "completion_tokens": reported}, BOUNDS,
+                                     prompt_estimate=lambda: 7, completion_count=lambda: 5, completion_floor=floor)
+    assert (usage.completion_tokens, usage.source) == expected
+    assert bool(problems) == (expected[1] == "capped")

@@ -56,7 +56,7 @@ def test_full_stream(wants_usage):
 def test_content_event_passes_byte_identical(event):
     out, relay = relay_all([event])
     assert out == event
-    assert relay.relayed_tokens == 1
+    assert relay.relayed_texts == 1
 
 
 # Regression: at dff3098, '"usage": null' (with a space) let \s* backtrack past (?!null) in
@@ -120,7 +120,7 @@ def test_multi_line_crlf_event_split_between_cr_and_lf():
     assert relay_all([stream[:cut], stream[cut:]])[0] == whole
 
 
-def test_relayed_tokens_count_each_non_empty_text_delta():
+def test_each_non_empty_text_delta_is_relayed_text_and_at_least_a_token():
     events = [
         b'data: {"choices":[{"delta":{"content":null,"tool_calls":[{"function":{"arguments":"{\\"a\\""}}]}}]}\n\n',
         b'data: {"choices":[{"text":"once","finish_reason":null}]}\n\n',  # /v1/completions
@@ -128,7 +128,18 @@ def test_relayed_tokens_count_each_non_empty_text_delta():
         b'data: {"choices":[{"delta":{"content":""}}]}\n\n',
         b'data: {"choices":[{"delta":{"content":null}}]}\n\n',
     ]
-    assert relay_all(events)[1].relayed_tokens == 3
+    relay = relay_all(events)[1]
+    assert relay.relayed_texts == 3
+    assert relay.relayed_tokens == 4  # `{\"a\"` is 7 bytes as sent: 2 tokens; "once" and "r" 1 each
+
+
+@pytest.mark.parametrize("length", [1, 4, 5, 4000])
+def test_a_long_text_delta_counts_a_token_per_4_bytes(length):
+    """A model server that sends its whole answer in one delta (and no usage) is billed for it,
+    as the same answer buffered would be: not 1 token for 4 000 characters."""
+    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * length + b'"}}]}\n\n'
+    relay = relay_all([event, DONE])[1]
+    assert (relay.relayed_texts, relay.relayed_tokens) == (1, -(-length // 4))
 
 
 def test_finish_reason_is_the_last_one_seen():

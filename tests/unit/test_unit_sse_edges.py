@@ -224,4 +224,4 @@ def test_an_unreadable_content_chunk_carrying_usage_keeps_its_content():
     chunk = (b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hello"},"logprob":NaN}],'
              b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n')
     out, relay = relay_all([chunk, DONE])
-    assert out == chunk and relay.relayed_tokens == 1 and relay.usage is None
+    assert out == chunk and relay.relayed_texts == 1 and relay.usage is None

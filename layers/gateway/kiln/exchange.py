@@ -198,9 +198,10 @@ class Exchange:
             self._prompt_estimate = self.call.api.estimate_prompt(self.call.body)
         return self._prompt_estimate
 
-    def _billable(self, reported: Any, completion_count: Callable[[], int]) -> TokenUsage:
+    def _billable(self, reported: Any, completion_count: Callable[[], int], completion_floor: int = 0) -> TokenUsage:
         usage, problems = billable_usage(
-            self.call.api.reported_usage(reported), self.bounds, prompt_estimate=self.prompt_estimate, completion_count=completion_count
+            self.call.api.reported_usage(reported), self.bounds, prompt_estimate=self.prompt_estimate,
+            completion_count=completion_count, completion_floor=completion_floor,
         )
         if problems:
             log.warning(json.dumps({"event": "usage_capped", "generation_id": self.gen_id, "model": self.call.model.id,
@@ -287,7 +288,7 @@ class Exchange:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
         try:
-            usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens)
+            usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens, relay.relayed_texts)
         except Exception as exc:  # noqa: BLE001 - a bug here must not skip the settle
             log.exception("stream %s could not be billed as reported", self.gen_id)
             status, error = "gateway_error", f"gateway error: {type(exc).__name__}"

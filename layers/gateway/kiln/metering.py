@@ -111,12 +111,15 @@ def billable_usage(
     *,
     prompt_estimate: Callable[[], int],
     completion_count: Callable[[], int],
+    completion_floor: int = 0,
 ) -> tuple[TokenUsage, list[str]]:
     """The usage to bill, and what was wrong with the reported one (empty when believed).
 
     No usage reported: the gateway's own count and estimate (`estimated`). A reported count
-    that is not a non-negative integer or exceeds its bound: that count is replaced by the
-    gateway's own, capped at the bound (`capped`). Cached tokens count only when plausible.
+    that is not a non-negative integer, exceeds its bound, or (completion tokens) is below
+    `completion_floor`, the fewest the relayed output can be (a token per text relayed): that
+    count is replaced by the gateway's own, capped at the bound (`capped`). Cached tokens
+    count only when plausible.
     """
     if not isinstance(reported, dict) or (
         reported.get("prompt_tokens") is None and reported.get("completion_tokens") is None
@@ -129,9 +132,10 @@ def billable_usage(
         problems.append(f"prompt_tokens {_implausible(prompt, bounds.prompt)}")
         prompt = min(prompt_estimate(), bounds.prompt)
     completion = reported.get("completion_tokens")
-    if not (_count(completion) and completion <= bounds.completion):
-        problems.append(f"completion_tokens {_implausible(completion, bounds.completion)}")
-        completion = min(completion_count(), bounds.completion)
+    floor = min(completion_floor, bounds.completion)
+    if not (_count(completion) and floor <= completion <= bounds.completion):
+        problems.append(f"completion_tokens {_implausible(completion, bounds.completion, floor)}")
+        completion = min(max(completion_count(), floor), bounds.completion)
     details = reported.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if not (_count(cached) and cached <= prompt):
@@ -139,7 +143,9 @@ def billable_usage(
     return TokenUsage(prompt, completion, cached, "capped" if problems else "upstream"), problems
 
 
-def _implausible(value: Any, bound: int) -> str:
+def _implausible(value: Any, bound: int, floor: int = 0) -> str:
+    if _count(value) and value < floor:
+        return f"below the {floor} texts relayed"
     if _count(value):
         return f"above the bound of {bound}"
     return f"not a count ({type(value).__name__})"

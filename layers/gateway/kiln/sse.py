@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from .jsonio import dumps, loads_strict
-from .metering import TokenUsage
+from .metering import CHARS_PER_TOKEN, TokenUsage
 from .upstream import UpstreamStreamError
 
 __all__ = [
@@ -29,7 +29,8 @@ KEEPALIVE = b": keepalive\n\n"
 
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
-_TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")')
+# a non-empty text of a chunk (its content, reasoning or tool-call arguments), as sent
+_TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 # what an error the upstream sends in the stream looks like (vLLM: {"error": {...}}; older
 # servers: {"object": "error", ...}); an escape can spell it too
@@ -73,7 +74,8 @@ class SseRelay:
         self.reported_usage: dict[str, Any] | None = None  # its usage object, as the upstream sent it
         self.usage: TokenUsage | None = None
         self.first_chunk: dict[str, Any] | None = None
-        self.relayed_tokens = 0
+        self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
+        self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
         self.failure: str | None = None  # why the stream cannot end as the upstream ended it
@@ -127,6 +129,13 @@ class SseRelay:
                     out.append(b"\n\n")
         return b"".join(out)
 
+    def _count(self, texts: re.Pattern[bytes], payload: bytes) -> None:
+        """Count the texts an event relays: at least one token each, and one per 4 bytes of
+        text as sent (the estimate buffered answers get, §4)."""
+        for text in texts.findall(payload):
+            self.relayed_texts += 1
+            self.relayed_tokens += max(1, -(-len(text) // CHARS_PER_TOKEN))
+
     def _oversize(self) -> None:
         self._pending, self._pending_size = [], 0  # nothing of it is kept
         raise EventTooLarge(f"an SSE event over {self._max_event_bytes} bytes")
@@ -162,7 +171,7 @@ class SseRelay:
                 self.first_chunk = first
         if _USAGE_PRESENT.search(payload):
             return self._usage(event, payload)
-        self.relayed_tokens += len(_TEXT_DELTA.findall(payload))
+        self._count(_TEXT_DELTA, payload)
         finish = _FINISH_REASON.findall(payload)
         if finish:
             self.finish_reason = finish[-1].decode(errors="replace")
@@ -176,7 +185,7 @@ class SseRelay:
             # a client that asked for usage; a content chunk carrying usage is passed on as it
             # came (its content is the client's: §7).
             if self._client_wants_usage or (b'"choices"' in payload and not _NO_CHOICES.search(payload)):
-                self.relayed_tokens += len(_TEXT_DELTA.findall(payload))
+                self._count(_TEXT_DELTA, payload)
                 return event
             return None
         if isinstance(chunk.get("usage"), dict):
@@ -189,7 +198,7 @@ class SseRelay:
                 self.usage_chunk = chunk
             return None
         # usage riding on a content chunk (continuous usage stats): keep the content
-        self.relayed_tokens += len(_TEXT_DELTA.findall(payload))
+        self._count(_TEXT_DELTA, payload)
         for choice in choices:
             if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
                 self.finish_reason = choice["finish_reason"]

@@ -25,8 +25,8 @@ __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _FINAL = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"')
 _ERROR = re.compile(rb'"type"\s*:\s*"error"')
-# one token per non-empty delta of text, reasoning or tool-call arguments
-_DELTA = re.compile(rb'"delta"\s*:\s*"(?!")')
+# a non-empty delta of text, reasoning or tool-call arguments (counted as chat's texts are)
+_DELTA = re.compile(rb'"delta"\s*:\s*"((?:[^"\\]|\\.)+)"')
 
 
 class ResponsesApi(ModelApi):
@@ -143,7 +143,7 @@ class ResponsesRelay(SseRelay):
                 return self._failed("the model server sent an error event")
             if final_like and data is None:
                 return self._failed("its final event is not JSON the gateway can read")
-        self.relayed_tokens += len(_DELTA.findall(payload))
+        self._count(_DELTA, payload)
         return event
 
     def _final(self, event: bytes, data: dict[str, Any]) -> None:
