@@ -226,6 +226,19 @@ def test_a_span_of_93_days_and_offsets_are_accepted(stack, busy_org):
     assert usage["total"]["requests"] == 4 and usage["until"].endswith("Z")
 
 
+def test_a_span_before_the_year_1000_is_echoed_in_rfc_3339_and_read_in_order(stack, busy_org):
+    """Years before 1000 once lost their leading zero ("999-12-01T…"): not RFC 3339, and a
+    read whose lower bound sorted above its upper one (which DynamoDB refuses)."""
+    _, key, _ = busy_org
+    stack.faults.calls.clear()
+    usage = get(stack, "/v1/usage", key, since="0999-12-01", until="1000-01-15").json()
+    assert (usage["since"], usage["until"]) == ("0999-12-01T00:00:00.000Z", "1000-01-15T00:00:00.000Z")
+    assert usage["total"]["requests"] == 0
+    bounds = [payload["ExpressionAttributeValues"] for op, payload in stack.faults.calls
+              if op == "Query" and payload.get("TableName") == stack.settings.usage_table]
+    assert bounds and all(b[":since"]["S"] <= b[":until"]["S"] for b in bounds if ":until" in b), bounds
+
+
 # -- hostile parameters: never a 5xx, always the contract's error shape ---------------------------
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any, Callable, Iterable
 
+from .store.clock import stored_time
 from .store.usage import UsageEvent
 
 __all__ = ["COLUMNS", "GROUPINGS", "KeySpend", "Line", "Summary", "in_span", "parse_time", "stored_time", "summarize"]
@@ -101,12 +102,6 @@ def summarize(events: Iterable[UsageEvent], by: str, progress: Callable[[int], N
 def in_span(event: UsageEvent, until: str | None) -> bool:
     """The index reads `since`..`until` inclusive; a report's `until` is exclusive."""
     return until is None or event.created_at < until
-
-
-def stored_time(moment: datetime) -> str:
-    """A time in the stored form (ISO 8601, UTC, milliseconds), which sorts as time."""
-    moment = moment.astimezone(timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def parse_time(text: str) -> str:

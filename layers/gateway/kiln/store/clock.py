@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-__all__ = ["epoch_of", "iso_ms", "now"]
+__all__ = ["epoch_of", "iso_ms", "now", "stored_time"]
 
 
 def now() -> float:
@@ -13,8 +13,15 @@ def now() -> float:
 
 
 def iso_ms(epoch_seconds: float) -> str:
-    moment = datetime.fromtimestamp(epoch_seconds, timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    return stored_time(datetime.fromtimestamp(epoch_seconds, timezone.utc))
+
+
+def stored_time(moment: datetime) -> str:
+    """A moment in the stored form. The year has its four digits whatever it is (strftime's
+    %Y does not pad years before 1000 on every platform): stored times sort as time."""
+    moment = moment.astimezone(timezone.utc)
+    return (f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}T{moment.hour:02d}:{moment.minute:02d}:"
+            f"{moment.second:02d}.{moment.microsecond // 1000:03d}Z")
 
 
 def epoch_of(stored: str) -> float:
