@@ -80,6 +80,25 @@ def test_spend_limit_is_a_number_or_a_decimal_string_and_defaults_apply(stack):
     assert (bare["spend_period"], bare["period_resets_at"]) == ("total", None)
 
 
+@pytest.mark.parametrize("written", ["123456789012345678901234567890.12345678", "0.1000000000000000000001",
+                                     "1.5e-20", "2E+3"])
+def test_a_spend_limit_written_as_a_json_number_is_kept_exactly(stack, written):
+    """§10: amounts are decimals. A JSON number once went through a float on the way in:
+    123456789012345678901234567890.12345678 became 123456789012345680000000000000."""
+    import json
+    from decimal import Decimal
+
+    _, admin = management_org(stack)
+    raw = b'{"spend_limit": ' + written.encode() + b"}"
+    made = stack.http.post("/v1/keys", content=raw, headers={"Authorization": f"Bearer {admin}",
+                                                            "Content-Type": "application/json"})
+    assert made.status_code == 201, made.text
+    kept = json.loads(made.text, parse_float=Decimal)["spend_limit"]
+    assert Decimal(kept) == Decimal(written)
+    listed = call(stack, "GET", f"/v1/keys/{made.json()['id']}", admin)
+    assert Decimal(json.loads(listed.text, parse_float=Decimal)["spend_limit"]) == Decimal(written)
+
+
 def test_patch_changes_what_is_given_and_null_clears(stack):
     _, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"label": "a", "spend_limit": 5, "concurrency": 2}).json()

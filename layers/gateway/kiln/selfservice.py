@@ -100,12 +100,14 @@ class _DuplicateName(ValueError):
 
 
 async def _read_body(request: Request, limit: int) -> Any:
-    """The body as read_json reads it, and 400 invalid_json if an object in it names a member
-    twice: JSON parsers keep the first or the last, so the key made would depend on who read it."""
+    """The body as read_json accepts it, its fractional numbers as Decimals, and 400
+    invalid_json if an object in it names a member twice: JSON parsers keep the first or the
+    last, so the key made would depend on who read it."""
     kept = _Kept(request)
     document = await read_json(kept, limit)  # type: ignore[arg-type]
     try:
-        json.loads(bytes(kept.raw), object_pairs_hook=_unique_names)
+        # read again, numbers with a fraction or exponent as Decimals: an amount is kept exactly (§10)
+        return json.loads(bytes(kept.raw), object_pairs_hook=_unique_names, parse_float=Decimal)
     except _DuplicateName as duplicate:
         name = duplicate.name if len(duplicate.name) <= 64 else duplicate.name[:64] + "…"
         raise InvalidJson(f"The request body names {json.dumps(name)} more than once; give each attribute "
