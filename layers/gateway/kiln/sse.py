@@ -76,6 +76,7 @@ class SseRelay:
         self.first_chunk: dict[str, Any] | None = None
         self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
         self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
+        self._text_bytes = 0  # their length, as sent
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
         self.failure: str | None = None  # why the stream cannot end as the upstream ended it
@@ -130,11 +131,14 @@ class SseRelay:
         return b"".join(out)
 
     def _count(self, texts: re.Pattern[bytes], payload: bytes) -> None:
-        """Count the texts an event relays: at least one token each, and one per 4 bytes of
-        text as sent (the estimate buffered answers get, §4)."""
+        """Count the texts an event relays. The tokens relayed are at least one a text (model
+        servers stream a token or more at a time) and at least one per 4 bytes of all the
+        text as sent (the estimate a buffered answer gets, §4): a server that sends its whole
+        answer in one delta is counted by its length."""
         for text in texts.findall(payload):
             self.relayed_texts += 1
-            self.relayed_tokens += max(1, -(-len(text) // CHARS_PER_TOKEN))
+            self._text_bytes += len(text)
+        self.relayed_tokens = max(self.relayed_texts, -(-self._text_bytes // CHARS_PER_TOKEN))
 
     def _oversize(self) -> None:
         self._pending, self._pending_size = [], 0  # nothing of it is kept
