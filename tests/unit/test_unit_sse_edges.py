@@ -225,3 +225,20 @@ def test_an_unreadable_content_chunk_carrying_usage_keeps_its_content():
              b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n')
     out, relay = relay_all([chunk, DONE])
     assert out == chunk and relay.relayed_texts == 1 and relay.usage is None
+
+
+def test_the_usage_chunk_a_client_gets_states_the_usage_billed_when_later_usage_replaced_it():
+    """A usage chunk (3 tokens), then a content chunk carrying usage (50): the bill is the last
+    reported, and the usage chunk the client gets says the same, cost included."""
+    from decimal import Decimal
+
+    from kiln.apis.chat import API as CHAT_API
+
+    relay = SseRelay(client_wants_usage=True)
+    relay.feed(b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
+               b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"}}],'
+               b'"usage":{"prompt_tokens":5,"completion_tokens":50}}\n\n')
+    assert relay.reported_usage == {"prompt_tokens": 5, "completion_tokens": 50}
+    tail = CHAT_API.stream_tail(relay, TokenUsage(5, 50, None, "upstream"), Decimal("0.001"), True)
+    sent = json.loads(tail.split(b"\n\n")[0][len(b"data: "):])
+    assert (sent["usage"]["completion_tokens"], sent["usage"]["cost"]) == (50, 0.001)

@@ -160,11 +160,13 @@ class ChatStyleApi(ModelApi):
         return None
 
     def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
-        """The usage chunk for a client that asked for it (the upstream's own, cost added, if it
-        was believed; else one the gateway writes with what it billed), then `[DONE]`."""
+        """The usage chunk for a client that asked for it (the upstream's own, cost added, if its
+        usage is the one billed and was believed; else one the gateway writes with what it
+        billed: a later content chunk may have carried other usage), then `[DONE]`."""
         if not client_wants_usage:
             return DONE
-        if relay.usage_chunk is not None and usage.source == "upstream":
+        if (relay.usage_chunk is not None and usage.source == "upstream"
+                and relay.usage_chunk.get("usage") is relay.reported_usage):
             return usage_event(relay.usage_chunk, {**relay.usage_chunk["usage"], "cost": cost}) + DONE
         return usage_event(relay.usage_chunk or relay.first_chunk or {}, usage.as_openai(cost)) + DONE
 
