@@ -130,16 +130,16 @@ def test_each_non_empty_text_delta_is_relayed_text_and_at_least_a_token():
     ]
     relay = relay_all(events)[1]
     assert relay.relayed_texts == 3
-    assert relay.relayed_tokens == 3  # a token a text: more than their 12 bytes ÷ 4
+    assert relay.relayed_tokens == 3  # each text no longer than a token: one each
 
 
-@pytest.mark.parametrize("length", [1, 4, 5, 4000])
-def test_a_long_text_delta_counts_a_token_per_4_bytes_of_it(length):
+@pytest.mark.parametrize(("length", "tokens"), [(1, 1), (16, 1), (17, 5), (4000, 1000)])
+def test_a_text_delta_longer_than_a_token_counts_a_token_per_4_bytes_of_it(length, tokens):
     """A model server that sends its whole answer in one delta (and no usage) is billed for it,
     as the same answer buffered would be: not 1 token for 4 000 characters."""
     event = b'data: {"choices":[{"delta":{"content":"' + b"x" * length + b'"}}]}\n\n'
     relay = relay_all([event, DONE])[1]
-    assert (relay.relayed_texts, relay.relayed_tokens) == (1, -(-length // 4))
+    assert (relay.relayed_texts, relay.relayed_tokens) == (1, tokens)
 
 
 def test_finish_reason_is_the_last_one_seen():

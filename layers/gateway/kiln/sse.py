@@ -31,6 +31,8 @@ _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # a non-empty text of a chunk (its content, reasoning or tool-call arguments), as sent
 _TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"((?:[^"\\]|\\.)+)"')
+# the longest text a single token is (as sent, escapes included): longer deltas hold several
+TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 # what an error the upstream sends in the stream looks like (vLLM: {"error": {...}}; older
 # servers: {"object": "error", ...}); an escape can spell it too
@@ -76,7 +78,6 @@ class SseRelay:
         self.first_chunk: dict[str, Any] | None = None
         self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
         self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
-        self._text_bytes = 0  # their length, as sent
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
         self.failure: str | None = None  # why the stream cannot end as the upstream ended it
@@ -131,14 +132,12 @@ class SseRelay:
         return b"".join(out)
 
     def _count(self, texts: re.Pattern[bytes], payload: bytes) -> None:
-        """Count the texts an event relays. The tokens relayed are at least one a text (model
-        servers stream a token or more at a time) and at least one per 4 bytes of all the
-        text as sent (the estimate a buffered answer gets, §4): a server that sends its whole
-        answer in one delta is counted by its length."""
+        """Count the texts an event relays, and their tokens: model servers stream a token at a
+        time, so a text no longer than a token (`TOKEN_BYTES`) counts one; a longer one (a
+        server that sends its answer in one piece) counts as text is estimated, 4 bytes a token."""
         for text in texts.findall(payload):
             self.relayed_texts += 1
-            self._text_bytes += len(text)
-        self.relayed_tokens = max(self.relayed_texts, -(-self._text_bytes // CHARS_PER_TOKEN))
+            self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else -(-len(text) // CHARS_PER_TOKEN)
 
     def _oversize(self) -> None:
         self._pending, self._pending_size = [], 0  # nothing of it is kept
