@@ -154,6 +154,22 @@ def test_an_event_of_exactly_the_bound_passes_whole_or_unfinished(size):
             relay_all(chunks, max_event_bytes=size)
 
 
+@pytest.mark.parametrize("shape", ["whole", "unfinished"])
+def test_the_events_before_one_over_the_bound_in_the_same_read_are_handed_over(shape):
+    """They were counted as relayed: they reach the client before the error event."""
+    big = b"data: " + b"y" * 3000 + (b"\n\n" if shape == "whole" else b"")
+    relay = SseRelay(client_wants_usage=False, max_event_bytes=2048)
+    with pytest.raises(EventTooLarge) as raised:
+        relay.feed(HELLO + HELLO + big)
+    assert raised.value.relayed == HELLO + HELLO and relay.relayed_texts == 2
+
+
+def test_what_follows_done_in_the_same_read_is_ignored_whatever_its_size():
+    relay = SseRelay(client_wants_usage=False, max_event_bytes=2048)
+    assert relay.feed(HELLO + b"data: [DONE]\n\n" + b"data: " + b"z" * 3000) == HELLO
+    assert relay.done and relay.leftover() == b""
+
+
 def test_leftover_is_every_piece_of_the_unfinished_event():
     out, relay = relay_all([HELLO, b'data: {"choices"', b':[{"delta"', b':{"con'])
     assert out == HELLO

@@ -28,7 +28,7 @@ from .normalize import ModelCall
 from .observability import RequestRecord
 from .responses import LastPiece, RelayResponse, error_response, json_response
 from .shielded import to_the_end
-from .sse import KEEPALIVE, SseRelay
+from .sse import KEEPALIVE, EventTooLarge, SseRelay
 from .store import Lease, UsageEvent
 from .store.clock import iso_ms
 from .store.renewal import LeaseKeeper
@@ -251,7 +251,12 @@ class Exchange:
                 if piece is None:
                     out = KEEPALIVE  # silent for the interval
                 else:
-                    out = relay.feed(piece)
+                    try:
+                        out = relay.feed(piece)
+                    except EventTooLarge as exc:
+                        if exc.relayed:  # the events before the one over the bound are the client's
+                            yield exc.relayed
+                        raise
                     if out and self.ttfb_ms is None:
                         self.ttfb_ms = int((now - self.started) * 1000)
                     elif not out and now - sent_at >= keepalive:

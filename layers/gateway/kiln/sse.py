@@ -53,7 +53,12 @@ def usage_event(template: dict[str, Any], usage: dict[str, Any]) -> bytes:
 
 
 class EventTooLarge(UpstreamStreamError):
-    """One SSE event went beyond the model's bound (contract §5): the stream ends with the error event."""
+    """One SSE event went beyond the model's bound (contract §5): the stream ends with the error
+    event, after `relayed`, the events that came before it in the same read."""
+
+    def __init__(self, message: str, *, relayed: bytes = b"") -> None:
+        super().__init__(message)
+        self.relayed = relayed
 
 
 class SseRelay:
@@ -113,22 +118,22 @@ class SseRelay:
             self._pending = []
         else:
             complete = data[:end]
-        rest = data[end:]
-        self._pending_size = len(rest)
-        if rest:
-            self._pending.append(rest)
-            if self._pending_size > self._max_event_bytes:
-                self._oversize()
         self.bytes_scanned += 2 * len(complete)  # joined, then split
-        out = []
+        out: list[bytes] = []
         for event in complete.split(b"\n\n"):
             if len(event) > self._max_event_bytes:
-                self._oversize()
+                self._oversize(out)
             if event.strip(b"\n"):
                 forwarded = self._event(event.strip(b"\n"))
                 if forwarded:
                     out.append(forwarded)
                     out.append(b"\n\n")
+        rest = data[end:] if not self.done else b""  # after the stream's end nothing counts
+        self._pending_size = len(rest)
+        if rest:
+            self._pending.append(rest)
+            if self._pending_size > self._max_event_bytes:
+                self._oversize(out)
         return b"".join(out)
 
     def _count(self, texts: re.Pattern[bytes], payload: bytes) -> None:
@@ -139,9 +144,11 @@ class SseRelay:
             self.relayed_texts += 1
             self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else -(-len(text) // CHARS_PER_TOKEN)
 
-    def _oversize(self) -> None:
-        self._pending, self._pending_size = [], 0  # nothing of it is kept
-        raise EventTooLarge(f"an SSE event over {self._max_event_bytes} bytes")
+    def _oversize(self, before: list[bytes] | None = None) -> None:
+        """The event is over the bound: nothing of it is kept, and what the same read held
+        before it is handed over with the error (it is the client's, and counted)."""
+        self._pending, self._pending_size = [], 0
+        raise EventTooLarge(f"an SSE event over {self._max_event_bytes} bytes", relayed=b"".join(before or ()))
 
     def _event(self, event: bytes) -> bytes | None:
         """One upstream event: relayed as it came, unless it is [DONE] or carries usage.
