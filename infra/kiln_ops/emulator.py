@@ -1,6 +1,6 @@
 """The embedded AWS for the local stack and the tests: moto's server, made faithful enough.
 
-Three things are changed from plain moto, each because the gateway depends on it:
+These things are changed from plain moto, each because the gateway depends on it:
 
 1. **Serialized.** moto's DynamoDB is not atomic under concurrency (a `< 8` condition let
    15 of 32 concurrent callers through). One lock around request handling makes every
@@ -19,6 +19,9 @@ Three things are changed from plain moto, each because the gateway depends on it
    the last 10 minutes is answered as the first one was and not applied again (the same
    parameters), refused with `IdempotentParameterMismatchException` (others), or with
    `TransactionInProgressException` while the first is still being applied.
+5. **Atomic updates.** An `UpdateItem` is applied whole or not at all: moto applies its
+   actions one by one, so one refused (a sum out of range, an item over 400 KB) left those
+   before it written (a refused admission's lease stayed, a slot AWS would never take).
 
 And, only when asked (`kiln emulator --faults …`, `kiln dev --faults …`, or
 `KILN_EMULATOR_FAULTS`), DynamoDB under contention (`Faults`): transactions that take time,
@@ -126,7 +129,35 @@ def patch_moto() -> None:
     DynamoType.__add__ = add  # type: ignore[method-assign]
     DynamoType.__sub__ = sub  # type: ignore[method-assign]
     DynamoDBBackend.transact_write_items = _transact_write_items  # type: ignore[method-assign]
+    global _plain_update_item
+    _plain_update_item = DynamoDBBackend.update_item
+    DynamoDBBackend.update_item = _atomic(_plain_update_item)  # type: ignore[method-assign]
     _patched = True
+
+
+_plain_update_item: Any = None  # moto's own, for transactions (which back up what they write)
+
+
+def _atomic(update_item: Any) -> Any:
+    """UpdateItem as DynamoDB applies it, all its actions or none: moto applies them one by
+    one, so one refused (a sum out of range, an item over 400 KB) left those before it written."""
+
+    def atomic_update_item(self: Any, table_name: str, key: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        table = self.get_table(table_name)
+        hash_value, range_value = self.get_keys_value(table, key)
+        before = table.get_item(hash_value, range_value)
+        saved = copy.deepcopy(before.attrs) if before is not None else None
+        try:
+            return update_item(self, table_name, key, *args, **kwargs)
+        except Exception:
+            after = table.get_item(hash_value, range_value)
+            if saved is None and after is not None:
+                table.delete_item(hash_value, range_value)
+            elif after is not None:
+                after.attrs = saved
+            raise
+
+    return atomic_update_item
 
 
 def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> None:
@@ -195,7 +226,8 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
             elif op_type == "Delete":
                 self.delete_item(table_name, key)
             else:
-                self.update_item(
+                _plain_update_item(
+                    self,
                     table_name,
                     key,
                     update_expression=op["UpdateExpression"],

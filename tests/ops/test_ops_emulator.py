@@ -65,7 +65,9 @@ def test_a_settle_backs_up_only_the_items_it_writes_however_full_the_tables(stac
     org_id, _ = stack.org()
     _admit_and_settle(stack, org_id)
     empty_table_copies = len(counted_backups)
-    assert empty_table_copies == 1  # the org item; the usage event is new, nothing to back up
+    # the org item twice: the admission's UpdateItem (to undo it if refused) and the settle's
+    # transaction; the usage event is new, nothing to back up
+    assert empty_table_copies == 2
 
     _fill_usage_table(stack, 3000)
     counted_backups.clear()
@@ -382,3 +384,23 @@ def test_an_operators_top_up_is_retried_past_the_settles_it_conflicts_with(fault
     for _ in range(10):
         add_credits(tables, "busy", Decimal("0.1"))
     assert get_org(tables, "busy").credits == Decimal("1.5")  # each top-up applied exactly once
+
+
+@pytest.mark.parametrize("refused", ["overflow", "too-large"])
+def test_an_update_dynamodb_refuses_writes_none_of_its_actions(stack, refused):
+    """An UpdateItem is atomic: when one of its actions is refused (a sum DynamoDB cannot
+    hold, an item over 400 KB), the actions before it are not applied either. The emulator
+    once applied them: a refused admission left its lease behind, a slot AWS never takes."""
+    org_id, _ = stack.org(credits="1")
+    client, table = stack.tables.client, stack.settings.orgs_table
+    key = {"org_id": {"S": org_id}}
+    client.update_item(TableName=table, Key=key, UpdateExpression="SET big = :v",
+                       ExpressionAttributeValues={":v": {"N": _LARGEST}})
+    before = client.get_item(TableName=table, Key=key, ConsistentRead=True)["Item"]
+    if refused == "overflow":
+        update, values = "SET marker = :m ADD big :one", {":m": {"S": "x"}, ":one": {"N": "1E+125"}}
+    else:
+        update, values = "SET marker = :m, filler = :f", {":m": {"S": "x"}, ":f": {"S": "y" * 410_000}}
+    _validation_error(lambda: client.update_item(TableName=table, Key=key, UpdateExpression=update,
+                                                 ExpressionAttributeValues=values))
+    assert client.get_item(TableName=table, Key=key, ConsistentRead=True)["Item"] == before
