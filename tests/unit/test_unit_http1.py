@@ -60,6 +60,11 @@ def answering(raw: bytes, *, then_wait: float = 0.0):
     return handler
 
 
+async def silent(reader, writer):
+    """A server that accepts, then neither reads nor answers."""
+    await asyncio.sleep(5)
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -144,9 +149,6 @@ def test_silence_beyond_the_read_timeout_is_a_timeout():
 
 
 def test_refused_and_unanswered_connections():
-    async def silent(reader, writer):
-        await asyncio.sleep(5)
-
     async def main():
         http = client()
         async with server(silent) as (url, _):
@@ -523,12 +525,9 @@ def test_a_1xx_after_the_answer_leaves_the_answer_whole_and_the_connection_unuse
 
 def test_a_request_the_server_does_not_read_is_a_timeout_and_its_connection_is_dropped():
     """Sending is bounded too: a body the kernel cannot take (a server that reads nothing) times out."""
-    async def reads_nothing(reader, writer):
-        await asyncio.sleep(5)
-
     async def main():
         http = client()
-        async with server(reads_nothing) as (url, _):
+        async with server(silent) as (url, _):
             started = time.monotonic()
             with pytest.raises(Timeout, match="could not be sent in time"):
                 await http.request("POST", url, headers={}, body=b"x" * (64 << 20), read_timeout=0.3)
