@@ -166,7 +166,7 @@ def cost_of(usage: TokenUsage, pricing: Pricing) -> Decimal:
     return _STORED.plus(exact.divide(total, PER_MILLION))
 
 
-def estimate_text_tokens(text: str) -> int:
+def estimate_text_tokens(text: str | bytes) -> int:
     return -(-len(text) // CHARS_PER_TOKEN) if text else 0
 
 

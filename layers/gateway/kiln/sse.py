@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from .jsonio import dumps, loads_strict
-from .metering import CHARS_PER_TOKEN, TokenUsage
+from .metering import TokenUsage, estimate_text_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
@@ -142,7 +142,14 @@ class SseRelay:
         server that sends its answer in one piece) counts as text is estimated, 4 bytes a token."""
         for text in texts.findall(payload):
             self.relayed_texts += 1
-            self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else -(-len(text) // CHARS_PER_TOKEN)
+            self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
+
+    def _failed(self, reason: str) -> None:
+        """The stream cannot end as the upstream ended it: nothing more is relayed, and the
+        request ends with the error event (the exchange reads `failure`)."""
+        self.failure = reason
+        self.done = True
+        return None
 
     def _oversize(self, before: list[bytes] | None = None) -> None:
         """The event is over the bound: nothing of it is kept, and what the same read held
@@ -172,9 +179,7 @@ class SseRelay:
             return None
         if _IN_BAND_ERROR.search(payload) and _is_error(parse_json(payload)):
             # the upstream failed mid-stream: the stream ends with the gateway's one error event (§5)
-            self.failure = "the model server sent an error in the stream"
-            self.done = True
-            return None
+            return self._failed("the model server sent an error in the stream")
         if self.first_chunk is None:
             first = parse_json(payload)
             if isinstance(first, dict):

@@ -136,7 +136,7 @@ class ResponsesRelay(SseRelay):
             data = parse_json(payload)
             kind = data.get("type") if isinstance(data, dict) else None
             if kind in FINAL_EVENTS:
-                if not isinstance(data["response"] if "response" in data else None, dict):
+                if not isinstance(data.get("response"), dict):
                     return self._failed(f"its final event ({kind}) has no response object")
                 return self._final(event, data)
             if kind == "error":  # the stream ends with the gateway's one error event (§9)
@@ -155,13 +155,6 @@ class ResponsesRelay(SseRelay):
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
-        self.done = True
-        return None
-
-    def _failed(self, reason: str) -> None:
-        """The stream cannot end as the upstream ended it: nothing more is relayed, and the
-        request ends with the error event (the exchange reads `failure`)."""
-        self.failure = reason
         self.done = True
         return None
 
