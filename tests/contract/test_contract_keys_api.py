@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kiln.store import UsageEvent
 from kiln.store.clock import iso_ms
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
 from kiln.store.keyspend import KeyLimits
@@ -477,6 +478,81 @@ def test_a_seed_that_never_gets_its_write_in_changes_nothing_and_says_retry(stac
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
 
 
+# -- gateways that have not seen a change yet ----------------------------------------------
+# Another gateway's auth cache holds a key as it was for up to its cache time: it admits the
+# key's requests with the old limits (none, or another period), so their leases name no
+# figure, or another one. What they cost must still count in the figure the key counts in now.
+
+
+def stale_admit(stack, org_id: str, key_id: str, limits: KeyLimits | None = None):
+    """An admission by a gateway that has the key cached as it was (`limits`: its old limits)."""
+    return stack.ledger.admit(org_id=org_id, key_id=key_id, model="gpt-oss-120b", endpoint="chat.completions",
+                              streamed=False, limits=limits)
+
+
+def stale_event(lease, cost: str) -> UsageEvent:
+    return UsageEvent(gen_id=lease.gen_id, org_id=lease.org_id, created_at=iso_ms(lease.started),
+                      key_id=lease.key_id, model=lease.model, endpoint=lease.endpoint, streamed=False,
+                      status="success", cost=Decimal(cost), prompt_tokens=3, completion_tokens=4)
+
+
+def key_spent(stack, org_id: str, key_id: str) -> Decimal:
+    return sum((event.cost for event in stack.events(org_id) if event.key_id == key_id), Decimal(0))
+
+
+@pytest.mark.parametrize("spent_before", [False, True], ids=["nothing spent before", "spent before"])
+def test_requests_admitted_without_the_new_limit_count_in_its_figure(stack, spent_before):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {}).json()
+    if spent_before:
+        assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    in_flight = stale_admit(stack, org_id, key["id"])  # admitted before the change, settles after it
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": "5", "spend_period": "day"})
+    assert changed.status_code == 200, changed.text
+    after = stale_admit(stack, org_id, key["id"])  # admitted after it, by a gateway that has not seen it
+    assert stack.ledger.settle(in_flight, stale_event(in_flight, "0.25")) == "settled"
+    assert stack.ledger.settle(after, stale_event(after, "0.5")) == "settled"
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200  # a gateway that knows the limit
+    day = KeyLimits(None, Decimal(5), "day").figure(key["id"], time.time())
+    assert figures_of_key(stack, org_id, key["id"]) == {day: key_spent(stack, org_id, key["id"])}
+    shown = call(stack, "GET", "/v1/key", key["secret"]).json()["spend"]
+    assert Decimal(str(shown)) == key_spent(stack, org_id, key["id"])
+
+
+def test_requests_admitted_in_the_old_period_count_in_the_new_periods_figure(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    old = KeyLimits(None, Decimal(5), "day")
+    in_flight = stale_admit(stack, org_id, key["id"], old)
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "month"}).status_code == 200
+    after = stale_admit(stack, org_id, key["id"], old)
+    assert in_flight.spend_figure == after.spend_figure == old.figure(key["id"], time.time())
+    for lease in (in_flight, after):
+        assert stack.ledger.settle(lease, stale_event(lease, "0.25")) == "settled"
+    month = KeyLimits(None, Decimal(5), "month").figure(key["id"], time.time())
+    assert figures_of_key(stack, org_id, key["id"])[month] == key_spent(stack, org_id, key["id"])
+    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()["spend"]
+    assert Decimal(str(shown)) == key_spent(stack, org_id, key["id"])
+
+
+def test_a_reclaimed_request_admitted_without_the_limit_counts_in_its_figure(stack_factory):
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {}).json()
+    dead = stale_admit(stack, org_id, key["id"])
+    stack.ledger.renew(dead, (3, 2, Decimal("0.1")))
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
+    time.sleep(0.4)
+    other = stale_admit(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "total"))  # reclaims the dead one
+    assert stack.ledger.settle(other, stale_event(other, "0.5")) == "settled"
+    total = KeyLimits(None, Decimal(5), "total").figure(key["id"], time.time())
+    assert figures_of_key(stack, org_id, key["id"]) == {total: Decimal("0.6")}  # 0.1 billed at the reclaim
+    assert stack.ledger.settle(dead, stale_event(dead, "0.25")) == "replaced_abandoned"  # it was alive after all
+    assert figures_of_key(stack, org_id, key["id"]) == {total: key_spent(stack, org_id, key["id"])}
+    assert key_spent(stack, org_id, key["id"]) == Decimal("0.75")
+
+
 def test_changing_only_the_amount_leaves_the_figure_alone(stack):
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
@@ -489,11 +565,14 @@ def test_changing_only_the_amount_leaves_the_figure_alone(stack):
     assert stack.faults.count("UpdateItem", lambda payload: payload["TableName"] == stack.settings.orgs_table) == writes
 
 
-def test_a_limit_set_on_a_key_that_spent_nothing_adds_no_figure(stack):
+def test_a_limit_set_on_a_key_that_spent_nothing_starts_its_figure_at_zero(stack):
+    """The figure is there before any gateway knows the limit: the settles of requests that
+    gateways still admit without it find it and count in it."""
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {}).json()
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 1}).status_code == 200
-    assert figures_of_key(stack, org_id, key["id"]) == {}
+    total = KeyLimits(None, Decimal(1), "total").figure(key["id"], time.time())
+    assert figures_of_key(stack, org_id, key["id"]) == {total: Decimal(0)}
 
 
 def test_removing_the_limit_removes_the_figures(stack):

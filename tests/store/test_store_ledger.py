@@ -9,6 +9,7 @@ import pytest
 
 from kiln.errors import InsufficientCredits, OrganizationDisabled, RateLimitExceeded
 from kiln.store import StorageError, UnstorableValue, UsageEvent
+from kiln.store.keyspend import KeyLimits
 from kiln.store.orgs import set_status
 from kiln.store.usage import get_event
 from support import StorageFaults, SyncLedger
@@ -264,3 +265,69 @@ def test_a_number_dynamodb_cannot_store_is_refused_before_any_write(stack):
     with pytest.raises(UnstorableValue):
         SyncLedger(stack.settings, faults).settle(lease, _event(lease, cost="1E+200"))
     assert faults.calls == []
+
+
+# -- a key's figures made after its request was admitted ----------------------------------
+
+
+def _figure(stack, org_id: str, name: str) -> Decimal | None:
+    item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"]
+    return Decimal(item[name]["N"]) if name in item else None
+
+
+def _make_figure(stack, org_id: str, name: str, value: str = "0") -> None:
+    stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                               UpdateExpression="SET #f = :v", ExpressionAttributeNames={"#f": name},
+                               ExpressionAttributeValues={":v": {"N": value}})
+
+
+def test_a_settle_finds_a_figure_made_after_its_admission_and_adds_to_it_once(stack):
+    org_id, _ = stack.org(credits="1")
+    lease = _admit(stack, org_id)  # a gateway that knew no limit of key_1: its lease names no figure
+    assert lease.spend_figure is None
+    week = KeyLimits(None, Decimal(5), "week").figure("key_1", lease.started)
+    _make_figure(stack, org_id, week, "2")  # key management set a weekly limit meanwhile
+    faults = StorageFaults()
+    faults.lose("TransactWriteItems", times=1, when=lambda payload: "ClientRequestToken" in payload
+                and payload["ClientRequestToken"] != faults.calls[0][1]["ClientRequestToken"])
+    assert SyncLedger(stack.settings, faults).settle(lease, _event(lease)) == "settled"
+    operations = [operation for operation, _ in faults.calls]
+    # refused (a figure it did not add to), the figures read, then settled, its answer lost and sent again
+    assert operations == ["TransactWriteItems", "GetItem", "TransactWriteItems", "TransactWriteItems"]
+    tokens = [payload["ClientRequestToken"] for operation, payload in faults.calls if operation == "TransactWriteItems"]
+    assert tokens[0] != tokens[1] == tokens[2]
+    assert _figure(stack, org_id, week) == Decimal("2.25")
+    assert stack.org_info(org_id).credits == Decimal("0.75") and stack.org_info(org_id).in_flight == 0
+    assert get_event(stack.tables, lease.gen_id).cost == Decimal("0.25")
+
+
+def test_a_settle_whose_figures_keep_changing_still_bills_and_counts_what_it_read_last(stack):
+    org_id, _ = stack.org(credits="1")
+    lease = _admit(stack, org_id)
+    month = KeyLimits(None, Decimal(5), "month").figure("key_1", lease.started)
+    _make_figure(stack, org_id, month)
+    faults = StorageFaults()
+    guarded = faults.fail("TransactWriteItems", code="TransactionCanceledException",
+                          reasons=["ConditionalCheckFailed", "None"],
+                          when=lambda payload: "attribute_not_exists" in
+                          payload["TransactItems"][0]["Update"]["ConditionExpression"])
+    assert SyncLedger(stack.settings, faults).settle(lease, _event(lease)) == "settled"
+    assert len(guarded) == 3  # the first try and two after reading the figures, each refused
+    assert [operation for operation, _ in faults.calls].count("GetItem") == 3  # then read once more, unguarded
+    assert _figure(stack, org_id, month) == Decimal("0.25")
+    assert stack.org_info(org_id).credits == Decimal("0.75")
+
+
+def test_a_figure_the_lease_named_and_key_management_removed_is_not_made_again(stack):
+    """A request admitted under a daily limit, settling after the period became monthly: its
+    cost goes to the month's figure, and the day's, removed, does not come back with it alone."""
+    org_id, _ = stack.org(credits="1")
+    daily = KeyLimits(None, Decimal(5), "day")
+    lease = stack.ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                               streamed=False, limits=daily)
+    month = KeyLimits(None, Decimal(5), "month").figure("key_1", lease.started)
+    _make_figure(stack, org_id, month, "1")
+    assert stack.ledger.settle(lease, _event(lease)) == "settled"
+    assert _figure(stack, org_id, month) == Decimal("1.25")
+    assert _figure(stack, org_id, lease.spend_figure) is None

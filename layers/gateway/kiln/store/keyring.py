@@ -416,6 +416,11 @@ class Keyring:
         """The figure the key (as it will be) counts in at `now`, brought up to what the key has
         spent in that period so far, from its usage events. Its name (None: no limit).
 
+        The figure is made first, at 0 if it is not there: from then on every settle of the
+        key's requests of the period adds its cost to it, also those admitted by a gateway
+        that does not know the limit yet (kiln.store.ledger: a settle finds the key's figures).
+        The events read after that are the settles before it and those the figure counts.
+
         A figure found there already holds at most that much: settles ADD their costs to it
         together with writing their events, seeds set it from the events. It can hold less:
         a request admitted under an earlier limit settles into the figure its lease names
@@ -425,10 +430,28 @@ class Keyring:
         write, and the seed reads again. The events are read from an index that DynamoDB
         keeps eventually consistent: a request that settled a moment before may be missing
         from the sum, which is the softness of contract §10 (at most the requests in flight
-        around the change)."""
+        around the change). A seed that never gets its write in takes the figure it made
+        off again (the key's change is not made)."""
         figure = _limits(key).figure(key.key_id, now)
         if figure is None:
             return None
+        made = await self._org_write(key.org_id, "SET #f = :zero", {"#f": figure}, {":zero": {"N": "0"}},
+                                     "attribute_not_exists(#f)")
+        try:
+            return await self._raise_to_events(key, figure, now)
+        except Exception:
+            if made:
+                await self._tidy_figure(key, figure)
+            raise
+
+    async def _tidy_figure(self, key: KeyInfo, figure: str) -> None:
+        try:
+            await self._org_write(key.org_id, "REMOVE #f", {"#f": figure})
+        except Exception as exc:  # noqa: BLE001 - the figure left only takes room; the next change tries again
+            log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
+                                    "after": "seed failed", "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+
+    async def _raise_to_events(self, key: KeyInfo, figure: str, now: float) -> str:
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             if attempt > 1:  # the key's settles are landing: let them
                 await _backoff(attempt)
@@ -436,7 +459,7 @@ class Keyring:
             spent = (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
             counted = Decimal(found) if found is not None else Decimal(0)
             if spent <= counted:
-                return figure  # counting already (or nothing spent: the first settle makes it)
+                return figure  # counting already
             values = {":spent": {"N": number(spent)}}
             if found is None:
                 condition = "attribute_not_exists(#f)"

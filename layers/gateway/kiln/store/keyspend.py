@@ -12,8 +12,10 @@ pre-created parent, work only on top-level attributes):
 - `key_spend:<key id>:<period>`: for a key with a spend limit only, what it has spent in the
   current period of its `spend_period` (`2026-12-01`, `2026-W49`, `2026-12` or `total`). The
   admission's condition reads it, the lease records its name, and the settle (or reclaim)
-  ADDs the request's cost to exactly that figure. Keys without a limit keep nothing on the
-  item, so the org item does not grow with the number of keys an org uses.
+  ADDs the request's cost to that figure, and to any other of the key's figures for the
+  request's periods that exists (`counted_in`): a gateway whose auth cache still holds the
+  key as it was admits with its old limits. Keys without a limit keep nothing on the item,
+  so the org item does not grow with the number of keys an org uses.
 
 Periods are UTC: a day starts at 00:00, a week on Monday (ISO weeks), a month on its 1st;
 `total` never resets. A request counts in the period it was admitted in, as its usage
@@ -34,6 +36,8 @@ from typing import Any
 __all__ = [
     "PERIODS",
     "KeyLimits",
+    "counted_in",
+    "figures_at",
     "figures_of",
     "leases_attribute",
     "period_start",
@@ -146,6 +150,22 @@ def spend_in(item: dict[str, Any], key_id: str, period: str, moment: float) -> D
     """What the key has spent in the `period` holding `moment`, from an org item (wire form)."""
     raw = item.get(spend_attribute(key_id, period_name(period, moment)), {}).get("N")
     return Decimal(raw) if raw is not None else Decimal(0)
+
+
+def figures_at(key_id: str, moment: float) -> tuple[str, ...]:
+    """Every figure a request of the key admitted at `moment` can count in: one per kind of
+    period (the gateway that admitted it may not know the key's limit as it is now)."""
+    return tuple(spend_attribute(key_id, name) for name in periods_at(moment))
+
+
+def counted_in(item: dict[str, Any], key_id: str, admitted: float, named: str | None) -> tuple[str, ...]:
+    """The figures a request's cost is added to, from its org item as read: every figure of
+    the key that exists for the request's periods, whichever its lease named; the one its lease
+    named (`named`) alone when none exists (its period's first settle makes it)."""
+    existing = tuple(name for name in figures_at(key_id, admitted) if name in item)
+    if existing:
+        return existing
+    return (named,) if named is not None else ()
 
 
 def figures_of(item: dict[str, Any], key_id: str) -> list[str]:

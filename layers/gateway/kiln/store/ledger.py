@@ -27,6 +27,13 @@ slot for at most the TTL, and one that keeps running never loses it.
   whose lease was reclaimed meanwhile replaces its `abandoned` event and is debited only
   the difference, so every generation id ends with exactly one event and the org is
   charged exactly the event's cost.
+- **A key's spend figure** (contract §10, kiln.store.keyspend) gets the cost of every request
+  of the key admitted in its period, whichever limits the admitting gateway knew: one whose
+  auth cache still held the key without its limit, or with another period, names no figure
+  or another one in its lease. So the settle also requires that no figure of the key exists
+  for the request's periods beyond those it adds to; when one does (key management made it
+  since), the settle reads which exist and adds the cost to them. A reclaim and a late
+  settle add to the figures that exist in the org item they read.
 
 Every write goes through one retry policy (`kiln.store.retry`).
 """
@@ -56,7 +63,7 @@ from ..jsonio import decimal_text
 from .clock import iso_ms
 from .codec import number, to_item, within_digits
 from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
-from .keyspend import KeyLimits, leases_attribute, resets_at, spend_in, stale_spend_attributes
+from .keyspend import KeyLimits, counted_in, figures_at, leases_attribute, resets_at, spend_in, stale_spend_attributes
 from .retry import RetryPolicy
 from .schema import LEASE, ORG, USAGE
 from .usage import UsageEvent
@@ -86,6 +93,9 @@ EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
 MAX_RECLAIM = 49
 # Past periods' spend figures removed in one write, at most.
 MAX_PRUNE = 100
+# A settle that finds its key's figures changed reads them and tries again, this many times;
+# then it settles adding to the figures last read, without that condition (the bill comes first).
+MAX_FIGURE_READS = 3
 
 ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
 
@@ -266,11 +276,11 @@ class Ledger:
                 refusal = self._refusal(old, key_id, limits, now)
                 expired = self._expired_leases(org_id, old or {}, self._clock())
                 if attempt == 0 and expired and isinstance(refusal, RateLimitExceeded):
-                    await self._reclaim(org_id, expired)
+                    await self._reclaim(org_id, expired, old or {})
                     continue
                 raise refusal from None
             old = (answer or {}).get("Attributes") or {}
-            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), keep=lease.gen_id))
+            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), keep=lease.gen_id), old)
             self._prune_later(org_id, stale_spend_attributes(old, now))
             return lease
         raise AssertionError("unreachable")
@@ -341,12 +351,12 @@ class Ledger:
         found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items() if gen != keep]
         return sorted((lease for lease in found if lease.expires <= now), key=lambda lease: lease.expires)[:MAX_RECLAIM]
 
-    def _reclaim_later(self, org_id: str, leases: list[Lease]) -> None:
+    def _reclaim_later(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         """Reclaim in a task of its own: the admission that noticed them does not wait."""
         leases = [lease for lease in leases if lease.gen_id not in self._reclaiming]
         if not leases:
             return
-        self._in_background(self._reclaim_quietly(org_id, leases))
+        self._in_background(self._reclaim_quietly(org_id, leases, seen))
 
     def _prune_later(self, org_id: str, stale: list[str]) -> None:
         """Remove spend figures of periods that are over, in a task of its own."""
@@ -381,14 +391,15 @@ class Ledger:
         finally:
             self._pruning.discard(org_id)
 
-    async def _reclaim_quietly(self, org_id: str, leases: list[Lease]) -> None:
+    async def _reclaim_quietly(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         try:
-            await self._reclaim(org_id, leases)
+            await self._reclaim(org_id, leases, seen)
         except Exception as exc:  # noqa: BLE001 - the next admission tries again
             log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id, "detail": f"{type(exc).__name__}: {exc}"}))
 
-    async def _reclaim(self, org_id: str, leases: list[Lease]) -> None:
-        """Free expired leases; each gets an `abandoned` usage event billed as of its last renewal."""
+    async def _reclaim(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
+        """Free expired leases; each gets an `abandoned` usage event billed as of its last renewal,
+        added to its key's figures as `seen` (the org item the leases were read from) has them."""
         names = {"#leases": ORG.leases, "#exp": LEASE.exp, "#credits": ORG.credits}
         values: dict[str, Any] = {}
         removes, unchanged = [], []
@@ -405,8 +416,8 @@ class Ledger:
             values[":billed"] = {"N": number(billed)}
         else:
             del names["#credits"]
-        update += _key_bookkeeping([(lease, event.cost) for lease, event in zip(leases, events, strict=True)],
-                                   names, values)
+        update += _key_bookkeeping([(lease, event.cost, _counted_in(lease, seen))
+                                    for lease, event in zip(leases, events, strict=True)], names, values)
         items: list[dict[str, Any]] = [
             {
                 "Update": {
@@ -451,47 +462,89 @@ class Ledger:
         repeat of a success.
         """
         event = self._kept(event)
+        figures: tuple[str, ...] = (lease.spend_figure,) if lease.spend_figure is not None else ()
+        for attempt in range(MAX_FIGURE_READS + 1):
+            payload = self._settle_payload(lease, event, figures, attempt=attempt, request_token=request_token)
+            try:
+                await self._retried("settle", "TransactWriteItems", payload)
+                return "settled"
+            except TransactionCancelled as cancelled:
+                if not cancelled.failed_condition(0):
+                    raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
+            except StorageError as exc:
+                if exc.code != "IdempotentParameterMismatchException":
+                    raise
+                # the token was spent on an earlier settle of this generation with another event
+                return await self._settle_late(lease, event)
+            # the lease is gone, or the key has a figure this settle did not add to: read which
+            item = await self._read_org(lease)
+            if lease.gen_id not in item.get(ORG.leases, {}).get("M", {}):
+                return await self._settle_late(lease, event, item)
+            figures = _counted_in(lease, item)
+        raise AssertionError("unreachable: the last attempt is not conditioned on the figures")
+
+    def _settle_payload(self, lease: Lease, event: UsageEvent, figures: tuple[str, ...], *, attempt: int,
+                        request_token: bool) -> dict[str, Any]:
+        """The settle's transaction, adding the cost to `figures` and conditioned on the lease
+        being held and (but on the last attempt) on the key having no other figure for the
+        request's periods."""
         names = {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id}
         values: dict[str, Any] = {":cost": {"N": number(event.cost)}}
-        update = "SET #credits = #credits - :cost REMOVE #leases.#gen" + _key_bookkeeping([(lease, event.cost)], names, values)
+        update = "SET #credits = #credits - :cost REMOVE #leases.#gen" + _key_bookkeeping(
+            [(lease, event.cost, figures)], names, values)
+        conditions = [LEASE_HELD]
+        guarded = attempt < MAX_FIGURE_READS
+        others = [name for name in figures_at(lease.key_id, lease.started) if name not in figures] if guarded else []
+        for index, name in enumerate(others):
+            names[f"#nf{index}"] = name
+            conditions.append(f"attribute_not_exists(#nf{index})")
         release = {
             "Update": {
                 "TableName": self._orgs_table,
                 "Key": {ORG.hash_key: {"S": lease.org_id}},
                 "UpdateExpression": update,
-                "ConditionExpression": LEASE_HELD,
+                "ConditionExpression": " AND ".join(conditions),
                 "ExpressionAttributeNames": names,
                 "ExpressionAttributeValues": values,
             }
         }
         payload: dict[str, Any] = {"TransactItems": [release, self._put_event(event, EVENT_IS_NEW)]}
         if request_token:
-            payload["ClientRequestToken"] = _token("s", lease.gen_id)
-        try:
-            await self._retried("settle", "TransactWriteItems", payload)
-            return "settled"
-        except TransactionCancelled as cancelled:
-            if not cancelled.failed_condition(0):
-                raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
-        except StorageError as exc:
-            if exc.code != "IdempotentParameterMismatchException":
-                raise
-            # the token was spent on an earlier settle of this generation with another event
-        return await self._settle_late(lease, event)
+            # each attempt after reading the figures is another transaction: its own token (a
+            # retry of one after a lost answer, within the retry policy, keeps it)
+            text = lease.gen_id if attempt == 0 else "|".join((lease.gen_id, str(attempt), *figures))
+            payload["ClientRequestToken"] = _token("s", text)
+        return payload
 
-    async def _settle_late(self, lease: Lease, event: UsageEvent) -> str:
+    async def _read_org(self, lease: Lease) -> dict[str, Any]:
+        """The lease and the key's figures for its periods, as the org item has them now."""
+        names = {"#leases": ORG.leases, "#gen": lease.gen_id}
+        names.update({f"#f{index}": name for index, name in enumerate(figures_at(lease.key_id, lease.started))})
+        answer = await self._retried("settle", "GetItem", {
+            "TableName": self._orgs_table,
+            "Key": {ORG.hash_key: {"S": lease.org_id}},
+            "ProjectionExpression": ", ".join(["#leases.#gen", *(name for name in names if name.startswith("#f"))]),
+            "ExpressionAttributeNames": names,
+            "ConsistentRead": True,
+        })
+        return (answer or {}).get("Item") or {}
+
+    async def _settle_late(self, lease: Lease, event: UsageEvent, org: dict[str, Any] | None = None) -> str:
         """The lease is gone: this settle already happened, or the lease expired and was
         reclaimed as `abandoned` (already billed for its last renewal). Replace that event,
-        debiting only the difference."""
+        debiting only the difference (added to the key's figures as `org`, the org item read
+        after the lease was found gone, has them)."""
         found = await self._read_event(event.gen_id)
         if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
             return "already_settled"
+        if org is None:
+            org = await self._read_org(lease)
         billed = Decimal(found.get(USAGE.cost, {}).get("N", "0"))
         names = {"#credits": ORG.credits, "#org_id": ORG.org_id}
         values: dict[str, Any] = {":difference": {"N": number(event.cost - billed)}}
         # the reclaim already took the lease out of the key's set: only the spend changes
         update = "SET #credits = #credits - :difference" + _key_bookkeeping(
-            [(lease, event.cost - billed)], names, values, release=False)
+            [(lease, event.cost - billed, _counted_in(lease, org))], names, values, release=False)
         debit = {
             "Update": {
                 "TableName": self._orgs_table,
@@ -555,18 +608,22 @@ class Ledger:
             raise translate_storage_error(exc) from exc
 
 
-def _key_bookkeeping(charges: list[tuple[Lease, Decimal]], names: dict[str, str], values: dict[str, Any], *,
-                     release: bool = True) -> str:
+def _counted_in(lease: Lease, org: dict[str, Any]) -> tuple[str, ...]:
+    return counted_in(org, lease.key_id, lease.started, lease.spend_figure)
+
+
+def _key_bookkeeping(charges: list[tuple[Lease, Decimal, tuple[str, ...]]], names: dict[str, str],
+                     values: dict[str, Any], *, release: bool = True) -> str:
     """The ADD and DELETE clauses that keep each key's figures on the org item: its leases out
-    of its set of requests in flight (`release`), and each cost added to the spend figure its
-    lease names (a key with a spend limit). Several leases of one key are summed: one update
+    of its set of requests in flight (`release`), and each cost added to the spend figures
+    given with it (a key with a spend limit). Several leases of one key are summed: one update
     expression may name an attribute only once."""
     spend: dict[str, Decimal] = {}
     released: dict[str, list[str]] = {}
-    for lease, cost in charges:
+    for lease, cost, figures in charges:
         released.setdefault(lease.key_id, []).append(lease.gen_id)
-        if lease.spend_figure is not None:
-            spend[lease.spend_figure] = spend.get(lease.spend_figure, Decimal(0)) + cost
+        for figure in figures:
+            spend[figure] = spend.get(figure, Decimal(0)) + cost
     adds, deletes = [], []
     for index, (attribute, amount) in enumerate(spend.items()):
         names[f"#ks{index}"] = attribute
