@@ -226,3 +226,21 @@ def test_an_upstream_done_marker_is_not_relayed_so_the_sdk_still_sees_the_cut(st
     events = list(client.responses.create(model=MODEL, input="hi", stream=True, extra_body={"mock": {"raw_events": [delta]}}))
     assert [event.type for event in events] == ["response.output_text.delta", "error"]
     assert events[-1].code == "upstream_error"
+
+
+def test_a_stream_echoing_a_request_larger_than_the_event_bound_is_relayed_whole(stack, org):
+    """The Responses API's events carry the response object, which echoes the request's
+    `instructions`: a request within the body limit but over the model's per-event bound
+    (1 MiB) still streams to its end, billed as the model server reported."""
+    ledger = LedgerCheck(stack, org[0])
+    instructions = "x" * (1100 * 1024)
+    body = {**BODY, "instructions": instructions, "stream": True}
+    response = ledger.saw(stack.post(RESPONSES, body, org[1]))
+    events = list(sse_events(response.text))
+    names = [event.split("\n")[0] for event in events]
+    assert names[0] == "event: response.created" and names[-1] == "event: response.completed", names[-1]
+    final = json.loads(events[-1].split("\n", 1)[1][len("data: "):], parse_float=Decimal)
+    assert final["response"]["instructions"] == instructions
+    (event,) = ledger.check()
+    assert (event.status, event.usage_source) == ("success", "upstream")
+    assert event.cost == final["response"]["usage"]["cost"]

@@ -252,6 +252,14 @@ def test_the_stream_is_held_to_the_models_bound_on_one_event():
         relay.feed(DELTA.replace(b"Hel", b"Hello!"))
 
 
+def test_the_bound_on_one_event_makes_room_for_the_request_it_echoes():
+    echo = event("response.created", {"type": "response.created", "response": {"instructions": "x" * 500}})
+    held = RESPONSES.relay(client_wants_usage=True, max_event_bytes=len(DELTA), request_bytes=len(echo))
+    assert held.feed(echo) == echo
+    with pytest.raises(Exception, match=f"over {len(DELTA) + len(echo)} bytes"):
+        held.feed(event("response.created", {"response": {"instructions": "x" * (len(echo) + len(DELTA))}}))
+
+
 def test_the_final_events_field_lines_are_kept_as_written():
     final = b"id: 9\nevent: response\nevent: response.completed\n" + COMPLETED.split(b"\n", 1)[1]
     _, relay = relayed(DELTA + final)

@@ -230,7 +230,8 @@ class Exchange:
 
     async def _relay(self, upstream: UpstreamExchange) -> AsyncGenerator[bytes, None]:
         relay = self._relay_state = self.call.api.relay(
-            client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes
+            client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes,
+            request_bytes=upstream.sent_bytes,
         )
         deadline = upstream.sent_at + self.call.model.timeouts.total
         keepalive = self.gateway.settings.keepalive_seconds

@@ -100,7 +100,7 @@ class UpstreamExchange:
     """A committed (2xx) answer of one backend, body not read yet."""
 
     __slots__ = ("backend", "response", "failures", "sent_at", "health", "model", "deadline", "request", "client",
-                 "timed_out")
+                 "timed_out", "sent_bytes")
 
     def __init__(
         self,
@@ -115,6 +115,7 @@ class UpstreamExchange:
         request: str = "",
         client: str = "",
         timed_out: TimedOut | None = None,
+        sent_bytes: int = 0,  # the body this backend was sent, in bytes
     ) -> None:
         self.backend = backend
         self.response = response
@@ -126,6 +127,7 @@ class UpstreamExchange:
         self.request = request
         self.client = client
         self.timed_out = timed_out
+        self.sent_bytes = sent_bytes
 
     def broke(self) -> None:
         """The backend failed after answering 2xx (a cut or silent stream, a truncated body,
@@ -294,6 +296,7 @@ class UpstreamClient:
                 return UpstreamExchange(
                     backend, response, failures, sent_at, health,
                     model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
+                    sent_bytes=len(content),
                 )
             raw = await _read_error_body(response)
             # any answer below 500 means the backend works: the request was at fault, not the backend

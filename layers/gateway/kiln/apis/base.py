@@ -86,7 +86,9 @@ class ModelApi:
 
     # -- streaming (contract §7, §9) -----------------------------------------------------------
 
-    def relay(self, *, client_wants_usage: bool, max_event_bytes: int) -> SseRelay:
+    def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0) -> SseRelay:
+        """The stream's relay; `request_bytes`: the size of the request the model server was
+        sent (for an API whose events echo it)."""
         return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes)
 
     def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:

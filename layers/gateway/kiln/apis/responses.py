@@ -78,8 +78,10 @@ class ResponsesApi(ModelApi):
     def failed(self, answer: dict[str, Any]) -> bool:
         return answer.get("status") == "failed"
 
-    def relay(self, *, client_wants_usage: bool, max_event_bytes: int) -> SseRelay:
-        return ResponsesRelay(max_event_bytes=max_event_bytes)
+    def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0) -> SseRelay:
+        # every event that carries the response object echoes the request (its instructions,
+        # tools, metadata): the bound is the model's plus the request's own size
+        return ResponsesRelay(max_event_bytes=max_event_bytes + request_bytes)
 
     def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
         assert isinstance(relay, ResponsesRelay) and relay.final is not None
