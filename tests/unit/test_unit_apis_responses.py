@@ -260,6 +260,12 @@ def test_the_bound_on_one_event_makes_room_for_the_request_it_echoes():
         held.feed(event("response.created", {"response": {"instructions": "x" * (len(echo) + len(DELTA))}}))
 
 
+@pytest.mark.parametrize("done", [b"data: [DONE]\n\n", b"data: [DONE] \n\n"], ids=["as chat sends it", "trailing space"])
+def test_a_chat_style_done_marker_is_never_relayed(done):
+    out, relay = relayed(DELTA + done + COMPLETED)
+    assert out == DELTA and relay.final is not None
+
+
 def test_the_final_events_field_lines_are_kept_as_written():
     final = b"id: 9\nevent: response\nevent: response.completed\n" + COMPLETED.split(b"\n", 1)[1]
     _, relay = relayed(DELTA + final)

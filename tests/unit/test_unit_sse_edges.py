@@ -258,3 +258,28 @@ def test_the_usage_chunk_a_client_gets_states_the_usage_billed_when_later_usage_
     tail = CHAT_API.stream_tail(relay, TokenUsage(5, 50, None, "upstream"), Decimal("0.001"), True)
     sent = json.loads(tail.split(b"\n\n")[0][len(b"data: "):])
     assert (sent["usage"]["completion_tokens"], sent["usage"]["cost"]) == (50, 0.001)
+
+
+# what SSE clients do at the edges: a BOM that starts the stream is dropped (the SSE format),
+# and any data that starts with [DONE] ends the stream (the OpenAI SDKs)
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 3, 4], ids=lambda at: f"split at {at}")
+def test_a_bom_that_starts_the_stream_is_dropped_and_the_first_event_counted(split):
+    stream = BOM + HELLO + DONE
+    out, relay = relay_all([stream[:split], stream[split:]] if split else [stream])
+    assert out == HELLO and relay.done
+    assert (relay.relayed_texts, relay.relayed_tokens, relay.first_chunk["id"]) == (1, 1, "c1")
+
+
+def test_a_bom_later_in_the_stream_is_data_as_any_other_bytes():
+    out, relay = relay_all([HELLO + BOM + HELLO + DONE])
+    assert out == HELLO + BOM + HELLO and relay.relayed_texts == 1
+
+
+@pytest.mark.parametrize("done", [b"data: [DONE] \n\n", b"data: [DONE]\t\n\n", b"data:[DONE]x\n\n"],
+                         ids=["trailing space", "trailing tab", "trailing text"])
+def test_data_that_starts_with_done_ends_the_stream_as_the_sdks_read_it(done):
+    out, relay = relay_all([HELLO, done, HELLO])
+    assert out == HELLO and relay.done  # never relayed: the gateway sends its own [DONE] after the usage

@@ -17,8 +17,8 @@ from .metering import TokenUsage, estimate_text_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
-    "DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "data_of", "error_event", "parse_json",
-    "usage_event",
+    "DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "data_of", "error_event", "is_done",
+    "parse_json", "usage_event",
 ]
 
 # the catalog's default (kiln.catalog.Limits.event_bytes); each model may set its own
@@ -26,6 +26,8 @@ DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
+# a byte order mark that starts a stream is not part of it (the SSE format drops it)
+BOM = b"\xef\xbb\xbf"
 
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
@@ -75,6 +77,7 @@ class SseRelay:
         self._pending: list[bytes] = []  # pieces of the event not finished yet
         self._pending_size = 0
         self._after_cr = False
+        self._head: bytes | None = b""  # the stream's first bytes, until a BOM is told from data
         self.bytes_scanned = 0
         self.done = False  # the upstream sent [DONE]
         self.usage_chunk: dict[str, Any] | None = None  # the upstream's usage chunk, held back
@@ -90,6 +93,10 @@ class SseRelay:
     def feed(self, data: bytes) -> bytes:
         if not data:
             return b""
+        if self._head is not None:
+            data = self._start(data)
+            if not data:
+                return b""
         if self._after_cr or b"\r" in data:
             # CRLF and CR line ends become LF. A CR that ends a chunk becomes LF at once; if
             # the next chunk starts with the LF of that CRLF, that LF is dropped.
@@ -136,6 +143,15 @@ class SseRelay:
                 self._oversize(out)
         return b"".join(out)
 
+    def _start(self, data: bytes) -> bytes:
+        """The stream's first bytes without the BOM that may start it (held while they could be one)."""
+        head = self._head + data if self._head else data
+        if len(head) < len(BOM) and BOM.startswith(head):
+            self._head = head
+            return b""
+        self._head = None
+        return head[len(BOM):] if head.startswith(BOM) else head
+
     def _count(self, texts: re.Pattern[bytes], payload: bytes) -> None:
         """Count the texts an event relays, and their tokens: model servers stream a token at a
         time, so a text no longer than a token (`TOKEN_BYTES`) counts one; a longer one (a
@@ -174,7 +190,7 @@ class SseRelay:
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         """An event with data: chat and text completions' chunks, their usage chunk, [DONE]."""
-        if payload == b"[DONE]":
+        if is_done(payload):
             self.done = True
             return None
         if _IN_BAND_ERROR.search(payload) and _is_error(parse_json(payload)):
@@ -225,6 +241,12 @@ class SseRelay:
     def leftover(self) -> bytes:
         """Bytes of an event the upstream never finished (a cut stream)."""
         return b"".join(self._pending)
+
+
+def is_done(payload: bytes) -> bool:
+    """The upstream's end of stream: data that starts with [DONE], as the OpenAI SDKs read it
+    (`[DONE] ` with a trailing space ends their stream too)."""
+    return payload.startswith(b"[DONE]")
 
 
 def _is_error(data: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 from .. import schemas
 from ..jsonio import dumps
 from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, texts_of
-from ..sse import SseRelay, parse_json
+from ..sse import SseRelay, is_done, parse_json
 from .base import ModelApi, capability_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -129,7 +129,7 @@ class ResponsesRelay(SseRelay):
         self.final_name = b""  # its `event:` line, as the upstream wrote it
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
-        if payload == b"[DONE]":
+        if is_done(payload):
             return None  # a chat-style end marker: the Responses API has none (the SDK would stop at it)
         final_like = _FINAL.search(payload)
         # read what may end the stream: what looks like a final or an error event, and any
