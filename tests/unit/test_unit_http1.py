@@ -570,3 +570,32 @@ def test_a_request_on_a_connection_the_server_reset_fails_as_nothing_received():
         await http.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "in one write"])
+def test_an_interim_answer_of_an_http_1_0_server_is_skipped_too(together):
+    """HTTP/1.0 defines no 1xx, but a server may still send one before its final answer;
+    h11 (httpx) skips it as any interim answer, and so does this client. The connection of
+    an HTTP/1.0 answer is not kept alive."""
+    async def handler(reader, writer):
+        await read_request(reader)
+        interim, final = b"HTTP/1.0 100 Continue\r\n\r\n", b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        if together:
+            writer.write(interim + final)
+        else:
+            writer.write(interim)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(final)
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"x", read_timeout=2)
+            assert (response.status, await response.read()) == (200, b"ok")
+            assert http.idle_connections == 0
+        await http.aclose()
+
+    run(main())

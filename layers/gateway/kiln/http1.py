@@ -109,7 +109,7 @@ class _Message:
     """httptools' callbacks for one response."""
 
     __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser", "max_headers",
-                 "interim")
+                 "interim", "relaxed")
 
     def __init__(
         self,
@@ -128,6 +128,7 @@ class _Message:
         self.parser: object = None
         self.max_headers = MAX_HEADERS
         self.interim = False  # parsing a 1xx answer, which the final one follows
+        self.relaxed = False  # the parser goes on past a 1xx that would close the connection
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.complete:
@@ -148,7 +149,14 @@ class _Message:
             # the same connection (RFC 9110 §15.2). Its bytes count in the headers' bound.
             self.interim = True
             self.headers.clear()
+            # an HTTP/1.0 server's 1xx (HTTP/1.0 has none, some send one) reads as a message
+            # that closes the connection: the final answer after it is read all the same
+            self.parser.set_dangerous_leniencies(lenient_keep_alive=True)
+            self.relaxed = True
             return
+        if self.relaxed:  # for interim answers only: the final one is read as strictly as ever
+            self.parser.set_dangerous_leniencies(lenient_keep_alive=False)
+            self.relaxed = False
         self.status = status  # the final answer's, whatever the parser reads after it
         self.headers_complete = True
         # asked now: once the message is complete the parser has reset its flags
