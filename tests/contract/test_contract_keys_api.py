@@ -7,6 +7,7 @@ another org's key id is 404 exactly as an unknown one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -18,10 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kiln.aws import AwsClient
+from kiln.errors import KeySpendLimitExceeded
 from kiln.store import UsageEvent
 from kiln.store.clock import iso_ms
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
 from kiln.store.keyspend import KeyLimits
+from kiln.store.ledger import ledger_of
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
@@ -553,6 +557,73 @@ def test_a_reclaimed_request_admitted_without_the_limit_counts_in_its_figure(sta
     assert key_spent(stack, org_id, key["id"]) == Decimal("0.75")
 
 
+DAY = 86400.0
+
+
+def tomorrow(stack, use):
+    """`use(ledger)` on a ledger whose clock is a day ahead: the key's next period."""
+    async def main():
+        aws = AwsClient(region=stack.settings.region, endpoint_url=stack.settings.aws_endpoint_url)
+        ledger = ledger_of(aws, stack.settings, clock=lambda: time.time() + DAY)
+        try:
+            return await use(ledger)
+        finally:
+            await ledger.drain()
+            await aws.aclose()
+    return asyncio.run(main())
+
+
+def admitted_tomorrow(stack, org_id: str, key_id: str, limits: KeyLimits, cost: str, tries: int = 6) -> int:
+    """How many requests of `cost` the key gets admitted (and settled) tomorrow, of `tries`."""
+    for admitted in range(tries):
+        try:
+            lease = tomorrow(stack, lambda ledger: ledger.admit(org_id=org_id, key_id=key_id, model="gpt-oss-120b",
+                                                                endpoint="chat.completions", streamed=False,
+                                                                limits=limits))
+        except KeySpendLimitExceeded:
+            return admitted
+        tomorrow(stack, lambda ledger, lease=lease: ledger.settle(lease, stale_event(lease, cost)))
+    return tries
+
+
+def test_a_request_in_flight_across_a_change_and_midnight_leaves_the_new_limit_in_force(stack):
+    """A request admitted under a total limit, still running when the key becomes daily and
+    after midnight: it settles into no figure of its own, and the next day's limit holds."""
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5}).json()
+    in_flight = stale_admit(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "total"))
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "day"}).status_code == 200
+    daily = KeyLimits(None, Decimal(5), "day")
+    tomorrow(stack, lambda ledger: ledger.renew(in_flight, (3, 4, Decimal("0.05"))))
+    first = tomorrow(stack, lambda ledger: ledger.admit(org_id=org_id, key_id=key["id"], model="gpt-oss-120b",
+                                                         endpoint="chat.completions", streamed=False, limits=daily))
+    assert tomorrow(stack, lambda ledger: ledger.settle(in_flight, stale_event(in_flight, "0.1"))) == "settled"
+    assert tomorrow(stack, lambda ledger: ledger.settle(first, stale_event(first, "2"))) == "settled"
+    assert admitted_tomorrow(stack, org_id, key["id"], daily, "2") == 2  # 2 + 2 + 2 reaches the $5
+    next_day = daily.figure(key["id"], time.time() + DAY)
+    assert figures_of_key(stack, org_id, key["id"]) == {next_day: Decimal(6)}  # the request of today: in today's
+
+
+def test_a_change_whose_key_write_fails_leaves_the_keys_figures_as_they_were(stack):
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    before = figures_of_key(stack, org_id, key["id"])
+    stack.faults.fail("UpdateItem", code="InternalServerError",
+                      when=lambda payload: payload["TableName"] == stack.settings.keys_table)
+    try:
+        answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "month"})
+    finally:
+        stack.faults.clear()
+    assert answer.status_code == 503, answer.text
+    assert call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()["spend_period"] == "day"
+    assert figures_of_key(stack, org_id, key["id"]) == before
+    org_item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                       ConsistentRead=True)["Item"]
+    assert f"key_period:{key['id']}" not in org_item  # as before the change: the key's leases' figures count
+    assert admitted_tomorrow(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "day"), "2") == 3
+
+
 def test_changing_only_the_amount_leaves_the_figure_alone(stack):
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
@@ -638,7 +709,7 @@ def test_a_failure_to_remove_the_figures_does_not_undo_the_revocation(stack, cap
 
 def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
     """What template.yaml grants the function that serves /v1/keys on the orgs table: an
-    UpdateItem naming only org_id and key_spend:* attributes, returning nothing."""
+    UpdateItem naming only org_id, key_spend:* and key_period:* attributes, returning nothing."""
     org_id, admin = management_org(stack)
     made = call(stack, "POST", "/v1/keys", admin, {"label": "job"}).json()
     assert stack.post(CHAT, BODY, made["secret"]).status_code == 200  # something to seed a limit with
@@ -651,5 +722,5 @@ def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
     assert writes  # seeding, moving and removing figures were written
     for payload in writes:
         names = set(payload.get("ExpressionAttributeNames", {}).values())
-        assert all(name == "org_id" or name.startswith("key_spend:") for name in names), payload
+        assert all(name == "org_id" or name.startswith(("key_spend:", "key_period:")) for name in names), payload
         assert payload.get("ReturnValues", "NONE") == "NONE"

@@ -410,7 +410,8 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
     # on the org item, only the keys' spend figures: never credits, limits or leases
     (figures,) = [statement for statement in statements(cfn, "GenerationsRole")
                   if statement["Resource"] == {"Fn::GetAtt": ["OrgsTable", "Arn"]} and "dynamodb:UpdateItem" in statement["Action"]]
-    assert figures["Condition"] == {"ForAllValues:StringLike": {"dynamodb:Attributes": ["org_id", "key_spend:*"]},
+    assert figures["Condition"] == {"ForAllValues:StringLike": {"dynamodb:Attributes": ["org_id", "key_spend:*",
+                                                                                          "key_period:*"]},
                                     "StringEqualsIfExists": {"dynamodb:ReturnValues": ["NONE"]}}
     assert granted(cfn, "GenerationsRole", "dynamodb:PutItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
     # it reads usage and finds keys through the indexes only: never a scan, never a whole table

@@ -7,7 +7,7 @@ from decimal import Context, Decimal
 
 import pytest
 
-from kiln.errors import InsufficientCredits, OrganizationDisabled, RateLimitExceeded
+from kiln.errors import InsufficientCredits, KeySpendLimitExceeded, OrganizationDisabled, RateLimitExceeded
 from kiln.store import StorageError, UnstorableValue, UsageEvent
 from kiln.store.keyspend import KeyLimits
 from kiln.store.orgs import set_status
@@ -267,33 +267,48 @@ def test_a_number_dynamodb_cannot_store_is_refused_before_any_write(stack):
     assert faults.calls == []
 
 
-# -- a key's figures made after its request was admitted ----------------------------------
+# -- a key changed after its request was admitted ----------------------------------------
+
+
+def _org_attribute(stack, org_id: str, name: str):
+    item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"]
+    return item.get(name)
 
 
 def _figure(stack, org_id: str, name: str) -> Decimal | None:
-    item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
-                                   ConsistentRead=True)["Item"]
-    return Decimal(item[name]["N"]) if name in item else None
+    value = _org_attribute(stack, org_id, name)
+    return Decimal(value["N"]) if value is not None else None
 
 
-def _make_figure(stack, org_id: str, name: str, value: str = "0") -> None:
+def _change_key(stack, org_id: str, marker: str, **figures: str) -> None:
+    """What key management writes on the org item: the key's marker, and figures (name=value)."""
+    names = {"#m": "key_period:key_1", **{f"#f{i}": name for i, name in enumerate(figures)}}
+    values = {":m": {"S": marker}, **{f":f{i}": {"N": value} for i, value in enumerate(figures.values())}}
+    sets = ["#m = :m", *(f"#f{i} = :f{i}" for i in range(len(figures)))]
     stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
-                               UpdateExpression="SET #f = :v", ExpressionAttributeNames={"#f": name},
-                               ExpressionAttributeValues={":v": {"N": value}})
+                               UpdateExpression="SET " + ", ".join(sets), ExpressionAttributeNames=names,
+                               ExpressionAttributeValues=values)
 
 
-def test_a_settle_finds_a_figure_made_after_its_admission_and_adds_to_it_once(stack):
+def _admit_with(stack, org_id, limits):
+    return stack.ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                              streamed=False, limits=limits)
+
+
+def test_a_settle_that_finds_a_limit_set_since_its_admission_adds_to_its_figure_once(stack):
     org_id, _ = stack.org(credits="1")
     lease = _admit(stack, org_id)  # a gateway that knew no limit of key_1: its lease names no figure
     assert lease.spend_figure is None
     week = KeyLimits(None, Decimal(5), "week").figure("key_1", lease.started)
-    _make_figure(stack, org_id, week, "2")  # key management set a weekly limit meanwhile
+    _change_key(stack, org_id, "week", **{week: "2"})  # key management set a weekly limit meanwhile
     faults = StorageFaults()
     faults.lose("TransactWriteItems", times=1, when=lambda payload: "ClientRequestToken" in payload
                 and payload["ClientRequestToken"] != faults.calls[0][1]["ClientRequestToken"])
     assert SyncLedger(stack.settings, faults).settle(lease, _event(lease)) == "settled"
     operations = [operation for operation, _ in faults.calls]
-    # refused (a figure it did not add to), the figures read, then settled, its answer lost and sent again
+    # refused (the marker is not what the lease assumed), the marker read, then settled, its
+    # answer lost and sent again
     assert operations == ["TransactWriteItems", "GetItem", "TransactWriteItems", "TransactWriteItems"]
     tokens = [payload["ClientRequestToken"] for operation, payload in faults.calls if operation == "TransactWriteItems"]
     assert tokens[0] != tokens[1] == tokens[2]
@@ -302,32 +317,59 @@ def test_a_settle_finds_a_figure_made_after_its_admission_and_adds_to_it_once(st
     assert get_event(stack.tables, lease.gen_id).cost == Decimal("0.25")
 
 
-def test_a_settle_whose_figures_keep_changing_still_bills_and_counts_what_it_read_last(stack):
+def test_a_settle_whose_marker_keeps_changing_still_bills_and_counts_what_it_read_last(stack):
     org_id, _ = stack.org(credits="1")
     lease = _admit(stack, org_id)
     month = KeyLimits(None, Decimal(5), "month").figure("key_1", lease.started)
-    _make_figure(stack, org_id, month)
+    _change_key(stack, org_id, "month", **{month: "0"})
     faults = StorageFaults()
     guarded = faults.fail("TransactWriteItems", code="TransactionCanceledException",
                           reasons=["ConditionalCheckFailed", "None"],
-                          when=lambda payload: "attribute_not_exists" in
-                          payload["TransactItems"][0]["Update"]["ConditionExpression"])
+                          when=lambda payload: "#marker" in payload["TransactItems"][0]["Update"]["ConditionExpression"])
     assert SyncLedger(stack.settings, faults).settle(lease, _event(lease)) == "settled"
-    assert len(guarded) == 3  # the first try and two after reading the figures, each refused
+    assert len(guarded) == 3  # the first try and two after reading the marker, each refused
     assert [operation for operation, _ in faults.calls].count("GetItem") == 3  # then read once more, unguarded
     assert _figure(stack, org_id, month) == Decimal("0.25")
     assert stack.org_info(org_id).credits == Decimal("0.75")
 
 
-def test_a_figure_the_lease_named_and_key_management_removed_is_not_made_again(stack):
-    """A request admitted under a daily limit, settling after the period became monthly: its
-    cost goes to the month's figure, and the day's, removed, does not come back with it alone."""
+def test_a_request_admitted_in_the_old_period_counts_in_the_new_one_and_leaves_no_old_figure(stack):
     org_id, _ = stack.org(credits="1")
-    daily = KeyLimits(None, Decimal(5), "day")
-    lease = stack.ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
-                               streamed=False, limits=daily)
+    lease = _admit_with(stack, org_id, KeyLimits(None, Decimal(5), "day"))
     month = KeyLimits(None, Decimal(5), "month").figure("key_1", lease.started)
-    _make_figure(stack, org_id, month, "1")
+    _change_key(stack, org_id, "month", **{month: "1"})  # the day's figure was removed with the change
     assert stack.ledger.settle(lease, _event(lease)) == "settled"
     assert _figure(stack, org_id, month) == Decimal("1.25")
     assert _figure(stack, org_id, lease.spend_figure) is None
+
+
+def test_a_request_in_flight_when_the_limit_is_removed_adds_to_no_figure_and_costs_later_settles_nothing(stack):
+    org_id, _ = stack.org(credits="1")
+    in_flight = _admit_with(stack, org_id, KeyLimits(None, Decimal(5), "total"))
+    _change_key(stack, org_id, "none")  # the limit removed, its figure with it
+    assert stack.ledger.settle(in_flight, _event(in_flight)) == "settled"
+    assert _figure(stack, org_id, in_flight.spend_figure) is None  # not made again with its own cost alone
+    faults = StorageFaults()
+    later = _admit(stack, org_id)  # a gateway that knows: no limit
+    assert SyncLedger(stack.settings, faults).settle(later, _event(later)) == "settled"
+    assert [operation for operation, _ in faults.calls] == ["TransactWriteItems"]
+    assert stack.org_info(org_id).credits == Decimal("0.5")
+
+
+def test_a_figure_left_beside_the_keys_own_does_not_keep_its_period_from_starting(stack):
+    """Any figure of the key there besides its own (left by a failed tidy, say): the first
+    settle of a new day still makes the day's figure, which admission then holds to the limit."""
+    org_id, _ = stack.org(credits="10")
+    daily = KeyLimits(None, Decimal("0.3"), "day")
+    lease = _admit_with(stack, org_id, daily)
+    total = KeyLimits(None, Decimal(5), "total").figure("key_1", lease.started)
+    _change_key(stack, org_id, "day", **{total: "7"})
+    faults = StorageFaults()
+    assert SyncLedger(stack.settings, faults).settle(lease, _event(lease)) == "settled"
+    assert [operation for operation, _ in faults.calls] == ["TransactWriteItems"]
+    assert _figure(stack, org_id, lease.spend_figure) == Decimal("0.25")
+    assert _figure(stack, org_id, total) == Decimal("7")
+    second = _admit_with(stack, org_id, daily)
+    assert stack.ledger.settle(second, _event(second)) == "settled"
+    with pytest.raises(KeySpendLimitExceeded):
+        _admit_with(stack, org_id, daily)

@@ -36,7 +36,7 @@ from .clock import iso_ms
 from .codec import number
 from .errors import AlreadyRevoked, ConditionFailed, RecordNotFound, StorageError, UnstorableValue, condition_failure
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
-from .keyspend import PERIODS, KeyLimits, figures_of, period_start, resets_at, spend_in
+from .keyspend import NO_LIMIT, PERIODS, KeyLimits, figures_of, marker_attribute, marker_of, period_start, resets_at, spend_in
 from .schema import KEY, ORG
 from .usage import key_costs
 
@@ -255,6 +255,18 @@ class OrgView:
     item: dict[str, Any]
 
 
+_KEEP = object()  # remove_figures: the key's marker left as it is
+
+
+@dataclass(frozen=True)
+class _Seeded:
+    """What a seed did: the figure it brought up, the key's marker before it, whether it made the figure."""
+
+    figure: str
+    marker: str | None
+    made: bool
+
+
 class Keyring:
     """Key management over the lean client; raises RecordNotFound, AlreadyRevoked, InvalidKeyAttribute."""
 
@@ -394,62 +406,94 @@ class Keyring:
             await _backoff(attempt)
         raise AssertionError("unreachable")
 
-    async def remove_figures(self, org_id: str, key_id: str, *, keep: str | None = None) -> list[str]:
+    async def remove_figures(self, org_id: str, key_id: str, *, keep: str | None = None,
+                             marker: str | None | object = _KEEP) -> list[str]:
         """REMOVE the key's spend figures (but `keep`) from its org item, as a consistent read
-        finds them: those removed."""
-        stale = [name for name in figures_of((await self.org(org_id)).item, key_id) if name != keep]
-        if stale:
-            names = {f"#f{index}": name for index, name in enumerate(stale)}
-            await self._org_write(org_id, "REMOVE " + ", ".join(names), names)
+        finds them, and set its marker to `marker` (None: remove it; by default left as it is):
+        the figures removed."""
+        item = (await self.org(org_id)).item
+        stale = [name for name in figures_of(item, key_id) if name != keep]
+        names = {f"#f{index}": name for index, name in enumerate(stale)}
+        removes, sets, values = list(names), [], {}
+        if marker is not _KEEP and marker_of(item, key_id) != marker:
+            names["#marker"] = marker_attribute(key_id)
+            if marker is None:
+                removes.append("#marker")
+            else:
+                sets.append("#marker = :marker")
+                values[":marker"] = {"S": marker}
+        if names:
+            update = ("SET " + ", ".join(sets) + " " if sets else "") + ("REMOVE " + ", ".join(removes) if removes else "")
+            await self._org_write(org_id, update.strip(), names, values or None)
         return stale
 
     async def _tidy(self, key: KeyInfo, *, keep: str | None = None, why: str) -> None:
-        """remove_figures after a key change that stands whatever comes of it: a failure is
-        logged (the figures left only take room on the org item; the next change tries again)."""
+        """remove_figures after a key change that stands whatever comes of it: a revoked key's
+        marker goes too, a key whose limit is gone is marked so (its requests in flight then
+        add to no figure). A failure is logged (the figures left only take room on the org
+        item; the next change tries again)."""
+        if key.status == "revoked":
+            marker: str | None | object = None
+        elif key.spend_limit is None:
+            marker = NO_LIMIT
+        else:
+            marker = _KEEP  # the seed set it
         try:
-            await self.remove_figures(key.org_id, key.key_id, keep=keep)
+            await self.remove_figures(key.org_id, key.key_id, keep=keep, marker=marker)
         except Exception as exc:  # noqa: BLE001 - the key's change is made; this is housekeeping
             log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
                                     "after": why, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
 
-    async def _seed(self, key: KeyInfo, now: float) -> str | None:
+    async def _seed(self, key: KeyInfo, now: float) -> _Seeded | None:
         """The figure the key (as it will be) counts in at `now`, brought up to what the key has
-        spent in that period so far, from its usage events. Its name (None: no limit).
+        spent in that period so far, from its usage events (None: no limit).
 
-        The figure is made first, at 0 if it is not there: from then on every settle of the
-        key's requests of the period adds its cost to it, also those admitted by a gateway
-        that does not know the limit yet (kiln.store.ledger: a settle finds the key's figures).
+        The key's marker is set to its new kind of period first, in the same write that makes
+        the figure (at 0 if it is not there): from then on every settle of the key's requests
+        of the period adds its cost to it, also those admitted by a gateway that does not know
+        the change yet (kiln.store.ledger: a settle reads the marker its lease did not expect).
         The events read after that are the settles before it and those the figure counts.
 
         A figure found there already holds at most that much: settles ADD their costs to it
-        together with writing their events, seeds set it from the events. It can hold less:
-        a request admitted under an earlier limit settles into the figure its lease names
-        after key management removed that figure, and makes it again with its own cost
-        alone. So a seed raises the figure to the events' sum and never lowers it, on the
-        condition that it is still what was read: a settle that lands meanwhile fails the
-        write, and the seed reads again. The events are read from an index that DynamoDB
-        keeps eventually consistent: a request that settled a moment before may be missing
-        from the sum, which is the softness of contract §10 (at most the requests in flight
-        around the change). A seed that never gets its write in takes the figure it made
-        off again (the key's change is not made)."""
+        together with writing their events, seeds set it from the events. So a seed raises
+        the figure to the events' sum and never lowers it, on the condition that it is still
+        what was read: a settle that lands meanwhile fails the write, and the seed reads again.
+        The events are read from an index that DynamoDB keeps eventually consistent: a request
+        that settled a moment before may be missing from the sum, which is the softness of
+        contract §10 (at most the requests in flight around the change). A seed that never
+        gets its write in, or whose key change then fails, is undone (`_undo`)."""
         figure = _limits(key).figure(key.key_id, now)
         if figure is None:
             return None
-        made = await self._org_write(key.org_id, "SET #f = :zero", {"#f": figure}, {":zero": {"N": "0"}},
-                                     "attribute_not_exists(#f)")
+        item = (await self.org(key.org_id)).item
+        seeded = _Seeded(figure, marker_of(item, key.key_id), made=figure not in item)
+        await self._org_write(key.org_id, "SET #marker = :marker, #f = if_not_exists(#f, :zero)",
+                              {"#marker": marker_attribute(key.key_id), "#f": figure},
+                              {":marker": {"S": key.spend_period}, ":zero": {"N": "0"}})
         try:
-            return await self._raise_to_events(key, figure, now)
+            await self._raise_to_events(key, figure, now)
         except Exception:
-            if made:
-                await self._tidy_figure(key, figure)
+            await self._undo(key, seeded)
             raise
+        return seeded
 
-    async def _tidy_figure(self, key: KeyInfo, figure: str) -> None:
+    async def _undo(self, key: KeyInfo, seeded: _Seeded) -> None:
+        """Put the key's marker back as it was, and take the figure off if the seed made it."""
+        names = {"#marker": marker_attribute(key.key_id)}
+        removes = []
+        if seeded.made:
+            names["#f"] = seeded.figure
+            removes.append("#f")
+        if seeded.marker is None:
+            update, values = "REMOVE " + ", ".join(["#marker", *removes]), None
+        else:
+            update = "SET #marker = :marker" + (" REMOVE " + ", ".join(removes) if removes else "")
+            values = {":marker": {"S": seeded.marker}}
         try:
-            await self._org_write(key.org_id, "REMOVE #f", {"#f": figure})
-        except Exception as exc:  # noqa: BLE001 - the figure left only takes room; the next change tries again
+            await self._org_write(key.org_id, update, names, values)
+        except Exception as exc:  # noqa: BLE001 - the change failed already; this is housekeeping
             log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
-                                    "after": "seed failed", "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+                                    "after": "change failed", "detail": f"{type(exc).__name__}: {exc}"[:300]}))
 
     async def _raise_to_events(self, key: KeyInfo, figure: str, now: float) -> str:
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
@@ -538,7 +582,7 @@ class Keyring:
         # before then (and those in flight) count in the figure their leases name.
         recounted = _counted_on_org(after) and (not _counted_on_org(before)
                                                 or before.spend_period != after.spend_period)
-        keep = await self._seed(after, now) if recounted else None
+        seeded = await self._seed(after, now) if recounted else None
         names = {"#hash": KEY.hash_key, "#org": KEY.org_id}
         values: dict[str, Any] = {":org": {"S": owner}}
         sets, removes = [], []
@@ -550,9 +594,14 @@ class Keyring:
                 values[f":a{index}"] = _wire(name, value)
                 sets.append(f"#a{index} = :a{index}")
         expression = (" SET " + ", ".join(sets) if sets else "") + (" REMOVE " + ", ".join(removes) if removes else "")
-        changed = _info(await self._write(item, expression.strip(), names, values))
-        if recounted:
-            await self._tidy(changed, keep=keep, why="new spend period")
+        try:
+            changed = _info(await self._write(item, expression.strip(), names, values))
+        except Exception:
+            if seeded is not None:  # the key stays as it was: so do its marker and figures
+                await self._undo(after, seeded)
+            raise
+        if seeded is not None:
+            await self._tidy(changed, keep=seeded.figure, why="new spend period")
         elif "spend_limit" in changes and not _counted_on_org(changed):
             await self._tidy(changed, why="spend limit removed")
         return changed

@@ -12,10 +12,16 @@ pre-created parent, work only on top-level attributes):
 - `key_spend:<key id>:<period>`: for a key with a spend limit only, what it has spent in the
   current period of its `spend_period` (`2026-12-01`, `2026-W49`, `2026-12` or `total`). The
   admission's condition reads it, the lease records its name, and the settle (or reclaim)
-  ADDs the request's cost to that figure, and to any other of the key's figures for the
-  request's periods that exists (`counted_in`): a gateway whose auth cache still holds the
-  key as it was admits with its old limits. Keys without a limit keep nothing on the item,
+  ADDs the request's cost to that figure. Keys without a limit keep nothing on the item,
   so the org item does not grow with the number of keys an org uses.
+- `key_period:<key id>`: the kind of period the key counts its spend in now (`day`, `week`,
+  `month`, `total`), or `none` once its limit is removed; written by key management when
+  it sets a limit, changes the period or removes the limit. A gateway whose auth cache still
+  holds the key as it was admits with its old limits, so its lease names no figure, or one
+  of another period: the settle is conditioned on this marker being what its lease assumed,
+  and when it is not, adds the cost to the figure the marker says (`counted_in`). A key
+  whose limit was set at its creation has no marker until its first change: its leases'
+  figures are the ones.
 
 Periods are UTC: a day starts at 00:00, a week on Monday (ISO weeks), a month on its 1st;
 `total` never resets. A request counts in the period it was admitted in, as its usage
@@ -36,9 +42,12 @@ from typing import Any
 __all__ = [
     "PERIODS",
     "KeyLimits",
+    "NO_LIMIT",
     "counted_in",
-    "figures_at",
     "figures_of",
+    "kind_of_figure",
+    "marker_attribute",
+    "marker_of",
     "leases_attribute",
     "period_start",
     "period_kind",
@@ -53,6 +62,8 @@ __all__ = [
 PERIODS = ("day", "week", "month", "total")
 LEASES_PREFIX = "key_leases:"
 SPEND_PREFIX = "key_spend:"
+MARKER_PREFIX = "key_period:"
+NO_LIMIT = "none"  # the marker of a key whose limit was removed
 
 
 @dataclass(frozen=True)
@@ -152,20 +163,30 @@ def spend_in(item: dict[str, Any], key_id: str, period: str, moment: float) -> D
     return Decimal(raw) if raw is not None else Decimal(0)
 
 
-def figures_at(key_id: str, moment: float) -> tuple[str, ...]:
-    """Every figure a request of the key admitted at `moment` can count in: one per kind of
-    period (the gateway that admitted it may not know the key's limit as it is now)."""
-    return tuple(spend_attribute(key_id, name) for name in periods_at(moment))
+def marker_attribute(key_id: str) -> str:
+    return f"{MARKER_PREFIX}{key_id}"
+
+
+def marker_of(item: dict[str, Any], key_id: str) -> str | None:
+    """The key's marker on an org item (wire form): a kind of period, NO_LIMIT, or None (none)."""
+    return item.get(marker_attribute(key_id), {}).get("S")
+
+
+def kind_of_figure(figure: str | None) -> str:
+    """The marker a lease naming `figure` assumes: its period's kind, or NO_LIMIT for none."""
+    return period_kind(figure.rpartition(":")[2]) if figure is not None else NO_LIMIT
 
 
 def counted_in(item: dict[str, Any], key_id: str, admitted: float, named: str | None) -> tuple[str, ...]:
-    """The figures a request's cost is added to, from its org item as read: every figure of
-    the key that exists for the request's periods, whichever its lease named; the one its lease
-    named (`named`) alone when none exists (its period's first settle makes it)."""
-    existing = tuple(name for name in figures_at(key_id, admitted) if name in item)
-    if existing:
-        return existing
-    return (named,) if named is not None else ()
+    """The figures a request admitted at `admitted` adds its cost to, its lease naming `named`,
+    from its org item as read: the figure of the period the key's marker says, in the
+    request's own period; none if the key's limit was removed; with no marker, the lease's."""
+    marker = marker_of(item, key_id)
+    if marker is None:
+        return (named,) if named is not None else ()
+    if marker not in PERIODS:
+        return ()
+    return (spend_attribute(key_id, period_name(marker, admitted)),)
 
 
 def figures_of(item: dict[str, Any], key_id: str) -> list[str]:

@@ -30,10 +30,11 @@ slot for at most the TTL, and one that keeps running never loses it.
 - **A key's spend figure** (contract §10, kiln.store.keyspend) gets the cost of every request
   of the key admitted in its period, whichever limits the admitting gateway knew: one whose
   auth cache still held the key without its limit, or with another period, names no figure
-  or another one in its lease. So the settle also requires that no figure of the key exists
-  for the request's periods beyond those it adds to; when one does (key management made it
-  since), the settle reads which exist and adds the cost to them. A reclaim and a late
-  settle add to the figures that exist in the org item they read.
+  or another one in its lease. So the settle is also conditioned on the key's marker (the
+  kind of period it counts in now) being what its lease assumed, or absent; when it is not
+  (key management changed the key since), the settle reads the marker and adds the cost to
+  the figure it says, under a token of its own. A reclaim and a late settle add to the
+  figure the marker says in the org item they read.
 
 Every write goes through one retry policy (`kiln.store.retry`).
 """
@@ -63,7 +64,17 @@ from ..jsonio import decimal_text
 from .clock import iso_ms
 from .codec import number, to_item, within_digits
 from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
-from .keyspend import KeyLimits, counted_in, figures_at, leases_attribute, resets_at, spend_in, stale_spend_attributes
+from .keyspend import (
+    KeyLimits,
+    counted_in,
+    kind_of_figure,
+    leases_attribute,
+    marker_attribute,
+    marker_of,
+    resets_at,
+    spend_in,
+    stale_spend_attributes,
+)
 from .retry import RetryPolicy
 from .schema import LEASE, ORG, USAGE
 from .usage import UsageEvent
@@ -85,6 +96,8 @@ ORG_CHECKS = (ORG_EXISTS, ORG_ACTIVE, HAS_CREDITS, HAS_FREE_SLOT)
 KEY_HAS_FREE_SLOT = "(attribute_not_exists(#key_leases) OR size(#key_leases) < :key_limit)"
 KEY_HAS_BUDGET = "(attribute_not_exists(#key_spend) OR #key_spend < :key_budget)"
 KEY_HAS_NO_BUDGET = "attribute_not_exists(#org_id)"  # a limit of 0: never true of an org that exists
+# the key counts its spend as the settling lease assumed (or has no marker: kiln.store.keyspend)
+MARKER_AS_ASSUMED = "(attribute_not_exists(#marker) OR #marker = :marker)"
 EVENT_IS_NEW = "attribute_not_exists(#gen_id)"
 EVENT_IS_ABANDONED = "#status = :abandoned"
 EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
@@ -93,8 +106,8 @@ EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
 MAX_RECLAIM = 49
 # Past periods' spend figures removed in one write, at most.
 MAX_PRUNE = 100
-# A settle that finds its key's figures changed reads them and tries again, this many times;
-# then it settles adding to the figures last read, without that condition (the bill comes first).
+# A settle that finds its key's marker changed reads it and tries again, this many times;
+# then it settles adding to the figure last read, without that condition (the bill comes first).
 MAX_FIGURE_READS = 3
 
 ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
@@ -463,8 +476,9 @@ class Ledger:
         """
         event = self._kept(event)
         figures: tuple[str, ...] = (lease.spend_figure,) if lease.spend_figure is not None else ()
+        marker: str | None = kind_of_figure(lease.spend_figure)  # what the lease assumes (or none there)
         for attempt in range(MAX_FIGURE_READS + 1):
-            payload = self._settle_payload(lease, event, figures, attempt=attempt, request_token=request_token)
+            payload = self._settle_payload(lease, event, figures, marker, attempt=attempt, request_token=request_token)
             try:
                 await self._retried("settle", "TransactWriteItems", payload)
                 return "settled"
@@ -476,55 +490,57 @@ class Ledger:
                     raise
                 # the token was spent on an earlier settle of this generation with another event
                 return await self._settle_late(lease, event)
-            # the lease is gone, or the key has a figure this settle did not add to: read which
+            # the lease is gone, or the key's marker is not what the lease assumed: read which
             item = await self._read_org(lease)
             if lease.gen_id not in item.get(ORG.leases, {}).get("M", {}):
                 return await self._settle_late(lease, event, item)
-            figures = _counted_in(lease, item)
-        raise AssertionError("unreachable: the last attempt is not conditioned on the figures")
+            figures, marker = _counted_in(lease, item), marker_of(item, lease.key_id)
+        raise AssertionError("unreachable: the last attempt is not conditioned on the marker")
 
-    def _settle_payload(self, lease: Lease, event: UsageEvent, figures: tuple[str, ...], *, attempt: int,
-                        request_token: bool) -> dict[str, Any]:
-        """The settle's transaction, adding the cost to `figures` and conditioned on the lease
-        being held and (but on the last attempt) on the key having no other figure for the
-        request's periods."""
+    def _settle_payload(self, lease: Lease, event: UsageEvent, figures: tuple[str, ...], marker: str | None, *,
+                        attempt: int, request_token: bool) -> dict[str, Any]:
+        """The settle's transaction, adding the cost to `figures`, conditioned on the lease being
+        held and (but on the last attempt) on the key's marker: on the first, what the lease
+        assumes or none; after reading it, what was read (None: none)."""
         names = {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id}
         values: dict[str, Any] = {":cost": {"N": number(event.cost)}}
         update = "SET #credits = #credits - :cost REMOVE #leases.#gen" + _key_bookkeeping(
             [(lease, event.cost, figures)], names, values)
-        conditions = [LEASE_HELD]
-        guarded = attempt < MAX_FIGURE_READS
-        others = [name for name in figures_at(lease.key_id, lease.started) if name not in figures] if guarded else []
-        for index, name in enumerate(others):
-            names[f"#nf{index}"] = name
-            conditions.append(f"attribute_not_exists(#nf{index})")
+        condition = LEASE_HELD
+        if attempt < MAX_FIGURE_READS:
+            names["#marker"] = marker_attribute(lease.key_id)
+            if marker is None:
+                condition += " AND attribute_not_exists(#marker)"
+            else:
+                values[":marker"] = {"S": marker}
+                guard = "#marker = :marker" if attempt else MARKER_AS_ASSUMED
+                condition += f" AND {guard}"
         release = {
             "Update": {
                 "TableName": self._orgs_table,
                 "Key": {ORG.hash_key: {"S": lease.org_id}},
                 "UpdateExpression": update,
-                "ConditionExpression": " AND ".join(conditions),
+                "ConditionExpression": condition,
                 "ExpressionAttributeNames": names,
                 "ExpressionAttributeValues": values,
             }
         }
         payload: dict[str, Any] = {"TransactItems": [release, self._put_event(event, EVENT_IS_NEW)]}
         if request_token:
-            # each attempt after reading the figures is another transaction: its own token (a
+            # each attempt after reading the marker is another transaction: its own token (a
             # retry of one after a lost answer, within the retry policy, keeps it)
-            text = lease.gen_id if attempt == 0 else "|".join((lease.gen_id, str(attempt), *figures))
+            text = lease.gen_id if attempt == 0 else "|".join((lease.gen_id, str(attempt), str(marker), *figures))
             payload["ClientRequestToken"] = _token("s", text)
         return payload
 
     async def _read_org(self, lease: Lease) -> dict[str, Any]:
-        """The lease and the key's figures for its periods, as the org item has them now."""
-        names = {"#leases": ORG.leases, "#gen": lease.gen_id}
-        names.update({f"#f{index}": name for index, name in enumerate(figures_at(lease.key_id, lease.started))})
+        """The lease and its key's marker, as the org item has them now."""
         answer = await self._retried("settle", "GetItem", {
             "TableName": self._orgs_table,
             "Key": {ORG.hash_key: {"S": lease.org_id}},
-            "ProjectionExpression": ", ".join(["#leases.#gen", *(name for name in names if name.startswith("#f"))]),
-            "ExpressionAttributeNames": names,
+            "ProjectionExpression": "#leases.#gen, #marker",
+            "ExpressionAttributeNames": {"#leases": ORG.leases, "#gen": lease.gen_id,
+                                         "#marker": marker_attribute(lease.key_id)},
             "ConsistentRead": True,
         })
         return (answer or {}).get("Item") or {}
