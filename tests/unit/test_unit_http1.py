@@ -599,3 +599,30 @@ def test_an_interim_answer_of_an_http_1_0_server_is_skipped_too(together):
         await http.aclose()
 
     run(main())
+
+
+def test_an_idle_connection_the_server_sent_more_on_is_not_reused():
+    """Bytes a server sends on a connection while it is idle answer no request (a late
+    duplicate, a hostile server): read by the next request, they would be its answer, and
+    the next request may be another org's. Such a connection is dropped at checkout."""
+    async def handler(reader, writer):
+        while True:
+            body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTALE")
+            await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, connections):
+            first = await http.request("POST", url, headers={}, body=b"first", read_timeout=2)
+            assert await first.read() == b"first"
+            await asyncio.sleep(0.2)  # the stray answer arrives while the connection is idle
+            second = await http.request("POST", url, headers={}, body=b"second", read_timeout=2)
+            assert await second.read() == b"second"
+            assert len(connections) == 2
+        await http.aclose()
+
+    run(main())

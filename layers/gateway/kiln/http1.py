@@ -97,6 +97,9 @@ class _Connection:
         return (
             not self.reader.at_eof()
             and not self.writer.is_closing()
+            # bytes the server sent while the connection was idle answer no request: read by
+            # the next one they would be its answer (StreamReader keeps what came in _buffer)
+            and not self.reader._buffer  # noqa: SLF001
             and time.monotonic() - self.idle_since < expiry
         )
 
