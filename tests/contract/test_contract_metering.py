@@ -6,6 +6,8 @@ import json
 import threading
 from decimal import Decimal
 
+import pytest
+
 from support import data_events
 
 CHAT = "/v1/chat/completions"
@@ -212,3 +214,30 @@ def test_either_chat_limit_may_be_the_one_the_server_honours(stack, org):
     assert json.loads(stack.post(CHAT, body, key).text)["usage"]["completion_tokens"] == 9
     (event,) = stack.events(org_id)
     assert (event.completion_tokens, event.usage_source) == (9, "upstream")
+
+
+ZERO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_buffered_answer_with_text_reported_as_zero_tokens_is_not_billed_zero(stack, org, endpoint):
+    """A model server that reports 0 tokens for a prompt and an answer that hold text: a
+    token per non-empty text of the answer at least, as for a stream (a token per text
+    relayed), and the prompt as the gateway estimates it (contract §4: never billed zero)."""
+    org_id, key = org
+    if endpoint == "chat":
+        path, body = CHAT, {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hello there"}]}
+        answer = {"id": "c1", "object": "chat.completion", "created": 1, "model": "gpt-oss-120b", "usage": ZERO_USAGE,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello there"},
+                               "finish_reason": "stop"}]}
+    else:
+        path, body = COMPLETIONS, {"model": "gpt-oss-120b", "prompt": "hello there"}
+        answer = {"id": "c1", "object": "text_completion", "created": 1, "model": "gpt-oss-120b", "usage": ZERO_USAGE,
+                  "choices": [{"index": 0, "text": " and welcome", "finish_reason": "stop"}]}
+    response = stack.post(path, {**body, "mock": {"raw_body": json.dumps(answer)}}, key)
+    assert response.status_code == 200, response.text
+    usage = json.loads(response.text, parse_float=Decimal)["usage"]
+    (event,) = stack.events(org_id)
+    assert event.usage_source == "capped" and event.prompt_tokens > 0 and event.completion_tokens > 0
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (event.prompt_tokens, event.completion_tokens)
+    assert event.cost > 0 and usage["cost"] == event.cost

@@ -253,3 +253,12 @@ def test_completion_tokens_below_the_texts_relayed_are_not_believed(reported, fl
                                      prompt_estimate=lambda: 7, completion_count=lambda: 5, completion_floor=floor)
     assert (usage.completion_tokens, usage.source) == expected
     assert bool(problems) == (expected[1] == "capped")
+
+
+@pytest.mark.parametrize(("estimate", "expected"), [(7, (7, "capped")), (0, (0, "upstream"))],
+                         ids=["a prompt with tokens", "an empty prompt"])
+def test_zero_prompt_tokens_are_believed_only_of_a_prompt_with_none(estimate, expected):
+    usage, problems = billable_usage({"prompt_tokens": 0, "completion_tokens": 3}, BOUNDS,
+                                     prompt_estimate=lambda: estimate, completion_count=lambda: 5)
+    assert (usage.prompt_tokens, usage.source) == expected
+    assert bool(problems) == (expected[1] == "capped")

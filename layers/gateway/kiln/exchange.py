@@ -216,7 +216,9 @@ class Exchange:
         raw = await upstream.read_body(deadline)
         api = self.call.api
         answer = _parse_answer(raw, api)
-        usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(answer))
+        # each non-empty text of the answer is a token at least, as each text of a stream is
+        usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(answer),
+                               completion_floor=api.completion_texts(answer))
         cost = self._price(usage)
         api.with_usage(answer, usage, cost)
         body = dumps(answer)

@@ -116,10 +116,11 @@ def billable_usage(
     """The usage to bill, and what was wrong with the reported one (empty when believed).
 
     No usage reported: the gateway's own count and estimate (`estimated`). A reported count
-    that is not a non-negative integer, exceeds its bound, or (completion tokens) is below
-    `completion_floor`, the fewest the relayed output can be (a token per text relayed): that
-    count is replaced by the gateway's own, capped at the bound (`capped`). Cached tokens
-    count only when plausible.
+    that is not a non-negative integer, exceeds its bound, (completion tokens) is below
+    `completion_floor`, the fewest the output can be (a token per text relayed or answered),
+    or (prompt tokens) is 0 for a prompt the gateway counts tokens in: that count is replaced
+    by the gateway's own, capped at the bound (`capped`). Cached tokens count only when
+    plausible.
     """
     if not isinstance(reported, dict) or (
         reported.get("prompt_tokens") is None and reported.get("completion_tokens") is None
@@ -130,6 +131,9 @@ def billable_usage(
     prompt = reported.get("prompt_tokens")
     if not (_count(prompt) and prompt <= bounds.prompt):
         problems.append(f"prompt_tokens {_implausible(prompt, bounds.prompt)}")
+        prompt = min(prompt_estimate(), bounds.prompt)
+    elif prompt == 0 and prompt_estimate() > 0:
+        problems.append("prompt_tokens 0 for a prompt that is not empty")
         prompt = min(prompt_estimate(), bounds.prompt)
     completion = reported.get("completion_tokens")
     floor = min(completion_floor, bounds.completion)

@@ -7,7 +7,7 @@ the model server reports none, and how its stream ends.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import InvalidType, UnsupportedParameter
 from ..metering import TokenUsage, estimate_text_tokens
@@ -67,6 +67,10 @@ class ModelApi:
         raise NotImplementedError
 
     def estimate_completion(self, answer: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def completion_texts(self, answer: dict[str, Any]) -> int:
+        """The non-empty texts of a buffered answer: the fewest completion tokens it can be."""
         raise NotImplementedError
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
@@ -134,19 +138,10 @@ class ChatStyleApi(ModelApi):
         return None
 
     def estimate_completion(self, answer: dict[str, Any]) -> int:
-        total = 0
-        choices = answer.get("choices")
-        for choice in choices if isinstance(choices, list) else []:
-            if not isinstance(choice, dict):
-                continue
-            message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
-            texts = [choice.get("text"), message.get("content"), message.get("reasoning_content")]
-            calls = message.get("tool_calls")
-            for call in calls if isinstance(calls, list) else []:
-                if isinstance(call, dict) and isinstance(call.get("function"), dict):
-                    texts.append(call["function"].get("arguments"))
-            total += sum(estimate_text_tokens(text) for text in texts if isinstance(text, str))
-        return total
+        return sum(estimate_text_tokens(text) for text in _answer_texts(answer))
+
+    def completion_texts(self, answer: dict[str, Any]) -> int:
+        return sum(1 for text in _answer_texts(answer) if text)
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         if usage.source == "upstream":
@@ -203,3 +198,18 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
             "ask for JSON in the prompt and validate it client-side.",
             param=param,
         )
+
+
+def _answer_texts(answer: dict[str, Any]) -> Iterator[str]:
+    """Every text of a chat or text completion: content, reasoning, text, tool-call arguments."""
+    choices = answer.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict):
+            continue
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        texts = [choice.get("text"), message.get("content"), message.get("reasoning_content")]
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                texts.append(call["function"].get("arguments"))
+        yield from (text for text in texts if isinstance(text, str))

@@ -12,7 +12,7 @@ the usage under `response.usage`: that event is held back, settled, and sent wit
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from .. import schemas
 from ..jsonio import dumps
@@ -66,7 +66,10 @@ class ResponsesApi(ModelApi):
         return None
 
     def estimate_completion(self, answer: dict[str, Any]) -> int:
-        return sum(_item_tokens(item) for item in answer.get("output") or [] if isinstance(item, dict))
+        return sum(estimate_text_tokens(text) for text in _output_texts(answer))
+
+    def completion_texts(self, answer: dict[str, Any]) -> int:
+        return sum(1 for text in _output_texts(answer) if text)
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         answer["usage"] = _with_cost(answer.get("usage"), usage, cost)
@@ -108,14 +111,18 @@ def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
     return billed
 
 
-def _item_tokens(item: dict[str, Any]) -> int:
-    """The completion tokens of one output item: its texts, reasoning and tool-call arguments."""
-    texts: list[Any] = [item.get("arguments")]
-    for part_list in (item.get("content"), item.get("summary")):
-        for part in part_list if isinstance(part_list, list) else []:
-            if isinstance(part, dict):
-                texts.append(part.get("text"))
-    return sum(estimate_text_tokens(text) for text in texts if isinstance(text, str))
+def _output_texts(answer: dict[str, Any]) -> Iterator[str]:
+    """Every text of a response's output items: their texts, reasoning and tool-call arguments."""
+    output = answer.get("output")
+    for item in output if isinstance(output, list) else []:
+        if not isinstance(item, dict):
+            continue
+        texts: list[Any] = [item.get("arguments")]
+        for part_list in (item.get("content"), item.get("summary")):
+            for part in part_list if isinstance(part_list, list) else []:
+                if isinstance(part, dict):
+                    texts.append(part.get("text"))
+        yield from (text for text in texts if isinstance(text, str))
 
 
 class ResponsesRelay(SseRelay):
