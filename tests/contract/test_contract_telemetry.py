@@ -57,3 +57,41 @@ def test_readiness_probes_leave_no_request_records(stack):
     assert stack.http.get("/v1/models").status_code == 401  # a customer request still gets its record
     paths = [r.get("path") for r in _records_since(mark) if r.get("message") == "request"]
     assert paths == ["/v1/models"]
+
+
+def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a_new_metric(stack):
+    """The path is the client's text: a key pasted into it is not logged, and an unknown URL is
+    one `unmatched` endpoint in the metrics, not a metric of its own (each dimension value
+    CloudWatch sees is a metric it bills). A model server's error code is its own text too:
+    logged if it is a short word, and counted under the gateway's `upstream_rejected`."""
+    import json
+    import secrets
+
+    from kiln.store.keys import create_key
+
+    org_id, key = stack.org()
+    admin = create_key(stack.tables, org_id, role="management").secret
+    mark = len(TELEMETRY.text())
+    pasted = "sk-kiln-" + secrets.token_urlsafe(32)
+    assert stack.http.get(f"/v1/keys/{pasted}", headers={"Authorization": f"Bearer {admin}"}).status_code == 404
+    scanned = f"/v1/{secrets.token_hex(8)}/" + "x" * 5000
+    assert stack.http.get(scanned, headers={"Authorization": f"Bearer {key}"}).status_code == 404
+    hostile = json.dumps({"error": {"message": "no", "code": "c" + secrets.token_hex(4) + " " * 10 + "y" * 500}})
+    rejected = stack.post(CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}],
+                                 "mock": {"status": 400, "plain_text": True, "message": hostile}}, key)
+    assert rejected.status_code == 400 and rejected.json()["error"]["code"].startswith("c")  # the client's answer
+    worded = json.dumps({"error": {"message": "no", "code": "context_length_exceeded"}})
+    stack.post(CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}],
+                      "mock": {"status": 400, "plain_text": True, "message": worded}}, key)
+    text = TELEMETRY.text()[mark:]
+    assert pasted not in text and pasted[8:] not in text
+    records = _records_since(mark)
+    logs = [r for r in records if r.get("message") == "request"]
+    assert all(len(r["path"]) <= 300 for r in logs)
+    assert {r["endpoint"] for r in records if "Requests" in r} <= {"keys", "unmatched", "chat.completions"}
+    assert "unmatched" in {r["endpoint"] for r in records if "Requests" in r}
+    codes = [r["code"] for r in records if "Errors" in r]
+    assert codes.count("upstream_rejected") == 2 and all(len(code) <= 64 for code in codes)
+    assert [r.get("upstream_code") for r in logs[-2:]] == [None, "context_length_exceeded"]
+    stored = sorted(event.error for event in stack.events(org_id))  # the usage events keep only a word too
+    assert stored == ["upstream HTTP 400", "upstream HTTP 400 context_length_exceeded"]

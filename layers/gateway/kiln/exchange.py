@@ -114,7 +114,13 @@ class Exchange:
             UpstreamFailed: "upstream_error",
             NoBackendAvailable: "no_backend_available",
         }.get(type(error), "gateway_error")
-        self.record.error_code = error.code
+        if isinstance(error, UpstreamRejected):
+            # its code is the model server's own text: counted under the gateway's word for it,
+            # logged beside it only if it is a word
+            self.record.error_code = "upstream_rejected"
+            self.record.upstream_code = short_word(error.code)
+        else:
+            self.record.error_code = error.code
         await self._settle(status, http_status=error.status, error=_stored_error(error))
         return error_response(error, self.gen_id)
 
@@ -340,21 +346,27 @@ def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
     return answer
 
 
-# what finish reasons are ("stop", "length", "tool_calls", "content_filter", "incomplete", …)
-_FINISH_REASON = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+# what finish reasons and error codes are ("stop", "tool_calls", "context_length_exceeded", …)
+_SHORT_WORD = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def short_word(text: str | None) -> str | None:
+    """`text` if it is a short word (a finish reason, an error code), else None: what a model
+    server sends is stored and logged only in that shape."""
+    return text if text is not None and _SHORT_WORD.fullmatch(text) else None
 
 
 def _stored_finish_reason(reason: str | None) -> str | None:
     """What the usage event keeps of the model server's finish reason: a short word, as finish
     reasons are. Anything else (text of any length, which may quote the prompt, §4) is none:
     an item DynamoDB refuses for its size would leave the request unsettled."""
-    return reason if isinstance(reason, str) and _FINISH_REASON.fullmatch(reason) else None
+    return short_word(reason) if isinstance(reason, str) else None
 
 
 def _stored_error(error: GatewayError) -> str:
     """What the usage event keeps of an error: never a model server's message, which may quote
     the prompt (§4), only its status and error code; the gateway's own words otherwise."""
     if isinstance(error, UpstreamRejected):
-        code = f" {error.code[:64]}" if error.code else ""
-        return f"upstream HTTP {error.status}{code}"
+        word = short_word(error.code)  # a code that is not a word may be any text: not kept
+        return f"upstream HTTP {error.status} {word}" if word else f"upstream HTTP {error.status}"
     return error.detail or error.message

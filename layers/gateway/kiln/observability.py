@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from contextvars import ContextVar
@@ -75,7 +76,7 @@ class RequestRecord:
     """What the handlers learn about a request, for its log line and metrics."""
 
     __slots__ = ("method", "path", "started", "finished", "status", "first_byte_ms", "org_id", "model",
-                 "endpoint", "error_code", "usage", "backend_failures", "ids")
+                 "endpoint", "error_code", "upstream_code", "usage", "backend_failures", "ids")
 
     def __init__(self, method: str, path: str, ids: dict[str, str] | None = None) -> None:
         self.method = method
@@ -88,19 +89,21 @@ class RequestRecord:
         self.org_id: str | None = None
         self.model: str | None = None
         self.endpoint: str | None = None
-        self.error_code: str | None = None
+        self.error_code: str | None = None  # the gateway's own code of the error answered
+        self.upstream_code: str | None = None  # a model server's own code, if a short word
         self.usage: UsageEvent | None = None
         self.backend_failures = 0
 
     def as_log(self) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "method": self.method,
-            "path": self.path,
+            "path": loggable_path(self.path),
             "status": self.status,
             "latency_ms": int(((self.finished or time.monotonic()) - self.started) * 1000),
             "org_id": self.org_id,
             "model": self.model,
             "error_code": self.error_code,
+            "upstream_code": self.upstream_code,
             **self.ids,
         }
         if self.usage is not None:
@@ -117,6 +120,20 @@ class RequestRecord:
                 streamed=usage.streamed,
             )
         return {key: value for key, value in entry.items() if value is not None}
+
+
+# the path is the client's text: what is shaped like a key is not logged, and it is cut short
+_KEY_IN_TEXT = re.compile(r"sk-kiln-[A-Za-z0-9_-]*")
+MAX_LOGGED_PATH = 256
+# the endpoint of a request no route took (an unknown URL): one metric, whatever the path
+UNMATCHED = "unmatched"
+
+
+def loggable_path(path: str) -> str:
+    """A request's path as logged: a key's secret in it redacted, at most MAX_LOGGED_PATH characters."""
+    if "sk-kiln-" in path:
+        path = _KEY_IN_TEXT.sub("sk-kiln-[redacted]", path)
+    return path if len(path) <= MAX_LOGGED_PATH else path[:MAX_LOGGED_PATH] + "…"
 
 
 def record_of(scope_or_request: Any) -> RequestRecord:
@@ -190,7 +207,7 @@ class Observer:
             values["CostUSD"] = float(usage.cost)
             values["UsageEstimated"] = 1 if usage.usage_source == "estimated" else 0
         # published twice: per service (what the alarms watch) and per service and endpoint
-        documents = [self._metrics_document("request", values, endpoint=record.endpoint or record.path)]
+        documents = [self._metrics_document("request", values, endpoint=record.endpoint or UNMATCHED)]
         if record.error_code:
             documents.append(self._metrics_document("error", {"Errors": 1}, code=record.error_code))
         return documents
