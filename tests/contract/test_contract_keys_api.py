@@ -23,6 +23,7 @@ from kiln.aws import AwsClient
 from kiln.errors import KeySpendLimitExceeded
 from kiln.store import UsageEvent
 from kiln.store.clock import iso_ms
+from kiln.store.keyring import Keyring
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
 from kiln.store.keyspend import KeyLimits
 from kiln.store.ledger import ledger_of
@@ -466,7 +467,9 @@ def test_a_seed_whose_figure_changed_meanwhile_reads_again(stack, found):
     assert figures_of_key(stack, org_id, key["id"]) == {day: event.cost}
 
 
-def test_a_seed_that_never_gets_its_write_in_changes_nothing_and_says_retry(stack):
+def test_a_seed_that_never_gets_its_write_in_says_retry_and_the_retry_makes_it_whole(stack):
+    """The key is written first, then its org item follows it: a seed that loses every race
+    answers 503 (storage), and the same change sent again counts what the key spent."""
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
@@ -477,9 +480,9 @@ def test_a_seed_that_never_gets_its_write_in_changes_nothing_and_says_retry(stac
     finally:
         stack.faults.clear()
     assert changed.status_code == 503 and changed.json()["error"]["code"] == "storage_unavailable", changed.text
-    assert call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()["spend_limit"] is None  # not half made
-    assert figures_of_key(stack, org_id, key["id"]) == {}
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
+    day = KeyLimits(None, Decimal(5), "day").figure(key["id"], time.time())
+    assert figures_of_key(stack, org_id, key["id"]) == {day: key_spent(stack, org_id, key["id"])}
 
 
 # -- gateways that have not seen a change yet ----------------------------------------------
@@ -624,26 +627,115 @@ def test_a_change_whose_key_write_fails_leaves_the_keys_figures_as_they_were(sta
     assert admitted_tomorrow(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "day"), "2") == 3
 
 
+def org_marker(stack, org_id: str, key_id: str) -> str | None:
+    item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"]
+    return item.get(f"key_period:{key_id}", {}).get("S")
+
+
+def admitted_now(stack, org_id: str, key_id: str, limits: KeyLimits, cost: str, tries: int = 8) -> int:
+    """How many requests of `cost` a gateway that knows the key's `limits` admits (and settles)."""
+    for admitted in range(tries):
+        try:
+            lease = stale_admit(stack, org_id, key_id, limits)
+        except KeySpendLimitExceeded:
+            return admitted
+        assert stack.ledger.settle(lease, stale_event(lease, cost)) == "settled"
+    return tries
+
+
+@pytest.mark.parametrize(("first", "change"), [
+    ({"spend_limit": None}, {"spend_limit": 5, "spend_period": "day"}),
+    ({"spend_period": "week"}, {"spend_period": "day"}),
+], ids=["a limit set again", "a new period"])
+def test_a_change_whose_answers_were_lost_is_counted_as_stored_when_sent_again(stack, first, change):
+    """The key's write was applied but its answers lost (503): the org item follows the key
+    as stored, and the change sent again finds it so."""
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "month"}).json()
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, first).status_code == 200
+    stack.faults.lose("UpdateItem", times=3, when=lambda payload: payload["TableName"] == stack.settings.keys_table)
+    try:
+        lost = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
+    finally:
+        stack.faults.clear()
+    assert lost.status_code == 503, lost.text
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change).status_code == 200
+    assert org_marker(stack, org_id, key["id"]) == "day"
+    assert admitted_now(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "day"), "2") == 3
+
+
+@pytest.mark.parametrize(("mine", "theirs", "stored"), [
+    ({"spend_period": "month"}, {"spend_period": "week"}, "week"),
+    ({"spend_limit": 10}, {"spend_limit": None}, None),
+], ids=["two periods", "an amount and a removal"])
+def test_two_changes_at_once_leave_the_org_item_as_the_key_stored_last(stack, mine, theirs, stored):
+    """Another change lands between this one's key write and its org write: the org write,
+    conditioned on the marker it read, fails; it reads again and ends as the key is stored."""
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+
+    async def change(keyring):
+        org_write = keyring._org_write
+        raced = []
+
+        async def racing(*args, **kwargs):
+            if not raced:  # the other change, whole, between this one's reads and its write
+                raced.append(call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, theirs).status_code)
+            return await org_write(*args, **kwargs)
+
+        keyring._org_write = racing
+        await keyring.update(key["id"], mine, org_id=org_id)
+        return raced
+
+    assert with_keyring(stack, change) == [200]
+    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+    assert shown["spend_period"] == (stored or "day")
+    assert org_marker(stack, org_id, key["id"]) == stored
+    if stored is None:
+        assert shown["spend_limit"] is None and figures_of_key(stack, org_id, key["id"]) == {}
+    else:
+        figure = KeyLimits(None, Decimal(5), stored).figure(key["id"], time.time())
+        assert figures_of_key(stack, org_id, key["id"]) == {figure: key_spent(stack, org_id, key["id"])}
+
+
+def with_keyring(stack, use):
+    """`use(keyring)` on a keyring of its own (key management as the API runs it)."""
+    async def main():
+        aws = AwsClient(region=stack.settings.region, endpoint_url=stack.settings.aws_endpoint_url)
+        try:
+            return await use(Keyring(aws, keys_table=stack.settings.keys_table, orgs_table=stack.settings.orgs_table,
+                                     usage_table=stack.settings.usage_table))
+        finally:
+            await aws.aclose()
+    return asyncio.run(main())
+
+
 def test_changing_only_the_amount_leaves_the_figure_alone(stack):
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
     (day,) = figures_of_key(stack, org_id, key["id"])
-    set_figure(stack, org_id, day, "2")  # not what the events sum to: a seed would show
-    writes = stack.faults.count("UpdateItem", lambda payload: payload["TableName"] == stack.settings.orgs_table)
+    set_figure(stack, org_id, day, "2")  # not what the events sum to, above it: a seed never lowers it
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": "9", "label": "x"}).status_code == 200
     assert figures_of_key(stack, org_id, key["id"]) == {day: Decimal(2)}
+    # its first change gave the key (made with its limit) its marker; later ones write nothing there
+    assert org_marker(stack, org_id, key["id"]) == "day"
+    writes = stack.faults.count("UpdateItem", lambda payload: payload["TableName"] == stack.settings.orgs_table)
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": "8"}).status_code == 200
     assert stack.faults.count("UpdateItem", lambda payload: payload["TableName"] == stack.settings.orgs_table) == writes
+    assert figures_of_key(stack, org_id, key["id"]) == {day: Decimal(2)}
 
 
-def test_a_limit_set_on_a_key_that_spent_nothing_starts_its_figure_at_zero(stack):
-    """The figure is there before any gateway knows the limit: the settles of requests that
-    gateways still admit without it find it and count in it."""
+def test_a_limit_set_on_a_key_that_spent_nothing_adds_only_its_marker(stack):
+    """No figure until a settle makes it: the marker is what the settles of requests that
+    gateways still admit without the limit find, to count in the figure."""
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {}).json()
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 1}).status_code == 200
-    total = KeyLimits(None, Decimal(1), "total").figure(key["id"], time.time())
-    assert figures_of_key(stack, org_id, key["id"]) == {total: Decimal(0)}
+    assert figures_of_key(stack, org_id, key["id"]) == {}
+    assert org_marker(stack, org_id, key["id"]) == "total"
 
 
 def test_removing_the_limit_removes_the_figures(stack):

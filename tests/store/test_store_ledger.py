@@ -343,12 +343,13 @@ def test_a_request_admitted_in_the_old_period_counts_in_the_new_one_and_leaves_n
     assert _figure(stack, org_id, lease.spend_figure) is None
 
 
-def test_a_request_in_flight_when_the_limit_is_removed_adds_to_no_figure_and_costs_later_settles_nothing(stack):
+def test_a_request_in_flight_when_the_limit_is_removed_costs_later_settles_nothing(stack):
+    """Key management takes the marker off with the limit: a request in flight across it
+    makes its figure again (no admission reads it), and the key's settles stay one write."""
     org_id, _ = stack.org(credits="1")
     in_flight = _admit_with(stack, org_id, KeyLimits(None, Decimal(5), "total"))
-    _change_key(stack, org_id, "none")  # the limit removed, its figure with it
     assert stack.ledger.settle(in_flight, _event(in_flight)) == "settled"
-    assert _figure(stack, org_id, in_flight.spend_figure) is None  # not made again with its own cost alone
+    assert _figure(stack, org_id, in_flight.spend_figure) == Decimal("0.25")
     faults = StorageFaults()
     later = _admit(stack, org_id)  # a gateway that knows: no limit
     assert SyncLedger(stack.settings, faults).settle(later, _event(later)) == "settled"

@@ -11,10 +11,11 @@ moment ago may take a second to be found by id; its secret works at once), then 
 by its hash with a condition naming its org, so an id of another org is never touched.
 Changes are PATCH-like: a field given as null goes back to its default.
 
-A key with a spend limit counts its spend in one figure on its org item (kiln.store.keyspend);
-key management keeps it in step: a revocation or a limit removed takes the key's figures off,
-a limit set or a new spend period starts the new period's figure at what the key already spent
-in it (from its usage events). A key without a limit is shown its spend summed from its events.
+A key with a spend limit counts its spend in one figure on its org item, with a marker of
+its kind of period (kiln.store.keyspend); key management keeps them in step with the key as
+stored: a revocation or a limit removed takes them off, a limit set or a new spend period sets
+the marker and brings the new period's figure up to what the key already spent in it (from its
+usage events). A key without a limit is shown its spend summed from its events.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .clock import iso_ms
 from .codec import number
 from .errors import AlreadyRevoked, ConditionFailed, RecordNotFound, StorageError, UnstorableValue, condition_failure
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
-from .keyspend import NO_LIMIT, PERIODS, KeyLimits, figures_of, marker_attribute, marker_of, period_start, resets_at, spend_in
+from .keyspend import PERIODS, KeyLimits, figures_of, marker_attribute, marker_of, period_start, resets_at, spend_in
 from .schema import KEY, ORG
 from .usage import key_costs
 
@@ -255,18 +256,6 @@ class OrgView:
     item: dict[str, Any]
 
 
-_KEEP = object()  # remove_figures: the key's marker left as it is
-
-
-@dataclass(frozen=True)
-class _Seeded:
-    """What a seed did: the figure it brought up, the key's marker before it, whether it made the figure."""
-
-    figure: str
-    marker: str | None
-    made: bool
-
-
 class Keyring:
     """Key management over the lean client; raises RecordNotFound, AlreadyRevoked, InvalidKeyAttribute."""
 
@@ -406,94 +395,86 @@ class Keyring:
             await _backoff(attempt)
         raise AssertionError("unreachable")
 
-    async def remove_figures(self, org_id: str, key_id: str, *, keep: str | None = None,
-                             marker: str | None | object = _KEEP) -> list[str]:
-        """REMOVE the key's spend figures (but `keep`) from its org item, as a consistent read
-        finds them, and set its marker to `marker` (None: remove it; by default left as it is):
-        the figures removed."""
+    async def remove_figures(self, org_id: str, key_id: str) -> list[str]:
+        """REMOVE the key's spend figures and its marker from its org item, as a consistent read
+        finds them: the figures removed."""
         item = (await self.org(org_id)).item
-        stale = [name for name in figures_of(item, key_id) if name != keep]
+        stale = figures_of(item, key_id)
         names = {f"#f{index}": name for index, name in enumerate(stale)}
-        removes, sets, values = list(names), [], {}
-        if marker is not _KEEP and marker_of(item, key_id) != marker:
+        if marker_of(item, key_id) is not None:
             names["#marker"] = marker_attribute(key_id)
-            if marker is None:
-                removes.append("#marker")
-            else:
-                sets.append("#marker = :marker")
-                values[":marker"] = {"S": marker}
         if names:
-            update = ("SET " + ", ".join(sets) + " " if sets else "") + ("REMOVE " + ", ".join(removes) if removes else "")
-            await self._org_write(org_id, update.strip(), names, values or None)
+            await self._org_write(org_id, "REMOVE " + ", ".join(names), names)
         return stale
 
-    async def _tidy(self, key: KeyInfo, *, keep: str | None = None, why: str) -> None:
-        """remove_figures after a key change that stands whatever comes of it: a revoked key's
-        marker goes too, a key whose limit is gone is marked so (its requests in flight then
-        add to no figure). A failure is logged (the figures left only take room on the org
-        item; the next change tries again)."""
-        if key.status == "revoked":
-            marker: str | None | object = None
-        elif key.spend_limit is None:
-            marker = NO_LIMIT
-        else:
-            marker = _KEEP  # the seed set it
+    async def _tidy(self, key: KeyInfo, *, why: str) -> None:
+        """remove_figures after a revocation, which stands whatever comes of it: a failure is
+        logged (the figures left only take room on the org item; revoking again removes them)."""
         try:
-            await self.remove_figures(key.org_id, key.key_id, keep=keep, marker=marker)
+            await self.remove_figures(key.org_id, key.key_id)
         except Exception as exc:  # noqa: BLE001 - the key's change is made; this is housekeeping
             log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
                                     "after": why, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
 
-    async def _seed(self, key: KeyInfo, now: float) -> _Seeded | None:
-        """The figure the key (as it will be) counts in at `now`, brought up to what the key has
-        spent in that period so far, from its usage events (None: no limit).
+    async def _count_as_stored(self, key_hash: str) -> None:
+        """Bring the key's marker and figures on its org item in line with the key as it is
+        stored now (read again, consistently): what a change of its limit or period, or of the
+        key by another change meanwhile, leaves them to be.
 
-        The key's marker is set to its new kind of period first, in the same write that makes
-        the figure (at 0 if it is not there): from then on every settle of the key's requests
-        of the period adds its cost to it, also those admitted by a gateway that does not know
-        the change yet (kiln.store.ledger: a settle reads the marker its lease did not expect).
-        The events read after that are the settles before it and those the figure counts.
+        A key that counts against a limit gets its marker (`key_period:<key id>`, its kind of
+        period) and loses its figures but the current period's, in one write conditioned on the
+        marker being what was read, and followed by a read of the key: if another change of
+        the key came between, it is all done again, so two changes at once both end as the
+        key stored last. From then on every settle of the key's
+        requests of the period adds its cost to the current period's figure (making it if it
+        is not there), those admitted by a gateway that does not know the change yet too
+        (kiln.store.ledger: a settle reads the marker its lease did not assume). Then that
+        figure is raised to what the key's usage events say it spent in the period: the
+        settles before that write are in the events, those after it in the figure.
 
-        A figure found there already holds at most that much: settles ADD their costs to it
-        together with writing their events, seeds set it from the events. So a seed raises
-        the figure to the events' sum and never lowers it, on the condition that it is still
-        what was read: a settle that lands meanwhile fails the write, and the seed reads again.
-        The events are read from an index that DynamoDB keeps eventually consistent: a request
-        that settled a moment before may be missing from the sum, which is the softness of
-        contract §10 (at most the requests in flight around the change). A seed that never
-        gets its write in, or whose key change then fails, is undone (`_undo`)."""
-        figure = _limits(key).figure(key.key_id, now)
-        if figure is None:
-            return None
-        item = (await self.org(key.org_id)).item
-        seeded = _Seeded(figure, marker_of(item, key.key_id), made=figure not in item)
-        await self._org_write(key.org_id, "SET #marker = :marker, #f = if_not_exists(#f, :zero)",
-                              {"#marker": marker_attribute(key.key_id), "#f": figure},
-                              {":marker": {"S": key.spend_period}, ":zero": {"N": "0"}})
-        try:
-            await self._raise_to_events(key, figure, now)
-        except Exception:
-            await self._undo(key, seeded)
-            raise
-        return seeded
+        A key with no limit (or revoked) loses its marker and figures: a request in flight
+        across the change that settles into the figure its lease names makes it again, with
+        its own cost, where no admission reads it.
 
-    async def _undo(self, key: KeyInfo, seeded: _Seeded) -> None:
-        """Put the key's marker back as it was, and take the figure off if the seed made it."""
-        names = {"#marker": marker_attribute(key.key_id)}
-        removes = []
-        if seeded.made:
-            names["#f"] = seeded.figure
-            removes.append("#f")
-        if seeded.marker is None:
-            update, values = "REMOVE " + ", ".join(["#marker", *removes]), None
+        Run after the key's own write, and again by the same change sent again, so a change
+        answered 503 (storage, a lost answer) is made whole by its retry."""
+        now = self.clock()
+        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+            if attempt > 1:
+                await _backoff(attempt)
+            key = await self.by_hash(key_hash)
+            if key is None:
+                return
+            item = (await self.org(key.org_id)).item
+            figure = _limits(key).figure(key.key_id, now) if _counted_on_org(key) else None
+            wanted = key.spend_period if figure is not None else None
+            found = marker_of(item, key.key_id)
+            others = [name for name in figures_of(item, key.key_id) if name != figure]
+            if found == wanted and not others:
+                break
+            names = {"#marker": marker_attribute(key.key_id), **{f"#o{i}": name for i, name in enumerate(others)}}
+            removes = [f"#o{i}" for i in range(len(others))]
+            values: dict[str, Any] = {}
+            if wanted is None:
+                update = "REMOVE " + ", ".join(["#marker", *removes])
+            else:
+                values[":wanted"] = {"S": wanted}
+                update = "SET #marker = :wanted" + (" REMOVE " + ", ".join(removes) if removes else "")
+            if found is None:
+                condition = "attribute_not_exists(#marker)"
+            else:
+                condition, values[":found"] = "#marker = :found", {"S": found}
+            if not await self._org_write(key.org_id, update, names, values or None, condition):
+                continue  # another change wrote the marker first: read both again
+            # another change of the key may have written its own org item before this write
+            # (with the marker as it was): the key read again says whether this one still holds
+            now_stored = await self.by_hash(key_hash)
+            if now_stored is None or _limits(now_stored) == _limits(key) and now_stored.status == key.status:
+                break
         else:
-            update = "SET #marker = :marker" + (" REMOVE " + ", ".join(removes) if removes else "")
-            values = {":marker": {"S": seeded.marker}}
-        try:
-            await self._org_write(key.org_id, update, names, values)
-        except Exception as exc:  # noqa: BLE001 - the change failed already; this is housekeeping
-            log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
-                                    "after": "change failed", "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+            raise StorageError(f"the spend figures of {key_hash[:8]}… kept changing", "SeedRaced")
+        if figure is not None:
+            await self._raise_to_events(key, figure, now)
 
     async def _raise_to_events(self, key: KeyInfo, figure: str, now: float) -> str:
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
@@ -572,17 +553,6 @@ class Keyring:
         changes = validate_changes(attributes, known_models=known_models, org_limit=limit)
         if not changes:
             return _info(item)
-        before = _info(item)
-        after = replace(before, **{name: (_DEFAULTS.get(name) if value is None else value)
-                                   for name, value in changes.items()})
-        now = self.clock()
-        # A key that comes to count against a limit, or in another period, gets the figure of
-        # its new period before any gateway counts in it; one that no longer has a limit keeps
-        # none. Gateways apply the change within their auth cache time: requests admitted
-        # before then (and those in flight) count in the figure their leases name.
-        recounted = _counted_on_org(after) and (not _counted_on_org(before)
-                                                or before.spend_period != after.spend_period)
-        seeded = await self._seed(after, now) if recounted else None
         names = {"#hash": KEY.hash_key, "#org": KEY.org_id}
         values: dict[str, Any] = {":org": {"S": owner}}
         sets, removes = [], []
@@ -594,16 +564,11 @@ class Keyring:
                 values[f":a{index}"] = _wire(name, value)
                 sets.append(f"#a{index} = :a{index}")
         expression = (" SET " + ", ".join(sets) if sets else "") + (" REMOVE " + ", ".join(removes) if removes else "")
-        try:
-            changed = _info(await self._write(item, expression.strip(), names, values))
-        except Exception:
-            if seeded is not None:  # the key stays as it was: so do its marker and figures
-                await self._undo(after, seeded)
-            raise
-        if seeded is not None:
-            await self._tidy(changed, keep=seeded.figure, why="new spend period")
-        elif "spend_limit" in changes and not _counted_on_org(changed):
-            await self._tidy(changed, why="spend limit removed")
+        changed = _info(await self._write(item, expression.strip(), names, values))
+        if "spend_limit" in changes or "spend_period" in changes:
+            # the org item follows the key as stored (a failure here is a 503 that the same
+            # change, sent again, makes whole)
+            await self._count_as_stored(item[KEY.hash_key]["S"])
         return changed
 
     async def revoke(self, key_id: str, *, org_id: str | None = None) -> KeyInfo:

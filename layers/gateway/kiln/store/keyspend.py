@@ -15,13 +15,13 @@ pre-created parent, work only on top-level attributes):
   ADDs the request's cost to that figure. Keys without a limit keep nothing on the item,
   so the org item does not grow with the number of keys an org uses.
 - `key_period:<key id>`: the kind of period the key counts its spend in now (`day`, `week`,
-  `month`, `total`), or `none` once its limit is removed; written by key management when
-  it sets a limit, changes the period or removes the limit. A gateway whose auth cache still
-  holds the key as it was admits with its old limits, so its lease names no figure, or one
-  of another period: the settle is conditioned on this marker being what its lease assumed,
-  and when it is not, adds the cost to the figure the marker says (`counted_in`). A key
-  whose limit was set at its creation has no marker until its first change: its leases'
-  figures are the ones.
+  `month`, `total`), for a key with a limit; key management writes it when a limit is set or
+  its period changes, and removes it with the limit (kiln.store.keyring). A gateway whose
+  auth cache still holds the key as it was admits with its old limits, so its lease names no
+  figure, or one of another period: the settle is conditioned on this marker being absent or
+  what its lease assumed, and when it is not, adds the cost to the figure the marker says
+  (`counted_in`). A key whose limit was set at its creation has no marker until its limit or
+  period is changed: its leases' figures are the ones.
 
 Periods are UTC: a day starts at 00:00, a week on Monday (ISO weeks), a month on its 1st;
 `total` never resets. A request counts in the period it was admitted in, as its usage
@@ -42,7 +42,6 @@ from typing import Any
 __all__ = [
     "PERIODS",
     "KeyLimits",
-    "NO_LIMIT",
     "counted_in",
     "figures_of",
     "kind_of_figure",
@@ -63,7 +62,6 @@ PERIODS = ("day", "week", "month", "total")
 LEASES_PREFIX = "key_leases:"
 SPEND_PREFIX = "key_spend:"
 MARKER_PREFIX = "key_period:"
-NO_LIMIT = "none"  # the marker of a key whose limit was removed
 
 
 @dataclass(frozen=True)
@@ -168,24 +166,24 @@ def marker_attribute(key_id: str) -> str:
 
 
 def marker_of(item: dict[str, Any], key_id: str) -> str | None:
-    """The key's marker on an org item (wire form): a kind of period, NO_LIMIT, or None (none)."""
+    """The key's marker on an org item (wire form): its kind of period, or None (no marker)."""
     return item.get(marker_attribute(key_id), {}).get("S")
 
 
-def kind_of_figure(figure: str | None) -> str:
-    """The marker a lease naming `figure` assumes: its period's kind, or NO_LIMIT for none."""
-    return period_kind(figure.rpartition(":")[2]) if figure is not None else NO_LIMIT
+def kind_of_figure(figure: str | None) -> str | None:
+    """The marker a lease naming `figure` assumes: its period's kind (None: no figure, no marker)."""
+    return period_kind(figure.rpartition(":")[2]) if figure is not None else None
 
 
 def counted_in(item: dict[str, Any], key_id: str, admitted: float, named: str | None) -> tuple[str, ...]:
     """The figures a request admitted at `admitted` adds its cost to, its lease naming `named`,
     from its org item as read: the figure of the period the key's marker says, in the
-    request's own period; none if the key's limit was removed; with no marker, the lease's."""
+    request's own period; with no marker, the lease's."""
     marker = marker_of(item, key_id)
     if marker is None:
         return (named,) if named is not None else ()
     if marker not in PERIODS:
-        return ()
+        return ()  # not a marker key management writes: no figure it could say
     return (spend_attribute(key_id, period_name(marker, admitted)),)
 
 

@@ -476,7 +476,7 @@ class Ledger:
         """
         event = self._kept(event)
         figures: tuple[str, ...] = (lease.spend_figure,) if lease.spend_figure is not None else ()
-        marker: str | None = kind_of_figure(lease.spend_figure)  # what the lease assumes (or none there)
+        marker = kind_of_figure(lease.spend_figure)  # what the lease assumes (None: no marker)
         for attempt in range(MAX_FIGURE_READS + 1):
             payload = self._settle_payload(lease, event, figures, marker, attempt=attempt, request_token=request_token)
             try:
@@ -501,7 +501,7 @@ class Ledger:
                         attempt: int, request_token: bool) -> dict[str, Any]:
         """The settle's transaction, adding the cost to `figures`, conditioned on the lease being
         held and (but on the last attempt) on the key's marker: on the first, what the lease
-        assumes or none; after reading it, what was read (None: none)."""
+        assumes or none; after reading it, what was read (None: no marker)."""
         names = {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id}
         values: dict[str, Any] = {":cost": {"N": number(event.cost)}}
         update = "SET #credits = #credits - :cost REMOVE #leases.#gen" + _key_bookkeeping(
