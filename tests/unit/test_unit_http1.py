@@ -427,6 +427,18 @@ def test_a_whole_body_followed_by_bytes_that_are_not_http_is_read_whole_and_not_
     run(main())
 
 
+async def interim_then_final(writer, interim: bytes, final: bytes, together: bool) -> None:
+    """Send an interim answer and the final one: in one write, or apart with a pause between."""
+    if together:
+        writer.write(interim + final)
+    else:
+        writer.write(interim)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(final)
+    await writer.drain()
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["apart", "in one write"])
 @pytest.mark.parametrize("interim", [
     b"HTTP/1.1 100 Continue\r\n\r\n",
@@ -441,14 +453,7 @@ def test_interim_answers_are_skipped_and_each_request_gets_its_own_final_answer(
         while True:
             body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
             final = b"HTTP/1.1 200 OK\r\nX-Final: yes\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-            if together:
-                writer.write(interim + final)
-            else:
-                writer.write(interim)
-                await writer.drain()
-                await asyncio.sleep(0.05)
-                writer.write(final)
-            await writer.drain()
+            await interim_then_final(writer, interim, final, together)
 
     async def main():
         http = client()
@@ -562,11 +567,7 @@ def test_a_request_on_a_connection_the_server_reset_fails_as_nothing_received():
     async def main():
         http = client()
         async with server(answers_then_resets) as (url, _):
-            first = await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
-            assert await first.read() == b"ok"
-            await asyncio.sleep(0.3)  # the reset has arrived
-            second = await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
-            assert await second.read() == b"second"
+            assert await two_requests_apart(http, url, 0.3) == (b"ok", b"second")  # the reset came between
         await http.aclose()
 
     run(main())
@@ -579,15 +580,8 @@ def test_an_interim_answer_of_an_http_1_0_server_is_skipped_too(together):
     an HTTP/1.0 answer is not kept alive."""
     async def handler(reader, writer):
         await read_request(reader)
-        interim, final = b"HTTP/1.0 100 Continue\r\n\r\n", b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"
-        if together:
-            writer.write(interim + final)
-        else:
-            writer.write(interim)
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.write(final)
-        await writer.drain()
+        await interim_then_final(writer, b"HTTP/1.0 100 Continue\r\n\r\n",
+                                 b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", together)
         writer.close()
 
     async def main():
@@ -599,6 +593,15 @@ def test_an_interim_answer_of_an_http_1_0_server_is_skipped_too(together):
         await http.aclose()
 
     run(main())
+
+
+async def two_requests_apart(http, url: str, pause: float) -> tuple[bytes, bytes]:
+    """The bodies of two requests (bodies `first`, `second`) made `pause` seconds apart."""
+    first = await http.request("POST", url, headers={}, body=b"first", read_timeout=2)
+    first_body = await first.read()
+    await asyncio.sleep(pause)
+    second = await http.request("POST", url, headers={}, body=b"second", read_timeout=2)
+    return first_body, await second.read()
 
 
 def test_an_idle_connection_the_server_sent_more_on_is_not_reused():
@@ -617,11 +620,8 @@ def test_an_idle_connection_the_server_sent_more_on_is_not_reused():
     async def main():
         http = client()
         async with server(handler) as (url, connections):
-            first = await http.request("POST", url, headers={}, body=b"first", read_timeout=2)
-            assert await first.read() == b"first"
-            await asyncio.sleep(0.2)  # the stray answer arrives while the connection is idle
-            second = await http.request("POST", url, headers={}, body=b"second", read_timeout=2)
-            assert await second.read() == b"second"
+            # the stray answer arrives while the connection is idle
+            assert await two_requests_apart(http, url, 0.2) == (b"first", b"second")
             assert len(connections) == 2
         await http.aclose()
 
