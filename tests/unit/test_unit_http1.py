@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 import time
 
 import pytest
@@ -546,8 +548,6 @@ def test_a_request_the_server_does_not_read_is_a_timeout_and_its_connection_is_d
 def test_a_request_on_a_connection_the_server_reset_fails_as_nothing_received():
     """A kept-alive connection the server reset (RST, not FIN) before the next request: that
     request goes again on a new connection, whether the send or the read sees the reset first."""
-    import socket
-    import struct
 
     served = []
 
@@ -623,6 +623,33 @@ def test_an_idle_connection_the_server_sent_more_on_is_not_reused():
             # the stray answer arrives while the connection is idle
             assert await two_requests_apart(http, url, 0.2) == (b"first", b"second")
             assert len(connections) == 2
+        await http.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("ending", ["reset", "silence"])
+def test_an_answer_sent_before_the_request_was_read_is_the_answer(ending):
+    """A server may answer before it reads the body (413 to a body too large, 401) and then
+    reset the connection, or stop reading: that answer is the response, as httpx reads it,
+    not a failure of the connection (which would count against a healthy backend)."""
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")  # the head only: the body is never read
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 9\r\nConnection: close\r\n\r\ntoo large")
+        await writer.drain()
+        if ending == "reset":
+            await asyncio.sleep(0.1)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            return
+        await asyncio.sleep(3)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"x" * (32 * 1024 * 1024), read_timeout=1)
+            assert (response.status, await response.read()) == (413, b"too large")
+            assert http.idle_connections == 0
         await http.aclose()
 
     run(main())

@@ -396,9 +396,15 @@ class HttpClient:
             else:  # nothing to wait for (nearly every request): no timer
                 await writer.drain()  # still raises for a connection already lost
         except TimeoutError:
-            raise Timeout("the request could not be sent in time") from None
+            early = self._early_answer(connection, parser, message, read_timeout, max_header_bytes, max_headers)
+            if early is None:
+                raise Timeout("the request could not be sent in time") from None
+            return early
         except OSError as exc:
-            raise ProtocolFailure(f"connection lost while sending: {exc}", nothing_received=True) from exc
+            early = self._early_answer(connection, parser, message, read_timeout, max_header_bytes, max_headers)
+            if early is None:
+                raise ProtocolFailure(f"connection lost while sending: {exc}", nothing_received=True) from exc
+            return early
         head = 0  # bytes of the status line and headers fed so far
         spoiled: ProtocolFailure | None = None
         while not message.headers_complete:
@@ -416,6 +422,24 @@ class HttpClient:
                     raise ResponseTooLarge(f"response headers over {max_header_bytes} bytes")
             elif len(piece) < len(data) and spoiled is None:
                 spoiled = _fed(parser, message, data[len(piece):])  # the body's start, read with the headers' end
+        return Response(self, connection, parser, message, read_timeout, spoiled)
+
+    def _early_answer(self, connection: _Connection, parser: object, message: _Message, read_timeout: float | None,
+                      max_header_bytes: int, max_headers: int) -> Response | None:
+        """The answer a server sent before it read the whole request (a 413 to a body too
+        large, then a reset or no more reading), if its head is already here: that is the
+        response, as httpx takes it, on a connection never used again. None otherwise."""
+        buffered = bytes(connection.reader._buffer)  # noqa: SLF001 - a reader that failed raises before its data
+        head = buffered[:max_header_bytes]
+        spoiled = _fed(parser, message, head) if head else None
+        if not message.headers_complete or len(message.headers) > max_headers:
+            return None
+        if spoiled is None and len(head) < len(buffered):
+            spoiled = _fed(parser, message, buffered[len(head):])
+        message.keep_alive = False
+        if not message.complete:
+            # the rest of its body can only come from a connection that failed: it is not read
+            spoiled = spoiled or ProtocolFailure("connection lost after an answer sent before the request was read")
         return Response(self, connection, parser, message, read_timeout, spoiled)
 
     async def _connection(self, origin: _Origin, connect_timeout: float | None) -> _Connection:
