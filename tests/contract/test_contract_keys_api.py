@@ -467,20 +467,21 @@ def test_a_seed_whose_figure_changed_meanwhile_reads_again(stack, found):
     assert figures_of_key(stack, org_id, key["id"]) == {day: event.cost}
 
 
-def test_a_seed_that_never_gets_its_write_in_says_retry_and_the_retry_makes_it_whole(stack):
-    """The key is written first, then its org item follows it: a seed that loses every race
-    answers 503 (storage), and the same change sent again counts what the key spent."""
+def test_a_seed_that_keeps_losing_its_race_adds_what_the_events_say_is_missing(stack):
+    """A busy key's settles land between every read of the seed and its write: at the last
+    try it adds what is missing instead (settles during that read counted twice: the side
+    a limit errs on), so the limit still holds what the key spent before it."""
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
-    stack.faults.fail("UpdateItem", code="ConditionalCheckFailedException",
-                      when=lambda payload: payload.get("UpdateExpression") == "SET #f = :spent")
+    raced = stack.faults.fail("UpdateItem", code="ConditionalCheckFailedException",
+                              when=lambda payload: payload.get("UpdateExpression") == "SET #f = :spent")
     try:
         changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5})
     finally:
         stack.faults.clear()
-    assert changed.status_code == 503 and changed.json()["error"]["code"] == "storage_unavailable", changed.text
-    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
+    assert changed.status_code == 200, changed.text
+    assert len(raced) == 19  # every try but the last
     day = KeyLimits(None, Decimal(5), "day").figure(key["id"], time.time())
     assert figures_of_key(stack, org_id, key["id"]) == {day: key_spent(stack, org_id, key["id"])}
 
@@ -612,8 +613,7 @@ def test_a_change_whose_key_write_fails_leaves_the_keys_figures_as_they_were(sta
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
     before = figures_of_key(stack, org_id, key["id"])
-    stack.faults.fail("UpdateItem", code="InternalServerError",
-                      when=lambda payload: payload["TableName"] == stack.settings.keys_table)
+    stack.faults.fail("TransactWriteItems", code="InternalServerError", when=changes_a_key(stack))
     try:
         answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "month"})
     finally:
@@ -625,6 +625,12 @@ def test_a_change_whose_key_write_fails_leaves_the_keys_figures_as_they_were(sta
                                        ConsistentRead=True)["Item"]
     assert f"key_period:{key['id']}" not in org_item  # as before the change: the key's leases' figures count
     assert admitted_tomorrow(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "day"), "2") == 3
+
+
+def changes_a_key(stack):
+    """Whether a storage call's payload is a transaction that writes a key (a change of its spend)."""
+    return lambda payload: any(item.get("Update", {}).get("TableName") == stack.settings.keys_table
+                               for item in payload.get("TransactItems", []))
 
 
 def org_marker(stack, org_id: str, key_id: str) -> str | None:
@@ -654,7 +660,7 @@ def test_a_change_whose_answers_were_lost_is_counted_as_stored_when_sent_again(s
     org_id, admin = management_org(stack, credits="1000")
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "month"}).json()
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, first).status_code == 200
-    stack.faults.lose("UpdateItem", times=3, when=lambda payload: payload["TableName"] == stack.settings.keys_table)
+    stack.faults.lose("TransactWriteItems", times=3, when=changes_a_key(stack))
     try:
         lost = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
     finally:
@@ -666,37 +672,40 @@ def test_a_change_whose_answers_were_lost_is_counted_as_stored_when_sent_again(s
 
 
 @pytest.mark.parametrize(("mine", "theirs", "stored"), [
-    ({"spend_period": "month"}, {"spend_period": "week"}, "week"),
-    ({"spend_limit": 10}, {"spend_limit": None}, None),
-], ids=["two periods", "an amount and a removal"])
-def test_two_changes_at_once_leave_the_org_item_as_the_key_stored_last(stack, mine, theirs, stored):
-    """Another change lands between this one's key write and its org write: the org write,
-    conditioned on the marker it read, fails; it reads again and ends as the key is stored."""
+    ({"spend_period": "month"}, {"spend_period": "week"}, ("5", "month")),
+    ({"spend_limit": 10}, {"spend_limit": None}, ("10", "day")),
+    ({"spend_limit": None}, {"spend_period": "week"}, (None, "week")),
+], ids=["two periods", "an amount after a removal", "a removal after a new period"])
+def test_two_changes_at_once_leave_the_org_item_as_the_key_is_stored(stack, mine, theirs, stored):
+    """Another change lands, whole, between this one's reads and its transaction: the
+    transaction, its org part conditioned on the marker as read, fails; the change reads
+    both again, and the key and its marker and figures end as one."""
     org_id, admin = management_org(stack, credits="1000")
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
 
     async def change(keyring):
-        org_write = keyring._org_write
+        dynamodb = keyring._aws.dynamodb
         raced = []
 
-        async def racing(*args, **kwargs):
-            if not raced:  # the other change, whole, between this one's reads and its write
+        async def racing(operation, payload):
+            if operation == "TransactWriteItems" and not raced:  # the other change, between
                 raced.append(call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, theirs).status_code)
-            return await org_write(*args, **kwargs)
+            return await dynamodb(operation, payload)
 
-        keyring._org_write = racing
+        keyring._aws.dynamodb = racing
         await keyring.update(key["id"], mine, org_id=org_id)
         return raced
 
     assert with_keyring(stack, change) == [200]
     shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
-    assert shown["spend_period"] == (stored or "day")
-    assert org_marker(stack, org_id, key["id"]) == stored
-    if stored is None:
-        assert shown["spend_limit"] is None and figures_of_key(stack, org_id, key["id"]) == {}
+    limit, period = stored
+    assert (shown["spend_limit"], shown["spend_period"]) == (limit and float(limit), period)
+    assert org_marker(stack, org_id, key["id"]) == (period if limit else None)
+    if limit is None:
+        assert figures_of_key(stack, org_id, key["id"]) == {}
     else:
-        figure = KeyLimits(None, Decimal(5), stored).figure(key["id"], time.time())
+        figure = KeyLimits(None, Decimal(limit), period).figure(key["id"], time.time())
         assert figures_of_key(stack, org_id, key["id"]) == {figure: key_spent(stack, org_id, key["id"])}
 
 
@@ -809,8 +818,13 @@ def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
     for method, body in (("PATCH", {"spend_limit": "1", "spend_period": "day"}), ("PATCH", {"spend_period": "month"}),
                          ("PATCH", {"spend_limit": None}), ("PATCH", {"spend_limit": "2"}), ("DELETE", None)):
         assert call(stack, method, f"/v1/keys/{made['id']}", admin, body).status_code == 200
-    writes = [payload for operation, payload in stack.faults.calls[mark:]
-              if operation == "UpdateItem" and payload["TableName"] == stack.settings.orgs_table]
+    # its own updates, and the org's part of the transactions that change a key's spend with it
+    updates = [payload for operation, payload in stack.faults.calls[mark:] if operation == "UpdateItem"]
+    updates += [item["Update"] for operation, payload in stack.faults.calls[mark:] if operation == "TransactWriteItems"
+                for item in payload["TransactItems"] if "Update" in item]
+    assert not [payload for operation, payload in stack.faults.calls[mark:] if operation == "TransactWriteItems"
+                for item in payload["TransactItems"] if set(item) != {"Update"}]  # updates only: what IAM grants
+    writes = [payload for payload in updates if payload["TableName"] == stack.settings.orgs_table]
     assert writes  # seeding, moving and removing figures were written
     for payload in writes:
         names = set(payload.get("ExpressionAttributeNames", {}).values())

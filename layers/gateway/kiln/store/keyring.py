@@ -21,6 +21,7 @@ usage events). A key without a limit is shown its spend summed from its events.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import random
@@ -35,7 +36,15 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from ..usage_report import KeySpend
 from .clock import iso_ms
 from .codec import number
-from .errors import AlreadyRevoked, ConditionFailed, RecordNotFound, StorageError, UnstorableValue, condition_failure
+from .errors import (
+    AlreadyRevoked,
+    ConditionFailed,
+    RecordNotFound,
+    StorageError,
+    TransactionCancelled,
+    UnstorableValue,
+    condition_failure,
+)
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
 from .keyspend import PERIODS, KeyLimits, figures_of, marker_attribute, marker_of, period_start, resets_at, spend_in
 from .schema import KEY, ORG
@@ -416,67 +425,52 @@ class Keyring:
             log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
                                     "after": why, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
 
-    async def _count_as_stored(self, key_hash: str) -> None:
-        """Bring the key's marker and figures on its org item in line with the key as it is
-        stored now (read again, consistently): what a change of its limit or period, or of the
-        key by another change meanwhile, leaves them to be.
+    def _following(self, key: KeyInfo, org: Mapping[str, Any], now: float) -> tuple[dict[str, Any], str | None]:
+        """The org item's update that brings the key's marker and figures in line with `key` as
+        it will be stored, conditioned on the marker as `org` has it; and the figure the key
+        will count in now (None: no limit).
 
         A key that counts against a limit gets its marker (`key_period:<key id>`, its kind of
-        period) and loses its figures but the current period's, in one write conditioned on the
-        marker being what was read, and followed by a read of the key: if another change of
-        the key came between, it is all done again, so two changes at once both end as the
-        key stored last. From then on every settle of the key's
-        requests of the period adds its cost to the current period's figure (making it if it
-        is not there), those admitted by a gateway that does not know the change yet too
-        (kiln.store.ledger: a settle reads the marker its lease did not assume). Then that
-        figure is raised to what the key's usage events say it spent in the period: the
-        settles before that write are in the events, those after it in the figure.
-
-        A key with no limit (or revoked) loses its marker and figures: a request in flight
-        across the change that settles into the figure its lease names makes it again, with
-        its own cost, where no admission reads it.
-
-        Run after the key's own write, and again by the same change sent again, so a change
-        answered 503 (storage, a lost answer) is made whole by its retry."""
-        now = self.clock()
-        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
-            if attempt > 1:
-                await _backoff(attempt)
-            key = await self.by_hash(key_hash)
-            if key is None:
-                return
-            item = (await self.org(key.org_id)).item
-            figure = _limits(key).figure(key.key_id, now) if _counted_on_org(key) else None
-            wanted = key.spend_period if figure is not None else None
-            found = marker_of(item, key.key_id)
-            others = [name for name in figures_of(item, key.key_id) if name != figure]
-            if found == wanted and not others:
-                break
-            names = {"#marker": marker_attribute(key.key_id), **{f"#o{i}": name for i, name in enumerate(others)}}
-            removes = [f"#o{i}" for i in range(len(others))]
-            values: dict[str, Any] = {}
-            if wanted is None:
-                update = "REMOVE " + ", ".join(["#marker", *removes])
-            else:
-                values[":wanted"] = {"S": wanted}
-                update = "SET #marker = :wanted" + (" REMOVE " + ", ".join(removes) if removes else "")
-            if found is None:
-                condition = "attribute_not_exists(#marker)"
-            else:
-                condition, values[":found"] = "#marker = :found", {"S": found}
-            if not await self._org_write(key.org_id, update, names, values or None, condition):
-                continue  # another change wrote the marker first: read both again
-            # another change of the key may have written its own org item before this write
-            # (with the marker as it was): the key read again says whether this one still holds
-            now_stored = await self.by_hash(key_hash)
-            if now_stored is None or _limits(now_stored) == _limits(key) and now_stored.status == key.status:
-                break
+        period) and loses its figures but the current period's; a key with no limit, or
+        revoked, loses its marker and figures (a request in flight across the change that
+        settles into the figure its lease names makes it again, with its own cost, where no
+        admission reads it). From then on every settle of the key's requests adds its cost
+        to the figure the marker says, those admitted by a gateway that does not know the
+        change yet too (kiln.store.ledger: a settle reads the marker its lease did not assume)."""
+        figure = _limits(key).figure(key.key_id, now) if _counted_on_org(key) else None
+        wanted = key.spend_period if figure is not None else None
+        found = marker_of(dict(org), key.key_id)
+        others = [name for name in figures_of(dict(org), key.key_id) if name != figure]
+        names = {"#org_id": ORG.org_id, "#marker": marker_attribute(key.key_id),
+                 **{f"#o{i}": name for i, name in enumerate(others)}}
+        removes = [f"#o{i}" for i in range(len(others))]
+        values: dict[str, Any] = {}
+        if wanted is None:
+            update = "REMOVE " + ", ".join(["#marker", *removes])
         else:
-            raise StorageError(f"the spend figures of {key_hash[:8]}… kept changing", "SeedRaced")
-        if figure is not None:
-            await self._raise_to_events(key, figure, now)
+            values[":wanted"] = {"S": wanted}
+            update = "SET #marker = :wanted" + (" REMOVE " + ", ".join(removes) if removes else "")
+        if found is None:
+            condition = "attribute_exists(#org_id) AND attribute_not_exists(#marker)"
+        else:
+            condition, values[":found"] = "attribute_exists(#org_id) AND #marker = :found", {"S": found}
+        payload: dict[str, Any] = {
+            "TableName": self._orgs_table,
+            "Key": {ORG.hash_key: {"S": key.org_id}},
+            "UpdateExpression": update,
+            "ConditionExpression": condition,
+            "ExpressionAttributeNames": names,
+        }
+        if values:
+            payload["ExpressionAttributeValues"] = values
+        return payload, figure
 
     async def _raise_to_events(self, key: KeyInfo, figure: str, now: float) -> str:
+        """Raise the figure to what the key's usage events say it spent in the period, never
+        lowering it, on the condition that it is what was read. A key whose settles keep
+        landing between the reads and the write gets, at the last try, what was missing added
+        instead: the settles that landed during that read are then counted twice, the side a
+        limit errs on."""
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             if attempt > 1:  # the key's settles are landing: let them
                 await _backoff(attempt)
@@ -485,6 +479,10 @@ class Keyring:
             counted = Decimal(found) if found is not None else Decimal(0)
             if spent <= counted:
                 return figure  # counting already
+            if attempt == _CONFLICT_ATTEMPTS:
+                await self._org_write(key.org_id, "ADD #f :missing", {"#f": figure},
+                                      {":missing": {"N": number(spent - counted)}})
+                return figure
             values = {":spent": {"N": number(spent)}}
             if found is None:
                 condition = "attribute_not_exists(#f)"
@@ -492,7 +490,7 @@ class Keyring:
                 condition, values[":found"] = "#f = :found", {"N": found}
             if await self._org_write(key.org_id, "SET #f = :spent", {"#f": figure}, values, condition):
                 return figure
-        raise StorageError(f"the spend figure {figure} kept changing while it was seeded", "SeedRaced")
+        raise AssertionError("unreachable: the last try adds what is missing")
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -564,12 +562,57 @@ class Keyring:
                 values[f":a{index}"] = _wire(name, value)
                 sets.append(f"#a{index} = :a{index}")
         expression = (" SET " + ", ".join(sets) if sets else "") + (" REMOVE " + ", ".join(removes) if removes else "")
-        changed = _info(await self._write(item, expression.strip(), names, values))
-        if "spend_limit" in changes or "spend_period" in changes:
-            # the org item follows the key as stored (a failure here is a 503 that the same
-            # change, sent again, makes whole)
-            await self._count_as_stored(item[KEY.hash_key]["S"])
-        return changed
+        if "spend_limit" not in changes and "spend_period" not in changes:
+            return _info(await self._write(item, expression.strip(), names, values))
+        return await self._change_spend(item, changes, expression.strip(), names, values)
+
+    async def _change_spend(self, item: dict[str, Any], changes: Mapping[str, Any], expression: str,
+                            names: dict[str, str], values: dict[str, Any]) -> KeyInfo:
+        """A change of the key's limit or period: the key and its org item's marker and figures
+        written in one transaction, so that neither is ever left without the other (a failure
+        writes nothing), the org's part conditioned on the marker as read (a change of the same
+        key at once: read both again). Then the figure the key counts in is brought up to what
+        its usage events say it spent in the period: the settles before the transaction are in
+        the events, those after it in the figure."""
+        key_hash, owner = item[KEY.hash_key]["S"], item[KEY.org_id]["S"]
+        key_id = item[KEY.key_id]["S"]
+        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+            if attempt > 1:
+                await _backoff(attempt)
+            stored = await self.by_hash(key_hash)
+            if stored is None or stored.org_id != owner:
+                raise RecordNotFound("key", key_id)
+            after = replace(stored, **{name: (_DEFAULTS.get(name) if value is None else value)
+                                       for name, value in changes.items()})
+            now = self.clock()
+            org_update, figure = self._following(after, (await self.org(owner)).item, now)
+            key_update = {
+                "TableName": self._keys_table,
+                "Key": {KEY.hash_key: {"S": key_hash}},
+                "UpdateExpression": expression,
+                "ConditionExpression": "attribute_exists(#hash) AND #org = :org",
+                "ExpressionAttributeNames": names,
+                "ExpressionAttributeValues": values,
+            }
+            items = [{"Update": key_update}, {"Update": org_update}]
+            token = "k-" + hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:32]
+            try:
+                await self._aws.dynamodb("TransactWriteItems", {"TransactItems": items, "ClientRequestToken": token})
+            except Exception as exc:
+                cancelled = condition_failure(exc)
+                if not isinstance(cancelled, TransactionCancelled):
+                    raise
+                if cancelled.failed_condition(0):
+                    raise RecordNotFound("key", key_id) from None
+                if cancelled.failed_condition(1) or cancelled.transient:
+                    continue  # the marker changed, or a settle held the org item: read both again
+                raise StorageError(f"key change cancelled: {cancelled.reasons}") from None
+            break
+        else:
+            raise StorageError(f"the spend figures of {key_id} kept changing", "SeedRaced")
+        if figure is not None:
+            await self._raise_to_events(after, figure, now)
+        return await self.by_hash(key_hash) or after
 
     async def revoke(self, key_id: str, *, org_id: str | None = None) -> KeyInfo:
         """Refuse the key from now on (within the gateway's auth cache time), and take its spend
