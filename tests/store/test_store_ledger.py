@@ -374,3 +374,21 @@ def test_a_figure_left_beside_the_keys_own_does_not_keep_its_period_from_startin
     assert stack.ledger.settle(second, _event(second)) == "settled"
     with pytest.raises(KeySpendLimitExceeded):
         _admit_with(stack, org_id, daily)
+
+
+def test_a_lease_read_back_counts_in_the_period_it_was_admitted_in_to_its_last_instant():
+    """A lease's start is stored to the millisecond, cut as its usage event's `created_at` is,
+    never rounded up: one admitted in the last half millisecond of a day and reclaimed counts
+    in that day, as its event does, not in the next."""
+    from datetime import datetime, timezone
+
+    from kiln.store.clock import iso_ms
+    from kiln.store.keyspend import period_name
+    from kiln.store.ledger import Lease
+
+    midnight = datetime(2026, 12, 3, tzinfo=timezone.utc).timestamp()
+    started = midnight - 0.0004
+    lease = Lease("gen-1", "org-1", "key_1", "m", "completions", False, started, started + 60)
+    read_back = Lease.from_attribute("gen-1", "org-1", lease.to_attribute())
+    assert period_name("day", read_back.started) == period_name("day", started) == "2026-12-02"
+    assert iso_ms(read_back.started) == iso_ms(started) == "2026-12-02T23:59:59.999Z"

@@ -45,6 +45,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -147,7 +148,8 @@ class Lease:
     def to_attribute(self) -> dict[str, Any]:
         fields = {
             LEASE.exp: {"N": repr(round(self.expires, 3))},
-            LEASE.started: {"N": repr(round(self.started, 3))},
+            # cut to the millisecond as iso_ms cuts the event's created_at: never into the next period
+            LEASE.started: {"N": repr(math.floor(self.started * 1000) / 1000)},
             LEASE.key: {"S": self.key_id},
             LEASE.model: {"S": self.model},
             LEASE.endpoint: {"S": self.endpoint},
