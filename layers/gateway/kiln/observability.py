@@ -24,6 +24,7 @@ from contextvars import ContextVar
 from typing import Any, TextIO
 
 from .jsonio import loads_strict
+from .store.keys import KEY_PREFIX
 from .store.usage import UsageEvent
 from .telemetry import telemetry_settings
 
@@ -123,7 +124,7 @@ class RequestRecord:
 
 
 # the path is the client's text: what is shaped like a key is not logged, and it is cut short
-_KEY_IN_TEXT = re.compile(r"sk-kiln-[A-Za-z0-9_-]*")
+_KEY_IN_TEXT = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]*")
 MAX_LOGGED_PATH = 256
 # the endpoint of a request no route took (an unknown URL): one metric, whatever the path
 UNMATCHED = "unmatched"
@@ -131,8 +132,8 @@ UNMATCHED = "unmatched"
 
 def loggable_path(path: str) -> str:
     """A request's path as logged: a key's secret in it redacted, at most MAX_LOGGED_PATH characters."""
-    if "sk-kiln-" in path:
-        path = _KEY_IN_TEXT.sub("sk-kiln-[redacted]", path)
+    if KEY_PREFIX in path:
+        path = _KEY_IN_TEXT.sub(KEY_PREFIX + "[redacted]", path)
     return path if len(path) <= MAX_LOGGED_PATH else path[:MAX_LOGGED_PATH] + "…"
 
 
