@@ -98,10 +98,16 @@ class _Connection:
             not self.reader.at_eof()
             and not self.writer.is_closing()
             # bytes the server sent while the connection was idle answer no request: read by
-            # the next one they would be its answer (StreamReader keeps what came in _buffer)
-            and not self.reader._buffer  # noqa: SLF001
+            # the next one they would be its answer
+            and not self.unread()
             and time.monotonic() - self.idle_since < expiry
         )
+
+    def unread(self) -> bytearray:
+        """What the server sent that was not read yet (the reader's own buffer, not a copy).
+        StreamReader keeps it in `_buffer`, and its reads raise a connection's failure before
+        handing it over."""
+        return self.reader._buffer  # noqa: SLF001
 
     def close(self) -> None:
         if not self.writer.is_closing():
@@ -429,7 +435,7 @@ class HttpClient:
         """The answer a server sent before it read the whole request (a 413 to a body too
         large, then a reset or no more reading), if its head is already here: that is the
         response, as httpx takes it, on a connection never used again. None otherwise."""
-        buffered = bytes(connection.reader._buffer)  # noqa: SLF001 - a reader that failed raises before its data
+        buffered = bytes(connection.unread())
         head = buffered[:max_header_bytes]
         spoiled = _fed(parser, message, head) if head else None
         if not message.headers_complete or len(message.headers) > max_headers:
