@@ -21,7 +21,6 @@ usage events). A key without a limit is shown its spend summed from its events.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import random
@@ -47,6 +46,7 @@ from .errors import (
 )
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
 from .keyspend import PERIODS, KeyLimits, figures_of, marker_attribute, marker_of, period_start, resets_at, spend_in
+from .retry import client_token
 from .schema import KEY, ORG
 from .usage import key_costs
 
@@ -595,7 +595,7 @@ class Keyring:
                 "ExpressionAttributeValues": values,
             }
             items = [{"Update": key_update}, {"Update": org_update}]
-            token = "k-" + hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:32]
+            token = client_token("k", json.dumps(items, sort_keys=True))
             try:
                 await self._aws.dynamodb("TransactWriteItems", {"TransactItems": items, "ClientRequestToken": token})
             except Exception as exc:

@@ -42,7 +42,6 @@ Every write goes through one retry policy (`kiln.store.retry`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
@@ -76,7 +75,7 @@ from .keyspend import (
     spend_in,
     stale_spend_attributes,
 )
-from .retry import RetryPolicy
+from .retry import RetryPolicy, client_token
 from .schema import LEASE, ORG, USAGE
 from .usage import UsageEvent
 
@@ -120,11 +119,6 @@ Progress = tuple[int, int, Decimal]
 def new_generation_id(now: float) -> str:
     """Unique, and sortable by creation time: gen- + 12 hex of milliseconds + 14 random hex."""
     return f"gen-{int(now * 1000):012x}{secrets.token_hex(7)}"
-
-
-def _token(kind: str, text: str) -> str:
-    """A ClientRequestToken (at most 36 characters), the same for the same text."""
-    return f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
 
 @dataclass(frozen=True)
@@ -447,7 +441,7 @@ class Ledger:
         ]
         items += [self._put_event(event, EVENT_IS_NEW) for event in events]
         gen_ids = [lease.gen_id for lease in leases]
-        payload = {"TransactItems": items, "ClientRequestToken": _token("r", json.dumps(items, sort_keys=True))}
+        payload = {"TransactItems": items, "ClientRequestToken": client_token("r", json.dumps(items, sort_keys=True))}
         self._reclaiming.update(gen_ids)
         try:
             await self._retried("reclaim", "TransactWriteItems", payload)
@@ -532,7 +526,7 @@ class Ledger:
             # each attempt after reading the marker is another transaction: its own token (a
             # retry of one after a lost answer, within the retry policy, keeps it)
             text = lease.gen_id if attempt == 0 else "|".join((lease.gen_id, str(attempt), str(marker), *figures))
-            payload["ClientRequestToken"] = _token("s", text)
+            payload["ClientRequestToken"] = client_token("s", text)
         return payload
 
     async def _read_org(self, lease: Lease) -> dict[str, Any]:

@@ -13,6 +13,7 @@ own earlier success (see `kiln.store.ledger`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import random
@@ -22,10 +23,16 @@ from typing import Awaitable, Callable, TypeVar
 
 from .errors import is_transient
 
-__all__ = ["RetryPolicy"]
+__all__ = ["RetryPolicy", "client_token"]
 
 T = TypeVar("T")
 log = logging.getLogger("kiln.ledger")
+
+
+def client_token(kind: str, text: str) -> str:
+    """A transaction's ClientRequestToken (at most 36 characters), the same for the same text:
+    a transaction sent again after a lost answer is recognised, not applied twice."""
+    return f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
 
 @dataclass(frozen=True)
