@@ -35,8 +35,9 @@ spend without a limit is read from its usage events.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any
 
 __all__ = [
@@ -90,17 +91,18 @@ def _utc(moment: float) -> datetime:
 
 def period_name(period: str, moment: float) -> str:
     """The name of the `period` (day, week, month, total) that holds `moment`."""
-    when = _utc(moment)
-    if period == "day":
-        return when.strftime("%Y-%m-%d")
-    if period == "week":
-        year, week, _ = when.isocalendar()
-        return f"{year}-W{week:02d}"
-    if period == "month":
-        return when.strftime("%Y-%m")
-    if period == "total":
-        return "total"
-    raise ValueError(f"spend_period is one of {', '.join(PERIODS)}")
+    name = _names_on(_utc(moment).date()).get(period)
+    if name is None:
+        raise ValueError(f"spend_period is one of {', '.join(PERIODS)}")
+    return name
+
+
+@lru_cache(maxsize=16)
+def _names_on(day: date) -> dict[str, str]:
+    """Each period's name on one UTC day: worked out once a day, not on every admission and settle."""
+    year, week, _ = day.isocalendar()
+    return {"day": day.strftime("%Y-%m-%d"), "week": f"{year}-W{week:02d}", "month": day.strftime("%Y-%m"),
+            "total": "total"}
 
 
 def period_kind(name: str) -> str:
@@ -113,7 +115,7 @@ def period_kind(name: str) -> str:
 
 
 def periods_at(moment: float) -> tuple[str, ...]:
-    return tuple(period_name(period, moment) for period in PERIODS)
+    return tuple(_names_on(_utc(moment).date()).values())
 
 
 def resets_at(period: str, moment: float) -> datetime | None:

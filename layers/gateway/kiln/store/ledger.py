@@ -173,7 +173,7 @@ class Lease:
             endpoint=text(LEASE.endpoint),
             streamed=bool(fields.get(LEASE.streamed, {}).get("BOOL", False)),
             started=float(fields.get(LEASE.started, {}).get("N", "0")),
-            expires=float(fields.get(LEASE.exp, {}).get("N", "0")),
+            expires=_expiry(value),
             prompt_tokens=count(LEASE.pt),
             completion_tokens=count(LEASE.ct),
             cost=Decimal(cost) if cost is not None else None,
@@ -357,8 +357,10 @@ class Ledger:
     @staticmethod
     def _expired_leases(org_id: str, old: dict[str, Any], now: float, keep: str | None = None) -> list[Lease]:
         leases = old.get(ORG.leases, {}).get("M", {})
-        found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items() if gen != keep]
-        return sorted((lease for lease in found if lease.expires <= now), key=lambda lease: lease.expires)[:MAX_RECLAIM]
+        # only the expired ones are read whole: an admission sees every lease of its org
+        found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items()
+                 if gen != keep and _expiry(value) <= now]
+        return sorted(found, key=lambda lease: lease.expires)[:MAX_RECLAIM]
 
     def _reclaim_later(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         """Reclaim in a task of its own: the admission that noticed them does not wait."""
@@ -618,6 +620,11 @@ class Ledger:
             return await self._aws.dynamodb(operation, payload)
         except Exception as exc:  # noqa: BLE001 - translated into the storage error tree
             raise translate_storage_error(exc) from exc
+
+
+def _expiry(lease: dict[str, Any]) -> float:
+    """A stored lease's expiry, read from its wire form."""
+    return float(lease.get("M", {}).get(LEASE.exp, {}).get("N", "0"))
 
 
 def _counted_in(lease: Lease, org: dict[str, Any]) -> tuple[str, ...]:
