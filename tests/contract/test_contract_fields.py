@@ -224,6 +224,16 @@ def test_forced_tool_choice_on_a_model_without_the_capability_is_400(stack, org,
     assert stack.mock.stats["requests"] == 0
 
 
+@pytest.mark.parametrize("model", ["qwen3-32b", "gpt-oss-120b"])
+@pytest.mark.parametrize("choice", [["required"], 1, True, [{"type": "function", "function": {"name": "weather"}}]])
+def test_a_tool_choice_neither_string_nor_object_is_400_before_the_upstream(stack, org, model, choice):
+    # forwarded, it is whatever the model server makes of it (a plain-text 500, an empty 200)
+    response = stack.post(CHAT, chat(model, tools=[WEATHER], tool_choice=choice), org[1])
+    assert response.status_code == 400
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("invalid_type", "tool_choice")
+    assert stack.mock.stats["requests"] == 0
+
+
 def test_forced_tool_choice_on_a_capable_model_is_forwarded(stack, org):
     response = stack.post(CHAT, chat("gpt-oss-120b", tools=[WEATHER], tool_choice="required"), org[1])
     assert response.status_code == 200

@@ -129,6 +129,16 @@ def test_capabilities_are_checked_as_for_chat(stack, org, extra, param):
     assert stack.events(org[0]) == []
 
 
+@pytest.mark.parametrize("model", ["qwen3-32b", MODEL])
+@pytest.mark.parametrize("choice", [["required"], 0, False])
+def test_a_tool_choice_neither_string_nor_object_is_400_as_for_chat(stack, org, mock, model, choice):
+    response = stack.post(RESPONSES, {**BODY, "model": model, "tool_choice": choice}, org[1])
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_type", "tool_choice")
+    assert mock.stats["requests"] == 0 and stack.events(org[0]) == []
+
+
 def test_other_fields_are_forwarded_unchanged(stack, org, mock):
     body = {**BODY, "model": "gpt-oss-120b", "tool_choice": "required", "text": {"format": {"type": "text"}},
             "store": True, "previous_response_id": "resp_1", "max_output_tokens": 5, "input": [{"role": "user",
