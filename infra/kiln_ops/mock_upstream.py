@@ -48,6 +48,7 @@ import time
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 from urllib.parse import unquote
 
@@ -57,6 +58,26 @@ __all__ = ["MockOptions", "MockUpstream"]
 
 CHAT_REPLY = ["Hello", "!", " How", " can", " I", " help", " you", " today", "?", " Ask", " me", " anything."]
 TEXT_REPLY = [" Paris", ",", " a", " city", " on", " the", " Seine."]
+
+
+def _read_as_vllm(kind: type, value: Any) -> Any:
+    """`value` as vLLM's request models read it (pydantic, lax: "4" and 4.0 are 4, "yes" is
+    true); None when absent or refused."""
+    from pydantic import ValidationError
+
+    if value is None or (type(value) is kind):
+        return value
+    try:
+        return _adapter(kind).validate_python(value)
+    except ValidationError:
+        return None
+
+
+@cache
+def _adapter(kind: type) -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(kind)
 
 
 @dataclass
@@ -277,7 +298,8 @@ class MockUpstream:
         await _send_json(send, 200, reply.response("completed"))
 
     async def _stream(self, reply: "Reply", body: dict, options: MockOptions, receive: Any, send: Any) -> None:
-        include_usage = (body.get("stream_options") or {}).get("include_usage") is True and not options.no_usage
+        include_usage = _read_as_vllm(bool, (body.get("stream_options") or {}).get("include_usage")) is True \
+            and not options.no_usage
         tail = _event(reply.usage_chunk(), options.spaced) if include_usage else b""
         if not options.no_done:
             tail += b"data: [DONE]\n\n"
@@ -328,9 +350,9 @@ class Reply:
         base = CHAT_REPLY if chat else TEXT_REPLY
         wanted = options.tokens if options.tokens is not None else len(base)
         tokens = [base[i % len(base)] for i in range(wanted)]
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        max_tokens = _read_as_vllm(int, body.get("max_tokens")) or _read_as_vllm(int, body.get("max_completion_tokens"))
         finish = "stop"
-        if isinstance(max_tokens, int) and max_tokens < len(tokens):
+        if max_tokens is not None and max_tokens < len(tokens):
             tokens, finish = tokens[:max_tokens], "length"
         tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
         calls = 0
@@ -339,7 +361,8 @@ class Reply:
             finish = "tool_calls" if calls else finish
         prompt = _prompt_tokens(body, chat)
         cached = min(options.cached_tokens, prompt) if options.cached_tokens is not None else None
-        n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
+        n = _read_as_vllm(int, body.get("n"))
+        n = n if n is not None and n > 0 else 1
         reply = cls(chat, str(body.get("model")), n, prompt, tokens, finish, tools, calls, cached)
         if options.id:
             reply.id, reply.created = options.id, 1700000000

@@ -105,6 +105,15 @@ def test_usage_chunk_with_cost_when_the_client_asks(stack, org):
     assert [c for c in chunks[:-2] if "usage" in c] == []
 
 
+@pytest.mark.parametrize("spelling, asked", [("true", True), (1, True), ("yes", True), ("false", False), (0, False)])
+def test_include_usage_is_read_as_the_model_server_reads_it(stack, org, spelling, asked):
+    """A client that spells true as vLLM reads it gets the usage chunk it would get from vLLM."""
+    options = {"include_usage": spelling}
+    chunks = data_events(stack.post(CHAT, chat("gpt-oss-120b", stream=True, stream_options=options), org[1]).text)
+    usage = [chunk["usage"] for chunk in chunks[:-1] if "usage" in chunk]
+    assert (len(usage) == 1 and usage[0]["cost"] > 0) if asked else usage == []
+
+
 def test_other_stream_options_pass_through(stack, org):
     options = {"include_usage": False, "continuous_usage_stats": False}
     stack.post(CHAT, chat(stream=True, stream_options=options), org[1])
@@ -279,6 +288,21 @@ def test_ignore_eos_is_forwarded_on_other_models(stack, org):
     assert stack.post(CHAT, chat("qwen3-32b", ignore_eos=True), org[1]).status_code == 200
     assert stack.mock.last_body()["ignore_eos"] is True
     assert stack.post(CHAT, chat("gpt-oss-120b", ignore_eos=False), org[1]).status_code == 200
+
+
+@pytest.mark.parametrize("spelling", [1, 1.0, "true", "True", "1", "yes", "on"])
+def test_ignore_eos_spelled_as_the_model_server_reads_true_is_refused_too(stack, org, spelling):
+    """vLLM reads these as true: forwarded, each is the silent failure the check is for."""
+    response = stack.post(CHAT, chat("gpt-oss-120b", ignore_eos=spelling), org[1])
+    assert response.status_code == 400
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("unsupported_parameter", "ignore_eos")
+    assert stack.mock.stats["requests"] == 0
+
+
+@pytest.mark.parametrize("spelling", [0, "false", "no", "off", "maybe"])
+def test_ignore_eos_the_model_server_does_not_read_as_true_is_forwarded_unchanged(stack, org, spelling):
+    assert stack.post(CHAT, chat("gpt-oss-120b", ignore_eos=spelling), org[1]).status_code == 200
+    assert stack.mock.last_body()["ignore_eos"] == spelling
 
 
 def test_a_backend_model_name_replaces_the_public_one_upstream(stack, org):

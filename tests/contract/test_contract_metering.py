@@ -180,6 +180,23 @@ def test_a_batch_of_prompts_is_billed_for_every_prompt_and_its_choices(stack, or
     assert event.cost == (40 * Decimal("0.035") + 200 * Decimal("0.07")) / 1_000_000
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", ["4", 4.0, " 4 "])
+def test_n_spelled_as_the_model_server_reads_it_is_billed_for_every_choice(stack, org, n, stream):
+    """vLLM serves n "4" or 4.0 as 4 choices and reports their tokens: all of them are
+    believed and billed, not capped to one choice's worth."""
+    org_id, key = org
+    body = {"model": "gpt-oss-120b", "prompt": "The capital of France is", "max_tokens": 3, "n": n,
+            "stream": stream}
+    response = stack.post(COMPLETIONS, body, key)
+    assert response.status_code == 200
+    if not stream:
+        assert len(response.json()["choices"]) == 4
+    (event,) = stack.events(org_id)
+    assert (event.completion_tokens, event.usage_source) == (12, "upstream")
+    assert event.cost == (5 * Decimal("0.035") + 12 * Decimal("0.07")) / 1_000_000
+
+
 def test_a_batch_still_caps_what_no_prompt_of_it_can_have_produced(stack, org):
     org_id, key = org
     body = {"model": "gpt-oss-120b", "prompt": ["a", "b"], "max_tokens": 10,

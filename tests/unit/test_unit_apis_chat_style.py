@@ -48,7 +48,8 @@ def test_a_buffered_request_is_forwarded_as_sent_with_stream_a_boolean():
 
 @pytest.mark.parametrize(
     "options, wants",
-    [(None, False), ({}, False), ({"include_usage": False}, False), ({"include_usage": True}, True), ({"include_usage": "true"}, False)],
+    [(None, False), ({}, False), ({"include_usage": False}, False), ({"include_usage": True}, True),
+     ({"include_usage": "true"}, True), ({"include_usage": "no"}, False), ({"include_usage": "maybe"}, False)],  # as vLLM reads it
 )
 def test_a_stream_always_asks_upstream_for_usage_and_remembers_whether_the_client_did(options, wants):
     body = {"model": "m", "stream": True, "stream_options": options, "x": 1}

@@ -13,6 +13,7 @@ from decimal import Context, Decimal
 from typing import Any, Callable, Iterable
 
 from .catalog import PER_MILLION, Pricing
+from .lax import server_int
 
 __all__ = [
     "TokenUsage",
@@ -99,8 +100,10 @@ class UsageBounds:
         given = [body[name] if _count(body[name]) else context_length
                  for name in limits if body.get(name) is not None]
         per_choice = min(context_length, max(given)) if given else context_length
-        n = body.get("n")
-        choices = min(n, MAX_CHOICES) if _count(n) and n >= 1 else 1
+        # `n` as the model server reads it ("4" and 4.0 are 4 choices there); a cap is read
+        # exactly: one the server might not honour caps nothing
+        n = server_int(body.get("n"))
+        choices = min(n, MAX_CHOICES) if n is not None and n >= 1 else 1
         prompts = max(prompts, 1)
         return cls(prompt=context_length * prompts, completion=per_choice * choices * prompts)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from ..errors import InvalidType, UnsupportedParameter
+from ..lax import server_bool
 from ..metering import TokenUsage, estimate_text_tokens
 from ..sse import DONE, SseRelay, error_event, usage_event
 
@@ -118,7 +119,7 @@ class ChatStyleApi(ModelApi):
         elif not isinstance(options, dict):
             raise InvalidType("Invalid type for 'stream_options': expected an object.", param="stream_options")
         forwarded["stream_options"] = {**options, "include_usage": True}
-        return forwarded, options.get("include_usage") is True
+        return forwarded, server_bool(options.get("include_usage")) is True
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
         choices = answer.get("choices", [])

@@ -6,6 +6,7 @@ from typing import Any
 
 from .. import schemas
 from ..errors import EmptyArray, InvalidType, MissingParameter, UnsupportedParameter
+from ..lax import server_bool
 from ..metering import estimate_prompt_tokens
 from .base import ChatStyleApi, capability_check
 
@@ -28,7 +29,7 @@ class ChatApi(ChatStyleApi):
     def check(self, body: dict[str, Any], model: Any) -> None:
         _check_tool_descriptions(body)
         capability_check(model, body.get("tool_choice"), (body.get("response_format"), "response_format"))
-        if body.get("ignore_eos") is True and not model.capabilities.ignore_eos:
+        if server_bool(body.get("ignore_eos")) and not model.capabilities.ignore_eos:
             raise UnsupportedParameter(
                 f"The model `{model.id}` does not support ignore_eos; remove it from the request.", param="ignore_eos"
             )
