@@ -261,7 +261,7 @@ def test_several_tool_calls_are_neither_merged_nor_dropped(stack, org):
 # -- response_format ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+@pytest.mark.parametrize("kind", ["json_object", "json_schema", "structural_tag"])
 def test_json_response_format_on_a_model_without_the_capability_is_400(stack, org, kind):
     response = stack.post(CHAT, chat(response_format={"type": kind}), org[1])
     assert response.status_code == 400

@@ -101,9 +101,10 @@ def test_a_tool_choice_that_forces_nothing_is_no_forced_choice(choice):
     capability_check(PLAIN, choice, (None, "response_format"))
 
 
-@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+@pytest.mark.parametrize("kind", ["json_object", "json_schema", "structural_tag", "regex", "JSON_OBJECT"])
 @pytest.mark.parametrize("param", ["response_format", "text.format"])
-def test_json_output_on_a_model_without_it_is_refused_naming_the_field(kind, param):
+def test_structured_output_on_a_model_without_it_is_refused_naming_the_field(kind, param):
+    """Any constrained format, not only the two the contract names: vLLM and SGLang serve more."""
     status, body = error_of(lambda: capability_check(PLAIN, "auto", ({"type": kind}, param)))
     assert status == 400 and body["param"] == param and body["code"] == "unsupported_parameter"
     assert body["message"] == (
@@ -112,8 +113,9 @@ def test_json_output_on_a_model_without_it_is_refused_naming_the_field(kind, par
     capability_check(CAPABLE, "auto", ({"type": kind}, param))
 
 
-@pytest.mark.parametrize("value", [{"type": "text"}, "json_object", {"kind": "json_object"}, None])
-def test_other_output_formats_need_no_capability(value):
+@pytest.mark.parametrize("value", [{"type": "text"}, "json_object", {"kind": "json_object"}, {"type": 3}, None])
+def test_plain_text_or_unreadable_formats_need_no_capability(value):
+    """Plain text, or a format the model server itself refuses (no type it could serve)."""
     capability_check(PLAIN, None, (value, "response_format"))
 
 

@@ -196,10 +196,13 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
             f"The model `{model.id}` does not support forced tool choice; send tool_choice \"auto\" instead.",
             param="tool_choice",
         )
+    # any constrained format (json_object, json_schema, vLLM's and SGLang's structural_tag,
+    # regex, …) needs it; plain text, or a format with no type to serve, is the server's to answer
     value, param = formats
-    if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema") and not caps.json_response_format:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind != "text" and not caps.json_response_format:
         raise UnsupportedParameter(
-            f"The model `{model.id}` does not support {param} {value['type']!r}; "
+            f"The model `{model.id}` does not support {param} {kind!r}; "
             "ask for JSON in the prompt and validate it client-side.",
             param=param,
         )
