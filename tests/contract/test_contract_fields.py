@@ -268,6 +268,17 @@ def test_json_response_format_on_a_model_without_the_capability_is_400(stack, or
     assert (error_of(response)["code"], error_of(response)["param"]) == ("unsupported_parameter", "response_format")
 
 
+@pytest.mark.parametrize("field, value", [("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"),
+                                          ("guided_choice", ["yes", "no"]), ("structured_outputs", {"json": {}}),
+                                          ("regex", "[0-9]+"), ("grammar", "root ::= \"a\"")])
+def test_a_model_servers_own_constrained_output_needs_the_capability_too(stack, org, field, value):
+    """vLLM's, SGLang's and llama.cpp's fields for the same thing fail on such a model the same way."""
+    response = stack.post(CHAT, chat(**{field: value}), org[1])
+    assert response.status_code == 400
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("unsupported_parameter", field)
+    assert stack.mock.stats["requests"] == 0
+
+
 def test_text_response_format_passes(stack, org):
     response = stack.post(CHAT, chat(response_format={"type": "text"}), org[1])
     assert response.status_code == 200

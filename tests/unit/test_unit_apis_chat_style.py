@@ -119,6 +119,16 @@ def test_plain_text_or_unreadable_formats_need_no_capability(value):
     capability_check(PLAIN, None, (value, "response_format"))
 
 
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs", "regex", "ebnf", "json_schema", "grammar"])
+def test_a_model_servers_constrained_output_needs_the_json_capability(field):
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}], field: {"type": "object"}}
+    status, error = error_of(lambda: CHAT.check(body, PLAIN))
+    assert (status, error["code"], error["param"]) == (400, "unsupported_parameter", field)
+    assert error["message"].startswith(f"The model `plain` does not support constrained output ({field})")
+    CHAT.check(body, CAPABLE)
+    CHAT.check({**body, field: None}, PLAIN)
+
+
 def test_ignore_eos_on_a_model_without_it_is_refused_with_the_contracts_message():
     body = {"model": "capable", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
     assert error_of(lambda: CHAT.check(body, CAPABLE)) == (

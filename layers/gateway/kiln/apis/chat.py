@@ -13,6 +13,13 @@ from .base import ChatStyleApi, capability_check
 __all__ = ["API", "ChatApi"]
 
 
+# The model servers' own ways to constrain a reply, beside response_format: vLLM's
+# (guided_*, structured_outputs), SGLang's (regex, ebnf, json_schema), llama.cpp's (grammar,
+# json_schema). Each needs the same capability as a JSON response_format.
+CONSTRAINED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                             "regex", "ebnf", "json_schema", "grammar")
+
+
 class ChatApi(ChatStyleApi):
     name = "chat.completions"
     openapi_body = staticmethod(schemas.chat_body)
@@ -29,6 +36,12 @@ class ChatApi(ChatStyleApi):
     def check(self, body: dict[str, Any], model: Any) -> None:
         _check_tool_descriptions(body)
         capability_check(model, body.get("tool_choice"), (body.get("response_format"), "response_format"))
+        if not model.capabilities.json_response_format:
+            for field in CONSTRAINED_OUTPUT_FIELDS:
+                if body.get(field) is not None:
+                    raise UnsupportedParameter(
+                        f"The model `{model.id}` does not support constrained output ({field}); "
+                        "ask for the format in the prompt and validate it client-side.", param=field)
         if server_bool(body.get("ignore_eos")) and not model.capabilities.ignore_eos:
             raise UnsupportedParameter(
                 f"The model `{model.id}` does not support ignore_eos; remove it from the request.", param="ignore_eos"
