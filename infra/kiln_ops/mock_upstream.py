@@ -1,7 +1,8 @@
 """A model server that answers like vLLM, with faults on request, for tests and the local stack.
 
 Chat and text completions, buffered and streamed: a role chunk first (chat), one token per
-chunk, a finish chunk, a usage chunk only when `stream_options.include_usage` is true,
+chunk, a finish chunk, a usage chunk only when `stream_options` asks for it (`include_usage`,
+true unless given otherwise, as vLLM has it),
 then `data: [DONE]`. The Responses API (`/v1/responses`, `kiln_ops.mock_responses`): a
 response object, or its event stream ending in `response.completed` with the usage. `n` choices, tool calls when tools are given, cached tokens on request.
 
@@ -298,8 +299,10 @@ class MockUpstream:
         await _send_json(send, 200, reply.response("completed"))
 
     async def _stream(self, reply: "Reply", body: dict, options: MockOptions, receive: Any, send: Any) -> None:
-        include_usage = _read_as_vllm(bool, (body.get("stream_options") or {}).get("include_usage")) is True \
-            and not options.no_usage
+        # vLLM's StreamOptions: include_usage defaults to true once stream_options is given
+        stream_options = body.get("stream_options")
+        asked = isinstance(stream_options, dict) and _read_as_vllm(bool, stream_options.get("include_usage", True))
+        include_usage = asked is True and not options.no_usage
         tail = _event(reply.usage_chunk(), options.spaced) if include_usage else b""
         if not options.no_done:
             tail += b"data: [DONE]\n\n"
@@ -350,7 +353,9 @@ class Reply:
         base = CHAT_REPLY if chat else TEXT_REPLY
         wanted = options.tokens if options.tokens is not None else len(base)
         tokens = [base[i % len(base)] for i in range(wanted)]
-        max_tokens = _read_as_vllm(int, body.get("max_tokens")) or _read_as_vllm(int, body.get("max_completion_tokens"))
+        # as vLLM takes them: chat's max_completion_tokens, then the deprecated max_tokens
+        max_tokens = (_read_as_vllm(int, body.get("max_completion_tokens")) if chat else None) \
+            or _read_as_vllm(int, body.get("max_tokens"))
         finish = "stop"
         if max_tokens is not None and max_tokens < len(tokens):
             tokens, finish = tokens[:max_tokens], "length"

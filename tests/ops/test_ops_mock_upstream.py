@@ -107,6 +107,16 @@ def test_max_tokens_cuts_the_reply_with_finish_reason_length(api, field):
     assert body["usage"]["completion_tokens"] == 3
 
 
+def test_limits_are_read_as_vllm_reads_them(api):
+    """Chat's max_completion_tokens over max_tokens; "3" and 3.0 are 3; completions ignore chat's."""
+    assert api.post("/chat/completions", json=chat(max_tokens=9, max_completion_tokens=2)).json()["usage"][
+        "completion_tokens"] == 2
+    for spelling in ("3", 3.0):
+        assert api.post("/chat/completions", json=chat(max_tokens=spelling)).json()["usage"]["completion_tokens"] == 3
+    assert api.post("/completions", json=completion(max_completion_tokens=2)).json()["usage"]["completion_tokens"] == 7
+    assert len(api.post("/chat/completions", json=chat(n="2")).json()["choices"]) == 2
+
+
 def test_max_tokens_at_or_above_the_reply_is_a_normal_stop(api):
     body = api.post("/completions", json=completion(max_tokens=7)).json()
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -187,10 +197,12 @@ def test_streamed_chat_has_the_vllm_shape(api):
     assert response.text.startswith('data: {"id":"chatcmpl-')
 
 
-def test_streamed_chat_usage_only_when_include_usage_is_true(api):
-    for options in (None, {}, {"include_usage": False}):
+def test_streamed_chat_usage_only_when_stream_options_ask_for_it_as_in_vllm(api):
+    for options in (None, {"include_usage": False}, {"include_usage": "no"}):
         body = chat(stream=True) if options is None else chat(stream=True, stream_options=options)
         assert '"usage"' not in api.post("/chat/completions", json=body).text
+    for options in ({}, {"continuous_usage_stats": False}, {"include_usage": "true"}):  # vLLM's default is true
+        assert '"usage"' in api.post("/chat/completions", json=chat(stream=True, stream_options=options)).text
     events = data_events(api.post("/chat/completions", json=chat(stream=True, stream_options={"include_usage": True})).text)
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]
