@@ -85,11 +85,13 @@ def test_the_largest_spend_limit_makes_a_key_that_works(stack):
 
 
 @pytest.mark.parametrize("label", ["agent\nkey_0000000000000000  active", "\x1b[2J\x1b[H", "a\x00b", "\u202eevil",
-                                   "tab\there", "\x7f"])
+                                   "tab\there", "\x7f", "two\u2028lines", "para\u2029graph", "pro\u200bd",
+                                   "\ufeffprod", "pro\u00add", "prod\U000e0041"])
 @pytest.mark.parametrize("method", ["POST", "PATCH"])
 def test_a_label_with_control_characters_is_400(stack, label, method):
     """A label is shown in `kiln admin keys list` and in consoles: a newline would fake a
-    row, an escape sequence would drive the operator's terminal."""
+    row, an escape sequence would drive the operator's terminal, an invisible character would
+    make "prod" and another label that looks the same two keys."""
     org_id, admin = management_org(stack)
     target = create_key(stack.tables, org_id, label="before")
     path = "/v1/keys" if method == "POST" else f"/v1/keys/{target.key_id}"

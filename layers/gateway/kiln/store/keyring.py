@@ -74,9 +74,12 @@ _DEFAULTS = {"role": "inference", "spend_period": "total"}
 # (as kiln.store.orgs does). Both writes made here are safe to apply twice.
 _CONFLICT_ATTEMPTS = 20
 MAX_LABEL = 100
-# what a label may not hold besides control characters: the bidirectional embeddings,
-# overrides and isolates, which reorder the text shown around them
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+# what a label may not hold: control characters, line and paragraph separators, and the
+# invisible format characters (bidirectional overrides, which reorder the text shown around
+# them; zero-width spaces, soft hyphens and tags, which make two labels that look alike
+# differ), but the zero-width joiner that emoji sequences are made of
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+_EMOJI_JOINER = "\u200d"
 # a spend limit is below this (38 digits before the point at most)
 MAX_SPEND_LIMIT = Decimal("1E+38")
 # an amount as text: ASCII digits, a point, an exponent (a number's JSON form, or Decimal's)
@@ -117,11 +120,14 @@ def _label(value: Any, known_models: Any, org_limit: Any) -> str:
         raise InvalidKeyAttribute("label", "label must be a string.", "invalid_type")
     if len(value) > MAX_LABEL:
         raise InvalidKeyAttribute("label", f"label must be at most {MAX_LABEL} characters.")
-    hidden = next((char for char in value if unicodedata.category(char) == "Cc" or char in _BIDI_CONTROLS), None)
+    hidden = next((char for char in value
+                   if char != _EMOJI_JOINER and unicodedata.category(char) in _HIDDEN_CATEGORIES), None)
     if hidden is not None:
         # a label is shown to people (`kiln admin keys list`, consoles): a newline, an escape
-        # sequence or a direction override would let it pass for other rows or other text
-        raise InvalidKeyAttribute("label", f"label must not hold control characters; it holds U+{ord(hidden):04X}.")
+        # sequence, a direction override or an invisible character would let it pass for
+        # other rows or other text
+        raise InvalidKeyAttribute(
+            "label", f"label must not hold control or invisible characters; it holds U+{ord(hidden):04X}.")
     return value
 
 
