@@ -197,6 +197,15 @@ def test_n_spelled_as_the_model_server_reads_it_is_billed_for_every_choice(stack
     assert event.cost == (5 * Decimal("0.035") + 12 * Decimal("0.07")) / 1_000_000
 
 
+def test_more_choices_than_openai_allows_are_billed_when_the_server_serves_them(stack, org):
+    """vLLM has no limit on n: its usage for 200 choices is what they cost, not 128's."""
+    org_id, key = org
+    response = stack.post(CHAT, {**PAGE_CHAT, "n": 200, "max_tokens": 12}, key)
+    assert len(response.json()["choices"]) == 200
+    (event,) = stack.events(org_id)
+    assert (event.completion_tokens, event.usage_source) == (2400, "upstream")
+
+
 def test_a_batch_still_caps_what_no_prompt_of_it_can_have_produced(stack, org):
     org_id, key = org
     body = {"model": "gpt-oss-120b", "prompt": ["a", "b"], "max_tokens": 10,

@@ -145,7 +145,8 @@ def test_bounds_take_the_endpoints_token_limit_and_every_choice():
     # values a client may send that bound nothing
     assert UsageBounds.of_request({"max_tokens": "16", "n": True}, 4096, limits=CHAT_LIMITS).completion == 4096
     assert UsageBounds.of_request({"max_tokens": None}, 4096, limits=CHAT_LIMITS).completion == 4096
-    assert UsageBounds.of_request({"n": 10**9}, 10, limits=CHAT_LIMITS).completion == 10 * 128
+    assert UsageBounds.of_request({"n": 200}, 10, limits=CHAT_LIMITS).completion == 10 * 200
+    assert UsageBounds.of_request({"n": 10**90}, 10, limits=CHAT_LIMITS).completion == 10 * 1_000_000
 
 
 def test_of_two_limits_a_server_may_honour_the_larger_bounds():

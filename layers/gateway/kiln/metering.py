@@ -30,8 +30,10 @@ __all__ = [
 # is exactly what is stored.
 _EXACT = Context(prec=120)
 _STORED = Context(prec=38)
-# `n` beyond this is no request a model server serves; it bounds the completion tokens.
-MAX_CHOICES = 128
+# `n` beyond this is no request a model server serves (vLLM has no limit of its own, so an
+# honest answer of 200 choices must be believed); it keeps every bound, and so every bill,
+# a number DynamoDB stores.
+MAX_CHOICES = 1_000_000
 
 # A rough but stable rule for text we cannot tokenize: ~4 characters per token.
 CHARS_PER_TOKEN = 4
