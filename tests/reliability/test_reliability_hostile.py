@@ -475,3 +475,65 @@ def test_a_long_text_in_one_delta_without_usage_is_billed_for_its_length(stack, 
     assert response.status_code == 200
     (event,) = ledger.check()
     assert (event.status, event.usage_source, event.completion_tokens) == ("success", "estimated", 1000)
+
+
+# -- usage too small for what was relayed -------------------------------------------------------
+
+LONG = "word " * 5000  # 25 000 characters: about 6 250 tokens, and at the very least 196
+
+
+def _long_answer(path: str, usage: dict, stream: bool) -> dict:
+    """A request to `path` whose model server answers LONG in one text, reporting `usage`."""
+    if path == CHAT and not stream:
+        answer = _answer(choices=[{"index": 0, "message": {"role": "assistant", "content": LONG}, "finish_reason": "stop"}],
+                         usage=usage)
+        return {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": answer}}
+    if path == CHAT:
+        text = _chunk(choices=[{"index": 0, "delta": {"content": LONG}, "finish_reason": None}])
+        return {"model": MODEL, "messages": MESSAGES, "stream": True,
+                "mock": {"raw_events": [text, FINISH, _chunk(choices=[], usage=usage)]}}
+    final = json.dumps({"type": "response.completed", "response": {"id": "r", "status": "completed", "output": [],
+                                                                   "usage": usage}})
+    return {"model": MODEL, "input": "hi", "stream": True, "mock": {
+        "raw_events": [json.dumps({"type": "response.output_text.delta", "delta": LONG}), final], "no_done": True}}
+
+
+@pytest.mark.parametrize("path, stream", [(CHAT, False), (CHAT, True), ("/v1/responses", True)],
+                         ids=["chat-buffered", "chat-stream", "responses-stream"])
+def test_a_long_text_reported_as_one_token_is_billed_for_its_length(stack, ledger, path, stream):
+    """A token is never 128 characters: one reported for 25 000 is usage the model cannot have
+    produced (§4), replaced by the gateway's own count."""
+    usage = ({"input_tokens": 4, "output_tokens": 1} if path != CHAT
+             else {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5})
+    response = post(stack, ledger, path, _long_answer(path, usage, stream))
+    assert response.status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.completion_tokens == len(LONG) // 4
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "", "reasoning": LONG},
+    {"role": "assistant", "content": None, "refusal": LONG},
+    {"role": "assistant", "content": [{"type": "text", "text": LONG}]},
+    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": LONG}},
+], ids=["reasoning", "refusal", "content-parts", "function_call"])
+@pytest.mark.parametrize("usage", [{"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}, None],
+                         ids=["reported-0", "no-usage"])
+def test_every_text_of_a_buffered_answer_is_billed(stack, ledger, message, usage):
+    """Whatever field the model server puts its text in, the text is counted: neither a 0
+    reported nor no usage at all bills it as nothing."""
+    answer = _answer(choices=[{"index": 0, "message": message, "finish_reason": "stop"}],
+                     **({"usage": usage} if usage else {}))
+    response = post(stack, ledger, CHAT, {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": answer}})
+    assert response.status_code == 200
+    (event,) = ledger.check()
+    assert event.completion_tokens == len(LONG) // 4
+
+
+def test_a_streamed_refusal_is_billed(stack, ledger):
+    refusal = _chunk(choices=[{"index": 0, "delta": {"refusal": "Sorry"}, "finish_reason": None}])
+    usage = _chunk(choices=[], usage={"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4})
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [refusal] * 3 + [usage]}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("capped", 3)

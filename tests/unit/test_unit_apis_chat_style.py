@@ -216,8 +216,8 @@ def test_completion_tokens_are_estimated_from_every_text_of_every_choice():
     assert CHAT.estimate_completion({"choices": {"text": "abcd"}}) == 0
     assert CHAT.estimate_completion({}) == 0
     # the fewest tokens it can be: one per non-empty text (the floor of reported usage)
-    assert CHAT.completion_texts(answer) == 5
-    assert CHAT.completion_texts({"choices": [{"message": {"content": ""}, "text": ""}]}) == 0
+    assert CHAT.fewest_completion_tokens(answer) == 5
+    assert CHAT.fewest_completion_tokens({"choices": [{"message": {"content": ""}, "text": ""}]}) == 0
 
 
 def test_the_billed_usage_goes_into_the_answer_with_its_cost():
@@ -323,7 +323,7 @@ def test_a_new_endpoint_must_say_how_it_is_billed():
     for call in (
         lambda: api.estimate_prompt({}),
         lambda: api.estimate_completion({}),
-        lambda: api.completion_texts({}),
+        lambda: api.fewest_completion_tokens({}),
         lambda: api.with_usage({}, TokenUsage(1, 1), COST),
         lambda: api.stream_tail(SseRelay(client_wants_usage=False), TokenUsage(1, 1), COST, False),
     ):

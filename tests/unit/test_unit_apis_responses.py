@@ -106,8 +106,8 @@ def test_output_tokens_are_estimated_from_texts_reasoning_and_arguments():
     }
     assert RESPONSES.estimate_completion(answer) == 6
     assert RESPONSES.estimate_completion({"output": None}) == RESPONSES.estimate_completion({}) == 0
-    assert RESPONSES.completion_texts(answer) == 3
-    assert RESPONSES.completion_texts({"output": [{"type": "message", "content": [{"text": ""}]}]}) == 0
+    assert RESPONSES.fewest_completion_tokens(answer) == 3
+    assert RESPONSES.fewest_completion_tokens({"output": [{"type": "message", "content": [{"text": ""}]}]}) == 0
 
 
 def test_a_believed_usage_gets_its_cost_and_any_other_is_replaced_by_the_billed_one():

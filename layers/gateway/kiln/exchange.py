@@ -224,7 +224,7 @@ class Exchange:
         answer = _parse_answer(raw, api)
         # each non-empty text of the answer is a token at least, as each text of a stream is
         usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(answer),
-                               completion_floor=api.completion_texts(answer))
+                               completion_floor=api.fewest_completion_tokens(answer))
         cost = self._price(usage)
         api.with_usage(answer, usage, cost)
         body = dumps(answer)
@@ -302,7 +302,7 @@ class Exchange:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
         try:
-            usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens, relay.relayed_texts)
+            usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens, relay.fewest_tokens)
         except Exception as exc:  # noqa: BLE001 - a bug here must not skip the settle
             log.exception("stream %s could not be billed as reported", self.gen_id)
             status, error = "gateway_error", f"gateway error: {type(exc).__name__}"

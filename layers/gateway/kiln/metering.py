@@ -22,6 +22,7 @@ __all__ = [
     "cost_of",
     "estimate_prompt_tokens",
     "estimate_text_tokens",
+    "fewest_tokens",
     "texts_of",
 ]
 
@@ -37,6 +38,10 @@ MAX_CHOICES = 1_000_000
 
 # A rough but stable rule for text we cannot tokenize: ~4 characters per token.
 CHARS_PER_TOKEN = 4
+# Longer than any token of the tokenizers model servers use (their longest are runs of
+# spaces or punctuation), in characters or in bytes as sent: a text is at least its length
+# over this many tokens, however it was tokenized.
+LONGEST_TOKEN = 128
 # What a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3
 
@@ -122,7 +127,7 @@ def billable_usage(
 
     No usage reported: the gateway's own count and estimate (`estimated`). A reported count
     that is not a non-negative integer, exceeds its bound, (completion tokens) is below
-    `completion_floor`, the fewest the output can be (a token per text relayed or answered),
+    `completion_floor`, the fewest the output can be (`fewest_tokens` of each text relayed or answered),
     or (prompt tokens) is 0 for a prompt the gateway counts tokens in: that count is replaced
     by the gateway's own, capped at the bound (`capped`). Cached tokens count only when
     plausible.
@@ -154,7 +159,7 @@ def billable_usage(
 
 def _implausible(value: Any, bound: int, floor: int = 0) -> str:
     if _count(value) and value < floor:
-        return f"below the {floor} texts relayed"
+        return f"below the {floor} tokens its texts hold at the least"
     if _count(value):
         return f"above the bound of {bound}"
     return f"not a count ({type(value).__name__})"
@@ -173,6 +178,11 @@ def cost_of(usage: TokenUsage, pricing: Pricing) -> Decimal:
         )
     total = exact.add(prompt_cost, exact.multiply(usage.completion_tokens, pricing.output))
     return _STORED.plus(exact.divide(total, PER_MILLION))
+
+
+def fewest_tokens(text: str | bytes) -> int:
+    """The fewest tokens a text can be: at least one for any text, more for a long one."""
+    return -(-len(text) // LONGEST_TOKEN)
 
 
 def estimate_text_tokens(text: str | bytes) -> int:

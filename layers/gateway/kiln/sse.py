@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from .jsonio import dumps, loads_strict
-from .metering import TokenUsage, estimate_text_tokens
+from .metering import TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
@@ -31,8 +31,8 @@ BOM = b"\xef\xbb\xbf"
 
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
-# a non-empty text of a chunk (its content, reasoning or tool-call arguments), as sent
-_TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"((?:[^"\\]|\\.)+)"')
+# a non-empty text of a chunk (its content, reasoning, refusal or tool-call arguments), as sent
+_TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|refusal|arguments)"\s*:\s*"((?:[^"\\]|\\.)+)"')
 # the longest text a single token is (as sent, escapes included): longer deltas hold several
 TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
@@ -86,6 +86,7 @@ class SseRelay:
         self.first_chunk: dict[str, Any] | None = None
         self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
         self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
+        self.fewest_tokens = 0  # the fewest tokens those texts can be (kiln.metering.fewest_tokens)
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
         self.failure: str | None = None  # why the stream cannot end as the upstream ended it
@@ -158,6 +159,7 @@ class SseRelay:
         server that sends its answer in one piece) counts as text is estimated, 4 bytes a token."""
         for text in texts.findall(payload):
             self.relayed_texts += 1
+            self.fewest_tokens += fewest_tokens(text)
             self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
 
     def _failed(self, reason: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from ..errors import InvalidType, UnsupportedParameter
 from ..lax import server_bool
-from ..metering import TokenUsage, estimate_text_tokens
+from ..metering import TokenUsage, estimate_text_tokens, fewest_tokens
 from ..sse import DONE, SseRelay, error_event, usage_event
 
 __all__ = ["ChatStyleApi", "ModelApi", "stream_flag"]
@@ -70,8 +70,8 @@ class ModelApi:
     def estimate_completion(self, answer: dict[str, Any]) -> int:
         raise NotImplementedError
 
-    def completion_texts(self, answer: dict[str, Any]) -> int:
-        """The non-empty texts of a buffered answer: the fewest completion tokens it can be."""
+    def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
+        """The fewest completion tokens a buffered answer can be (`fewest_tokens` of each text)."""
         raise NotImplementedError
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
@@ -141,8 +141,8 @@ class ChatStyleApi(ModelApi):
     def estimate_completion(self, answer: dict[str, Any]) -> int:
         return sum(estimate_text_tokens(text) for text in _answer_texts(answer))
 
-    def completion_texts(self, answer: dict[str, Any]) -> int:
-        return sum(1 for text in _answer_texts(answer) if text)
+    def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
+        return sum(fewest_tokens(text) for text in _answer_texts(answer))
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         if usage.source == "upstream":
@@ -209,15 +209,23 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
 
 
 def _answer_texts(answer: dict[str, Any]) -> Iterator[str]:
-    """Every text of a chat or text completion: content, reasoning, text, tool-call arguments."""
+    """Every text of a chat or text completion the model wrote: text, content (a string or
+    its text parts), reasoning (either name servers give it), refusal, and the arguments of
+    tool calls and of the older function_call."""
     choices = answer.get("choices")
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict):
             continue
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
-        texts = [choice.get("text"), message.get("content"), message.get("reasoning_content")]
+        content = message.get("content")
+        texts = [choice.get("text"), message.get("reasoning_content"), message.get("reasoning"), message.get("refusal")]
+        if isinstance(content, list):
+            texts += [part.get("text") for part in content if isinstance(part, dict)]
+        else:
+            texts.append(content)
         calls = message.get("tool_calls")
-        for call in calls if isinstance(calls, list) else []:
-            if isinstance(call, dict) and isinstance(call.get("function"), dict):
-                texts.append(call["function"].get("arguments"))
+        functions = [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
+        for function in [*functions, message.get("function_call")]:
+            if isinstance(function, dict):
+                texts.append(function.get("arguments"))
         yield from (text for text in texts if isinstance(text, str))

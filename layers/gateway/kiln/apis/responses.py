@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from .. import schemas
 from ..jsonio import dumps
-from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, texts_of
+from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, fewest_tokens, texts_of
 from ..sse import SseRelay, is_done, parse_json
 from .base import ModelApi, capability_check
 
@@ -68,8 +68,8 @@ class ResponsesApi(ModelApi):
     def estimate_completion(self, answer: dict[str, Any]) -> int:
         return sum(estimate_text_tokens(text) for text in _output_texts(answer))
 
-    def completion_texts(self, answer: dict[str, Any]) -> int:
-        return sum(1 for text in _output_texts(answer) if text)
+    def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
+        return sum(fewest_tokens(text) for text in _output_texts(answer))
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         answer["usage"] = _with_cost(answer.get("usage"), usage, cost)
