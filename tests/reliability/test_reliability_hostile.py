@@ -537,3 +537,18 @@ def test_a_streamed_refusal_is_billed(stack, ledger):
     assert post(stack, ledger, CHAT, body).status_code == 200
     (event,) = ledger.check()
     assert (event.usage_source, event.completion_tokens) == ("capped", 3)
+
+
+@pytest.mark.parametrize("usage", [{"input_tokens": 4, "output_tokens": 0}, None], ids=["reported-0", "no-usage"])
+def test_a_responses_text_sent_only_in_its_final_response_is_billed(stack, ledger, usage):
+    """No delta, the text only in output_item.done and the final response's output: still
+    the model's text, billed for its length."""
+    item = {"type": "message", "id": "m", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": LONG, "annotations": []}]}
+    final = {"id": "r", "object": "response", "status": "completed", "output": [item]}
+    events = [json.dumps({"type": "response.output_item.done", "output_index": 0, "item": item}),
+              json.dumps({"type": "response.completed", "response": {**final, **({"usage": usage} if usage else {})}})]
+    body = {"model": MODEL, "input": "hi", "stream": True, "mock": {"raw_events": events, "no_done": True}}
+    assert post(stack, ledger, "/v1/responses", body).status_code == 200
+    (event,) = ledger.check()
+    assert event.completion_tokens == len(LONG) // 4

@@ -161,6 +161,13 @@ class ResponsesRelay(SseRelay):
         usage = data["response"].get("usage")
         if isinstance(usage, dict):
             self.reported_usage = usage
+        # the final response holds the whole output: its texts bound the bill from below whether
+        # or not they came as deltas (a server may send them only in *.done events, or only
+        # here), and are the estimate when no delta came (deltas, a token each, count better)
+        texts = [text for text in _output_texts(data["response"]) if text]
+        self.fewest_tokens = max(self.fewest_tokens, sum(fewest_tokens(text) for text in texts))
+        if not self.relayed_texts:
+            self.relayed_tokens = sum(estimate_text_tokens(text) for text in texts)
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
