@@ -552,3 +552,20 @@ def test_a_responses_text_sent_only_in_its_final_response_is_billed(stack, ledge
     assert post(stack, ledger, "/v1/responses", body).status_code == 200
     (event,) = ledger.check()
     assert event.completion_tokens == len(LONG) // 4
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_text_under_a_key_spelled_with_an_escape_is_billed(stack, ledger, api):
+    """The SDKs read `"\\u0063ontent"` as content: so does the bill."""
+    if api == "chat":
+        raw = '{"id":"x","choices":[{"index":0,"delta":{"\\u0063ontent":"%s"},"finish_reason":null}]}' % LONG
+        path, body = CHAT, {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [raw]}}
+    else:
+        raw = '{"type":"response.output_text.delta","\\u0064elta":"%s"}' % LONG
+        final = json.dumps({"type": "response.completed", "response": {
+            "id": "r", "status": "completed", "output": [], "usage": {"input_tokens": 4, "output_tokens": 0}}})
+        path, body = "/v1/responses", {"model": MODEL, "input": "hi", "stream": True,
+                                       "mock": {"raw_events": [raw, final], "no_done": True}}
+    assert post(stack, ledger, path, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.completion_tokens == len(LONG) // 4

@@ -156,7 +156,13 @@ class SseRelay:
     def _count(self, texts: re.Pattern[bytes], payload: bytes) -> None:
         """Count the texts an event relays, and their tokens: model servers stream a token at a
         time, so a text no longer than a token (`TOKEN_BYTES`) counts one; a longer one (a
-        server that sends its answer in one piece) counts as text is estimated, 4 bytes a token."""
+        server that sends its answer in one piece) counts as text is estimated, 4 bytes a token.
+        An event with an escape is read as its JSON says it (an escape can spell a key: the
+        SDKs read `"\\u0063ontent"` as content), the rest as sent."""
+        if b"\\u" in payload:
+            data = parse_json(payload)
+            if data is not None:
+                payload = dumps(data)
         for text in texts.findall(payload):
             self.relayed_texts += 1
             self.fewest_tokens += fewest_tokens(text)
