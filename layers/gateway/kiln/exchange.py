@@ -222,7 +222,7 @@ class Exchange:
         raw = await upstream.read_body(deadline)
         api = self.call.api
         answer = _parse_answer(raw, api)
-        # each non-empty text of the answer is a token at least, as each text of a stream is
+        # the answer's texts are at least their fewest tokens, as a stream's are
         usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(answer),
                                completion_floor=api.fewest_completion_tokens(answer))
         cost = self._price(usage)

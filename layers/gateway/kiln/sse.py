@@ -39,6 +39,8 @@ _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 # what an error the upstream sends in the stream looks like (vLLM: {"error": {...}}; older
 # servers: {"object": "error", ...}); an escape can spell it too
 _IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*\{|"object"\s*:\s*"error"|\\u')
+# an event's JSON not read yet (parse_json's None is JSON it could not read)
+UNREAD: Any = object()
 
 
 def error_event(message: str) -> bytes:
@@ -153,14 +155,16 @@ class SseRelay:
         self._head = None
         return head[len(BOM):] if head.startswith(BOM) else head
 
-    def _count(self, texts: re.Pattern[bytes], payload: bytes) -> None:
+    def _count(self, texts: re.Pattern[bytes], payload: bytes, data: Any = UNREAD) -> None:
         """Count the texts an event relays, and their tokens: model servers stream a token at a
         time, so a text no longer than a token (`TOKEN_BYTES`) counts one; a longer one (a
         server that sends its answer in one piece) counts as text is estimated, 4 bytes a token.
         An event with an escape is read as its JSON says it (an escape can spell a key: the
-        SDKs read `"\\u0063ontent"` as content), the rest as sent."""
+        SDKs read `"\\u0063ontent"` as content), the rest as sent; `data` is the event's JSON
+        where the caller has read it already."""
         if b"\\u" in payload:
-            data = parse_json(payload)
+            if data is UNREAD:
+                data = parse_json(payload)
             if data is not None:
                 payload = dumps(data)
         for text in texts.findall(payload):
@@ -201,16 +205,18 @@ class SseRelay:
         if is_done(payload):
             self.done = True
             return None
-        if _IN_BAND_ERROR.search(payload) and _is_error(parse_json(payload)):
+        # what may be an error is read (any escape may spell one), once for every use below
+        data = parse_json(payload) if _IN_BAND_ERROR.search(payload) else UNREAD
+        if data is not UNREAD and _is_error(data):
             # the upstream failed mid-stream: the stream ends with the gateway's one error event (§5)
             return self._failed("the model server sent an error in the stream")
         if self.first_chunk is None:
-            first = parse_json(payload)
+            first = parse_json(payload) if data is UNREAD else data
             if isinstance(first, dict):
                 self.first_chunk = first
         if _USAGE_PRESENT.search(payload):
             return self._usage(event, payload)
-        self._count(_TEXT_DELTA, payload)
+        self._count(_TEXT_DELTA, payload, data)
         finish = _FINISH_REASON.findall(payload)
         if finish:
             self.finish_reason = finish[-1].decode(errors="replace")
@@ -224,7 +230,7 @@ class SseRelay:
             # a client that asked for usage; a content chunk carrying usage is passed on as it
             # came (its content is the client's: §7).
             if self._client_wants_usage or (b'"choices"' in payload and not _NO_CHOICES.search(payload)):
-                self._count(_TEXT_DELTA, payload)
+                self._count(_TEXT_DELTA, payload, chunk)
                 return event
             return None
         if isinstance(chunk.get("usage"), dict):
@@ -237,7 +243,7 @@ class SseRelay:
                 self.usage_chunk = chunk
             return None
         # usage riding on a content chunk (continuous usage stats): keep the content
-        self._count(_TEXT_DELTA, payload)
+        self._count(_TEXT_DELTA, payload, chunk)
         for choice in choices:
             if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
                 self.finish_reason = choice["finish_reason"]

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from .. import schemas
 from ..jsonio import dumps
 from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, fewest_tokens, texts_of
-from ..sse import SseRelay, is_done, parse_json
+from ..sse import UNREAD, SseRelay, is_done, parse_json
 from .base import ModelApi, capability_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -141,6 +141,7 @@ class ResponsesRelay(SseRelay):
         final_like = _FINAL.search(payload)
         # read what may end the stream: what looks like a final or an error event, and any
         # event with an escape (which can spell either type)
+        data = UNREAD
         if final_like or _ERROR.search(payload) or b"\\u" in payload:
             data = parse_json(payload)
             kind = data.get("type") if isinstance(data, dict) else None
@@ -152,7 +153,7 @@ class ResponsesRelay(SseRelay):
                 return self._failed("the model server sent an error event")
             if final_like and data is None:
                 return self._failed("its final event is not JSON the gateway can read")
-        self._count(_DELTA, payload)
+        self._count(_DELTA, payload, data)
         return event
 
     def _final(self, event: bytes, data: dict[str, Any]) -> None:
@@ -164,10 +165,9 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        texts = [text for text in _output_texts(data["response"]) if text]
-        self.fewest_tokens = max(self.fewest_tokens, sum(fewest_tokens(text) for text in texts))
+        self.fewest_tokens = max(self.fewest_tokens, API.fewest_completion_tokens(data["response"]))
         if not self.relayed_texts:
-            self.relayed_tokens = sum(estimate_text_tokens(text) for text in texts)
+            self.relayed_tokens = API.estimate_completion(data["response"])
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
