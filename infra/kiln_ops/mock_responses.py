@@ -5,7 +5,7 @@ output item `response.output_item.added`, its deltas (`response.output_text.delt
 each, or `response.function_call_arguments.delta`), the `.done` events, and last
 `response.completed` (or `response.incomplete` when `max_output_tokens` cut the reply) with
 the usage. Token counts follow the chat rule of `kiln_ops.mock_upstream`: a prompt costs one
-token per word of `input` and `instructions` (plus 3 per input item); the reply is the chat
+token per word of `input` and `instructions` (`word_tokens`, plus 3 per input item); the reply is the chat
 sentence, one token per delta. The same options apply (`no_usage`, `cached_tokens`,
 `tool_calls`, `tokens`, `cut_after`, delays, …).
 """
@@ -18,12 +18,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["ResponsesReply"]
+__all__ = ["ResponsesReply", "word_tokens"]
+
+# no tokenizer has a token this long: a longer word is one token per this many characters begun
+WORD_CHARS = 100
+
+
+def word_tokens(text: str) -> int:
+    """A text's prompt tokens, the mock's way: one per whitespace-separated word, a word of more
+    than WORD_CHARS characters one per WORD_CHARS begun."""
+    return sum(-(-len(word) // WORD_CHARS) for word in text.split())
 
 
 def _words(value: Any) -> int:
     if isinstance(value, str):
-        return len(value.split())
+        return word_tokens(value)
     if isinstance(value, list):
         return sum(_words(item) for item in value)
     if isinstance(value, dict):

@@ -6,7 +6,8 @@ true unless given otherwise, as vLLM has it),
 then `data: [DONE]`. The Responses API (`/v1/responses`, `kiln_ops.mock_responses`): a
 response object, or its event stream ending in `response.completed` with the usage. `n` choices, tool calls when tools are given, cached tokens on request.
 
-Token counts are deterministic: a prompt costs one token per whitespace-separated word
+Token counts are deterministic: a prompt costs one token per whitespace-separated word, a
+word of more than 100 characters one per 100 begun, as no tokenizer has a token that long
 (plus 3 per chat message); the reply is a fixed sentence (12 tokens for chat, 7 for text
 completions), cut at `max_tokens`. So the reference pages' examples come out exactly:
 "The capital of France is" → 5 prompt tokens; system "Answer briefly." + user "Hello!" → 9.
@@ -53,6 +54,7 @@ from functools import cache
 from typing import Any
 from urllib.parse import unquote
 
+from .mock_responses import ResponsesReply, word_tokens
 from .serve import read_body
 
 __all__ = ["MockOptions", "MockUpstream"]
@@ -275,8 +277,6 @@ class MockUpstream:
 
     async def _respond(self, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
         """POST /v1/responses, as vLLM serves it (kiln_ops.mock_responses)."""
-        from .mock_responses import ResponsesReply
-
         if options.headers_delay_ms:
             await asyncio.sleep(options.headers_delay_ms / 1000)
         if options.status is not None and options.status >= 400:
@@ -454,7 +454,7 @@ class Reply:
 
 def _words(value: Any) -> int:
     if isinstance(value, str):
-        return len(value.split())
+        return word_tokens(value)
     if isinstance(value, list):
         return sum(_words(item) if not isinstance(item, int) else 1 for item in value)
     if isinstance(value, dict):

@@ -569,3 +569,72 @@ def test_a_text_under_a_key_spelled_with_an_escape_is_billed(stack, ledger, api)
     assert post(stack, ledger, path, body).status_code == 200
     (event,) = ledger.check()
     assert event.completion_tokens == len(LONG) // 4
+
+
+# -- prompt usage too small for the prompt sent ------------------------------------------------
+
+LONG_PROMPT = "word " * 16000  # 80 000 characters: about 20 000 tokens, and at the very least 625
+ONE_TOKEN = {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 80000}}
+
+
+def _reported(path: str, usage: dict, stream: bool, body: dict) -> dict:
+    """`body` sent to `path`, whose model server answers a short text, reporting `usage`."""
+    if path == "/v1/responses":
+        final = json.dumps({"type": "response.completed", "response": {"id": "r", "status": "completed", "output": [],
+                                                                       "usage": usage}})
+        return {**body, "stream": True, "mock": {
+            "raw_events": [json.dumps({"type": "response.output_text.delta", "delta": "ok"}), final], "no_done": True}}
+    if not stream:
+        return {**body, "mock": {"raw_body": _answer(choices=[GOOD_CHOICE], usage=usage)}}
+    text = _chunk(choices=[{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}])
+    return {**body, "stream": True, "mock": {"raw_events": [text, FINISH, _chunk(choices=[], usage=usage)]}}
+
+
+@pytest.mark.parametrize("path, stream, body", [
+    (CHAT, False, {"messages": [{"role": "user", "content": LONG_PROMPT}]}),
+    (CHAT, True, {"messages": [{"role": "user", "content": LONG_PROMPT}]}),
+    (CHAT, False, {"messages": [{"role": "user", "content": [{"type": "text", "text": LONG_PROMPT}]}]}),
+    (COMPLETIONS, False, {"prompt": LONG_PROMPT}),
+    (COMPLETIONS, True, {"prompt": [LONG_PROMPT[:40000], LONG_PROMPT[40000:]]}),
+    ("/v1/responses", True, {"input": LONG_PROMPT}),
+    ("/v1/responses", True, {"instructions": LONG_PROMPT, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}),
+], ids=["chat-buffered", "chat-stream", "chat-text-part", "completions", "completions-batch", "responses-input",
+        "responses-instructions"])
+def test_a_long_prompt_reported_as_one_token_is_billed_for_its_length(stack, ledger, path, stream, body):
+    """A prompt of 80 000 characters is never one token (no token is 128 characters): a count
+    below what its texts hold at the least is usage the model cannot have produced (§4)."""
+    usage = {"input_tokens": 1, "output_tokens": 4} if path == "/v1/responses" else ONE_TOKEN
+    response = post(stack, ledger, path, _reported(path, usage, stream, {"model": MODEL, **body}))
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.prompt_tokens >= len(LONG_PROMPT) // 4
+    assert event.completion_tokens == 4
+
+
+def test_a_prompt_of_token_ids_is_at_least_one_token_each(stack, ledger):
+    body = _reported(COMPLETIONS, ONE_TOKEN, False, {"model": MODEL, "prompt": [[7] * 500, [8] * 500]})
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.prompt_tokens >= 1000
+
+
+@pytest.mark.parametrize("path, body", [
+    # an image's base64 data is no text the model reads as text
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, IMAGE]}]}),
+    # the server is asked to keep only the prompt's last tokens
+    (CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}], "truncate_prompt_tokens": 1}),
+    (COMPLETIONS, {"prompt": LONG_PROMPT, "truncate_prompt_tokens": 1}),
+    # a template of the client's own may leave the text out
+    (CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}], "chat_template": "{{ 'hi' }}"}),
+    ("/v1/responses", {"input": LONG_PROMPT, "truncation": "auto"}),
+], ids=["image", "chat-truncated", "completions-truncated", "chat-template", "responses-truncation"])
+def test_a_small_prompt_count_the_request_allows_is_believed(stack, ledger, path, body):
+    """What is not text, and a prompt the server is told to shorten, bound nothing from below:
+    an honest small count is billed as reported."""
+    usage = {"input_tokens": 1, "output_tokens": 4} if path == "/v1/responses" else ONE_TOKEN
+    response = post(stack, ledger, path, _reported(path, usage, path == "/v1/responses", {"model": MODEL, **body}))
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 1, 4)

@@ -344,6 +344,38 @@ def test_the_prompt_of_each_endpoint_is_estimated_from_its_own_field():
     assert CHAT.estimate_prompt(body) == 3 + 3  # "user" + "abcdefgh"
     assert COMPLETIONS.estimate_prompt(body) == 4
 
+
+LONG = "x" * 1000  # at least 8 tokens
+
+
+@pytest.mark.parametrize(("messages", "fewest"), [
+    ([{"role": "system", "content": LONG}, {"role": "user", "content": [{"type": "text", "text": LONG}]}], 16),
+    # an image's data, a tool call's arguments, an odd message: no text to count
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:," + LONG}}]},
+      {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": LONG}}]},
+      "odd", 5, None, {"content": {"text": LONG}}], 0),
+    ([{"role": "user", "content": "hi"}], 1),
+])
+def test_a_chat_prompt_is_at_least_its_texts_fewest_tokens(messages, fewest):
+    assert CHAT.fewest_prompt_tokens({"messages": messages}) == fewest
+
+
+@pytest.mark.parametrize(("prompt", "fewest"), [
+    (LONG, 8), ([LONG, LONG], 16), ([7] * 300, 300), ([[7] * 300, [8] * 200], 500),
+    ([True, 1.5, "ab", None, {"x": LONG}], 1), (None, 0), ({"text": LONG}, 0),
+])
+def test_a_text_prompt_is_at_least_its_texts_and_a_token_per_id(prompt, fewest):
+    assert COMPLETIONS.fewest_prompt_tokens({"prompt": prompt}) == fewest
+
+
+@pytest.mark.parametrize("field", [{"truncate_prompt_tokens": 1}, {"truncate_prompt_tokens": -1},
+                                   {"truncate_prompt_tokens": "x"}, {"chat_template": "{{ 'hi' }}"}])
+def test_a_prompt_the_server_may_shorten_has_no_floor(field):
+    body = {"messages": [{"role": "user", "content": LONG}], "prompt": LONG, **field}
+    assert CHAT.fewest_prompt_tokens(body) == 0
+    assert COMPLETIONS.fewest_prompt_tokens(body) == (8 if "chat_template" in field else 0)
+
+
 def test_unsupported_parameter_is_what_a_missing_capability_raises():
     with pytest.raises(UnsupportedParameter):
         capability_check(PLAIN, "required", (None, "response_format"))

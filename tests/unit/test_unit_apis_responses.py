@@ -87,6 +87,25 @@ def test_the_prompt_is_estimated_from_the_instructions_and_each_input_item():
     assert RESPONSES.estimate_prompt({"instructions": ["abcd"], "input": None}) == 0
 
 
+LONG = "x" * 1000  # at least 8 tokens
+
+
+def test_the_prompt_is_at_least_the_fewest_tokens_of_its_instructions_and_input_texts():
+    assert RESPONSES.fewest_prompt_tokens({"input": LONG, "instructions": LONG}) == 16
+    items = [{"role": "user", "content": [{"type": "input_text", "text": LONG},
+                                          {"type": "input_image", "image_url": "data:," + LONG}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": LONG}]},
+             {"type": "function_call_output", "call_id": "c", "output": LONG}, {"content": LONG}, 5, None]
+    assert RESPONSES.fewest_prompt_tokens({"input": items}) == 8 + 8 + 8
+    assert RESPONSES.fewest_prompt_tokens({"input": {"text": LONG}, "instructions": 5}) == 0
+    assert RESPONSES.fewest_prompt_tokens({"input": LONG, "truncation": "disabled"}) == 8
+
+
+@pytest.mark.parametrize("truncation", ["auto", "other", 1])
+def test_a_response_the_server_may_truncate_has_no_prompt_floor(truncation):
+    assert RESPONSES.fewest_prompt_tokens({"input": LONG, "truncation": truncation}) == 0
+
+
 def test_a_buffered_answer_needs_output_items_that_are_objects():
     assert RESPONSES.shape_problem({"output": [{"type": "message"}]}) is None
     assert RESPONSES.shape_problem({}) is None

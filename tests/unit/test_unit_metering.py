@@ -11,6 +11,7 @@ from kiln.metering import (
     TokenUsage,
     UsageBounds,
     billable_usage,
+    content_texts,
     cost_of,
     estimate_prompt_tokens,
     estimate_text_tokens,
@@ -263,3 +264,41 @@ def test_zero_prompt_tokens_are_believed_only_of_a_prompt_with_none(estimate, ex
                                      prompt_estimate=lambda: estimate, completion_count=lambda: 5)
     assert (usage.prompt_tokens, usage.source) == expected
     assert bool(problems) == (expected[1] == "capped")
+
+
+@pytest.mark.parametrize(("reported", "floor", "expected"), [
+    (1, 3, (7, "capped")),  # fewer than the prompt's texts hold: the estimate
+    (1, 9, (9, "capped")),  # …or the floor, whichever is more
+    (3, 3, (3, "upstream")),
+    (5, 3, (5, "upstream")),
+    (1, 10**6, (7 * 10**3, "capped")),  # the bound still caps
+])
+def test_prompt_tokens_below_the_prompts_texts_are_not_believed(reported, floor, expected):
+    bounds = UsageBounds(prompt=7000, completion=16)
+    usage, problems = billable_usage({"prompt_tokens": reported, "completion_tokens": 3}, bounds,
+                                     prompt_estimate=lambda: 7, completion_count=lambda: 5, prompt_floor=lambda: floor)
+    assert (usage.prompt_tokens, usage.source) == expected
+    assert bool(problems) == (expected[1] == "capped")
+
+
+def test_the_prompt_floor_is_worked_out_only_for_a_count_it_could_refute():
+    asked = []
+    billable_usage({"prompt_tokens": 10**9, "completion_tokens": 3}, BOUNDS, prompt_estimate=lambda: 7,
+                   completion_count=lambda: 5, prompt_floor=lambda: asked.append(1) or 0)
+    billable_usage(None, BOUNDS, prompt_estimate=lambda: 7, completion_count=lambda: 5,
+                   prompt_floor=lambda: asked.append(1) or 0)
+    assert asked == []
+
+
+@pytest.mark.parametrize(("content", "texts"), [
+    ("hello", ["hello"]),
+    ([{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}, {"type": "output_text", "text": "c"}],
+     ["a", "b", "c"]),
+    # no text: an image's or a file's data, a part of an unknown or unreadable type, text of another type
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "file", "text": "x"},
+      {"type": {"x": 1}, "text": "y"}, {"type": ["text"], "text": "z"}, {"type": "text", "text": 5}, "bare", 7], []),
+    (None, []),
+    ({"text": "nested"}, []),
+])
+def test_content_texts_are_what_a_model_reads_as_text(content, texts):
+    assert list(content_texts(content)) == texts

@@ -208,6 +208,7 @@ class Exchange:
         usage, problems = billable_usage(
             self.call.api.reported_usage(reported), self.bounds, prompt_estimate=self.prompt_estimate,
             completion_count=completion_count, completion_floor=completion_floor,
+            prompt_floor=lambda: self.call.api.fewest_prompt_tokens(self.call.body),
         )
         if problems:
             log.warning(json.dumps({"event": "usage_capped", "generation_id": self.gen_id, "model": self.call.model.id,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import Context, Decimal
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from .catalog import PER_MILLION, Pricing
 from .lax import server_int
@@ -22,6 +22,7 @@ __all__ = [
     "cost_of",
     "estimate_prompt_tokens",
     "estimate_text_tokens",
+    "content_texts",
     "fewest_tokens",
     "texts_of",
 ]
@@ -44,6 +45,8 @@ CHARS_PER_TOKEN = 4
 LONGEST_TOKEN = 128
 # What a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3
+# The content parts whose `text` a model reads as text (chat's, the Responses API's).
+TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 @dataclass(frozen=True)
@@ -122,15 +125,16 @@ def billable_usage(
     prompt_estimate: Callable[[], int],
     completion_count: Callable[[], int],
     completion_floor: int = 0,
+    prompt_floor: Callable[[], int] | None = None,
 ) -> tuple[TokenUsage, list[str]]:
     """The usage to bill, and what was wrong with the reported one (empty when believed).
 
     No usage reported: the gateway's own count and estimate (`estimated`). A reported count
-    that is not a non-negative integer, exceeds its bound, (completion tokens) is below
-    `completion_floor`, the fewest the output can be (`fewest_tokens` of each text relayed or answered),
-    or (prompt tokens) is 0 for a prompt the gateway counts tokens in: that count is replaced
-    by the gateway's own, capped at the bound (`capped`). Cached tokens count only when
-    plausible.
+    that is not a non-negative integer, exceeds its bound, is below its floor (the fewest
+    tokens the texts can be: `completion_floor` of those relayed or answered, `prompt_floor()`
+    of the prompt's), or (prompt tokens) is 0 for a prompt the gateway counts tokens in: that
+    count is replaced by the gateway's own, capped at the bound (`capped`). Cached tokens
+    count only when plausible.
     """
     if not isinstance(reported, dict) or (
         reported.get("prompt_tokens") is None and reported.get("completion_tokens") is None
@@ -145,6 +149,9 @@ def billable_usage(
     elif prompt == 0 and prompt_estimate() > 0:
         problems.append("prompt_tokens 0 for a prompt that is not empty")
         prompt = min(prompt_estimate(), bounds.prompt)
+    elif prompt_floor is not None and prompt < (least := min(prompt_floor(), bounds.prompt)):
+        problems.append(f"prompt_tokens {_implausible(prompt, bounds.prompt, least)}")
+        prompt = min(max(prompt_estimate(), least), bounds.prompt)
     completion = reported.get("completion_tokens")
     floor = min(completion_floor, bounds.completion)
     if not (_count(completion) and floor <= completion <= bounds.completion):
@@ -201,6 +208,20 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
             messages = [messages] if messages is not None else []
         return sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(texts_of(m))) for m in messages)
     return estimate_text_tokens("".join(texts_of(body.get("prompt"))))
+
+
+def content_texts(content: Any) -> Iterator[str]:
+    """The texts of a message's or input item's content that a model reads as text: the
+    string, or the text parts of a list. An image, audio or file part holds none (its data
+    is not tokenized as text), nor does a part of a type the gateway does not know."""
+    if isinstance(content, str):
+        yield content
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in TEXT_PARTS:
+                text = part.get("text")
+                if isinstance(text, str):
+                    yield text
 
 
 def texts_of(value: Any) -> Iterable[str]:

@@ -67,6 +67,11 @@ class ModelApi:
     def estimate_prompt(self, body: dict[str, Any]) -> int:
         raise NotImplementedError
 
+    def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
+        """The fewest tokens the request's prompt can be (`fewest_tokens` of each text the model
+        reads as text, a token per token id); 0 where the model server may shorten it."""
+        return 0
+
     def estimate_completion(self, answer: dict[str, Any]) -> int:
         raise NotImplementedError
 

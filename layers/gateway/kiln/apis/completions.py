@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import schemas
-from ..metering import estimate_prompt_tokens
+from ..metering import estimate_prompt_tokens, fewest_tokens
 from .base import ChatStyleApi
 
 __all__ = ["API", "CompletionsApi"]
@@ -27,6 +27,22 @@ class CompletionsApi(ChatStyleApi):
 
     def estimate_prompt(self, body: dict[str, Any]) -> int:
         return estimate_prompt_tokens(body, chat=False)
+
+    def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
+        """Each prompt string's text, and a token per token id; none with vLLM's
+        truncate_prompt_tokens, which keeps only the prompt's last tokens."""
+        if body.get("truncate_prompt_tokens") is not None:
+            return 0
+        prompt = body.get("prompt")
+        total = 0
+        for item in prompt if isinstance(prompt, list) else [prompt]:
+            if isinstance(item, str):
+                total += fewest_tokens(item)
+            elif type(item) is int:
+                total += 1
+            elif isinstance(item, list):
+                total += sum(1 for token in item if type(token) is int)
+        return total
 
 
 API = CompletionsApi()

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from .. import schemas
 from ..jsonio import dumps
-from ..metering import TOKENS_PER_MESSAGE, TokenUsage, estimate_text_tokens, fewest_tokens, texts_of
+from ..metering import TOKENS_PER_MESSAGE, TokenUsage, content_texts, estimate_text_tokens, fewest_tokens, texts_of
 from ..sse import UNREAD, SseRelay, is_done, parse_json
 from .base import ModelApi, capability_check
 
@@ -58,6 +58,17 @@ class ResponsesApi(ModelApi):
         instructions = body.get("instructions")
         tokens = estimate_text_tokens(instructions) if isinstance(instructions, str) else 0
         return tokens + sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(texts_of(item))) for item in items)
+
+    def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
+        """The instructions, and each input item's text (a string, or the content of a message
+        item); none with `truncation` other than "disabled", which lets the server drop items."""
+        if body.get("truncation") not in (None, "disabled"):
+            return 0
+        items = body.get("input")
+        texts = [body.get("instructions")]
+        for item in items if isinstance(items, list) else [items]:
+            texts += content_texts(item.get("content")) if isinstance(item, dict) else [item]
+        return sum(fewest_tokens(text) for text in texts if isinstance(text, str))
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
         output = answer.get("output", [])
