@@ -126,6 +126,26 @@ def test_patch_changes_what_is_given_and_null_clears(stack):
     assert unchanged.status_code == 200 and unchanged.json()["id"] == key["id"]
 
 
+@pytest.mark.parametrize("changes", [
+    [{"spend_limit": "0"}, {"spend_limit": None}, {"spend_limit": "0"}],
+    [{"spend_period": "week"}, {"spend_period": "day"}, {"spend_period": "week"}, {"spend_period": "day"}],
+], ids=["limit", "period"])
+def test_a_change_made_again_after_another_is_applied_again(stack, changes):
+    """Each PATCH is its own change: one that repeats an earlier one (a key blocked again after
+    it was unblocked) is applied, not taken for a resend of the first (§10)."""
+    _, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    for change in changes:
+        answered = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
+        assert answered.status_code == 200, answered.text
+        seen = call(stack, "GET", "/v1/key", key["secret"]).json()
+        for name, value in change.items():
+            expected = None if value is None else (0 if value == "0" else value)
+            assert answered.json()[name] == seen[name] == expected, (change, answered.json())
+    if changes[-1] == {"spend_limit": "0"}:
+        assert stack.post(CHAT, BODY, key["secret"]).status_code == 402
+
+
 def test_a_patch_applies_at_once_in_the_process_that_made_it(stack_factory):
     stack = stack_factory(auth_cache_seconds=60)  # lookups cached, as deployed
     _, admin = management_org(stack)

@@ -582,6 +582,10 @@ class Keyring:
         the events, those after it in the figure."""
         key_hash, owner = item[KEY.hash_key]["S"], item[KEY.org_id]["S"]
         key_id = item[KEY.key_id]["S"]
+        # each change its own token: the same items sent by a later change (a key blocked again
+        # after it was unblocked) are a new transaction, not a resend DynamoDB would answer as
+        # done; a resend of one attempt after a lost answer keeps its token
+        change = secrets.token_hex(8)
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             if attempt > 1:
                 await _backoff(attempt)
@@ -601,7 +605,7 @@ class Keyring:
                 "ExpressionAttributeValues": values,
             }
             items = [{"Update": key_update}, {"Update": org_update}]
-            token = client_token("k", json.dumps(items, sort_keys=True))
+            token = client_token("k", f"{change}|{attempt}|{json.dumps(items, sort_keys=True)}")
             try:
                 await self._aws.dynamodb("TransactWriteItems", {"TransactItems": items, "ClientRequestToken": token})
             except Exception as exc:
