@@ -226,11 +226,13 @@ def test_another_orgs_key_is_404_exactly_as_an_unknown_one(stack, method, body):
     assert (info.status, info.label) == ("active", None)
 
 
-@pytest.mark.parametrize("bad", ["nope", "key_" + "z" * 16, "key_" + "0" * 300, "%00", "key_0"])
+@pytest.mark.parametrize("bad", ["nope", "key_" + "z" * 16, "key_" + "0" * 300, "%00", "key_0", "k" * 6000],
+                         ids=["nope", "short", "long", "nul", "key_0", "very-long"])
 def test_malformed_key_ids_are_404(stack, bad):
     _, admin = management_org(stack)
     response = call(stack, "GET", f"/v1/keys/{bad}", admin)
     assert response.status_code == 404 and response.json()["error"]["code"] == "key_not_found"
+    assert len(response.content) < 400  # the id is quoted by its start
 
 
 @pytest.mark.parametrize(
@@ -255,7 +257,10 @@ def test_malformed_key_ids_are_404(stack, bad):
         ({"label": "x" * 101}, "label", "invalid_value"),
         ({"label": 5}, "label", "invalid_type"),
         ({"labels": "x"}, "labels", "unknown_parameter"),
+        # a name of any length is quoted by its start: the answer is not as long as the request
+        ({"y" * 100_000: 1}, "y" * 64 + "…", "unknown_parameter"),
     ],
+    ids=lambda value: "long-name" if isinstance(value, str) and len(value) > 30 else None,
 )
 @pytest.mark.parametrize("method", ["POST", "PATCH"])
 def test_bad_attributes_are_400_naming_the_parameter(stack, body, param, code, method):
@@ -266,7 +271,7 @@ def test_bad_attributes_are_400_naming_the_parameter(stack, body, param, code, m
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
-    assert error["message"]
+    assert error["message"] and len(response.content) < 1000
     keys = call(stack, "GET", "/v1/keys", admin).json()["data"]
     assert len(keys) == 3  # nothing was created…
     assert call(stack, "GET", f"/v1/keys/{target.key_id}", admin).json()["label"] == "before"  # …or changed

@@ -44,6 +44,7 @@ from .jsonio import compact, loads_strict
 
 __all__ = [
     "GatewayError",
+    "shortened",
     "InvalidJson",
     "RequestTooLarge",
     "InvalidApiKey",
@@ -78,6 +79,16 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     """The contract's error shape, serialized."""
     payload = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return compact(payload)
+
+
+# the most of a client's own text (an id, a name) that an error message quotes
+QUOTED_CHARS = 64
+
+
+def shortened(text: str) -> str:
+    """A client's text as an error quotes it: whole if short, else its start and "…" (a name or
+    id of any length must not make the answer as long)."""
+    return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS] + "…"
 
 
 class GatewayError(Exception):
@@ -176,8 +187,7 @@ class GenerationNotFound(GatewayError):
     status, type, code, param = 404, "invalid_request_error", "generation_not_found", "id"
 
     def __init__(self, gen_id: str) -> None:
-        shown = gen_id if len(gen_id) <= 64 else gen_id[:64] + "…"
-        super().__init__(f"No generation `{shown}` was found for your organization.")
+        super().__init__(f"No generation `{shortened(gen_id)}` was found for your organization.")
 
 
 class KeyNotFound(GatewayError):
@@ -186,7 +196,7 @@ class KeyNotFound(GatewayError):
     status, type, code, param = 404, "invalid_request_error", "key_not_found", "id"
 
     def __init__(self, key_id: str) -> None:
-        super().__init__(f"No key with id {key_id!r} in your organization.")
+        super().__init__(f"No key with id {shortened(key_id)!r} in your organization.")
 
 
 class UnknownUrl(GatewayError):

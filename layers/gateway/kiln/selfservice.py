@@ -28,6 +28,7 @@ from .errors import (
     KeyNotFound,
     ManagementKeyRequired,
     UnknownParameter,
+    shortened,
 )
 from .gateway import Gateway
 from .handlers import checks, get_gateway, read_json
@@ -109,8 +110,7 @@ async def _read_body(request: Request, limit: int) -> Any:
         # read again, numbers with a fraction or exponent as Decimals: an amount is kept exactly (§10)
         return json.loads(bytes(kept.raw), object_pairs_hook=_unique_names, parse_float=Decimal)
     except _DuplicateName as duplicate:
-        name = duplicate.name if len(duplicate.name) <= 64 else duplicate.name[:64] + "…"
-        raise InvalidJson(f"The request body names {json.dumps(name)} more than once; give each attribute "
+        raise InvalidJson(f"The request body names {json.dumps(shortened(duplicate.name))} more than once; give each attribute "
                           f"once.") from None
     except ValueError:  # read_json accepted the body: nothing else can fail here
         pass

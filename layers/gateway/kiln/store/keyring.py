@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Collection, Mapping, Sequence
 
+from ..errors import shortened
 from ..usage_report import KeySpend
 from .clock import iso_ms
 from .codec import number
@@ -107,8 +108,9 @@ def validate_changes(body: Mapping[str, Any], *, known_models: Collection[str] |
     """
     unknown = sorted(name for name in body if name not in EDITABLE)
     if unknown:
-        raise InvalidKeyAttribute(unknown[0], f"Unrecognized key attribute: {unknown[0]!r}. "
-                                              f"A key has {', '.join(EDITABLE)}.", "unknown_parameter")
+        name = shortened(unknown[0])
+        raise InvalidKeyAttribute(name, f"Unrecognized key attribute: {name!r}. A key has {', '.join(EDITABLE)}.",
+                                  "unknown_parameter")
     changes: dict[str, Any] = {}
     for name, value in body.items():
         changes[name] = None if value is None else _CHECKS[name](value, known_models, org_limit)
