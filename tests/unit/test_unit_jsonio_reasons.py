@@ -27,6 +27,9 @@ def reason(raw: bytes) -> str:
         (b'{"a":' * (MAX_DEPTH + 1) + b"1" + b"}" * (MAX_DEPTH + 1), f"JSON nested deeper than {MAX_DEPTH} levels"),
         (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply"),
         (b'{"a": "\\ud800"}', "a string holds a lone surrogate escape (not encodable as UTF-8)"),
+        # Python's own words for it name its internals (sys.set_int_max_str_digits)
+        (b'{"n": ' + b"1" * 5000 + b"}", "an integer has more than 4300 digits"),
+        (b"-" + b"9" * 4301, "an integer has more than 4300 digits"),
     ],
 )
 def test_the_reason_names_the_problem(raw, expected):

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import secrets
+import sys
 from decimal import Decimal
 from typing import Any
 
@@ -56,6 +57,8 @@ def loads_strict(raw: bytes, *, lone_surrogates: bool = False) -> Any:
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
+        if "integer string conversion" in str(exc):  # Python's words name its own setting
+            raise ValueError(f"an integer has more than {sys.get_int_max_str_digits()} digits") from None
         raise ValueError(str(exc)) from None
 
 
