@@ -85,8 +85,6 @@ _EMOJI_JOINER = "\u200d"
 MAX_SPEND_LIMIT = Decimal("1E+38")
 # an amount as text: ASCII digits, a point, an exponent (a number's JSON form, or Decimal's)
 _AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
-# an id echoed in an error message is cut to this many characters
-MAX_SHOWN_ID = 64
 # the spend figures live on the org item: see kiln.store.keyspend
 
 
@@ -145,13 +143,8 @@ def _models(value: Any, known_models: Collection[str] | None, org_limit: Any) ->
     if known_models is not None:
         unknown = [item for item in value if item not in known_models]
         if unknown:
-            raise InvalidKeyAttribute("models", f"The model `{_shown(unknown[0])}` is not in the catalog.")
+            raise InvalidKeyAttribute("models", f"The model `{shortened(unknown[0])}` is not in the catalog.")
     return tuple(sorted(set(value)))
-
-
-def _shown(text: str) -> str:
-    """A caller's id as an error message echoes it: at most MAX_SHOWN_ID characters."""
-    return text if len(text) <= MAX_SHOWN_ID else text[:MAX_SHOWN_ID] + "…"
 
 
 def _concurrency(value: Any, known_models: Any, org_limit: int | None) -> int:
