@@ -855,3 +855,26 @@ def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
         names = set(payload.get("ExpressionAttributeNames", {}).values())
         assert all(name == "org_id" or name.startswith(("key_spend:", "key_period:")) for name in names), payload
         assert payload.get("ReturnValues", "NONE") == "NONE"
+
+
+def test_an_org_has_at_most_so_many_active_keys_with_a_spend_limit(stack, monkeypatch):
+    """Each such key keeps its spend on the org item, which every admission writes and DynamoDB
+    holds to 400 KB: past the cap, a limit is refused (400 naming spend_limit), never the org's
+    requests. Keys without a limit, revoked ones, and a change of an existing limit are not held."""
+    import kiln.store.keyring as keyring
+
+    monkeypatch.setattr(keyring, "MAX_LIMITED_KEYS", 3)
+    org_id, admin = management_org(stack)
+    limited = [call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5}).json() for _ in range(3)]
+    refused = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("spend_limit", "invalid_value") and "at most 3" in error["message"]
+    free = call(stack, "POST", "/v1/keys", admin, {"label": "no limit"}).json()
+    assert call(stack, "PATCH", f"/v1/keys/{free['id']}", admin, {"spend_limit": 1}).status_code == 400
+    assert call(stack, "PATCH", f"/v1/keys/{limited[0]['id']}", admin, {"spend_limit": 9}).status_code == 200
+    # the org's first key, its management key, the three limited and the free one: none made by the refusals
+    assert len(call(stack, "GET", "/v1/keys", admin).json()["data"]) == 6
+    assert stack.post(CHAT, BODY, limited[1]["secret"]).status_code == 200  # the org is served all along
+    assert call(stack, "DELETE", f"/v1/keys/{limited[2]['id']}", admin).status_code == 200
+    assert call(stack, "PATCH", f"/v1/keys/{free['id']}", admin, {"spend_limit": 1}).json()["spend_limit"] == 1

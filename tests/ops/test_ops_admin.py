@@ -364,6 +364,18 @@ def test_keys_create_refuses_bad_attributes_and_creates_nothing(admin, flags, re
     assert len(admin("keys", "list", org_id).lines) == 1
 
 
+def test_keys_create_says_when_the_org_has_as_many_keys_with_a_limit_as_it_may(admin, monkeypatch):
+    import kiln.store.keyring as keyring
+
+    monkeypatch.setattr(keyring, "MAX_LIMITED_KEYS", 1)
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    assert admin("keys", "create", org_id, "--spend-limit", "5").code == 0
+    assert_fails(admin("keys", "create", org_id, "--spend-limit", "5"),
+                 "An organization may have at most 1 active keys with a spend limit, and this one has 1")
+    assert len(admin("keys", "list", org_id).lines) == 2
+
+
 @pytest.mark.parametrize(
     "flags,fragment",
     [

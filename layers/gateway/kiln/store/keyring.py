@@ -55,6 +55,7 @@ __all__ = [
     "EDITABLE",
     "KEY_ID",
     "MAX_LABEL",
+    "MAX_LIMITED_KEYS",
     "ROLES",
     "InvalidKeyAttribute",
     "Keyring",
@@ -83,6 +84,10 @@ _HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 _EMOJI_JOINER = "\u200d"
 # a spend limit is below this (38 digits before the point at most)
 MAX_SPEND_LIMIT = Decimal("1E+38")
+# the most active keys with a spend limit an org may have: each keeps its marker and figures on
+# the org item (about 160 bytes at a period's turn), which DynamoDB holds to 400 KB and which
+# every admission and settle writes, billed by its size: 1 000 keep it far from the limit
+MAX_LIMITED_KEYS = 1000
 # an amount as text: ASCII digits, a point, an exponent (a number's JSON form, or Decimal's)
 _AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
 # the spend figures live on the org item: see kiln.store.keyspend
@@ -500,6 +505,8 @@ class Keyring:
         """A new key of the org, with `attributes` (validated); its secret is in the answer only."""
         org = await self.org(org_id)
         changes = validate_changes(attributes or {}, known_models=known_models, org_limit=org.concurrency_limit)
+        if changes.get("spend_limit") is not None:
+            await self._room_for_a_limit(org_id)
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = KeyInfo(
             key_id=f"key_{secrets.token_hex(8)}",
@@ -552,6 +559,9 @@ class Keyring:
         changes = validate_changes(attributes, known_models=known_models, org_limit=limit)
         if not changes:
             return _info(item)
+        before = _info(item)
+        if changes.get("spend_limit") is not None and before.spend_limit is None and before.status != "revoked":
+            await self._room_for_a_limit(owner)  # one more key with a limit
         names = {"#hash": KEY.hash_key, "#org": KEY.org_id}
         values: dict[str, Any] = {":org": {"S": owner}}
         sets, removes = [], []
@@ -566,6 +576,15 @@ class Keyring:
         if "spend_limit" not in changes and "spend_period" not in changes:
             return _info(await self._write(item, expression.strip(), names, values))
         return await self._change_spend(item, changes, expression.strip(), names, values)
+
+    async def _room_for_a_limit(self, org_id: str) -> None:
+        """InvalidKeyAttribute if the org has MAX_LIMITED_KEYS active keys with a spend limit
+        (a limit set at the same moment by another call may pass beside this one: a few)."""
+        limited = sum(1 for key in await self.list(org_id) if _counted_on_org(key))
+        if limited >= MAX_LIMITED_KEYS:
+            raise InvalidKeyAttribute(
+                "spend_limit", f"An organization may have at most {MAX_LIMITED_KEYS} active keys with a spend limit, "
+                f"and this one has {limited}: remove the limit of a key, or revoke one, first.")
 
     async def _change_spend(self, item: dict[str, Any], changes: Mapping[str, Any], expression: str,
                             names: dict[str, str], values: dict[str, Any]) -> KeyInfo:
