@@ -638,3 +638,17 @@ def test_a_small_prompt_count_the_request_allows_is_believed(stack, ledger, path
     assert response.status_code == 200, response.text
     (event,) = ledger.check()
     assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 1, 4)
+
+
+@pytest.mark.parametrize("limit", [{"max_tokens": 0}, {"max_completion_tokens": 0}, {"max_tokens": 0, "n_predict": 0}])
+def test_a_zero_token_limit_a_server_ignores_does_not_make_the_reply_free(stack, ledger, limit):
+    """Some servers read a limit of 0 as no limit at all. The client then receives a whole reply;
+    a bound of 0 tokens would bill it as nothing."""
+    events = [CONTENT] * 40 + [FINISH, _chunk(choices=[], usage={"prompt_tokens": 3, "completion_tokens": 40})]
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, **limit,
+            "stream_options": {"include_usage": True}, "mock": {"raw_events": events}}
+    response = post(stack, ledger, CHAT, body)
+    assert data_events(response.text)[-1] == "[DONE]"
+    (event,) = ledger.check()
+    assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 3, 40)
+    assert event.cost > 0

@@ -162,6 +162,14 @@ def test_a_limit_read_as_none_at_all_leaves_only_the_context():
     assert UsageBounds.of_request({"max_tokens": 1, "n_predict": 4000}, 8192, limits=CHAT_LIMITS).completion == 4000
 
 
+@pytest.mark.parametrize("body", [{"max_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": 0}, {"n_predict": 0}])
+def test_a_limit_of_zero_tokens_bounds_nothing(body):
+    """A server that produced tokens did not read 0 as none (some read it as no limit)."""
+    assert UsageBounds.of_request(body, 4096, limits=CHAT_LIMITS).completion == 4096
+    # beside a limit of 9 tokens: a server that takes the zero first may not stop at 9
+    assert UsageBounds.of_request({"max_completion_tokens": 9, **body}, 4096, limits=CHAT_LIMITS).completion == 4096
+
+
 def test_a_limit_the_endpoint_does_not_have_bounds_nothing():
     body = {"max_output_tokens": 1, "max_completion_tokens": 1}
     assert UsageBounds.of_request(body, 4096, limits=("max_tokens",)).completion == 4096

@@ -105,9 +105,11 @@ class UsageBounds:
         """`limits`: the fields that cap a reply's tokens on the endpoint's model servers (a
         field of another endpoint, which they ignore, caps nothing); as servers differ on
         which of them wins, the largest given is the bound, and one given that is no count
-        (llama.cpp reads `n_predict: -1` as no limit) leaves only the context. `prompts`:
+        (llama.cpp reads `n_predict: -1` as no limit) or 0 (which some servers read as no
+        limit, and which a server that produced tokens did not read as none) leaves only the
+        context. `prompts`:
         how many the request carries (a batch of completions), each with its `n` choices."""
-        given = [body[name] if _count(body[name]) else context_length
+        given = [body[name] if _count(body[name]) and body[name] > 0 else context_length
                  for name in limits if body.get(name) is not None]
         per_choice = min(context_length, max(given)) if given else context_length
         # `n` as the model server reads it ("4" and 4.0 are 4 choices there); a cap is read
