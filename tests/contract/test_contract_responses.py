@@ -254,3 +254,25 @@ def test_a_stream_echoing_a_request_larger_than_the_event_bound_is_relayed_whole
     (event,) = ledger.check()
     assert (event.status, event.usage_source) == ("success", "upstream")
     assert event.cost == final["response"]["usage"]["cost"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("background", [True, "true", 1])
+def test_a_background_response_is_refused_before_admission(stack, org, stream, background):
+    """A background response runs on after its request ends, where the gateway cannot meter
+    it (and it keeps no route to fetch it by): it would be unbilled work on the model server."""
+    response = stack.post(RESPONSES, {**BODY, "stream": stream, "background": background}, org[1])
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "background")
+    assert "background" in error["message"]
+    assert stack.events(org[0]) == []
+
+
+def test_a_background_response_through_the_sdk_is_a_bad_request(client, stack, org):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="hi", background=True)
+    assert refused.value.body["param"] == "background"
+    # background false is a plain response
+    assert client.responses.create(model=MODEL, input="hi", background=False).status == "completed"
+    assert len(stack.events(org[0])) == 1

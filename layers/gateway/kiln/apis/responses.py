@@ -1,7 +1,8 @@
 """POST /v1/responses, the OpenAI Responses API (contract §9).
 
 The body is forwarded as sent (`input` is not validated), except for the capability checks
-chat has (forced `tool_choice`, `text.format` of JSON types). Usage comes as
+chat has (forced `tool_choice`, `text.format` of JSON types) and `background`, refused: a
+background response runs on after its request, unmetered. Usage comes as
 `input_tokens`/`output_tokens`; the stream is `event:`/`data:` pairs with no `[DONE]`, and
 its final event (`response.completed`, `response.incomplete` or `response.failed`) carries
 the usage under `response.usage`: that event is held back, settled, and sent with
@@ -15,7 +16,9 @@ import re
 from typing import Any, Iterator
 
 from .. import schemas
+from ..errors import UnsupportedParameter
 from ..jsonio import dumps
+from ..lax import server_bool
 from ..metering import TOKENS_PER_MESSAGE, TokenUsage, content_texts, estimate_text_tokens, fewest_tokens, texts_of
 from ..sse import UNREAD, SseRelay, is_done, parse_json
 from .base import ModelApi, capability_check
@@ -37,6 +40,14 @@ class ResponsesApi(ModelApi):
     unfinished = "the stream ended before its final event"
 
     def check(self, body: dict[str, Any], model: Any) -> None:
+        # a background response goes on after its request has ended (and is fetched by a
+        # route the gateway does not have): its tokens would never be metered
+        if server_bool(body.get("background")):
+            raise UnsupportedParameter(
+                "Background responses are not available through this gateway: they run on after the request "
+                "ends, where they cannot be metered. Send background false and stream the response instead.",
+                param="background",
+            )
         text = body.get("text")
         capability_check(model, body.get("tool_choice"), (text.get("format") if isinstance(text, dict) else None,
                                                           "text.format"))
