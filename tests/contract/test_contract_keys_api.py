@@ -878,3 +878,97 @@ def test_an_org_has_at_most_so_many_active_keys_with_a_spend_limit(stack, monkey
     assert stack.post(CHAT, BODY, limited[1]["secret"]).status_code == 200  # the org is served all along
     assert call(stack, "DELETE", f"/v1/keys/{limited[2]['id']}", admin).status_code == 200
     assert call(stack, "PATCH", f"/v1/keys/{free['id']}", admin, {"spend_limit": 1}).json()["spend_limit"] == 1
+
+
+def org_item_of(stack, org_id: str) -> dict:
+    return stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"]
+
+
+def key_attributes(stack, org_id: str, key_id: str) -> list[str]:
+    return sorted(name for name in org_item_of(stack, org_id) if name.endswith(key_id) or f":{key_id}:" in name)
+
+
+LOSING_THE_LIMIT = {
+    "revoked": lambda stack, admin, key_id: call(stack, "DELETE", f"/v1/keys/{key_id}", admin),
+    "limit removed": lambda stack, admin, key_id: call(stack, "PATCH", f"/v1/keys/{key_id}", admin, {"spend_limit": None}),
+}
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["limit at creation", "limit set later"])
+@pytest.mark.parametrize("change", list(LOSING_THE_LIMIT))
+def test_a_request_in_flight_when_its_key_loses_its_limit_leaves_nothing_on_the_org_item(stack, change, marked):
+    """The request is billed; the figure its settle makes again, where nothing reads it, is cleared
+    by the next call that may give a key a limit. Else every key revoked with a request in flight
+    would leave bytes on the org item for good, and the cap on keys with a limit would not hold them."""
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {} if marked else {"spend_limit": 5}).json()
+    if marked:
+        assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code == 200
+    credits = stack.org_info(org_id).credits
+    in_flight = stale_admit(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "total"))
+    assert LOSING_THE_LIMIT[change](stack, admin, key["id"]).status_code == 200
+    assert stack.ledger.settle(in_flight, stale_event(in_flight, "0.25")) == "settled"
+    assert stack.org_info(org_id).credits == credits - Decimal("0.25")
+    assert [event.cost for event in stack.events(org_id)] == [Decimal("0.25")]
+    kept = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 2}).json()
+    assert stack.post(CHAT, BODY, kept["secret"]).status_code == 200
+    assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 3}).status_code == 201
+    assert key_attributes(stack, org_id, key["id"]) == []
+    # a key that still has its limit keeps its figure
+    assert figures_of_key(stack, org_id, kept["id"]) == {
+        KeyLimits(None, Decimal(2), "total").figure(kept["id"], time.time()): key_spent(stack, org_id, kept["id"])}
+
+
+@pytest.mark.parametrize("change", list(LOSING_THE_LIMIT))
+def test_a_dead_request_reclaimed_after_its_key_lost_its_limit_leaves_nothing_on_the_org_item(stack_factory, change):
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5}).json()
+    dead = stale_admit(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "total"))
+    stack.ledger.renew(dead, (3, 2, Decimal("0.1")))
+    assert LOSING_THE_LIMIT[change](stack, admin, key["id"]).status_code == 200
+    time.sleep(0.4)
+    other = call(stack, "POST", "/v1/keys", admin, {}).json()
+    stale_admit(stack, org_id, other["id"])  # its admission reclaims the dead one
+    assert [event.status for event in stack.events(org_id) if event.key_id == key["id"]] == ["abandoned"]
+    assert call(stack, "PATCH", f"/v1/keys/{other['id']}", admin, {"spend_limit": 1}).status_code == 200
+    assert key_attributes(stack, org_id, key["id"]) == []
+
+
+def test_a_key_listed_without_its_limit_by_an_index_behind_keeps_its_figure(stack, monkeypatch):
+    """The org's keys are listed from an index that may be behind their items: a key it shows
+    without a limit, whose item has one, is not cleared."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    before = figures_of_key(stack, org_id, key["id"])
+    assert before
+    listed = Keyring._key_items
+
+    async def behind(self, org_id):
+        return [{name: value for name, value in item.items() if name != "spend_limit"}
+                for item in await listed(self, org_id)]
+
+    monkeypatch.setattr(Keyring, "_key_items", behind)
+    assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
+    assert figures_of_key(stack, org_id, key["id"]) == before
+
+
+def test_a_failure_to_clear_leftovers_does_not_fail_the_call(stack, caplog):
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5}).json()
+    in_flight = stale_admit(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "total"))
+    assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
+    assert stack.ledger.settle(in_flight, stale_event(in_flight, "0.25")) == "settled"
+    stack.faults.fail("TransactWriteItems", code="InternalServerError",
+                      when=lambda payload: any("ConditionCheck" in item for item in payload.get("TransactItems", [])))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln.keys"):
+            assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
+    finally:
+        stack.faults.clear()
+    assert "key_leftovers_not_cleared" in caplog.text
+    assert key_attributes(stack, org_id, key["id"])  # left for the next call
+    assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
+    assert key_attributes(stack, org_id, key["id"]) == []

@@ -46,7 +46,17 @@ from .errors import (
     condition_failure,
 )
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
-from .keyspend import PERIODS, KeyLimits, figures_of, marker_attribute, marker_of, period_start, resets_at, spend_in
+from .keyspend import (
+    PERIODS,
+    KeyLimits,
+    figures_of,
+    marker_attribute,
+    marker_of,
+    period_start,
+    resets_at,
+    spend_attributes_by_key,
+    spend_in,
+)
 from .retry import client_token
 from .schema import KEY, ORG
 from .usage import key_costs
@@ -88,6 +98,12 @@ MAX_SPEND_LIMIT = Decimal("1E+38")
 # the org item (about 160 bytes at a period's turn), which DynamoDB holds to 400 KB and which
 # every admission and settle writes, billed by its size: 1 000 keep it far from the limit
 MAX_LIMITED_KEYS = 1000
+# A request in flight when its key loses its limit (revoked, or the limit removed) adds its
+# cost to the figure its lease names when it settles, after key management removed it: that
+# figure is left where nothing reads it. Each call that may give a key a limit first clears
+# what keys without one left (at most this many keys at a time), so those leftovers are held
+# to the keys that had a limit since the last such call: the cap above bounds them too.
+MAX_CLEARED = 100
 # an amount as text: ASCII digits, a point, an exponent (a number's JSON form, or Decimal's)
 _AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
 # the spend figures live on the org item: see kiln.store.keyspend
@@ -332,7 +348,11 @@ class Keyring:
 
     async def list(self, org_id: str) -> list[KeyInfo]:
         """The org's keys, oldest first (revoked ones included)."""
-        keys: list[KeyInfo] = []
+        return [_info(item) for item in await self._key_items(org_id)]
+
+    async def _key_items(self, org_id: str) -> list[dict[str, Any]]:
+        """The org's key items in wire form, oldest first (from an eventually consistent index)."""
+        items: list[dict[str, Any]] = []
         payload: dict[str, Any] = {
             "TableName": self._keys_table,
             "IndexName": "by_org",
@@ -342,9 +362,9 @@ class Keyring:
         }
         while True:
             page = await self._aws.dynamodb("Query", payload)
-            keys += [_info(item) for item in page.get("Items", [])]
+            items += page.get("Items", [])
             if not page.get("LastEvaluatedKey"):
-                return keys
+                return items
             payload["ExclusiveStartKey"] = page["LastEvaluatedKey"]
 
     # -- spend -----------------------------------------------------------------------------
@@ -422,6 +442,38 @@ class Keyring:
             await self._org_write(org_id, "REMOVE " + ", ".join(names), names)
         return stale
 
+    async def _clear_leftovers(self, org_id: str, items: Sequence[dict[str, Any]]) -> None:
+        """Remove the figures and markers of the org's keys that have no limit (or are revoked),
+        left by requests that settled after the change, each key's in a transaction that checks
+        its key item still has none: a listing from the index may be behind, the item is not."""
+        keys = {item[KEY.key_id]["S"]: item for item in items}
+        left = [(key_id, names) for key_id, names in spend_attributes_by_key((await self.org(org_id)).item).items()
+                if key_id in keys and not _counted_on_org(_info(keys[key_id]))]
+        for key_id, names in left[:MAX_CLEARED]:
+            check = {
+                "TableName": self._keys_table,
+                "Key": {KEY.hash_key: keys[key_id][KEY.hash_key]},
+                "ConditionExpression": "#status = :revoked OR attribute_not_exists(#limit)",
+                "ExpressionAttributeNames": {"#status": KEY.status, "#limit": KEY.spend_limit},
+                "ExpressionAttributeValues": {":revoked": {"S": "revoked"}},
+            }
+            shown = {f"#l{index}": name for index, name in enumerate(names)}
+            removal = {
+                "TableName": self._orgs_table,
+                "Key": {ORG.hash_key: {"S": org_id}},
+                "UpdateExpression": "REMOVE " + ", ".join(shown),
+                "ConditionExpression": "attribute_exists(#org_id)",
+                "ExpressionAttributeNames": {**shown, "#org_id": ORG.org_id},
+            }
+            try:
+                await self._aws.dynamodb("TransactWriteItems", {"TransactItems": [{"ConditionCheck": check},
+                                                                                  {"Update": removal}]})
+            except Exception as exc:  # noqa: BLE001 - housekeeping: the next call that may set a limit tries again
+                if not isinstance(condition_failure(exc), TransactionCancelled):
+                    log.warning(json.dumps({"event": "key_leftovers_not_cleared", "org_id": org_id,
+                                            "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+                    return
+
     async def _tidy(self, key: KeyInfo, *, why: str) -> None:
         """remove_figures after a revocation, which stands whatever comes of it: a failure is
         logged (the figures left only take room on the org item; revoking again removes them)."""
@@ -440,7 +492,7 @@ class Keyring:
         period) and loses its figures but the current period's; a key with no limit, or
         revoked, loses its marker and figures (a request in flight across the change that
         settles into the figure its lease names makes it again, with its own cost, where no
-        admission reads it). From then on every settle of the key's requests adds its cost
+        admission reads it: _clear_leftovers removes it later). From then on every settle of the key's requests adds its cost
         to the figure the marker says, those admitted by a gateway that does not know the
         change yet too (kiln.store.ledger: a settle reads the marker its lease did not assume)."""
         figure = _limits(key).figure(key.key_id, now) if _counted_on_org(key) else None
@@ -561,7 +613,7 @@ class Keyring:
             return _info(item)
         before = _info(item)
         if changes.get("spend_limit") is not None and before.spend_limit is None and before.status != "revoked":
-            await self._room_for_a_limit(owner)  # one more key with a limit
+            await self._room_for_a_limit(owner, changing=key_id)  # one more key with a limit
         names = {"#hash": KEY.hash_key, "#org": KEY.org_id}
         values: dict[str, Any] = {":org": {"S": owner}}
         sets, removes = [], []
@@ -577,10 +629,14 @@ class Keyring:
             return _info(await self._write(item, expression.strip(), names, values))
         return await self._change_spend(item, changes, expression.strip(), names, values)
 
-    async def _room_for_a_limit(self, org_id: str) -> None:
+    async def _room_for_a_limit(self, org_id: str, *, changing: str | None = None) -> None:
         """InvalidKeyAttribute if the org has MAX_LIMITED_KEYS active keys with a spend limit
-        (a limit set at the same moment by another call may pass beside this one: a few)."""
-        limited = sum(1 for key in await self.list(org_id) if _counted_on_org(key))
+        (a limit set at the same moment by another call may pass beside this one: a few).
+        First, what keys without a limit left on the org item is cleared (MAX_CLEARED), but
+        for the key `changing`: a figure it has counts, and its new limit's seed never lowers it."""
+        items = await self._key_items(org_id)
+        await self._clear_leftovers(org_id, [item for item in items if item[KEY.key_id]["S"] != changing])
+        limited = sum(1 for item in items if _counted_on_org(_info(item)))
         if limited >= MAX_LIMITED_KEYS:
             raise InvalidKeyAttribute(
                 "spend_limit", f"An organization may have at most {MAX_LIMITED_KEYS} active keys with a spend limit, "

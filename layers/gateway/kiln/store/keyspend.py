@@ -28,7 +28,8 @@ Periods are UTC: a day starts at 00:00, a week on Monday (ISO weeks), a month on
 event's `created_at` does. The limit is soft by the requests in flight: their cost is known
 only when they settle, so a key can end a period above its limit by at most what those
 cost. Figures of periods that are over are removed in the background after an admission
-sees them; a revoked key's, or one whose limit is removed, by key management. A key's
+sees them; a revoked key's, or one whose limit is removed, by key management (and those that
+a request in flight at that change makes again, by the next call that may set a limit). A key's
 spend without a limit is read from its usage events.
 """
 
@@ -55,6 +56,7 @@ __all__ = [
     "periods_at",
     "resets_at",
     "spend_attribute",
+    "spend_attributes_by_key",
     "spend_in",
     "stale_spend_attributes",
 ]
@@ -187,6 +189,20 @@ def counted_in(item: dict[str, Any], key_id: str, admitted: float, named: str | 
     if marker not in PERIODS:
         return ()  # not a marker key management writes: no figure it could say
     return (spend_attribute(key_id, period_name(marker, admitted)),)
+
+
+def spend_attributes_by_key(item: dict[str, Any]) -> dict[str, list[str]]:
+    """Key id -> its spend figures and marker on an org item (its set of leases is not one)."""
+    found: dict[str, list[str]] = {}
+    for name in item:
+        if name.startswith(SPEND_PREFIX):
+            key_id = name[len(SPEND_PREFIX):].partition(":")[0]
+        elif name.startswith(MARKER_PREFIX):
+            key_id = name[len(MARKER_PREFIX):]
+        else:
+            continue
+        found.setdefault(key_id, []).append(name)
+    return found
 
 
 def figures_of(item: dict[str, Any], key_id: str) -> list[str]:
