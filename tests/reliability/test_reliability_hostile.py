@@ -652,3 +652,54 @@ def test_a_zero_token_limit_a_server_ignores_does_not_make_the_reply_free(stack,
     (event,) = ledger.check()
     assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 3, 40)
     assert event.cost > 0
+
+
+THINKING = "<think>" + "let me think about this step by step " * 1100 + "</think>Hello there."  # ~40 000 characters
+
+
+@pytest.mark.parametrize("path, body", [
+    # Qwen3's and DeepSeek-R1's templates drop the reasoning of earlier assistant turns
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": THINKING},
+                         {"role": "user", "content": "and now?"}]}),
+    ("/v1/responses", {"input": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": THINKING}]},
+        {"role": "user", "content": "and now?"}]}),
+    # Llama 3's template trims each message; a tokenizer may hold a long run of blanks in few tokens
+    (CHAT, {"messages": [{"role": "user", "content": "hi" + "\n" * 20000}]}),
+    (COMPLETIONS, {"prompt": "hi" + " " * 20000 + "there"}),
+], ids=["chat-reasoning-in-history", "responses-reasoning-in-history", "chat-trimmed", "completions-blank-run"])
+def test_text_a_template_or_tokenizer_may_shorten_is_no_floor(stack, ledger, path, body):
+    """The floor holds only what every template keeps: an honest small count is believed."""
+    usage = {"input_tokens": 9, "output_tokens": 4} if path == "/v1/responses" else {**ONE_TOKEN, "prompt_tokens": 9}
+    response = post(stack, ledger, path, _reported(path, usage, path == "/v1/responses", {"model": MODEL, **body}))
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 9, 4)
+
+
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": 0, "completion_tokens": 4}, {"prompt_tokens": "1", "completion_tokens": 4},
+    {"completion_tokens": 4}, {"prompt_tokens": -1, "completion_tokens": 4}, None,
+], ids=["zero", "string", "missing", "negative", "no-usage"])
+def test_a_prompt_count_replaced_for_any_reason_is_at_least_the_floor(stack, ledger, usage):
+    """2 000 one-letter prompts are 2 000 tokens at the least, more than their estimate (500):
+    reporting no count, or no usage, is no way under the floor that a count of 1 meets."""
+    body = {"model": MODEL, "prompt": ["a"] * 2000, "mock": {"raw_body": _answer(
+        choices=[GOOD_CHOICE], **({} if usage is None else {"usage": usage}))}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.prompt_tokens >= 2000
+
+
+@pytest.mark.parametrize("path, body", [
+    # vLLM reads a bare string in a content list as text
+    (CHAT, {"messages": [{"role": "user", "content": [LONG_PROMPT]}]}),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": LONG_PROMPT}]}),
+], ids=["chat-string-part", "responses-tool-output"])
+def test_more_prompt_texts_have_their_floor(stack, ledger, path, body):
+    usage = {"input_tokens": 1, "output_tokens": 4} if path == "/v1/responses" else ONE_TOKEN
+    response = post(stack, ledger, path, _reported(path, usage, path == "/v1/responses", {"model": MODEL, **body}))
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.prompt_tokens >= len(LONG_PROMPT) // 128

@@ -355,6 +355,11 @@ LONG = "x" * 1000  # at least 8 tokens
       {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": LONG}}]},
       "odd", 5, None, {"content": {"text": LONG}}], 0),
     ([{"role": "user", "content": "hi"}], 1),
+    # what the model wrote before, which its template may drop (its reasoning, in Qwen3's)
+    ([{"role": "assistant", "content": LONG}, {"role": "user", "content": ["hi", LONG]}], 1 + 8),
+    # blanks a template may trim, or a tokenizer hold in few tokens: one character a run
+    ([{"role": "user", "content": "\n" * 5000 + "hi" + " " * 5000 + "there" + "\t" * 5000}], 1),
+    ([{"role": "user", "content": " " * 5000}], 0),
 ])
 def test_a_chat_prompt_is_at_least_its_texts_fewest_tokens(messages, fewest):
     assert CHAT.fewest_prompt_tokens({"messages": messages}) == fewest

@@ -96,7 +96,11 @@ def test_the_prompt_is_at_least_the_fewest_tokens_of_its_instructions_and_input_
                                           {"type": "input_image", "image_url": "data:," + LONG}]},
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": LONG}]},
              {"type": "function_call_output", "call_id": "c", "output": LONG}, {"content": LONG}, 5, None]
+    # the user's text, the tool's output and the bare content; not the image, nor the assistant's
+    # text, which the model's template may drop
     assert RESPONSES.fewest_prompt_tokens({"input": items}) == 8 + 8 + 8
+    assert RESPONSES.fewest_prompt_tokens({"input": items[1:2]}) == 0
+    assert RESPONSES.fewest_prompt_tokens({"input": [{"type": "function_call_output", "output": LONG}]}) == 8
     assert RESPONSES.fewest_prompt_tokens({"input": {"text": LONG}, "instructions": 5}) == 0
     assert RESPONSES.fewest_prompt_tokens({"input": LONG, "truncation": "disabled"}) == 8
 

@@ -289,13 +289,19 @@ def test_prompt_tokens_below_the_prompts_texts_are_not_believed(reported, floor,
     assert bool(problems) == (expected[1] == "capped")
 
 
-def test_the_prompt_floor_is_worked_out_only_for_a_count_it_could_refute():
-    asked = []
-    billable_usage({"prompt_tokens": 10**9, "completion_tokens": 3}, BOUNDS, prompt_estimate=lambda: 7,
-                   completion_count=lambda: 5, prompt_floor=lambda: asked.append(1) or 0)
-    billable_usage(None, BOUNDS, prompt_estimate=lambda: 7, completion_count=lambda: 5,
-                   prompt_floor=lambda: asked.append(1) or 0)
-    assert asked == []
+@pytest.mark.parametrize("reported", [
+    None, {"completion_tokens": 3}, {"prompt_tokens": 10**9, "completion_tokens": 3},
+    {"prompt_tokens": 0, "completion_tokens": 3}, {"prompt_tokens": "60", "completion_tokens": 3},
+    {"prompt_tokens": 1, "completion_tokens": 3}])
+def test_a_prompt_count_the_gateway_replaces_is_never_below_the_floor(reported):
+    """Whatever the reason the count is replaced (none, not a count, absurd, zero, too few),
+    the estimate (7) is raised to the floor (60): reporting nothing is no way under it."""
+    usage, _ = billable_usage(reported, BOUNDS, prompt_estimate=lambda: 7, completion_count=lambda: 5,
+                              prompt_floor=lambda: 60)
+    assert usage.prompt_tokens == 60
+    capped, _ = billable_usage(reported, BOUNDS, prompt_estimate=lambda: 7, completion_count=lambda: 5,
+                               prompt_floor=lambda: 10**6)
+    assert capped.prompt_tokens == BOUNDS.prompt
 
 
 @pytest.mark.parametrize(("content", "texts"), [
@@ -304,7 +310,9 @@ def test_the_prompt_floor_is_worked_out_only_for_a_count_it_could_refute():
      ["a", "b", "c"]),
     # no text: an image's or a file's data, a part of an unknown or unreadable type, text of another type
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "file", "text": "x"},
-      {"type": {"x": 1}, "text": "y"}, {"type": ["text"], "text": "z"}, {"type": "text", "text": 5}, "bare", 7], []),
+      {"type": {"x": 1}, "text": "y"}, {"type": ["text"], "text": "z"}, {"type": "text", "text": 5}, 7], []),
+    # a bare string part vLLM reads as text
+    (["bare", {"type": "text", "text": "a"}], ["bare", "a"]),
     (None, []),
     ({"text": "nested"}, []),
 ])

@@ -23,6 +23,7 @@ __all__ = [
     "estimate_prompt_tokens",
     "estimate_text_tokens",
     "content_texts",
+    "fewest_prompt_text_tokens",
     "fewest_tokens",
     "texts_of",
 ]
@@ -138,22 +139,28 @@ def billable_usage(
     count is replaced by the gateway's own, capped at the bound (`capped`). Cached tokens
     count only when plausible.
     """
+    def least_prompt() -> int:
+        return min(prompt_floor(), bounds.prompt) if prompt_floor is not None else 0
+
+    def own_prompt() -> int:  # the estimate, never below the floor: no count is no way under it
+        return min(max(prompt_estimate(), least_prompt()), bounds.prompt)
+
     if not isinstance(reported, dict) or (
         reported.get("prompt_tokens") is None and reported.get("completion_tokens") is None
     ):
-        usage = TokenUsage(min(prompt_estimate(), bounds.prompt), min(completion_count(), bounds.completion), None, "estimated")
+        usage = TokenUsage(own_prompt(), min(completion_count(), bounds.completion), None, "estimated")
         return usage, []
     problems: list[str] = []
     prompt = reported.get("prompt_tokens")
     if not (_count(prompt) and prompt <= bounds.prompt):
         problems.append(f"prompt_tokens {_implausible(prompt, bounds.prompt)}")
-        prompt = min(prompt_estimate(), bounds.prompt)
+        prompt = own_prompt()
     elif prompt == 0 and prompt_estimate() > 0:
         problems.append("prompt_tokens 0 for a prompt that is not empty")
-        prompt = min(prompt_estimate(), bounds.prompt)
-    elif prompt_floor is not None and prompt < (least := min(prompt_floor(), bounds.prompt)):
+        prompt = own_prompt()
+    elif prompt < (least := least_prompt()):
         problems.append(f"prompt_tokens {_implausible(prompt, bounds.prompt, least)}")
-        prompt = min(max(prompt_estimate(), least), bounds.prompt)
+        prompt = own_prompt()
     completion = reported.get("completion_tokens")
     floor = min(completion_floor, bounds.completion)
     if not (_count(completion) and floor <= completion <= bounds.completion):
@@ -194,6 +201,13 @@ def fewest_tokens(text: str | bytes) -> int:
     return -(-len(text) // LONGEST_TOKEN)
 
 
+def fewest_prompt_text_tokens(text: str) -> int:
+    """The fewest tokens a prompt's text can be once a template has it: as `fewest_tokens`,
+    with each run of blanks as one character and none at its ends (a template may trim a
+    message, a tokenizer hold a long run of blanks in few tokens)."""
+    return fewest_tokens(" ".join(text.split()))
+
+
 def estimate_text_tokens(text: str | bytes) -> int:
     return -(-len(text) // CHARS_PER_TOKEN) if text else 0
 
@@ -214,13 +228,15 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
 
 def content_texts(content: Any) -> Iterator[str]:
     """The texts of a message's or input item's content that a model reads as text: the
-    string, or the text parts of a list. An image, audio or file part holds none (its data
+    string, or the text parts (and bare strings) of a list. An image, audio or file part holds none (its data
     is not tokenized as text), nor does a part of a type the gateway does not know."""
     if isinstance(content, str):
         yield content
     elif isinstance(content, list):
         for part in content:
-            if isinstance(part, dict) and part.get("type") in TEXT_PARTS:
+            if isinstance(part, str):  # a bare string part, which vLLM reads as text
+                yield part
+            elif isinstance(part, dict) and part.get("type") in TEXT_PARTS:
                 text = part.get("text")
                 if isinstance(text, str):
                     yield text

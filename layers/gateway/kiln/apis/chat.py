@@ -7,7 +7,7 @@ from typing import Any
 from .. import schemas
 from ..errors import EmptyArray, InvalidType, MissingParameter, UnsupportedParameter
 from ..lax import server_bool
-from ..metering import content_texts, estimate_prompt_tokens, fewest_tokens
+from ..metering import content_texts, estimate_prompt_tokens, fewest_prompt_text_tokens
 from .base import ChatStyleApi, capability_check
 
 __all__ = ["API", "ChatApi"]
@@ -55,12 +55,14 @@ class ChatApi(ChatStyleApi):
         return estimate_prompt_tokens(body, chat=True)
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
-        """Each message's text (its content string or text parts). vLLM's truncate_prompt_tokens
-        keeps only the prompt's last tokens, and a chat_template of the client's own may leave
-        any text out: with either, the prompt has no floor."""
+        """Each message's text (its content string or text parts), but the assistant's: the
+        model's own template may drop what it wrote before (Qwen3's and DeepSeek-R1's drop
+        its reasoning). vLLM's truncate_prompt_tokens keeps only the prompt's last tokens, and
+        a chat_template of the client's own may leave any text out: with either, no floor."""
         if body.get("truncate_prompt_tokens") is not None or body.get("chat_template") is not None:
             return 0
-        return sum(fewest_tokens(text) for message in body["messages"] if isinstance(message, dict)
+        return sum(fewest_prompt_text_tokens(text) for message in body["messages"]
+                   if isinstance(message, dict) and message.get("role") != "assistant"
                    for text in content_texts(message.get("content")))
 
 

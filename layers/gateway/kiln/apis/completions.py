@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import schemas
-from ..metering import estimate_prompt_tokens, fewest_tokens
+from ..metering import estimate_prompt_tokens, fewest_prompt_text_tokens
 from .base import ChatStyleApi
 
 __all__ = ["API", "CompletionsApi"]
@@ -37,7 +37,7 @@ class CompletionsApi(ChatStyleApi):
         total = 0
         for item in prompt if isinstance(prompt, list) else [prompt]:
             if isinstance(item, str):
-                total += fewest_tokens(item)
+                total += fewest_prompt_text_tokens(item)
             elif type(item) is int:
                 total += 1
             elif isinstance(item, list):

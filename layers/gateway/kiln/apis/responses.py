@@ -19,7 +19,15 @@ from .. import schemas
 from ..errors import UnsupportedParameter
 from ..jsonio import dumps
 from ..lax import server_bool
-from ..metering import TOKENS_PER_MESSAGE, TokenUsage, content_texts, estimate_text_tokens, fewest_tokens, texts_of
+from ..metering import (
+    TOKENS_PER_MESSAGE,
+    TokenUsage,
+    content_texts,
+    estimate_text_tokens,
+    fewest_prompt_text_tokens,
+    fewest_tokens,
+    texts_of,
+)
 from ..sse import UNREAD, SseRelay, is_done, parse_json
 from .base import ModelApi, capability_check
 
@@ -71,15 +79,21 @@ class ResponsesApi(ModelApi):
         return tokens + sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(texts_of(item))) for item in items)
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
-        """The instructions, and each input item's text (a string, or the content of a message
-        item); none with `truncation` other than "disabled", which lets the server drop items."""
+        """The instructions, and each input item's text (a string, the content of a message
+        item, a tool's output) but the assistant's, which the model's template may drop (as
+        chat's); none with `truncation` other than "disabled", which lets the server drop items."""
         if body.get("truncation") not in (None, "disabled"):
             return 0
         items = body.get("input")
         texts = [body.get("instructions")]
         for item in items if isinstance(items, list) else [items]:
-            texts += content_texts(item.get("content")) if isinstance(item, dict) else [item]
-        return sum(fewest_tokens(text) for text in texts if isinstance(text, str))
+            if not isinstance(item, dict):
+                texts.append(item)
+            elif item.get("role") != "assistant":
+                texts += content_texts(item.get("content"))
+                if item.get("type") == "function_call_output":
+                    texts += content_texts(item.get("output"))
+        return sum(fewest_prompt_text_tokens(text) for text in texts if isinstance(text, str))
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
         output = answer.get("output", [])
