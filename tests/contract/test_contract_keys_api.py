@@ -23,6 +23,7 @@ from kiln.aws import AwsClient
 from kiln.errors import KeySpendLimitExceeded
 from kiln.store import UsageEvent
 from kiln.store.clock import iso_ms
+from kiln.store.errors import AlreadyRevoked
 from kiln.store.keyring import Keyring
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
 from kiln.store.keyspend import KeyLimits
@@ -971,4 +972,47 @@ def test_a_failure_to_clear_leftovers_does_not_fail_the_call(stack, caplog):
     assert "key_leftovers_not_cleared" in caplog.text
     assert key_attributes(stack, org_id, key["id"])  # left for the next call
     assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
+    assert key_attributes(stack, org_id, key["id"]) == []
+
+
+@pytest.mark.parametrize("change", [{"label": "renamed"}, {"spend_limit": 5}, {"concurrency": 2}, {"models": None}])
+def test_a_revoked_key_cannot_be_changed(stack, change):
+    """A 200 with the change made would say the key can be used again with it: it cannot."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "old", "models": ["qwen3-32b"]}).json()
+    revoked = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).json()
+    answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
+    assert answer.status_code == 409, answer.text
+    error = answer.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "key_revoked", "id")
+    assert key["id"] in error["message"] and "revoked" in error["message"]
+    assert call(stack, "GET", f"/v1/keys/{key['id']}", admin).json() == revoked
+    assert key_attributes(stack, org_id, key["id"]) == []
+
+
+def test_a_change_that_meets_a_revocation_does_not_change_the_revoked_key(stack, monkeypatch):
+    """The key is read active, then revoked before the change is written: the change is refused."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "old"}).json()
+    read = Keyring._item
+    revoking = []
+
+    async def read_then_revoked(self, key_id, org_id):
+        item = await read(self, key_id, org_id)
+        if not revoking:  # the revocation's own read is a plain one
+            revoking.append(key_id)
+            try:
+                await self.revoke(key_id, org_id=org_id)
+            except AlreadyRevoked:
+                pass
+            revoking.clear()
+        return item
+
+    monkeypatch.setattr(Keyring, "_item", read_then_revoked)
+    for change in ({"label": "renamed"}, {"spend_limit": 5}):
+        answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
+        assert answer.status_code == 409, answer.text
+    monkeypatch.undo()
+    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+    assert (shown["status"], shown["label"], shown["spend_limit"]) == ("revoked", "old", None)
     assert key_attributes(stack, org_id, key["id"]) == []

@@ -331,6 +331,8 @@ def test_revoked_key_gets_401_and_revoking_twice_is_refused(admin, stack):
     again = admin("keys", "revoke", key_id)
     assert_fails(again, f"key '{key_id}' is already revoked (since ")
     assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 401
+    changed = admin("keys", "update", key_id, "--label", "again")
+    assert_fails(changed, f"key '{key_id}' is already revoked (since ")
 
 
 def test_keys_create_with_every_attribute_flag(admin, stack):

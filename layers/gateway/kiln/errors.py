@@ -16,6 +16,7 @@
     ├── ModelNotFound                 404 model_not_found
     ├── GenerationNotFound            404 generation_not_found
     ├── KeyNotFound                   404 key_not_found
+    ├── KeyRevoked                    409 key_revoked (a revoked key cannot be changed)
     ├── UnknownUrl / MethodNotAllowed 404 / 405
     ├── InsufficientCredits           402 insufficient_credits
     ├── KeySpendLimitExceeded         402 key_spend_limit_exceeded
@@ -60,6 +61,7 @@ __all__ = [
     "ModelNotFound",
     "GenerationNotFound",
     "KeyNotFound",
+    "KeyRevoked",
     "UnknownUrl",
     "MethodNotAllowed",
     "InsufficientCredits",
@@ -197,6 +199,17 @@ class KeyNotFound(GatewayError):
 
     def __init__(self, key_id: str) -> None:
         super().__init__(f"No key with id {shortened(key_id)!r} in your organization.")
+
+
+class KeyRevoked(GatewayError):
+    """A change of a key that is revoked: revoking is final, so there is nothing to change."""
+
+    status, type, code, param = 409, "invalid_request_error", "key_revoked", "id"
+
+    def __init__(self, key_id: str, since: str | None = None) -> None:
+        when = f" at {since}" if since else ""
+        super().__init__(f"The key {shortened(key_id)!r} was revoked{when}: a revoked key cannot be changed. "
+                         "Create a new key instead.")
 
 
 class UnknownUrl(GatewayError):

@@ -26,6 +26,7 @@ from .errors import (
     InvalidType,
     InvalidValue,
     KeyNotFound,
+    KeyRevoked,
     ManagementKeyRequired,
     UnknownParameter,
     shortened,
@@ -136,13 +137,16 @@ def _served(endpoint: str, work: Callable[[Gateway, Request, RequestRecord], Awa
 
 async def _answer(call: Awaitable[Any], key_id: str | None = None) -> Any:
     """A keyring call with its domain errors as the API's (inside `Gateway.storage`, which
-    makes every other failure a 503): a bad attribute is 400, a key of no concern 404."""
+    makes every other failure a 503): a bad attribute is 400, a key of no concern 404, a
+    change of a revoked key 409."""
     try:
         return await call
     except InvalidKeyAttribute as error:
         raise _ATTRIBUTE_ERRORS[error.code](str(error), param=error.param) from None
     except RecordNotFound as error:
         raise KeyNotFound(key_id if key_id is not None else error.ident) from None
+    except AlreadyRevoked as error:  # a change of a revoked key (a revoke again answers the key as it is)
+        raise KeyRevoked(error.key_id, error.since) from None
 
 
 # -- any key of the org -------------------------------------------------------------------------

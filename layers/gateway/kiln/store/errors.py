@@ -79,8 +79,11 @@ class RecordNotFound(LookupError):
 
 
 class AlreadyRevoked(Exception):
+    """A revoke, or a change, of a key that is revoked."""
+
     def __init__(self, key_id: str, since: str | None) -> None:
         super().__init__(f"key {key_id!r} is already revoked" + (f" (since {since})" if since else ""))
+        self.key_id, self.since = key_id, since
 
 
 class RecordExists(Exception):

@@ -104,6 +104,8 @@ MAX_LIMITED_KEYS = 1000
 # what keys without one left (at most this many keys at a time), so those leftovers are held
 # to the keys that had a limit since the last such call: the cap above bounds them too.
 MAX_CLEARED = 100
+# the condition a key's write adds so as not to change, or revoke again, a revoked key
+NOT_REVOKED = " AND #status <> :revoked"
 # an amount as text: ASCII digits, a point, an exponent (a number's JSON form, or Decimal's)
 _AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
 # the spend figures live on the org item: see kiln.store.keyspend
@@ -612,10 +614,13 @@ class Keyring:
         if not changes:
             return _info(item)
         before = _info(item)
-        if changes.get("spend_limit") is not None and before.spend_limit is None and before.status != "revoked":
+        if before.status == "revoked":  # revoking is final: a change would say otherwise
+            raise AlreadyRevoked(key_id, before.revoked_at)
+        if changes.get("spend_limit") is not None and before.spend_limit is None:
             await self._room_for_a_limit(owner, changing=key_id)  # one more key with a limit
-        names = {"#hash": KEY.hash_key, "#org": KEY.org_id}
-        values: dict[str, Any] = {":org": {"S": owner}}
+        # the key's write is conditioned on it not being revoked since it was read
+        names = {"#hash": KEY.hash_key, "#org": KEY.org_id, "#status": KEY.status}
+        values: dict[str, Any] = {":org": {"S": owner}, ":revoked": {"S": "revoked"}}
         sets, removes = [], []
         for index, (name, value) in enumerate(sorted(changes.items())):
             names[f"#a{index}"] = name
@@ -626,7 +631,7 @@ class Keyring:
                 sets.append(f"#a{index} = :a{index}")
         expression = (" SET " + ", ".join(sets) if sets else "") + (" REMOVE " + ", ".join(removes) if removes else "")
         if "spend_limit" not in changes and "spend_period" not in changes:
-            return _info(await self._write(item, expression.strip(), names, values))
+            return _info(await self._write(item, expression.strip(), names, values, extra_condition=NOT_REVOKED))
         return await self._change_spend(item, changes, expression.strip(), names, values)
 
     async def _room_for_a_limit(self, org_id: str, *, changing: str | None = None) -> None:
@@ -662,6 +667,8 @@ class Keyring:
             stored = await self.by_hash(key_hash)
             if stored is None or stored.org_id != owner:
                 raise RecordNotFound("key", key_id)
+            if stored.status == "revoked":
+                raise AlreadyRevoked(key_id, stored.revoked_at)
             after = replace(stored, **{name: (_DEFAULTS.get(name) if value is None else value)
                                        for name, value in changes.items()})
             now = self.clock()
@@ -670,7 +677,7 @@ class Keyring:
                 "TableName": self._keys_table,
                 "Key": {KEY.hash_key: {"S": key_hash}},
                 "UpdateExpression": expression,
-                "ConditionExpression": "attribute_exists(#hash) AND #org = :org",
+                "ConditionExpression": "attribute_exists(#hash) AND #org = :org" + NOT_REVOKED,
                 "ExpressionAttributeNames": names,
                 "ExpressionAttributeValues": values,
             }
@@ -682,10 +689,10 @@ class Keyring:
                 cancelled = condition_failure(exc)
                 if not isinstance(cancelled, TransactionCancelled):
                     raise
-                if cancelled.failed_condition(0):
-                    raise RecordNotFound("key", key_id) from None
-                if cancelled.failed_condition(1) or cancelled.transient:
-                    continue  # the marker changed, or a settle held the org item: read both again
+                if cancelled.failed_condition(1) or cancelled.failed_condition(0) or cancelled.transient:
+                    # the key was revoked (the next read says so), its marker changed, or a settle held
+                    # the org item: read both again
+                    continue
                 raise StorageError(f"key change cancelled: {cancelled.reasons}") from None
             break
         else:
@@ -707,7 +714,7 @@ class Keyring:
                   ":now": {"S": iso_ms(self.clock())}}
         try:
             revoked = _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
-                                              extra_condition=" AND #status <> :revoked"))
+                                              extra_condition=NOT_REVOKED))
         except AlreadyRevoked:
             current = await self._item(key_id, org_id)
             raise AlreadyRevoked(key_id, current.get(KEY.revoked_at, {}).get("S")) from None
