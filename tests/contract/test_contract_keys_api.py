@@ -848,8 +848,10 @@ def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
     updates = [payload for operation, payload in stack.faults.calls[mark:] if operation == "UpdateItem"]
     updates += [item["Update"] for operation, payload in stack.faults.calls[mark:] if operation == "TransactWriteItems"
                 for item in payload["TransactItems"] if "Update" in item]
-    assert not [payload for operation, payload in stack.faults.calls[mark:] if operation == "TransactWriteItems"
-                for item in payload["TransactItems"] if set(item) != {"Update"}]  # updates only: what IAM grants
+    # updates, and checks of a key item: what IAM grants
+    assert not [item for operation, payload in stack.faults.calls[mark:] if operation == "TransactWriteItems"
+                for item in payload["TransactItems"] if set(item) != {"Update"} and not (
+                    set(item) == {"ConditionCheck"} and item["ConditionCheck"]["TableName"] == stack.settings.keys_table)]
     writes = [payload for payload in updates if payload["TableName"] == stack.settings.orgs_table]
     assert writes  # seeding, moving and removing figures were written
     for payload in writes:
@@ -962,8 +964,7 @@ def test_a_failure_to_clear_leftovers_does_not_fail_the_call(stack, caplog):
     in_flight = stale_admit(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "total"))
     assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
     assert stack.ledger.settle(in_flight, stale_event(in_flight, "0.25")) == "settled"
-    stack.faults.fail("TransactWriteItems", code="InternalServerError",
-                      when=lambda payload: any("ConditionCheck" in item for item in payload.get("TransactItems", [])))
+    stack.faults.fail("TransactWriteItems", code="InternalServerError", when=clears_a_key)
     try:
         with caplog.at_level(logging.WARNING, logger="kiln.keys"):
             assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
@@ -1016,3 +1017,74 @@ def test_a_change_that_meets_a_revocation_does_not_change_the_revoked_key(stack,
     shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
     assert (shown["status"], shown["label"], shown["spend_limit"]) == ("revoked", "old", None)
     assert key_attributes(stack, org_id, key["id"]) == []
+
+
+@pytest.mark.parametrize(("start", "mine", "theirs", "stored"), [
+    ({"spend_period": "day"}, {"spend_limit": 5}, {"spend_period": "week"}, ("5", "week")),
+    ({"spend_limit": 5, "spend_period": "day"}, {"spend_period": "week"}, {"spend_limit": None}, (None, "week")),
+    ({"spend_limit": 5, "spend_period": "day"}, {"spend_period": "week"}, "DELETE", "revoked"),
+], ids=["a limit across a new period", "a new period across a removal", "a new period across a revocation"])
+def test_a_change_of_the_keys_spend_is_made_on_the_key_as_it_is_stored(stack, start, mine, theirs, stored):
+    """Another change of the key lands between this one's read and its transaction, leaving the
+    org item's marker as this one read it: the key's own write, conditioned on its limit,
+    period and status as read, fails, and the change is made again on the key as stored."""
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, start).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+
+    async def change(keyring):
+        dynamodb = keyring._aws.dynamodb
+        raced = []
+
+        async def racing(operation, payload):
+            if operation == "TransactWriteItems" and not raced:  # the other change, between
+                method = "DELETE" if theirs == "DELETE" else "PATCH"
+                raced.append(call(stack, method, f"/v1/keys/{key['id']}", admin,
+                                  None if theirs == "DELETE" else theirs).status_code)
+            return await dynamodb(operation, payload)
+
+        keyring._aws.dynamodb = racing
+        try:
+            await keyring.update(key["id"], mine, org_id=org_id)
+        except AlreadyRevoked:
+            raced.append("refused")
+        return raced
+
+    shown = None
+    if stored == "revoked":
+        assert with_keyring(stack, change) == [200, "refused"]
+        assert key_attributes(stack, org_id, key["id"]) == []
+        shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+        assert (shown["status"], shown["spend_period"]) == ("revoked", "day")
+        return
+    assert with_keyring(stack, change) == [200]
+    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+    limit, period = stored
+    assert (shown["spend_limit"], shown["spend_period"]) == (limit and float(limit), period)
+    assert org_marker(stack, org_id, key["id"]) == (period if limit else None)
+    if limit is None:
+        assert key_attributes(stack, org_id, key["id"]) == []
+    else:
+        figure = KeyLimits(None, Decimal(limit), period).figure(key["id"], time.time())
+        assert figures_of_key(stack, org_id, key["id"]) == {figure: key_spent(stack, org_id, key["id"])}
+        assert Decimal(str(shown["spend"])) == key_spent(stack, org_id, key["id"])
+
+
+def test_a_clearing_that_meets_a_settle_is_tried_again(stack):
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5}).json()
+    in_flight = stale_admit(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "total"))
+    assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
+    assert stack.ledger.settle(in_flight, stale_event(in_flight, "0.25")) == "settled"
+    hits = stack.faults.fail("TransactWriteItems", code="TransactionCanceledException", times=2,
+                             reasons=["None", "TransactionConflict"], when=clears_a_key)
+    try:
+        assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
+    finally:
+        stack.faults.clear()
+    assert len(hits) == 3  # two conflicts, then the clearing
+    assert key_attributes(stack, org_id, key["id"]) == []
+
+
+def clears_a_key(payload) -> bool:
+    return any("ConditionCheck" in item for item in payload.get("TransactItems", []))

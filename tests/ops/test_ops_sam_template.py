@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -403,7 +405,9 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
     # the models and generations functions neither admit nor bill: they write only keys (their
     # last use; the generations function also issues, changes and revokes them, contract §10)
     assert actions("ModelsRole") == gateway - {"dynamodb:PutItem"}
-    assert actions("GenerationsRole") == gateway | {"dynamodb:Query"}
+    assert actions("GenerationsRole") == gateway | {"dynamodb:Query", "dynamodb:ConditionCheckItem"}
+    # a key item checked (never written) where what requests in flight left for it is cleared
+    assert granted(cfn, "GenerationsRole", "dynamodb:ConditionCheckItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
     assert granted(cfn, "ModelsRole", "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
     assert granted(cfn, "GenerationsRole", "dynamodb:UpdateItem") == [
         {"Fn::GetAtt": ["KeysTable", "Arn"]}, {"Fn::GetAtt": ["OrgsTable", "Arn"]}]
@@ -544,3 +548,112 @@ def test_sam_deploy_guided_deploys_when_every_prompt_is_answered_with_enter():
     # a parameter without a default (or NoEcho) makes --guided insist on an answer
     for name, spec in load_template()["Parameters"].items():
         assert "Default" in spec and not spec.get("NoEcho"), name
+
+
+# The IAM action each DynamoDB call needs (a transaction: each of its items, by its kind).
+CALL_ACTIONS = {"GetItem": "dynamodb:GetItem", "PutItem": "dynamodb:PutItem", "UpdateItem": "dynamodb:UpdateItem",
+                "DeleteItem": "dynamodb:DeleteItem", "Query": "dynamodb:Query", "Scan": "dynamodb:Scan"}
+ITEM_ACTIONS = {"Get": "dynamodb:GetItem", "Put": "dynamodb:PutItem", "Update": "dynamodb:UpdateItem",
+                "Delete": "dynamodb:DeleteItem", "ConditionCheck": "dynamodb:ConditionCheckItem"}
+
+
+def needed(settings, calls: list[tuple[str, dict]]) -> set[tuple[str, str]]:
+    """(action, resource as template.yaml writes it) of every call."""
+    tables = {settings.keys_table: "KeysTable", settings.orgs_table: "OrgsTable", settings.usage_table: "UsageTable"}
+
+    def resource(payload: dict) -> str:
+        table = tables[payload["TableName"]]
+        if payload.get("IndexName"):
+            return json.dumps({"Fn::Sub": f"${{{table}.Arn}}/index/{payload['IndexName']}"})
+        return json.dumps({"Fn::GetAtt": [table, "Arn"]})
+
+    found = set()
+    for operation, payload in calls:
+        if "TableName" not in payload and "TransactItems" not in payload:
+            continue  # not DynamoDB's (SSM's reads are checked above)
+        if operation in ("TransactWriteItems", "TransactGetItems"):
+            for item in payload["TransactItems"]:
+                ((kind, inner),) = item.items()
+                found.add((ITEM_ACTIONS[kind], resource(inner)))
+        else:
+            found.add((CALL_ACTIONS[operation], resource(payload)))
+    return found
+
+
+def test_every_storage_call_of_self_service_is_granted_to_its_function(stack):
+    """The embedded AWS enforces no IAM: each DynamoDB call the generations function makes for
+    the self-service routes, down to each item of a transaction, is checked against its role."""
+    from kiln.responses import GENERATION_HEADER
+    from kiln.store import UsageEvent
+    from kiln.store.clock import iso_ms
+    from kiln.store.keys import create_key
+    from kiln.store.keyspend import KeyLimits
+
+    org_id, _ = stack.org(credits="1000")
+    admin = create_key(stack.tables, org_id, role="management", label="console").secret
+
+    calls: list[tuple[str, dict]] = []
+
+    def call(method: str, path: str, key: str, body=None):
+        mark = len(stack.faults.calls)
+        answer = stack.http.request(method, path, json=body, headers={"Authorization": f"Bearer {key}"})
+        calls.extend(stack.faults.calls[mark:])
+        assert answer.status_code < 300, (method, path, answer.text)
+        return answer.json()
+
+    key = call("POST", "/v1/keys", admin, {"spend_limit": 5})
+    chat = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
+    assert stack.post("/v1/chat/completions", chat, key["secret"]).status_code == 200
+    # a request in flight across the revocation leaves a figure that the next limit set clears
+    lease = stack.ledger.admit(org_id=org_id, key_id=key["id"], model="qwen3-32b", endpoint="chat.completions",
+                               streamed=False, limits=KeyLimits(None, Decimal(5), "total"))
+    call("DELETE", f"/v1/keys/{key['id']}", admin)
+    stack.ledger.settle(lease, UsageEvent(gen_id=lease.gen_id, org_id=org_id, created_at=iso_ms(lease.started),
+                                          key_id=key["id"], model="qwen3-32b", endpoint="chat.completions",
+                                          streamed=False, status="success", cost=Decimal("0.1")))
+    other = call("POST", "/v1/keys", admin, {"label": "job", "models": ["qwen3-32b"]})
+    call("PATCH", f"/v1/keys/{other['id']}", admin, {"spend_limit": "2", "spend_period": "day"})
+    call("PATCH", f"/v1/keys/{other['id']}", admin, {"spend_period": "week", "concurrency": 2, "label": "batch"})
+    call("PATCH", f"/v1/keys/{other['id']}", admin, {"spend_limit": None})
+    for path in ("/v1/keys", f"/v1/keys/{other['id']}", "/v1/credits", "/v1/usage?group_by=key"):
+        call("GET", path, admin)
+    call("GET", "/v1/key", other["secret"])
+    gen_id = stack.post("/v1/chat/completions", chat, other["secret"]).headers[GENERATION_HEADER]
+    call("GET", f"/v1/generations/{gen_id}", other["secret"])
+    call("DELETE", f"/v1/keys/{other['id']}", admin)
+
+    assert any(kind == "dynamodb:ConditionCheckItem" for kind, _ in needed(stack.settings, calls))  # the clearing ran
+    cfn = deployed(MODES[0])
+    grants = {(action, json.dumps(resource)) for action in set(CALL_ACTIONS.values()) | set(ITEM_ACTIONS.values())
+              for resource in granted(cfn, "GenerationsRole", action)}
+    assert needed(stack.settings, calls) - grants == set()
+
+
+def test_every_storage_call_of_a_model_request_is_granted_to_its_function(stack_factory):
+    """As above, for the model endpoints: admissions within a key's limits, a reclaim of a dead
+    request's lease by the next admission, settles of buffered and streamed requests."""
+    from kiln.store.keys import create_key
+
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1000")
+    secret = create_key(stack.tables, org_id, label="job").secret
+    limited = stack.key(org_id, spend_limit=Decimal(5), spend_period="day", concurrency=2)
+    stack.ledger.admit(org_id=org_id, key_id="key_0123456789abcdef", model="qwen3-32b",
+                       endpoint="chat.completions", streamed=False)  # never settled: reclaimed below
+    time.sleep(0.4)
+    mark = len(stack.faults.calls)
+    chat = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
+    for key, body in ((secret, chat), (limited, chat), (secret, {**chat, "stream": True}),
+                      (limited, {**chat, "stream": True, "stream_options": {"include_usage": True}})):
+        response = stack.post("/v1/chat/completions", body, key)
+        assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 5  # the reclaim runs beside the admission that found the lease
+    while [event.status for event in stack.events(org_id)].count("abandoned") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [event.status for event in stack.events(org_id)].count("abandoned") == 1
+    calls = stack.faults.calls[mark:]
+    cfn = deployed(MODES[0])
+    for role in MODEL_ROLES:
+        grants = {(action, json.dumps(resource)) for action in set(CALL_ACTIONS.values()) | set(ITEM_ACTIONS.values())
+                  for resource in granted(cfn, role, action)}
+        assert needed(stack.settings, calls) - grants == set(), role

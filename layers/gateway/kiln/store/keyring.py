@@ -44,6 +44,8 @@ from .errors import (
     TransactionCancelled,
     UnstorableValue,
     condition_failure,
+    is_transient,
+    translate_storage_error,
 )
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
 from .keyspend import (
@@ -104,6 +106,7 @@ MAX_LIMITED_KEYS = 1000
 # what keys without one left (at most this many keys at a time), so those leftovers are held
 # to the keys that had a limit since the last such call: the cap above bounds them too.
 MAX_CLEARED = 100
+_CLEAR_ATTEMPTS = 3
 # the condition a key's write adds so as not to change, or revoke again, a revoked key
 NOT_REVOKED = " AND #status <> :revoked"
 # an amount as text: ASCII digits, a point, an exponent (a number's JSON form, or Decimal's)
@@ -467,14 +470,26 @@ class Keyring:
                 "ConditionExpression": "attribute_exists(#org_id)",
                 "ExpressionAttributeNames": {**shown, "#org_id": ORG.org_id},
             }
+            if not await self._clear(org_id, [{"ConditionCheck": check}, {"Update": removal}]):
+                return
+
+    async def _clear(self, org_id: str, items: list[dict[str, Any]]) -> bool:
+        """One key's clearing, tried again while it meets settles; False if storage failed
+        (logged: the next call that may set a limit tries again)."""
+        for attempt in range(1, _CLEAR_ATTEMPTS + 1):
             try:
-                await self._aws.dynamodb("TransactWriteItems", {"TransactItems": [{"ConditionCheck": check},
-                                                                                  {"Update": removal}]})
-            except Exception as exc:  # noqa: BLE001 - housekeeping: the next call that may set a limit tries again
-                if not isinstance(condition_failure(exc), TransactionCancelled):
+                await self._aws.dynamodb("TransactWriteItems", {"TransactItems": items})
+                return True
+            except Exception as exc:  # noqa: BLE001 - housekeeping, never the call's failure
+                failure = translate_storage_error(exc)
+                if isinstance(failure, TransactionCancelled) and not failure.transient:
+                    return True  # the key has a limit again: its figures count
+                if not is_transient(failure) or attempt == _CLEAR_ATTEMPTS:
                     log.warning(json.dumps({"event": "key_leftovers_not_cleared", "org_id": org_id,
                                             "detail": f"{type(exc).__name__}: {exc}"[:300]}))
-                    return
+                    return False
+            await _backoff(attempt)
+        raise AssertionError("unreachable")
 
     async def _tidy(self, key: KeyInfo, *, why: str) -> None:
         """remove_figures after a revocation, which stands whatever comes of it: a failure is
@@ -673,13 +688,16 @@ class Keyring:
                                        for name, value in changes.items()})
             now = self.clock()
             org_update, figure = self._following(after, (await self.org(owner)).item, now)
+            as_read, read_names, read_values = _spend_as_read(stored)
             key_update = {
                 "TableName": self._keys_table,
                 "Key": {KEY.hash_key: {"S": key_hash}},
                 "UpdateExpression": expression,
-                "ConditionExpression": "attribute_exists(#hash) AND #org = :org" + NOT_REVOKED,
-                "ExpressionAttributeNames": names,
-                "ExpressionAttributeValues": values,
+                # the key as this change was worked out from: another change of its spend between
+                # (whose marker may be the one read) makes this one read both again
+                "ConditionExpression": "attribute_exists(#hash) AND #org = :org" + NOT_REVOKED + as_read,
+                "ExpressionAttributeNames": {**names, **read_names},
+                "ExpressionAttributeValues": {**values, **read_values},
             }
             items = [{"Update": key_update}, {"Update": org_update}]
             token = client_token("k", f"{change}|{attempt}|{json.dumps(items, sort_keys=True)}")
@@ -744,6 +762,23 @@ class Keyring:
                 raise RecordNotFound("key", key_id) from None
             raise
         return answer["Attributes"]
+
+
+def _spend_as_read(key: KeyInfo) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The condition that a key item's spend limit and period are still `key`'s (a period
+    stored as none is `total`), with its names and values."""
+    names = {"#read_limit": KEY.spend_limit, "#read_period": KEY.spend_period}
+    values: dict[str, Any] = {":read_period": {"S": key.spend_period}}
+    if key.spend_limit is None:
+        condition = " AND attribute_not_exists(#read_limit)"
+    else:
+        condition = " AND #read_limit = :read_limit"
+        values[":read_limit"] = _wire("spend_limit", key.spend_limit)
+    if key.spend_period == "total":
+        condition += " AND (attribute_not_exists(#read_period) OR #read_period = :read_period)"
+    else:
+        condition += " AND #read_period = :read_period"
+    return condition, names, values
 
 
 def _limits(key: KeyInfo) -> KeyLimits:
