@@ -697,17 +697,27 @@ def test_a_change_whose_answers_were_lost_is_counted_as_stored_when_sent_again(s
     assert admitted_now(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "day"), "2") == 3
 
 
-@pytest.mark.parametrize(("mine", "theirs", "stored"), [
-    ({"spend_period": "month"}, {"spend_period": "week"}, ("5", "month")),
-    ({"spend_limit": 10}, {"spend_limit": None}, ("10", "day")),
-    ({"spend_limit": None}, {"spend_period": "week"}, (None, "week")),
-], ids=["two periods", "an amount after a removal", "a removal after a new period"])
-def test_two_changes_at_once_leave_the_org_item_as_the_key_is_stored(stack, mine, theirs, stored):
+DAY_LIMIT = {"spend_limit": 5, "spend_period": "day"}
+
+
+@pytest.mark.parametrize(("start", "mine", "theirs", "stored"), [
+    (DAY_LIMIT, {"spend_period": "month"}, {"spend_period": "week"}, ("5", "month")),
+    (DAY_LIMIT, {"spend_limit": 10}, {"spend_limit": None}, ("10", "day")),
+    (DAY_LIMIT, {"spend_limit": None}, {"spend_period": "week"}, (None, "week")),
+    # the other change leaves the marker as this one read it: the key's own write, conditioned
+    # on its limit, period and status as read, fails instead
+    ({"spend_period": "day"}, {"spend_limit": 5}, {"spend_period": "week"}, ("5", "week")),
+    (DAY_LIMIT, {"spend_period": "week"}, {"spend_limit": None}, (None, "week")),
+    (DAY_LIMIT, {"spend_period": "week"}, "DELETE", "revoked"),
+], ids=["two periods", "an amount after a removal", "a removal after a new period", "a limit across a new period",
+        "a new period across a removal", "a new period across a revocation"])
+def test_two_changes_at_once_leave_the_org_item_as_the_key_is_stored(stack, start, mine, theirs, stored):
     """Another change lands, whole, between this one's reads and its transaction: the
-    transaction, its org part conditioned on the marker as read, fails; the change reads
-    both again, and the key and its marker and figures end as one."""
+    transaction, its org part conditioned on the marker as read or its key part on the key as
+    read, fails; the change reads both again, and the key and its marker and figures end as one
+    (a revoked key's change is refused)."""
     org_id, admin = management_org(stack, credits="1000")
-    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    key = call(stack, "POST", "/v1/keys", admin, start).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
 
     async def change(keyring):
@@ -716,23 +726,35 @@ def test_two_changes_at_once_leave_the_org_item_as_the_key_is_stored(stack, mine
 
         async def racing(operation, payload):
             if operation == "TransactWriteItems" and not raced:  # the other change, between
-                raced.append(call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, theirs).status_code)
+                revoke = theirs == "DELETE"
+                raced.append(call(stack, "DELETE" if revoke else "PATCH", f"/v1/keys/{key['id']}", admin,
+                                  None if revoke else theirs).status_code)
             return await dynamodb(operation, payload)
 
         keyring._aws.dynamodb = racing
-        await keyring.update(key["id"], mine, org_id=org_id)
+        try:
+            await keyring.update(key["id"], mine, org_id=org_id)
+        except AlreadyRevoked:
+            raced.append("refused")
         return raced
 
+    if stored == "revoked":
+        assert with_keyring(stack, change) == [200, "refused"]
+        shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+        assert (shown["status"], shown["spend_period"]) == ("revoked", "day")
+        assert key_attributes(stack, org_id, key["id"]) == []
+        return
     assert with_keyring(stack, change) == [200]
     shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
     limit, period = stored
     assert (shown["spend_limit"], shown["spend_period"]) == (limit and float(limit), period)
     assert org_marker(stack, org_id, key["id"]) == (period if limit else None)
     if limit is None:
-        assert figures_of_key(stack, org_id, key["id"]) == {}
+        assert key_attributes(stack, org_id, key["id"]) == []
     else:
         figure = KeyLimits(None, Decimal(limit), period).figure(key["id"], time.time())
         assert figures_of_key(stack, org_id, key["id"]) == {figure: key_spent(stack, org_id, key["id"])}
+        assert Decimal(str(shown["spend"])) == key_spent(stack, org_id, key["id"])
 
 
 def with_keyring(stack, use):
@@ -1017,57 +1039,6 @@ def test_a_change_that_meets_a_revocation_does_not_change_the_revoked_key(stack,
     shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
     assert (shown["status"], shown["label"], shown["spend_limit"]) == ("revoked", "old", None)
     assert key_attributes(stack, org_id, key["id"]) == []
-
-
-@pytest.mark.parametrize(("start", "mine", "theirs", "stored"), [
-    ({"spend_period": "day"}, {"spend_limit": 5}, {"spend_period": "week"}, ("5", "week")),
-    ({"spend_limit": 5, "spend_period": "day"}, {"spend_period": "week"}, {"spend_limit": None}, (None, "week")),
-    ({"spend_limit": 5, "spend_period": "day"}, {"spend_period": "week"}, "DELETE", "revoked"),
-], ids=["a limit across a new period", "a new period across a removal", "a new period across a revocation"])
-def test_a_change_of_the_keys_spend_is_made_on_the_key_as_it_is_stored(stack, start, mine, theirs, stored):
-    """Another change of the key lands between this one's read and its transaction, leaving the
-    org item's marker as this one read it: the key's own write, conditioned on its limit,
-    period and status as read, fails, and the change is made again on the key as stored."""
-    org_id, admin = management_org(stack, credits="1000")
-    key = call(stack, "POST", "/v1/keys", admin, start).json()
-    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
-
-    async def change(keyring):
-        dynamodb = keyring._aws.dynamodb
-        raced = []
-
-        async def racing(operation, payload):
-            if operation == "TransactWriteItems" and not raced:  # the other change, between
-                method = "DELETE" if theirs == "DELETE" else "PATCH"
-                raced.append(call(stack, method, f"/v1/keys/{key['id']}", admin,
-                                  None if theirs == "DELETE" else theirs).status_code)
-            return await dynamodb(operation, payload)
-
-        keyring._aws.dynamodb = racing
-        try:
-            await keyring.update(key["id"], mine, org_id=org_id)
-        except AlreadyRevoked:
-            raced.append("refused")
-        return raced
-
-    shown = None
-    if stored == "revoked":
-        assert with_keyring(stack, change) == [200, "refused"]
-        assert key_attributes(stack, org_id, key["id"]) == []
-        shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
-        assert (shown["status"], shown["spend_period"]) == ("revoked", "day")
-        return
-    assert with_keyring(stack, change) == [200]
-    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
-    limit, period = stored
-    assert (shown["spend_limit"], shown["spend_period"]) == (limit and float(limit), period)
-    assert org_marker(stack, org_id, key["id"]) == (period if limit else None)
-    if limit is None:
-        assert key_attributes(stack, org_id, key["id"]) == []
-    else:
-        figure = KeyLimits(None, Decimal(limit), period).figure(key["id"], time.time())
-        assert figures_of_key(stack, org_id, key["id"]) == {figure: key_spent(stack, org_id, key["id"])}
-        assert Decimal(str(shown["spend"])) == key_spent(stack, org_id, key["id"])
 
 
 def test_a_clearing_that_meets_a_settle_is_tried_again(stack):
