@@ -703,3 +703,76 @@ def test_more_prompt_texts_have_their_floor(stack, ledger, path, body):
     assert response.status_code == 200, response.text
     (event,) = ledger.check()
     assert event.usage_source == "capped" and event.prompt_tokens >= len(LONG_PROMPT) // 128
+
+
+# -- echo: a reply that starts with the prompt (vLLM's echo, lm-eval's loglikelihood requests) ------
+
+ECHOED = "word " * 4000  # 20 000 characters: at least 157 tokens, about 5 000
+
+
+def _completion(text: str, usage: dict | None) -> str:
+    return json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+                       "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+                       **({"usage": usage} if usage is not None else {})})
+
+
+def _text_chunk(text: str, **fields) -> str:
+    return json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+                       "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}], **fields})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "stream"])
+@pytest.mark.parametrize("generated, completion_tokens", [("", 0), (" more words here", 3)],
+                         ids=["prompt-only", "prompt-and-reply"])
+def test_an_echoed_prompt_is_not_billed_as_completion(stack, ledger, stream, generated, completion_tokens):
+    """With echo, the reply repeats the prompt before what the model wrote (with max_tokens 0,
+    the prompt alone: lm-eval scores a text that way). The honest count is believed."""
+    usage = {"prompt_tokens": 4001, "completion_tokens": completion_tokens, "total_tokens": 4001 + completion_tokens}
+    if stream:
+        events = [_text_chunk(ECHOED + generated), _text_chunk("", choices=[]), _text_chunk("", choices=[], usage=usage)]
+        mock = {"raw_events": events}
+    else:
+        mock = {"raw_body": _completion(ECHOED + generated, usage)}
+    body = {"model": MODEL, "prompt": ECHOED, "echo": True, "max_tokens": 0 if not generated else 5,
+            "logprobs": 1, "stream": stream, "mock": mock}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    response = post(stack, ledger, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 4001, completion_tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "stream"])
+def test_an_echoed_prompt_is_not_counted_when_no_usage_is_reported(stack, ledger, stream):
+    if stream:
+        mock = {"raw_events": [_text_chunk(ECHOED + " a"), _text_chunk(" b")]}
+    else:
+        mock = {"raw_body": _completion(ECHOED + " a b", None)}
+    body = {"model": MODEL, "prompt": ECHOED, "echo": "true", "stream": stream, "mock": mock}
+    response = post(stack, ledger, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert event.usage_source == "estimated" and event.completion_tokens <= 5
+
+
+def test_an_echo_is_no_way_under_the_floor_of_what_follows_it(stack, ledger):
+    """The prompt is taken off the reply's texts once: the text after it still has its floor."""
+    answer = _completion(ECHOED + "x" * 80000, {"prompt_tokens": 4001, "completion_tokens": 1, "total_tokens": 4002})
+    body = {"model": MODEL, "prompt": ECHOED, "echo": True, "mock": {"raw_body": answer}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.completion_tokens >= 80000 // 128
+
+
+def test_a_chat_echo_of_the_last_assistant_message_is_not_billed_as_completion(stack, ledger):
+    """vLLM's chat echo starts the reply with the last message, when it is the assistant's."""
+    answer = _answer(choices=[{"index": 0, "message": {"role": "assistant", "content": ECHOED + " done"},
+                               "finish_reason": "stop"}],
+                     usage={"prompt_tokens": 4010, "completion_tokens": 1, "total_tokens": 4011})
+    body = {"model": MODEL, "echo": True, "add_generation_prompt": False, "continue_final_message": True,
+            "messages": [{"role": "user", "content": "go on"}, {"role": "assistant", "content": ECHOED}],
+            "mock": {"raw_body": answer}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("upstream", 1)

@@ -19,6 +19,7 @@ import anyio
 from starlette.responses import Response
 
 from .apis import ModelApi
+from .apis.base import NO_ECHO, Echo
 from .auth import Principal
 from .errors import GatewayError, InternalError, NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
@@ -37,6 +38,16 @@ from .upstream import UpstreamExchange, UpstreamStreamError
 __all__ = ["Exchange"]
 
 log = logging.getLogger("kiln.exchange")
+
+def _echo_of(call: ModelCall) -> Echo:
+    """What the request's replies repeat of it; none if that cannot be worked out (the
+    reply's own counts are then all billed, the side that loses nothing)."""
+    try:
+        return call.api.echoed(call.body)
+    except Exception:  # noqa: BLE001 - a request any client may shape: never a failure here
+        log.exception("the echo of a request could not be worked out")
+        return NO_ECHO
+
 
 STREAM_CUT = "The model backend failed while streaming the response."
 GATEWAY_CUT = "The gateway failed while streaming the response."
@@ -58,6 +69,7 @@ class Exchange:
         self.bounds = UsageBounds.of_request(call.body, call.model.context_length, limits=call.api.token_limits,
                                              prompts=call.api.prompts(call.body))
         self._prompt_estimate: int | None = None
+        self._echo = _echo_of(call)
         self._upstream: UpstreamExchange | None = None
         self._relay_state: SseRelay | None = None
         # renews the lease while the request runs, recording what it has relayed (§4)
@@ -186,7 +198,7 @@ class Exchange:
     def _progress(self) -> tuple[int, int, Decimal]:
         """What the request has used so far, as its lease renewal records it: the prompt and
         the tokens relayed (a buffered answer relays nothing before it is whole)."""
-        relayed = self._relay_state.relayed_tokens if self._relay_state is not None else 0
+        relayed = self._reply_count(self._relay_state.relayed_tokens) if self._relay_state is not None else 0
         usage = TokenUsage(min(self.prompt_estimate(), self.bounds.prompt), min(relayed, self.bounds.completion))
         return usage.prompt_tokens, usage.completion_tokens, self._price(usage)
 
@@ -196,7 +208,7 @@ class Exchange:
             prompt = min(self.prompt_estimate(), self.bounds.prompt)
         except Exception:  # noqa: BLE001 - the estimate is best effort here
             prompt = 0
-        return TokenUsage(prompt, min(relayed, self.bounds.completion), None, "estimated")
+        return TokenUsage(prompt, min(self._reply_count(relayed), self.bounds.completion), None, "estimated")
 
     def prompt_estimate(self) -> int:
         """The request's prompt tokens by the gateway's own rule (computed once, when needed)."""
@@ -204,10 +216,17 @@ class Exchange:
             self._prompt_estimate = self.call.api.estimate_prompt(self.call.body)
         return self._prompt_estimate
 
+    def _reply_count(self, counted: int) -> int:
+        """The completion tokens counted in the reply, but the request's text it repeats (echo)."""
+        return max(0, counted - self._echo.estimate)
+
     def _billable(self, reported: Any, completion_count: Callable[[], int], completion_floor: int = 0) -> TokenUsage:
+        """The usage to bill; `completion_count` and `completion_floor` are of the reply's texts
+        as counted, the request's text they repeat (echo) included: it is taken off here."""
         usage, problems = billable_usage(
             self.call.api.reported_usage(reported), self.bounds, prompt_estimate=self.prompt_estimate,
-            completion_count=completion_count, completion_floor=completion_floor,
+            completion_count=lambda: self._reply_count(completion_count()),
+            completion_floor=max(0, completion_floor - self._echo.fewest),
             prompt_floor=lambda: self.call.api.fewest_prompt_tokens(self.call.body),
         )
         if problems:

@@ -8,7 +8,7 @@ from .. import schemas
 from ..errors import EmptyArray, InvalidType, MissingParameter, UnsupportedParameter
 from ..lax import server_bool
 from ..metering import content_texts, estimate_prompt_tokens, fewest_prompt_text_tokens
-from .base import ChatStyleApi, capability_check
+from .base import NO_ECHO, ChatStyleApi, Echo, capability_check, echo_of
 
 __all__ = ["API", "ChatApi"]
 
@@ -64,6 +64,17 @@ class ChatApi(ChatStyleApi):
         return sum(fewest_prompt_text_tokens(text) for message in body["messages"]
                    if isinstance(message, dict) and message.get("role") != "assistant"
                    for text in content_texts(message.get("content")))
+
+    def echoed(self, body: dict[str, Any]) -> Echo:
+        """vLLM's chat `echo` starts each reply with the last message, when it is the assistant's
+        (a reply it continues)."""
+        messages = body.get("messages")
+        if not server_bool(body.get("echo")) or not isinstance(messages, list) or not messages:
+            return NO_ECHO
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            return NO_ECHO
+        return echo_of(body, ["".join(content_texts(last.get("content")))])
 
 
 def _check_tool_descriptions(body: dict[str, Any]) -> None:
