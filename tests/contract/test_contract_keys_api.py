@@ -471,10 +471,24 @@ def test_a_figure_below_what_the_key_spent_is_raised_to_its_events(stack):
     assert Decimal(str(changed.json()["spend"])) == spent
 
 
+def settled_after_the_change_read_the_spend(monkeypatch) -> None:
+    """The key's request settles after the change read what the key spent (before its
+    transaction): the change's seed of the figure misses it, and the raise after must add it."""
+    read = Keyring._spent_in_period
+    calls = []
+
+    async def before_the_settle(self, key, now):
+        calls.append(1)
+        return Decimal(0) if len(calls) == 1 else await read(self, key, now)
+
+    monkeypatch.setattr(Keyring, "_spent_in_period", before_the_settle)
+
+
 @pytest.mark.parametrize("found", [None, "0.0000001"], ids=["no figure", "a lower figure"])
-def test_a_seed_whose_figure_changed_meanwhile_reads_again(stack, found):
+def test_a_seed_whose_figure_changed_meanwhile_reads_again(stack, found, monkeypatch):
     """A settle that lands between the seed's reads and its write fails the write's
     condition: the seed reads again (the settle's event is in the new sum) and writes."""
+    settled_after_the_change_read_the_spend(monkeypatch)
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
@@ -493,10 +507,11 @@ def test_a_seed_whose_figure_changed_meanwhile_reads_again(stack, found):
     assert figures_of_key(stack, org_id, key["id"]) == {day: event.cost}
 
 
-def test_a_seed_that_keeps_losing_its_race_adds_what_the_events_say_is_missing(stack):
+def test_a_seed_that_keeps_losing_its_race_adds_what_the_events_say_is_missing(stack, monkeypatch):
     """A busy key's settles land between every read of the seed and its write: at the last
     try it adds what is missing instead (settles during that read counted twice: the side
     a limit errs on), so the limit still holds what the key spent before it."""
+    settled_after_the_change_read_the_spend(monkeypatch)
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
@@ -1059,3 +1074,40 @@ def test_a_clearing_that_meets_a_settle_is_tried_again(stack):
 
 def clears_a_key(payload) -> bool:
     return any("ConditionCheck" in item for item in payload.get("TransactItems", []))
+
+
+@pytest.mark.parametrize("change", [{"spend_limit": 5}, {"spend_limit": 5, "spend_period": "day"}],
+                         ids=["a limit set", "a limit and a period set"])
+def test_a_change_whose_answer_is_lost_counts_what_the_key_spent_even_if_not_sent_again(stack, change):
+    """The change is applied, its answer lost (503), and the client never sends it again: the
+    new limit already counts what the key spent in its period."""
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
+    put_event(stack, org_id, key["id"], now_stored(), "4")
+    stack.faults.lose("TransactWriteItems", times=3, when=changes_a_key(stack))
+    try:
+        lost = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
+    finally:
+        stack.faults.clear()
+    assert lost.status_code == 503, lost.text
+    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+    assert (shown["spend_limit"], Decimal(str(shown["spend"]))) == (5, Decimal(4))
+    assert admitted_now(stack, org_id, key["id"], KeyLimits(None, Decimal(5), "day"), "2") == 1
+
+
+def test_a_change_that_cannot_read_the_keys_spend_is_not_made(stack):
+    """The key's spend in its new period comes from its usage events: when they cannot be read
+    (throttled), the change is refused whole (503), the key and its figure as they were."""
+    org_id, admin = management_org(stack, credits="1000")
+    key = call(stack, "POST", "/v1/keys", admin, DAY_LIMIT).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    before = figures_of_key(stack, org_id, key["id"])
+    stack.faults.fail("Query", when=lambda payload: payload["TableName"] == stack.settings.usage_table)
+    try:
+        answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "week"})
+    finally:
+        stack.faults.clear()
+    assert answer.status_code == 503, answer.text
+    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+    assert (shown["spend_period"], Decimal(str(shown["spend"]))) == ("day", key_spent(stack, org_id, key["id"]))
+    assert figures_of_key(stack, org_id, key["id"]) == before

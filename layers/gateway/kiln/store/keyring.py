@@ -500,10 +500,12 @@ class Keyring:
             log.warning(json.dumps({"event": "key_figures_not_removed", "org_id": key.org_id, "key_id": key.key_id,
                                     "after": why, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
 
-    def _following(self, key: KeyInfo, org: Mapping[str, Any], now: float) -> tuple[dict[str, Any], str | None]:
+    def _following(self, key: KeyInfo, org: Mapping[str, Any], now: float,
+                   seed: Decimal | None = None) -> tuple[dict[str, Any], str | None]:
         """The org item's update that brings the key's marker and figures in line with `key` as
         it will be stored, conditioned on the marker as `org` has it; and the figure the key
-        will count in now (None: no limit).
+        will count in now (None: no limit). `seed`: what the key spent in that figure's period,
+        the figure's value if it has none yet (one that has is counting: it is never lowered).
 
         A key that counts against a limit gets its marker (`key_period:<key id>`, its kind of
         period) and loses its figures but the current period's; a key with no limit, or
@@ -524,7 +526,11 @@ class Keyring:
             update = "REMOVE " + ", ".join(["#marker", *removes])
         else:
             values[":wanted"] = {"S": wanted}
-            update = "SET #marker = :wanted" + (" REMOVE " + ", ".join(removes) if removes else "")
+            update = "SET #marker = :wanted"
+            if seed and figure is not None:  # a key that spent nothing has no figure yet
+                names["#figure"], values[":seed"] = figure, {"N": number(seed)}
+                update += ", #figure = if_not_exists(#figure, :seed)"
+            update += " REMOVE " + ", ".join(removes) if removes else ""
         if found is None:
             condition = "attribute_exists(#org_id) AND attribute_not_exists(#marker)"
         else:
@@ -540,6 +546,10 @@ class Keyring:
             payload["ExpressionAttributeValues"] = values
         return payload, figure
 
+    async def _spent_in_period(self, key: KeyInfo, now: float) -> Decimal:
+        """What the key's usage events say it spent in the current period of its spend_period."""
+        return (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
+
     async def _raise_to_events(self, key: KeyInfo, figure: str, now: float) -> str:
         """Raise the figure to what the key's usage events say it spent in the period, never
         lowering it, on the condition that it is what was read. A key whose settles keep
@@ -550,7 +560,7 @@ class Keyring:
             if attempt > 1:  # the key's settles are landing: let them
                 await _backoff(attempt)
             found = (await self.org(key.org_id)).item.get(figure, {}).get("N")
-            spent = (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
+            spent = await self._spent_in_period(key, now)
             counted = Decimal(found) if found is not None else Decimal(0)
             if spent <= counted:
                 return figure  # counting already
@@ -676,6 +686,7 @@ class Keyring:
         # after it was unblocked) are a new transaction, not a resend DynamoDB would answer as
         # done; a resend of one attempt after a lost answer keeps its token
         change = secrets.token_hex(8)
+        seeds: dict[str, Decimal] = {}  # figure → what the key spent in its period, read once
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             if attempt > 1:
                 await _backoff(attempt)
@@ -687,7 +698,16 @@ class Keyring:
             after = replace(stored, **{name: (_DEFAULTS.get(name) if value is None else value)
                                        for name, value in changes.items()})
             now = self.clock()
-            org_update, figure = self._following(after, (await self.org(owner)).item, now)
+            # what the key spent in the period it will count in, read before the change is made:
+            # the change then brings its figure along, even if its answer is lost or what
+            # follows fails (a read that fails makes no change at all)
+            seed = None
+            if _counted_on_org(after):
+                period = _limits(after).figure(after.key_id, now)
+                if period not in seeds:
+                    seeds[period] = await self._spent_in_period(after, now)
+                seed = seeds[period]
+            org_update, figure = self._following(after, (await self.org(owner)).item, now, seed=seed)
             as_read, read_names, read_values = _spend_as_read(stored)
             key_update = {
                 "TableName": self._keys_table,
