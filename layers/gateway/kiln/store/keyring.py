@@ -511,9 +511,10 @@ class Keyring:
         period) and loses its figures but the current period's; a key with no limit, or
         revoked, loses its marker and figures (a request in flight across the change that
         settles into the figure its lease names makes it again, with its own cost, where no
-        admission reads it: _clear_leftovers removes it later). From then on every settle of the key's requests adds its cost
-        to the figure the marker says, those admitted by a gateway that does not know the
-        change yet too (kiln.store.ledger: a settle reads the marker its lease did not assume)."""
+        admission reads it: `_clear_leftovers` removes it later). From then on every settle of
+        the key's requests adds its cost to the figure the marker says, those admitted by a
+        gateway that does not know the change yet too (kiln.store.ledger: a settle reads the
+        marker its lease did not assume)."""
         figure = _limits(key).figure(key.key_id, now) if _counted_on_org(key) else None
         wanted = key.spend_period if figure is not None else None
         found = marker_of(dict(org), key.key_id)
