@@ -776,3 +776,65 @@ def test_a_chat_echo_of_the_last_assistant_message_is_not_billed_as_completion(s
     assert post(stack, ledger, CHAT, body).status_code == 200
     (event,) = ledger.check()
     assert (event.usage_source, event.completion_tokens) == ("upstream", 1)
+
+
+# found by a hostile review: only an echo that is there is taken off
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "stream"])
+def test_an_echo_of_token_ids_hides_nothing_the_server_wrote(stack, ledger, stream):
+    """The prompt comes back as text the gateway cannot know: nothing is taken off, and the
+    2 000 texts the server wrote are at least 2 000 tokens, whatever it reports."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1}
+    if stream:
+        mock = {"raw_events": [_text_chunk(" w")] * 2000 + [_text_chunk("", choices=[], usage=usage)]}
+    else:
+        mock = {"raw_body": _completion("x" * 256000, usage)}
+    body = {"model": MODEL, "prompt": [1], "echo": True, "max_tokens": 4000, "stream": stream, "mock": mock,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.completion_tokens >= 2000
+
+
+def test_an_echo_a_server_ignores_takes_nothing_off_its_reply(stack, ledger):
+    """n choices of a server that never repeats the prompt: every delta is the model's."""
+    deltas = [_text_chunk(" w", choices=[{"index": i % 8, "text": " w", "logprobs": None, "finish_reason": None}])
+              for i in range(4000)]
+    body = {"model": MODEL, "prompt": ECHOED, "echo": True, "n": 8, "stream": True, "mock": {"raw_events": deltas}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "estimated" and event.completion_tokens >= 4000
+
+
+def test_choices_asked_for_but_not_sent_take_no_echo_off_the_one_that_came(stack, ledger):
+    answer = _completion("y" * 64000, {"prompt_tokens": 4001, "completion_tokens": 0, "total_tokens": 4001})
+    body = {"model": MODEL, "prompt": ECHOED, "echo": True, "n": 5, "mock": {"raw_body": answer}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.completion_tokens >= 500
+
+
+@pytest.mark.parametrize("prompt", ["東京は日本の首都です。" * 600, 'a "quoted"\\ line\n' * 500], ids=["cjk", "escapes"])
+@pytest.mark.parametrize("pieces", [1, 40], ids=["one-chunk", "split"])
+def test_a_streamed_echo_of_any_text_in_any_pieces_is_believed(stack, ledger, prompt, pieces):
+    """vLLM sends the prompt in one chunk, other servers in several; its text may be written
+    with escapes or in UTF-8 of three bytes a character: the honest 0 is believed."""
+    size = -(-len(prompt) // pieces)
+    events = [_text_chunk(prompt[i:i + size]) for i in range(0, len(prompt), size)]
+    usage = {"prompt_tokens": 3000, "completion_tokens": 0, "total_tokens": 3000}
+    events += [_text_chunk("", choices=[]), _text_chunk("", choices=[], usage=usage)]
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1, "stream": True,
+            "stream_options": {"include_usage": True}, "mock": {"raw_events": events}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("upstream", 0)
+
+
+def test_a_chat_echo_of_the_users_message_without_a_generation_prompt_is_not_counted(stack, ledger):
+    events = [_chunk(choices=[{"index": 0, "delta": {"role": "user", "content": ECHOED}, "finish_reason": None}]),
+              _chunk(choices=[{"index": 0, "delta": {"content": " ok"}, "finish_reason": "stop"}])]
+    body = {"model": MODEL, "echo": True, "add_generation_prompt": False, "stream": True,
+            "messages": [{"role": "user", "content": ECHOED}], "mock": {"raw_events": events}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "estimated" and event.completion_tokens <= 2

@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 
-from kiln.apis.base import NO_ECHO, UNKNOWN_LENGTH, Echo, ModelApi, capability_check, stream_flag
+from kiln.apis.base import ModelApi, capability_check, stream_flag
 from kiln.apis.chat import API as CHAT
 from kiln.apis.completions import API as COMPLETIONS
 from kiln.catalog import Capabilities, ModelEntry, Pricing
@@ -386,23 +386,22 @@ def test_unsupported_parameter_is_what_a_missing_capability_raises():
         capability_check(PLAIN, "required", (None, "response_format"))
 
 
-def test_a_completion_echo_is_its_prompts_once_per_choice():
-    assert COMPLETIONS.echoed({"prompt": LONG}) == NO_ECHO
-    assert COMPLETIONS.echoed({"prompt": LONG, "echo": False}) == NO_ECHO
-    assert COMPLETIONS.echoed({"prompt": LONG, "echo": True}) == Echo(8, 250)
-    assert COMPLETIONS.echoed({"prompt": LONG, "echo": "true", "n": 3}) == Echo(24, 750)
-    assert COMPLETIONS.echoed({"prompt": [LONG, "ab"], "echo": 1}) == Echo(8 + 1, 250 + 1)
-    # token ids come back as text of a length the gateway cannot know: no floor, a token an id
-    assert COMPLETIONS.echoed({"prompt": [1, 2, 3], "echo": True}) == Echo(UNKNOWN_LENGTH, 3)
-    assert COMPLETIONS.echoed({"prompt": [[1, 2], "ab"], "echo": True}) == Echo(UNKNOWN_LENGTH, 2 + 1)
-    for odd in ({"prompt": {"x": 1}, "echo": True}, {"prompt": None, "echo": True}, {"prompt": [None, 5.5], "echo": True},
-                {"prompt": "ab", "echo": True, "n": "many"}, {"prompt": "ab", "echo": True, "n": 10**30}):
-        assert COMPLETIONS.echoed(odd).estimate <= 1
+def test_a_completion_may_echo_its_prompts_and_a_chat_reply_its_last_message():
+    def texts(api, body):
+        echoes = api.echoes(body)
+        return echoes._texts if echoes else ()
 
-
-def test_a_chat_echo_is_the_last_message_when_it_is_the_assistants():
-    continued = [{"role": "user", "content": "go on"}, {"role": "assistant", "content": [{"type": "text", "text": LONG}]}]
-    assert CHAT.echoed({"messages": continued, "echo": True}) == Echo(8, 250)
-    assert CHAT.echoed({"messages": continued}) == NO_ECHO
-    assert CHAT.echoed({"messages": continued[:1], "echo": True}) == NO_ECHO
-    assert CHAT.echoed({"messages": "x", "echo": True}) == NO_ECHO
+    assert texts(COMPLETIONS, {"prompt": LONG}) == ()
+    assert texts(COMPLETIONS, {"prompt": LONG, "echo": False}) == ()
+    assert texts(COMPLETIONS, {"prompt": LONG, "echo": "true"}) == (LONG,)
+    assert texts(COMPLETIONS, {"prompt": [LONG, "ab", [1, 2], 5], "echo": 1}) == (LONG, "ab")
+    assert texts(COMPLETIONS, {"prompt": [1, 2, 3], "echo": True}) == ()  # token ids: text it cannot know
+    assert texts(COMPLETIONS, {"prompt": {"x": 1}, "echo": True}) == ()
+    continued = [{"role": "user", "content": "go on"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert texts(CHAT, {"messages": continued, "echo": True}) == ("a\nb", "ab")
+    assert texts(CHAT, {"messages": continued}) == ()
+    # the last message echoes when it has the reply's role: any, without a generation prompt
+    assert texts(CHAT, {"messages": continued[:1], "echo": True}) == ()
+    assert texts(CHAT, {"messages": continued[:1], "echo": True, "add_generation_prompt": False}) == ("go on",)
+    assert texts(CHAT, {"messages": "x", "echo": True}) == ()

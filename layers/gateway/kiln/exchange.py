@@ -19,8 +19,8 @@ import anyio
 from starlette.responses import Response
 
 from .apis import ModelApi
-from .apis.base import NO_ECHO, Echo
 from .auth import Principal
+from .echo import Echoes
 from .errors import GatewayError, InternalError, NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
@@ -39,14 +39,15 @@ __all__ = ["Exchange"]
 
 log = logging.getLogger("kiln.exchange")
 
-def _echo_of(call: ModelCall) -> Echo:
-    """What the request's replies repeat of it; none if that cannot be worked out (the
-    reply's own counts are then all billed, the side that loses nothing)."""
+
+def _echoes_of(call: ModelCall) -> Echoes:
+    """What the request's replies may repeat of it; none if that cannot be worked out (the
+    reply's texts are then all counted as the model's: the side that loses nothing)."""
     try:
-        return call.api.echoed(call.body)
+        return call.api.echoes(call.body)
     except Exception:  # noqa: BLE001 - a request any client may shape: never a failure here
         log.exception("the echo of a request could not be worked out")
-        return NO_ECHO
+        return Echoes(())
 
 
 STREAM_CUT = "The model backend failed while streaming the response."
@@ -69,7 +70,7 @@ class Exchange:
         self.bounds = UsageBounds.of_request(call.body, call.model.context_length, limits=call.api.token_limits,
                                              prompts=call.api.prompts(call.body))
         self._prompt_estimate: int | None = None
-        self._echo = _echo_of(call)
+        self._echoes = _echoes_of(call)  # what the replies may repeat of the request: not the model's
         self._upstream: UpstreamExchange | None = None
         self._relay_state: SseRelay | None = None
         # renews the lease while the request runs, recording what it has relayed (§4)
@@ -198,7 +199,7 @@ class Exchange:
     def _progress(self) -> tuple[int, int, Decimal]:
         """What the request has used so far, as its lease renewal records it: the prompt and
         the tokens relayed (a buffered answer relays nothing before it is whole)."""
-        relayed = self._reply_count(self._relay_state.relayed_tokens) if self._relay_state is not None else 0
+        relayed = self._relay_state.relayed_tokens if self._relay_state is not None else 0
         usage = TokenUsage(min(self.prompt_estimate(), self.bounds.prompt), min(relayed, self.bounds.completion))
         return usage.prompt_tokens, usage.completion_tokens, self._price(usage)
 
@@ -208,7 +209,7 @@ class Exchange:
             prompt = min(self.prompt_estimate(), self.bounds.prompt)
         except Exception:  # noqa: BLE001 - the estimate is best effort here
             prompt = 0
-        return TokenUsage(prompt, min(self._reply_count(relayed), self.bounds.completion), None, "estimated")
+        return TokenUsage(prompt, min(relayed, self.bounds.completion), None, "estimated")
 
     def prompt_estimate(self) -> int:
         """The request's prompt tokens by the gateway's own rule (computed once, when needed)."""
@@ -216,17 +217,10 @@ class Exchange:
             self._prompt_estimate = self.call.api.estimate_prompt(self.call.body)
         return self._prompt_estimate
 
-    def _reply_count(self, counted: int) -> int:
-        """The completion tokens counted in the reply, but the request's text it repeats (echo)."""
-        return max(0, counted - self._echo.estimate)
-
     def _billable(self, reported: Any, completion_count: Callable[[], int], completion_floor: int = 0) -> TokenUsage:
-        """The usage to bill; `completion_count` and `completion_floor` are of the reply's texts
-        as counted, the request's text they repeat (echo) included: it is taken off here."""
         usage, problems = billable_usage(
             self.call.api.reported_usage(reported), self.bounds, prompt_estimate=self.prompt_estimate,
-            completion_count=lambda: self._reply_count(completion_count()),
-            completion_floor=max(0, completion_floor - self._echo.fewest),
+            completion_count=completion_count, completion_floor=completion_floor,
             prompt_floor=lambda: self.call.api.fewest_prompt_tokens(self.call.body),
         )
         if problems:
@@ -242,9 +236,11 @@ class Exchange:
         raw = await upstream.read_body(deadline)
         api = self.call.api
         answer = _parse_answer(raw, api)
-        # the answer's texts are at least their fewest tokens, as a stream's are
-        usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(answer),
-                               completion_floor=api.fewest_completion_tokens(answer))
+        # the answer's texts are at least their fewest tokens, as a stream's are; what they
+        # repeat of the request (echo) is not the model's
+        written = self._echoes.answer(answer) if self._echoes else answer
+        usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(written),
+                               completion_floor=api.fewest_completion_tokens(written))
         cost = self._price(usage)
         api.with_usage(answer, usage, cost)
         body = dumps(answer)
@@ -259,7 +255,7 @@ class Exchange:
     async def _relay(self, upstream: UpstreamExchange) -> AsyncGenerator[bytes, None]:
         relay = self._relay_state = self.call.api.relay(
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes,
-            request_bytes=upstream.sent_bytes,
+            request_bytes=upstream.sent_bytes, echoes=self._echoes,
         )
         deadline = upstream.sent_at + self.call.model.timeouts.total
         keepalive = self.gateway.settings.keepalive_seconds

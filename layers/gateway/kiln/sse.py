@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .echo import Echoes
 from .jsonio import dumps, loads_strict
 from .metering import TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
@@ -73,8 +74,10 @@ class SseRelay:
     `bytes_scanned` counts that work, for the test that holds the relay to it.
     """
 
-    def __init__(self, *, client_wants_usage: bool, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(self, *, client_wants_usage: bool, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+                 echoes: Echoes | None = None) -> None:
         self._client_wants_usage = client_wants_usage
+        self._echoes = echoes if echoes else None  # what the replies may repeat of the request (kiln.echo)
         self._max_event_bytes = max_event_bytes
         self._pending: list[bytes] = []  # pieces of the event not finished yet
         self._pending_size = 0
@@ -155,6 +158,17 @@ class SseRelay:
         self._head = None
         return head[len(BOM):] if head.startswith(BOM) else head
 
+    def _count_reply(self, payload: bytes, data: Any = UNREAD) -> None:
+        """Count a chunk's texts; of a request with an echo, those the model wrote (its chunks
+        are read, the echoed text taken off, and the rest counted as written again)."""
+        if self._echoes is not None:
+            if data is UNREAD:
+                data = parse_json(payload)
+            if isinstance(data, dict):
+                data = self._echoes.answer(data)
+                payload = dumps(data)
+        self._count(_TEXT_DELTA, payload, data)
+
     def _count(self, texts: re.Pattern[bytes], payload: bytes, data: Any = UNREAD) -> None:
         """Count the texts an event relays, and their tokens: model servers stream a token at a
         time, so a text no longer than a token (`TOKEN_BYTES`) counts one; a longer one (a
@@ -216,7 +230,7 @@ class SseRelay:
                 self.first_chunk = first
         if _USAGE_PRESENT.search(payload):
             return self._usage(event, payload)
-        self._count(_TEXT_DELTA, payload, data)
+        self._count_reply(payload, data)
         finish = _FINISH_REASON.findall(payload)
         if finish:
             self.finish_reason = finish[-1].decode(errors="replace")
@@ -230,7 +244,7 @@ class SseRelay:
             # a client that asked for usage; a content chunk carrying usage is passed on as it
             # came (its content is the client's: §7).
             if self._client_wants_usage or (b'"choices"' in payload and not _NO_CHOICES.search(payload)):
-                self._count(_TEXT_DELTA, payload, chunk)
+                self._count_reply(payload, chunk)
                 return event
             return None
         if isinstance(chunk.get("usage"), dict):
@@ -243,7 +257,7 @@ class SseRelay:
                 self.usage_chunk = chunk
             return None
         # usage riding on a content chunk (continuous usage stats): keep the content
-        self._count(_TEXT_DELTA, payload, chunk)
+        self._count_reply(payload, chunk)
         for choice in choices:
             if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
                 self.finish_reason = choice["finish_reason"]

@@ -7,44 +7,15 @@ the model server reports none, and how its stream ends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
+from ..echo import Echoes
 from ..errors import InvalidType, UnsupportedParameter
-from ..lax import server_bool, server_int
+from ..lax import server_bool
 from ..metering import TokenUsage, estimate_text_tokens, fewest_tokens
 from ..sse import DONE, SseRelay, error_event, usage_event
 
-__all__ = ["NO_ECHO", "ChatStyleApi", "Echo", "ModelApi", "echo_of", "stream_flag"]
-
-
-@dataclass(frozen=True)
-class Echo:
-    """What every reply of a request repeats of it before the model's own text (vLLM's `echo`:
-    a completion's prompt, chat's last assistant message), over all its choices: the fewest
-    tokens and the estimate of those texts, which the reply's own counts are not."""
-
-    fewest: int = 0
-    estimate: int = 0
-
-
-NO_ECHO = Echo()
-# a text the reply repeats whose length the gateway cannot know (a prompt of token ids, written
-# back as text): the reply's floor is then none
-UNKNOWN_LENGTH = 1 << 62
-
-
-def echo_of(body: dict[str, Any], texts: Iterable[str | list[Any]]) -> Echo:
-    """The Echo of `texts` (a token-id list counts a token an id, and no floor), once per choice."""
-    n = server_int(body.get("n"))
-    choices = n if n is not None and 1 <= n <= 1_000_000 else 1
-    fewest = estimate = 0
-    for text in texts:
-        if isinstance(text, str):
-            fewest, estimate = fewest + fewest_tokens(text), estimate + estimate_text_tokens(text)
-        else:
-            fewest, estimate = UNKNOWN_LENGTH, estimate + len(text)
-    return Echo(min(fewest * choices, UNKNOWN_LENGTH), estimate * choices)
+__all__ = ["ChatStyleApi", "ModelApi", "stream_flag"]
 
 
 def stream_flag(value: Any) -> bool:
@@ -102,9 +73,10 @@ class ModelApi:
         reads as text, a token per token id); 0 where the model server may shorten it."""
         return 0
 
-    def echoed(self, body: dict[str, Any]) -> Echo:
-        """What the replies repeat of the request (an `echo` the endpoint's servers honour)."""
-        return NO_ECHO
+    def echoes(self, body: dict[str, Any]) -> Echoes:
+        """The texts the replies may start with, repeated from the request (an `echo` the
+        endpoint's servers honour): none by default."""
+        return Echoes(())
 
     def estimate_completion(self, answer: dict[str, Any]) -> int:
         raise NotImplementedError
@@ -130,10 +102,11 @@ class ModelApi:
 
     # -- streaming (contract §7, §9) -----------------------------------------------------------
 
-    def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0) -> SseRelay:
+    def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0,
+              echoes: Echoes | None = None) -> SseRelay:
         """The stream's relay; `request_bytes`: the size of the request the model server was
-        sent (for an API whose events echo it)."""
-        return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes)
+        sent (for an API whose events echo it); `echoes`: what its replies may repeat of it."""
+        return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes, echoes=echoes)
 
     def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
         """The last bytes of a stream that ended well (after the settle)."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from .. import schemas
+from ..echo import Echoes
 from ..errors import EmptyArray, InvalidType, MissingParameter, UnsupportedParameter
 from ..lax import server_bool
 from ..metering import content_texts, estimate_prompt_tokens, fewest_prompt_text_tokens
-from .base import NO_ECHO, ChatStyleApi, Echo, capability_check, echo_of
+from .base import ChatStyleApi, capability_check
 
 __all__ = ["API", "ChatApi"]
 
@@ -65,16 +66,22 @@ class ChatApi(ChatStyleApi):
                    if isinstance(message, dict) and message.get("role") != "assistant"
                    for text in content_texts(message.get("content")))
 
-    def echoed(self, body: dict[str, Any]) -> Echo:
-        """vLLM's chat `echo` starts each reply with the last message, when it is the assistant's
-        (a reply it continues)."""
+    def echoes(self, body: dict[str, Any]) -> Echoes:
+        """vLLM's chat `echo` starts each reply with the last message when it has the reply's
+        role: the assistant's, or any with add_generation_prompt false (its content, its text
+        parts joined by a newline)."""
         messages = body.get("messages")
         if not server_bool(body.get("echo")) or not isinstance(messages, list) or not messages:
-            return NO_ECHO
+            return Echoes(())
         last = messages[-1]
-        if not isinstance(last, dict) or last.get("role") != "assistant":
-            return NO_ECHO
-        return echo_of(body, ["".join(content_texts(last.get("content")))])
+        prompted = server_bool(body.get("add_generation_prompt"))
+        if not isinstance(last, dict) or (prompted is not False and last.get("role") != "assistant"):
+            return Echoes(())
+        content = last.get("content")
+        if isinstance(content, str):
+            return Echoes([content])
+        texts = list(content_texts(content))
+        return Echoes(["\n".join(texts), "".join(texts)])
 
 
 def _check_tool_descriptions(body: dict[str, Any]) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import schemas
+from ..echo import Echoes
 from ..lax import server_bool
 from ..metering import estimate_prompt_tokens, fewest_prompt_text_tokens
-from .base import NO_ECHO, ChatStyleApi, Echo, echo_of
+from .base import ChatStyleApi
 
 __all__ = ["API", "CompletionsApi"]
 
@@ -29,18 +30,13 @@ class CompletionsApi(ChatStyleApi):
     def estimate_prompt(self, body: dict[str, Any]) -> int:
         return estimate_prompt_tokens(body, chat=False)
 
-    def echoed(self, body: dict[str, Any]) -> Echo:
-        """With `echo`, each reply starts with its prompt (with max_tokens 0, is only that)."""
+    def echoes(self, body: dict[str, Any]) -> Echoes:
+        """With `echo`, each reply starts with its prompt (a prompt of token ids comes back as
+        text the gateway cannot know: never taken off)."""
         if not server_bool(body.get("echo")):
-            return NO_ECHO
+            return Echoes(())
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return echo_of(body, [prompt])
-        if isinstance(prompt, list) and prompt and all(type(item) is int for item in prompt):
-            return echo_of(body, [prompt])  # one prompt of token ids
-        if isinstance(prompt, list):
-            return echo_of(body, [item for item in prompt if isinstance(item, (str, list))])
-        return NO_ECHO
+        return Echoes([prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else [])
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
         """Each prompt string's text, and a token per token id; none with vLLM's

@@ -117,7 +117,8 @@ class ResponsesApi(ModelApi):
     def failed(self, answer: dict[str, Any]) -> bool:
         return answer.get("status") == "failed"
 
-    def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0) -> SseRelay:
+    def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0,
+              echoes: Any = None) -> SseRelay:
         # every event that carries the response object echoes the request (its instructions,
         # tools, metadata): the bound is the model's plus the request's own size
         return ResponsesRelay(max_event_bytes=max_event_bytes + request_bytes)

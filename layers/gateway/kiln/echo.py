@@ -1,0 +1,88 @@
+"""A reply's echo of its request (vLLM's `echo`), told from what the model wrote (contract §4).
+
+With `echo`, each completion starts with its prompt (with `max_tokens: 0` it is only that:
+lm-eval scores a text so), and a chat reply with the last message. Those characters are the
+request's, billed as its prompt; counted as the reply's, they would be billed again as
+completion. Only an echo that is there is taken off: each choice's text, as it comes, is matched
+against the texts the request may have echoed, and from the first character that matches none,
+the text is the model's (a choice that starts otherwise, a server that ignores `echo`: all of
+it). Text the gateway cannot know, such as a prompt of token ids written back as text, is never
+taken off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+__all__ = ["MAX_TRACKED_CHOICES", "Echoes"]
+
+# Choices whose echo is followed; past that many (a hostile stream of indexes), every further
+# choice's text is all the model's.
+MAX_TRACKED_CHOICES = 10_000
+
+_OVER = None  # a choice whose echo is over (taken off, or never there)
+
+
+class Echoes:
+    """The texts a request's replies may start with, and where each choice stands in them."""
+
+    def __init__(self, texts: Sequence[str]) -> None:
+        self._texts = tuple(text for text in texts if isinstance(text, str) and text)
+        # choice index → (the texts it may still be echoing, how far into them), or _OVER
+        self._choices: dict[Hashable, tuple[tuple[int, ...], int] | None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._texts)
+
+    def own(self, choice: Any, text: str) -> str:
+        """Of the next piece of this choice's text, what the model wrote (all of it, once the
+        echo is over). A piece within the echo is nothing of the model's; should a later piece
+        leave every echoed text, the pieces held as echo are given back as the model's."""
+        key = choice if isinstance(choice, (int, str)) and not isinstance(choice, bool) else None
+        state = self._choices.get(key, ())
+        if state is _OVER:
+            return text
+        if state == ():
+            if len(self._choices) >= MAX_TRACKED_CHOICES:
+                return text
+            state = (tuple(range(len(self._texts))), 0)
+        candidates, offset = state
+        ended = going = None
+        for index in candidates:
+            echoed = self._texts[index]
+            rest = len(echoed) - offset
+            if len(text) >= rest:
+                if text.startswith(echoed[offset:]) and (ended is None or rest > ended):
+                    ended = rest  # the longest echo that ends within this piece
+            elif echoed.startswith(text, offset):
+                going = (*(going or ()), index)
+        if ended is not None:
+            self._choices[key] = _OVER
+            return text[ended:]
+        if going:
+            self._choices[key] = (going, offset + len(text))
+            return ""
+        self._choices[key] = _OVER
+        held = self._texts[candidates[0]][:offset]  # matched so far: the model's after all
+        return held + text
+
+    def choice(self, choice: Any) -> Any:
+        """A completion's or chat reply's choice (or its stream chunk's) with what it echoes taken
+        off the text that echoes it (a completion's `text`, a reply's content); anything else as is."""
+        if not isinstance(choice, dict):
+            return choice
+        index = choice.get("index")
+        if isinstance(choice.get("text"), str):
+            return {**choice, "text": self.own(index, choice["text"])}
+        for field in ("delta", "message"):
+            part = choice.get(field)
+            if isinstance(part, dict) and isinstance(part.get("content"), str):
+                return {**choice, field: {**part, "content": self.own(index, part["content"])}}
+        return choice
+
+    def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """A buffered answer (or a stream's chunk) with each choice's echo taken off."""
+        choices = answer.get("choices")
+        if not self or not isinstance(choices, list):
+            return answer
+        return {**answer, "choices": [self.choice(choice) for choice in choices]}
