@@ -691,6 +691,15 @@ def admitted_now(stack, org_id: str, key_id: str, limits: KeyLimits, cost: str, 
     return tries
 
 
+def changed_with_its_answers_lost(stack, admin: str, key_id: str, change: dict):
+    """PATCH the key, its transaction applied and every answer to it lost."""
+    stack.faults.lose("TransactWriteItems", times=3, when=changes_a_key(stack))
+    try:
+        return call(stack, "PATCH", f"/v1/keys/{key_id}", admin, change)
+    finally:
+        stack.faults.clear()
+
+
 @pytest.mark.parametrize(("first", "change"), [
     ({"spend_limit": None}, {"spend_limit": 5, "spend_period": "day"}),
     ({"spend_period": "week"}, {"spend_period": "day"}),
@@ -701,11 +710,7 @@ def test_a_change_whose_answers_were_lost_is_counted_as_stored_when_sent_again(s
     org_id, admin = management_org(stack, credits="1000")
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "month"}).json()
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, first).status_code == 200
-    stack.faults.lose("TransactWriteItems", times=3, when=changes_a_key(stack))
-    try:
-        lost = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
-    finally:
-        stack.faults.clear()
+    lost = changed_with_its_answers_lost(stack, admin, key["id"], change)
     assert lost.status_code == 503, lost.text
     assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change).status_code == 200
     assert org_marker(stack, org_id, key["id"]) == "day"
@@ -1084,11 +1089,7 @@ def test_a_change_whose_answer_is_lost_counts_what_the_key_spent_even_if_not_sen
     org_id, admin = management_org(stack, credits="1000")
     key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
     put_event(stack, org_id, key["id"], now_stored(), "4")
-    stack.faults.lose("TransactWriteItems", times=3, when=changes_a_key(stack))
-    try:
-        lost = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, change)
-    finally:
-        stack.faults.clear()
+    lost = changed_with_its_answers_lost(stack, admin, key["id"], change)
     assert lost.status_code == 503, lost.text
     shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
     assert (shown["spend_limit"], Decimal(str(shown["spend"]))) == (5, Decimal(4))
