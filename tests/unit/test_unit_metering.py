@@ -318,3 +318,12 @@ def test_a_prompt_count_the_gateway_replaces_is_never_below_the_floor(reported):
 ])
 def test_content_texts_are_what_a_model_reads_as_text(content, texts):
     assert list(content_texts(content)) == texts
+
+
+def test_the_prompt_floor_is_worked_out_at_most_once():
+    asked = []
+    for reported in (None, {"prompt_tokens": 1, "completion_tokens": 3}, {"prompt_tokens": 0, "completion_tokens": 3}):
+        asked.clear()
+        billable_usage(reported, BOUNDS, prompt_estimate=lambda: 7, completion_count=lambda: 5,
+                       prompt_floor=lambda: asked.append(1) or 60)
+        assert asked == [1]

@@ -238,7 +238,7 @@ class Exchange:
         answer = _parse_answer(raw, api)
         # the answer's texts are at least their fewest tokens, as a stream's are; what they
         # repeat of the request (echo) is not the model's
-        written = self._echoes.answer(answer) if self._echoes else answer
+        written = self._echoes.answer(answer)
         usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(written),
                                completion_floor=api.fewest_completion_tokens(written))
         cost = self._price(usage)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import Context, Decimal
+from functools import cache
 from typing import Any, Callable, Iterable, Iterator
 
 from .catalog import PER_MILLION, Pricing
@@ -139,7 +140,8 @@ def billable_usage(
     count is replaced by the gateway's own, capped at the bound (`capped`). Cached tokens
     count only when plausible.
     """
-    def least_prompt() -> int:
+    @cache
+    def least_prompt() -> int:  # the prompt's floor, worked out at most once
         return min(prompt_floor(), bounds.prompt) if prompt_floor is not None else 0
 
     def own_prompt() -> int:  # the estimate, never below the floor: no count is no way under it
@@ -228,8 +230,8 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
 
 def content_texts(content: Any) -> Iterator[str]:
     """The texts of a message's or input item's content that a model reads as text: the
-    string, or the text parts (and bare strings) of a list. An image, audio or file part holds none (its data
-    is not tokenized as text), nor does a part of a type the gateway does not know."""
+    string, or the text parts (and bare strings) of a list. An image, audio or file part holds
+    none (its data is not tokenized as text), nor does a part of a type the gateway does not know."""
     if isinstance(content, str):
         yield content
     elif isinstance(content, list):

@@ -16,6 +16,7 @@ import re
 from typing import Any, Iterator
 
 from .. import schemas
+from ..echo import Echoes
 from ..errors import UnsupportedParameter
 from ..jsonio import dumps
 from ..lax import server_bool
@@ -118,7 +119,7 @@ class ResponsesApi(ModelApi):
         return answer.get("status") == "failed"
 
     def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0,
-              echoes: Any = None) -> SseRelay:
+              echoes: Echoes | None = None) -> SseRelay:
         # every event that carries the response object echoes the request (its instructions,
         # tools, metadata): the bound is the model's plus the request's own size
         return ResponsesRelay(max_event_bytes=max_event_bytes + request_bytes)
