@@ -631,7 +631,13 @@ def test_every_storage_call_of_self_service_is_granted_to_its_function(stack):
 
 def test_every_storage_call_of_a_model_request_is_granted_to_its_function(stack_factory):
     """As above, for the model endpoints: admissions within a key's limits, a reclaim of a dead
-    request's lease by the next admission, settles of buffered and streamed requests."""
+    request's lease by the next admission, settles of buffered and streamed requests, and the
+    late settle of a request whose lease was reclaimed while it ran (it reads the abandoned
+    event it replaces)."""
+    from support import StorageFaults, SyncLedger
+
+    from kiln.store import UsageEvent
+    from kiln.store.clock import iso_ms
     from kiln.store.keys import create_key
 
     stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
@@ -640,6 +646,8 @@ def test_every_storage_call_of_a_model_request_is_granted_to_its_function(stack_
     limited = stack.key(org_id, spend_limit=Decimal(5), spend_period="day", concurrency=2)
     stack.ledger.admit(org_id=org_id, key_id="key_0123456789abcdef", model="qwen3-32b",
                        endpoint="chat.completions", streamed=False)  # never settled: reclaimed below
+    late = stack.ledger.admit(org_id=org_id, key_id="key_0123456789abcdef", model="qwen3-32b",
+                              endpoint="chat.completions", streamed=True)  # reclaimed, then settled
     time.sleep(0.4)
     mark = len(stack.faults.calls)
     chat = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
@@ -648,10 +656,15 @@ def test_every_storage_call_of_a_model_request_is_granted_to_its_function(stack_
         response = stack.post("/v1/chat/completions", body, key)
         assert response.status_code == 200, response.text
     deadline = time.monotonic() + 5  # the reclaim runs beside the admission that found the lease
-    while [event.status for event in stack.events(org_id)].count("abandoned") < 1 and time.monotonic() < deadline:
+    while [event.status for event in stack.events(org_id)].count("abandoned") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [event.status for event in stack.events(org_id)].count("abandoned") == 1
-    calls = stack.faults.calls[mark:]
+    assert [event.status for event in stack.events(org_id)].count("abandoned") == 2
+    settling = StorageFaults()
+    event = UsageEvent(gen_id=late.gen_id, org_id=org_id, created_at=iso_ms(late.started), key_id=late.key_id,
+                       model=late.model, endpoint=late.endpoint, streamed=True, status="success",
+                       cost=Decimal("0.25"), prompt_tokens=3, completion_tokens=5)
+    assert SyncLedger(stack.settings, settling).settle(late, event) == "replaced_abandoned"
+    calls = stack.faults.calls[mark:] + settling.calls
     cfn = deployed(MODES[0])
     for role in MODEL_ROLES:
         grants = {(action, json.dumps(resource)) for action in set(CALL_ACTIONS.values()) | set(ITEM_ACTIONS.values())
