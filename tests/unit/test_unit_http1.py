@@ -653,3 +653,61 @@ def test_an_answer_sent_before_the_request_was_read_is_the_answer(ending):
         await http.aclose()
 
     run(main())
+
+
+GZIP_THEN_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+CHUNKED_TWICE = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"2\r\n{}\r\n0\r\n\r\n")
+CHUNKED_THEN_GZIP = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize("raw", [GZIP_THEN_CHUNKED, CHUNKED_TWICE, CHUNKED_THEN_GZIP],
+                         ids=["gzip-then-chunked", "chunked-twice", "chunked-then-gzip"])
+def test_a_transfer_coding_other_than_chunked_once_is_refused_and_not_reused(raw):
+    """The client decodes no transfer coding but chunked (it asks for identity): a gzipped body
+    would be handed over still gzipped, and a coding applied twice (RFC 9112 §6.1) read as once.
+    h11 refuses both; so does this client, and the connection is never used again."""
+    async def main():
+        http = client()
+        async with server(answering(raw, then_wait=1)) as (url, _):
+            with pytest.raises(ProtocolFailure, match="transfer coding"):
+                response = await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
+                await response.read()
+            assert http.idle_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("version", [b"RTSP/1.0", b"ICE/1.0"])
+def test_a_status_line_that_is_not_http_is_refused(version):
+    """The parser reads RTSP and ICE status lines too: an RTSP server's `200 OK` is no answer."""
+    async def main():
+        http = client()
+        async with server(answering(version + b" 200 OK\r\nContent-Length: 2\r\n\r\n{}", then_wait=1)) as (url, _):
+            with pytest.raises(ProtocolFailure, match="not HTTP"):
+                await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
+            assert http.idle_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_status_line_trickled_a_byte_at_a_time_is_still_read():
+    """The protocol is told from the answer's first bytes, whatever pieces they come in."""
+    async def handler(reader, writer):
+        await read_request(reader)
+        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}":
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(1)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
+            assert (response.status, await response.read()) == (200, b"{}")
+        await http.aclose()
+
+    run(main())

@@ -413,10 +413,14 @@ class HttpClient:
             return early
         head = 0  # bytes of the status line and headers fed so far
         spoiled: ProtocolFailure | None = None
+        start = b""  # the answer's first bytes, until they show its protocol
         while not message.headers_complete:
             data = await _read(connection, head_timeout, "no response in time", nothing_received=not head)
             if not data:
                 raise ProtocolFailure("the server closed the connection without answering", nothing_received=not head)
+            if len(start) < len(_PROTOCOL):
+                start += data[: len(_PROTOCOL) - len(start)]
+                _check_protocol(start)
             # never more than the bound reaches the parser before the headers are complete
             piece = data[: max_header_bytes - head] if head + len(data) > max_header_bytes else data
             head += len(piece)
@@ -428,6 +432,7 @@ class HttpClient:
                     raise ResponseTooLarge(f"response headers over {max_header_bytes} bytes")
             elif len(piece) < len(data) and spoiled is None:
                 spoiled = _fed(parser, message, data[len(piece):])  # the body's start, read with the headers' end
+        _check_framing(message.headers)
         return Response(self, connection, parser, message, read_timeout, spoiled)
 
     def _early_answer(self, connection: _Connection, parser: object, message: _Message, read_timeout: float | None,
@@ -437,9 +442,12 @@ class HttpClient:
         response, as httpx takes it, on a connection never used again. None otherwise."""
         buffered = bytes(connection.unread())
         head = buffered[:max_header_bytes]
-        spoiled = _fed(parser, message, head) if head else None
+        if not head.startswith(_PROTOCOL):
+            return None
+        spoiled = _fed(parser, message, head)
         if not message.headers_complete or len(message.headers) > max_headers:
             return None
+        _check_framing(message.headers)
         if spoiled is None and len(head) < len(buffered):
             spoiled = _fed(parser, message, buffered[len(head):])
         message.keep_alive = False
@@ -560,6 +568,26 @@ def _feed(parser: object, data: bytes) -> None:
         raise ProtocolFailure("the server switched protocols instead of answering") from None
     except httptools.HttpParserError as exc:
         raise ProtocolFailure(f"malformed response: {exc}") from exc
+
+
+_PROTOCOL = b"HTTP/"
+
+
+def _check_protocol(start: bytes) -> None:
+    """The answer's first bytes are HTTP's (the parser reads RTSP and ICE status lines too)."""
+    if not _PROTOCOL.startswith(start[: len(_PROTOCOL)]):
+        raise ProtocolFailure("the answer is not HTTP: its status line does not start with HTTP/")
+
+
+def _check_framing(headers: list[tuple[bytes, bytes]]) -> None:
+    """A transfer coding other than chunked once is refused (as h11 does): the client decodes
+    none but chunked (it asks for identity), so such a body would be handed over still coded."""
+    codings = [value for name, value in headers if name == b"transfer-encoding"]
+    if not codings:
+        return
+    if len(codings) > 1 or [part.strip().lower() for part in codings[0].split(b",")] != [b"chunked"]:
+        shown = b", ".join(codings).decode("latin-1")[:100]
+        raise ProtocolFailure(f"a transfer coding this client does not decode: {shown!r} (only chunked is)")
 
 
 def _delimited_by_close(headers: list[tuple[bytes, bytes]]) -> bool:
