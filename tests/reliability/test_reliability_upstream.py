@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
+from typing import Callable
 
 import pytest
 
 from kiln.settings import Settings
 from kiln_ops.mock_upstream import MockUpstream
 from kiln_ops.serve import ServerThread, free_port
-from support import TELEMETRY, catalog_for_tests, data_events, dead_url
+from support import TELEMETRY, LedgerCheck, catalog_for_tests, data_events, dead_url
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "x"}]
@@ -295,3 +298,115 @@ def test_requests_ended_by_each_timeout_are_counted_by_kind(stack_factory, mock)
     assert ended == [("hung-model", "first_byte"), ("hung-then-ok-model", "total"), ("idle-model", "idle"),
                      ("endless-model", "total")]
     assert stack.org_info(org_id).in_flight == 0
+
+
+class RawUpstream:
+    """A model server on a loopback port that answers every request with `answer(conn, request)`:
+    exactly the bytes the test wants, when it wants."""
+
+    def __init__(self, answer: Callable[[socket.socket, bytes], None]) -> None:
+        self.answer = answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.requests = 0
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(body) < length:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    body += more
+                self.requests += 1
+                self.answer(conn, body)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop = True
+        self.listener.close()
+
+
+def test_a_5xx_whose_body_never_comes_does_not_hold_the_request_past_the_models_total_time(stack_factory, mock):
+    """A backend answers `503` with `Content-Length: 1000` and then sends nothing more: the
+    model's `total` bounds the whole request, every backend tried included, error bodies too
+    (their own 5 s bound would hold the request 5 s more per backend)."""
+    def sick(conn: socket.socket, body: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"error\":")
+        time.sleep(3)
+
+    upstream = RawUpstream(sick)
+    try:
+        tight = model("tight-model", [{"name": "sick", "url": upstream.url}],
+                      timeouts={"connect": 1, "first_byte": 0.5, "idle": 30, "total": 0.5})
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [tight]})
+        org_id, key = stack.org()
+        ledger = LedgerCheck(stack, org_id)
+        started = time.monotonic()
+        response = ledger.saw(stack.post(CHAT, {"model": "tight-model", "messages": MESSAGES}, key))
+        elapsed = time.monotonic() - started
+        assert response.status_code == 502
+        ledger.check()
+        assert elapsed < 2.0, f"a model with a total of 0.5 s answered after {elapsed:.1f} s"
+    finally:
+        upstream.close()
+
+
+def test_one_orgs_long_buffered_generations_do_not_take_a_healthy_backend_out_of_service(stack_factory, mock):
+    """§5: one client cannot take a model away from the others. A buffered answer's headers come
+    when its generation is done, so running out of the total waiting for them is the request's
+    doing (its max_tokens) as much as the backend's: counted as failed answers, by rate over
+    clients, never as the backend's own failures, three of which in a row would take it out."""
+    pair = model("pair-model", [{"name": "a", "url": mock.url}, {"name": "b", "url": mock.url}],
+                 timeouts={"connect": 1, "first_byte": 30, "idle": 30, "total": 0.6})
+    stack, changes = production_health(stack_factory, mock, pair)
+    org_a, org_b = stack.org(), stack.org()
+    for i in range(3):  # a long generation: the healthy mock answers after 1.5 s
+        slow = {"model": "pair-model", "messages": [{"role": "user", "content": f"long {i}"}],
+                "mock": {"ttft_ms": 1500}}
+        assert stack.post(CHAT, slow, org_a[1]).status_code == 502
+    assert stack.post(CHAT, {"model": "pair-model", "messages": MESSAGES}, org_b[1]).status_code == 200
+    assert changes == [], f"one org's own slow requests changed the backends' state for all: {changes}"
+
+
+def test_a_shared_backend_taken_out_for_one_model_is_still_tried_for_a_model_it_is_the_last_of(stack_factory, mock):
+    """§5: a model's last backend in service is never taken out, its requests are tried. A
+    backend shared by two models, taken out as pair-model's (the 5xx of two orgs' distinct
+    requests), is still tried for solo-model, whose only backend it is, and serves it."""
+    pair = model("pair-model", [{"name": "a", "url": mock.url}, {"name": "b", "url": mock.url}])
+    solo = model("solo-model", [{"name": "a", "url": mock.url}])
+    stack, changes = production_health(stack_factory, mock, pair, solo, backend_error_min_requests=4,
+                                       backend_cooldown_seconds=60)
+    orgs = [stack.org(), stack.org()]
+    for i in range(4):
+        body = {"model": "pair-model", "messages": [{"role": "user", "content": f"crash {i}"}],
+                "mock": {"status": 500}}
+        assert stack.post(CHAT, body, orgs[i % 2][1]).status_code == 502
+    assert ("pair-model", "a", "out_of_service") in changes
+    org_id, key = stack.org()
+    response = stack.post(CHAT, {"model": "solo-model", "messages": MESSAGES}, key)
+    assert response.status_code == 200, (response.status_code, response.text)

@@ -42,7 +42,7 @@ def test_transport_failures_in_a_row_eject_and_any_answer_resets_the_count():
     assert h.state_of(A) == IN_SERVICE
     h.transport_failed("m", A, PAIR)
     assert h.state_of(A) == OUT_OF_SERVICE and changes == [("a", OUT_OF_SERVICE)]
-    assert h.candidates("m", PAIR) == [B]
+    assert h.candidates("m", PAIR) == ([B], False)
 
 
 def test_the_last_backend_in_service_is_never_ejected():
@@ -56,7 +56,7 @@ def test_the_last_backend_in_service_is_never_ejected():
     fresh = BackendHealth(HealthPolicy(failure_threshold=1))
     for _ in range(10):
         fresh.transport_failed("m", A, only)
-    assert fresh.state_of(A) == IN_SERVICE and fresh.candidates("m", only) == [A]
+    assert fresh.state_of(A) == IN_SERVICE and fresh.candidates("m", only) == ([A], False)
 
 
 def test_5xx_never_eject_alone_retries_count_once_and_one_client_is_not_enough():
@@ -86,7 +86,7 @@ def test_after_the_cooldown_one_probe_at_a_time_decides_and_the_cooldown_grows()
     h, clock, changes = health(failure_threshold=1, cooldown=10, max_cooldown=25)
     h.transport_failed("m", A, PAIR)
     clock.now += 10
-    assert h.state_of(A) == PROBING and h.candidates("m", PAIR) == [A, B]
+    assert h.state_of(A) == PROBING and h.candidates("m", PAIR) == ([A, B], False)
     assert h.claim(A) and not h.claim(A)  # the second request does not probe at the same time
     h.transport_failed("m", A, PAIR)  # the probe failed: out again, for twice as long
     clock.now += 10
@@ -116,7 +116,10 @@ def test_every_backend_out_of_service_means_all_are_tried():
     h, clock, _ = health(failure_threshold=1)
     shared = (A,)
     h.transport_failed("m", A, PAIR)  # out, as a backend of m…
-    assert h.candidates("n", shared) == [A]  # …but n has nothing else: it is tried anyway
+    assert h.candidates("n", shared) == ([A], True)  # …but n has nothing else: it is tried anyway,
+    assert not h.claim(A) and h.claim(A, panic=True) and h.claim(A, panic=True)  # by every request
+    answer(h, A, "n's", "org1", failed=False)  # and what comes of it counts
+    assert h.state_of(A) == IN_SERVICE
 
 
 def test_the_snapshot_and_the_metric_say_each_backends_state():

@@ -4,10 +4,12 @@ A failed request says as much about the request as about the backend, so failure
 counted by cause:
 
 - **The backend itself failed** (connection refused or reset before any answer, a TLS
-  failure, a timeout before the first byte): `failure_threshold` of these in a row take the
+  failure, a stream's headers not in time): `failure_threshold` of these in a row take the
   backend out of service. Any HTTP answer starts the count again.
 - **The backend answered 5xx** (or broke after its 2xx: a cut stream, a body over its
-  bound): never enough on its own. Over the last `error_window` seconds, the backend goes out
+  bound; or a buffered answer's headers did not come within the request's total, which
+  come only when its generation is done, however long the request asked it to be): never
+  enough on its own. Over the last `error_window` seconds, the backend goes out
   only when at least `error_min_requests` distinct requests were answered, at least
   `error_rate` of them failed, and the failed ones came from at least `error_min_clients`
   clients (orgs). A request is known by its client and a hash of its body, so the openai
@@ -18,7 +20,7 @@ ejection in a row up to `max_cooldown`); then it is *probing*: one request at a 
 a success puts it back in service, a failure ejects it again. A model's last backend in
 service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its requests are
 tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
-models), all of them are tried.
+models, taken out as another model's), all of them are tried by every request (a panic).
 
 State is per process (a Lambda execution environment, or `kiln dev`): every state change is
 logged (`"event": "backend_state"`) and sent as the `BackendInService` metric (1 in service,
@@ -122,10 +124,12 @@ class BackendHealth:
             return IN_SERVICE
         return OUT_OF_SERVICE if self._clock() < state.out_until else PROBING
 
-    def candidates(self, model_id: str, backends: Iterable[Backend]) -> list[Backend]:
-        """The backends a request may try, in order: those in service, and those whose
-        cooldown is over (each tried by one request at a time). All of them when every one is
-        out of service (a panic: better a try than a model gone)."""
+    def candidates(self, model_id: str, backends: Iterable[Backend]) -> tuple[list[Backend], bool]:
+        """The backends a request may try, in order, and whether this is a panic: those in
+        service, and those whose cooldown is over (each tried by one request at a time); or,
+        when none of them is (a backend shared by models, taken out as another model's),
+        all of them, a panic, where every one is tried by every request: better a try than a
+        model gone."""
         backends = list(backends)
         now = self._clock()
         chosen = []
@@ -135,12 +139,13 @@ class BackendHealth:
                 chosen.append(backend)
             elif now >= state.out_until and now >= state.trial_until:
                 chosen.append(backend)
-        return chosen or backends
+        return (chosen, False) if chosen else (backends, True)
 
-    def claim(self, backend: Backend) -> bool:
-        """Just before a request tries `backend`: False if another request is probing it."""
+    def claim(self, backend: Backend, *, panic: bool = False) -> bool:
+        """Just before a request tries `backend`: False if another request is probing it (in
+        a panic, never: the request tries it whatever its state, and its outcome counts)."""
         state = self._state(backend)
-        if state.out_until is None:
+        if state.out_until is None or panic:
             return True
         now = self._clock()
         if now < state.out_until or now < state.trial_until:

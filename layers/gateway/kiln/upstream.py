@@ -200,6 +200,9 @@ def fingerprint(client: str, path: str, content: bytes) -> str:
     return digest.hexdigest()
 
 
+_ERROR_BODY_SECONDS = 5.0  # an error answer's body, at most
+
+
 class UpstreamClient:
     def __init__(
         self,
@@ -234,13 +237,14 @@ class UpstreamClient:
         request = fingerprint(client, path, shared)
         failures: list[str] = []
         last_timeout: str | None = None
-        for backend in health.candidates(model.id, enabled):
+        candidates, panic = health.candidates(model.id, enabled)
+        for backend in candidates:
             remaining = deadline - time.monotonic()
             if remaining <= 0.001:
                 failures.append(f"{backend.name}: not tried, the model's total time was spent")
                 last_timeout = "total"
                 break
-            if not health.claim(backend):
+            if not health.claim(backend, panic=panic):
                 continue  # another request is probing it
             content = compact({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
             headers = {
@@ -281,7 +285,11 @@ class UpstreamClient:
                         last_timeout = "first_byte" if stream and timeouts.first_byte < remaining + 0.01 else "total"
                 else:
                     last_timeout = None
-                if _is_backend_failure(exc):
+                # A buffered answer's headers come when its generation is done: a wait for them
+                # that outlasts the total says what the request asked for as much as that the
+                # backend failed, so it counts as a failed answer (by rate, over clients).
+                waited_for_generation = not stream and isinstance(exc, Timeout) and not isinstance(exc, ConnectTimeout)
+                if _is_backend_failure(exc) and not waited_for_generation:
                     health.transport_failed(model.id, backend, enabled)
                 else:  # an answer that broke its bounds or its framing
                     health.answered(model.id, backend, request, client, failed=True, models_backends=enabled)
@@ -298,7 +306,7 @@ class UpstreamClient:
                     model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
                     sent_bytes=len(content),
                 )
-            raw = await _read_error_body(response)
+            raw = await _read_error_body(response, deadline)
             # any answer below 500 means the backend works: the request was at fault, not the backend
             health.answered(model.id, backend, request, client, failed=status >= 500, models_backends=enabled)
             if 400 <= status < 500:
@@ -315,9 +323,11 @@ class UpstreamClient:
         raise UpstreamFailed(BAD_GATEWAY, detail="; ".join(failures))
 
 
-async def _read_error_body(response: Response) -> bytes:
+async def _read_error_body(response: Response, deadline: float) -> bytes:
+    """An error answer's body, for its message: what comes within 5 s, and within the
+    request's deadline (a body that trickles must not hold the request past its total)."""
     try:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(max(0.0, min(_ERROR_BODY_SECONDS, deadline - time.monotonic()))):
             return await response.read(limit=MAX_ERROR_BODY)
     except (HttpError, TimeoutError):
         return b""
