@@ -515,8 +515,11 @@ def test_a_long_text_reported_as_one_token_is_billed_for_its_length(stack, ledge
     {"role": "assistant", "content": "", "reasoning": LONG},
     {"role": "assistant", "content": None, "refusal": LONG},
     {"role": "assistant", "content": [{"type": "text", "text": LONG}]},
-    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": LONG}},
-], ids=["reasoning", "refusal", "content-parts", "function_call"])
+    {"role": "assistant", "content": None, "function_call": {"name": "", "arguments": LONG}},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                            "function": {"name": LONG, "arguments": ""}}]},
+    {"role": "assistant", "content": None, "audio": {"id": "a", "data": "", "transcript": LONG}},
+], ids=["reasoning", "refusal", "content-parts", "function_call", "tool-call-name", "audio-transcript"])
 @pytest.mark.parametrize("usage", [{"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}, None],
                          ids=["reported-0", "no-usage"])
 def test_every_text_of_a_buffered_answer_is_billed(stack, ledger, message, usage):
@@ -528,6 +531,31 @@ def test_every_text_of_a_buffered_answer_is_billed(stack, ledger, message, usage
     assert response.status_code == 200
     (event,) = ledger.check()
     assert event.completion_tokens == len(LONG) // 4
+
+
+def test_a_streamed_tool_call_name_is_billed(stack, ledger):
+    """A tool call's name is text the model wrote (llama.cpp reports no usage: it is the bill)."""
+    call = {"index": 0, "id": "c", "type": "function", "function": {"name": LONG, "arguments": ""}}
+    named = _chunk(choices=[{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}, "finish_reason": None}])
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [named, FINISH]}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("estimated", len(LONG) // 4)
+
+
+def test_a_usage_chunk_whose_key_is_spelled_with_an_escape_is_read_and_hidden(stack, ledger):
+    """`"\\u0075sage"` is usage to every JSON reader, the SDKs included: it is billed as
+    reported and, for a client that did not ask for usage, not relayed."""
+    text = _chunk(choices=[{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}])
+    usage = _chunk(choices=[], usage={"prompt_tokens": 900, "completion_tokens": 500, "total_tokens": 1400})
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True,
+            "mock": {"raw_events": [text, usage.replace('"usage"', '"\\u0075sage"')]}}
+    response = post(stack, ledger, CHAT, body)
+    assert response.status_code == 200
+    chunks = data_events(response.text)
+    assert chunks[-1] == "[DONE]" and not [chunk for chunk in chunks if isinstance(chunk, dict) and "usage" in chunk]
+    (event,) = ledger.check()
+    assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 900, 500)
 
 
 def test_a_streamed_refusal_is_billed(stack, ledger):
@@ -552,6 +580,37 @@ def test_a_responses_text_sent_only_in_its_final_response_is_billed(stack, ledge
     assert post(stack, ledger, "/v1/responses", body).status_code == 200
     (event,) = ledger.check()
     assert event.completion_tokens == len(LONG) // 4
+
+
+RESPONSES_ITEM = {"type": "message", "id": "m", "role": "assistant", "status": "completed",
+                  "content": [{"type": "output_text", "text": LONG, "annotations": []}]}
+DONE_EVENTS = {
+    "output_text.done": {"type": "response.output_text.done", "item_id": "m", "output_index": 0, "content_index": 0,
+                         "text": LONG},
+    "content_part.done": {"type": "response.content_part.done", "item_id": "m", "output_index": 0, "content_index": 0,
+                          "part": RESPONSES_ITEM["content"][0]},
+    "output_item.done": {"type": "response.output_item.done", "output_index": 0, "item": RESPONSES_ITEM},
+    "function_call_arguments.done": {"type": "response.function_call_arguments.done", "item_id": "f",
+                                     "output_index": 0, "arguments": LONG},
+    "a function call's name": {"type": "response.output_item.done", "output_index": 0, "item": {
+        "type": "function_call", "id": "f", "call_id": "c", "name": LONG, "arguments": "", "status": "completed"}},
+}
+
+
+@pytest.mark.parametrize("done", [*DONE_EVENTS, "all three"])
+@pytest.mark.parametrize("usage", [{"input_tokens": 4, "output_tokens": 1}, None], ids=["reported-1", "no-usage"])
+def test_a_responses_text_sent_only_in_done_events_is_billed(stack, ledger, done, usage):
+    """No delta, and a final response whose output is empty: the text the client got came
+    whole in a done event (of a text, a part, an item), and is billed for its length; sent
+    in the three at once, it is billed once."""
+    kinds = ([DONE_EVENTS[name] for name in ("output_text.done", "content_part.done", "output_item.done")]
+             if done == "all three" else [DONE_EVENTS[done]])
+    final = {"id": "r", "object": "response", "status": "completed", "output": [], **({"usage": usage} if usage else {})}
+    events = [json.dumps(event) for event in kinds] + [json.dumps({"type": "response.completed", "response": final})]
+    body = {"model": MODEL, "input": "hi", "stream": True, "mock": {"raw_events": events, "no_done": True}}
+    assert post(stack, ledger, "/v1/responses", body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("capped" if usage else "estimated", len(LONG) // 4)
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])

@@ -32,8 +32,10 @@ BOM = b"\xef\xbb\xbf"
 
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
-# a non-empty text of a chunk (its content, reasoning, refusal or tool-call arguments), as sent
-_TEXT_DELTA = re.compile(rb'"(?:content|text|reasoning_content|reasoning|refusal|arguments)"\s*:\s*"((?:[^"\\]|\\.)+)"')
+# a non-empty text of a chunk the model wrote (its content, reasoning, refusal, a tool call's
+# name or arguments, an audio reply's transcript), as sent
+_TEXT_DELTA = re.compile(
+    rb'"(?:content|text|reasoning_content|reasoning|refusal|name|arguments|transcript)"\s*:\s*"((?:[^"\\]|\\.)+)"')
 # the longest text a single token is (as sent, escapes included): longer deltas hold several
 TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
@@ -228,16 +230,17 @@ class SseRelay:
             first = parse_json(payload) if data is UNREAD else data
             if isinstance(first, dict):
                 self.first_chunk = first
-        if _USAGE_PRESENT.search(payload):
-            return self._usage(event, payload)
+        # usage as sent, or as an event read for its escapes says it (`"\\u0075sage"` is usage)
+        if _USAGE_PRESENT.search(payload) or (isinstance(data, dict) and data.get("usage") is not None):
+            return self._usage(event, payload, data)
         self._count_reply(payload, data)
         finish = _FINISH_REASON.findall(payload)
         if finish:
             self.finish_reason = finish[-1].decode(errors="replace")
         return event
 
-    def _usage(self, event: bytes, payload: bytes) -> bytes | None:
-        chunk = parse_json(payload)
+    def _usage(self, event: bytes, payload: bytes, data: Any = UNREAD) -> bytes | None:
+        chunk = parse_json(payload) if data is UNREAD else data
         if not isinstance(chunk, dict):
             # Unreadable (nested too deep, NaN, 1e999…), its usage can be neither read nor taken
             # out; the bill is the gateway's own count. The usage chunk (no choices) goes only to

@@ -223,7 +223,7 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
 def _answer_texts(answer: dict[str, Any]) -> Iterator[str]:
     """Every text of a chat or text completion the model wrote: text, content (a string or
     its text parts), reasoning (either name servers give it), refusal, and the arguments of
-    tool calls and of the older function_call."""
+    tool calls and of the older function_call (their names too), and an audio reply's transcript."""
     choices = answer.get("choices")
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict):
@@ -239,5 +239,8 @@ def _answer_texts(answer: dict[str, Any]) -> Iterator[str]:
         functions = [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
         for function in [*functions, message.get("function_call")]:
             if isinstance(function, dict):
-                texts.append(function.get("arguments"))
+                texts += [function.get("name"), function.get("arguments")]
+        audio = message.get("audio")
+        if isinstance(audio, dict):
+            texts.append(audio.get("transcript"))
         yield from (text for text in texts if isinstance(text, str))

@@ -39,6 +39,11 @@ _FINAL = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"'
 _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # a non-empty delta of text, reasoning or tool-call arguments (counted as chat's texts are)
 _DELTA = re.compile(rb'"delta"\s*:\s*"((?:[^"\\]|\\.)+)"')
+# an event that gives a whole text, part or output item when it is done (`response.output_text.done`,
+# `response.content_part.done`, `response.output_item.done`, …)
+_DONE = re.compile(rb'"type"\s*:\s*"response\.[a-z_.]+\.done"')
+# what a done event holds whole: its text, its part or its item
+_DONE_HOLDS = {"output_item": "item", "content_part": "part", "reasoning_summary_part": "part"}
 
 
 class ResponsesApi(ModelApi):
@@ -150,17 +155,39 @@ def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
 
 
 def _output_texts(answer: dict[str, Any]) -> Iterator[str]:
-    """Every text of a response's output items: their texts, reasoning and tool-call arguments."""
+    """Every text of a response's output items (`_item_texts`)."""
     output = answer.get("output")
     for item in output if isinstance(output, list) else []:
-        if not isinstance(item, dict):
-            continue
-        texts: list[Any] = [item.get("arguments")]
-        for part_list in (item.get("content"), item.get("summary")):
-            for part in part_list if isinstance(part_list, list) else []:
-                if isinstance(part, dict):
-                    texts.append(part.get("text"))
-        yield from (text for text in texts if isinstance(text, str))
+        yield from _item_texts(item)
+
+
+def _item_texts(item: Any) -> Iterator[str]:
+    """The texts the model wrote in an output item: its texts, refusals and reasoning, a tool
+    call's name and arguments (or a custom tool call's input)."""
+    if not isinstance(item, dict):
+        return
+    texts: list[Any] = [item.get("name"), item.get("arguments"), item.get("input")]
+    for part_list in (item.get("content"), item.get("summary")):
+        for part in part_list if isinstance(part_list, list) else []:
+            texts += _part_texts(part)
+    yield from (text for text in texts if isinstance(text, str))
+
+
+def _part_texts(part: Any) -> list[Any]:
+    return [part.get("text"), part.get("refusal")] if isinstance(part, dict) else []
+
+
+def _done_texts(data: Any) -> tuple[str, list[Any]]:
+    """What a done event holds whole ("item", "part" or "text") and its texts."""
+    kind = data.get("type") if isinstance(data, dict) else None
+    if not isinstance(kind, str):
+        return "text", []
+    holds = _DONE_HOLDS.get(kind[len("response."):-len(".done")], "text")
+    if holds == "item":
+        return holds, list(_item_texts(data.get("item")))
+    if holds == "part":
+        return holds, _part_texts(data.get("part"))
+    return holds, [data.get(name) for name in ("text", "refusal", "arguments", "input")]
 
 
 class ResponsesRelay(SseRelay):
@@ -169,9 +196,42 @@ class ResponsesRelay(SseRelay):
     event is the end (`done`)."""
 
     def __init__(self, *, max_event_bytes: int) -> None:
+        # what the texts relayed hold, by where they came: deltas, done events (a whole text,
+        # part or item each: the three kinds hold the same texts, so each is summed apart), the
+        # final response; the bill's floor and estimate are the most any of them says
+        self._done: dict[str, list[int]] = {"text": [0, 0], "part": [0, 0], "item": [0, 0]}  # [fewest, estimate]
+        self._final_tokens = (0, 0)
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
+
+    @property  # type: ignore[override]
+    def fewest_tokens(self) -> int:
+        return max(self._delta_fewest, self._final_tokens[0], *(kind[0] for kind in self._done.values()))
+
+    @fewest_tokens.setter
+    def fewest_tokens(self, value: int) -> None:  # the deltas' (SseRelay._count)
+        self._delta_fewest = value
+
+    @property  # type: ignore[override]
+    def relayed_tokens(self) -> int:
+        """The deltas' count (a token each counts best) or, where none came, the most the whole
+        texts say by the estimate."""
+        if self.relayed_texts:
+            return self._delta_tokens
+        return max(self._final_tokens[1], *(kind[1] for kind in self._done.values()))
+
+    @relayed_tokens.setter
+    def relayed_tokens(self, value: int) -> None:
+        self._delta_tokens = value
+
+    def _count_done(self, data: Any) -> None:
+        holds, texts = _done_texts(data)
+        counts = self._done[holds]
+        for text in texts:
+            if isinstance(text, str) and text:
+                counts[0] += fewest_tokens(text)
+                counts[1] += estimate_text_tokens(text)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if is_done(payload):
@@ -180,7 +240,8 @@ class ResponsesRelay(SseRelay):
         # read what may end the stream: what looks like a final or an error event, and any
         # event with an escape (which can spell either type)
         data = UNREAD
-        if final_like or _ERROR.search(payload) or b"\\u" in payload:
+        done_like = _DONE.search(payload)
+        if final_like or done_like or _ERROR.search(payload) or b"\\u" in payload:
             data = parse_json(payload)
             kind = data.get("type") if isinstance(data, dict) else None
             if kind in FINAL_EVENTS:
@@ -191,6 +252,8 @@ class ResponsesRelay(SseRelay):
                 return self._failed("the model server sent an error event")
             if final_like and data is None:
                 return self._failed("its final event is not JSON the gateway can read")
+            if isinstance(kind, str) and kind.endswith(".done"):
+                self._count_done(data)
         self._count(_DELTA, payload, data)
         return event
 
@@ -203,9 +266,7 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        self.fewest_tokens = max(self.fewest_tokens, API.fewest_completion_tokens(data["response"]))
-        if not self.relayed_texts:
-            self.relayed_tokens = API.estimate_completion(data["response"])
+        self._final_tokens = (API.fewest_completion_tokens(data["response"]), API.estimate_completion(data["response"]))
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
