@@ -630,6 +630,64 @@ def test_a_text_under_a_key_spelled_with_an_escape_is_billed(stack, ledger, api)
     assert event.completion_tokens == len(LONG) // 4
 
 
+# -- the prompt estimate, when no count came ------------------------------------------------------
+
+# 40 000 characters of tool description, about 10 000 tokens, and never fewer than 312
+DESCRIPTION = "word " * 8000
+CHAT_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": DESCRIPTION,
+                                                "parameters": {"type": "object", "properties": {}}}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "lookup", "description": DESCRIPTION,
+                    "parameters": {"type": "object", "properties": {}}}]
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS, "stream": True}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "documents": [{"title": "t", "text": DESCRIPTION}]}),
+    ("/v1/responses", {"input": "hi", "tools": RESPONSES_TOOLS, "tool_choice": "none"}),
+], ids=["chat-tools", "chat-tools-streamed", "chat-documents", "responses-tools"])
+def test_the_prompt_estimate_counts_what_the_template_renders_beside_the_messages(stack, ledger, path, body):
+    """Tool definitions (and vLLM's `documents`) are prompt the model reads: a server that
+    reports no usage does not make 40 000 characters of them free."""
+    response = post(stack, ledger, path, {"model": MODEL, **body, "mock": {"no_usage": True, "tool_calls": 0}})
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert event.usage_source == "estimated" and event.prompt_tokens >= len(DESCRIPTION) // 4, event.prompt_tokens
+
+
+def test_a_client_that_leaves_mid_stream_pays_for_the_tools_it_sent(stack, ledger):
+    """§7: billed the tokens seen so far, the whole prompt (tools included) among them."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS,
+            "tool_choice": "none", "stream": True, "mock": {"token_delay_ms": 50}}
+    with stack.http.stream("POST", CHAT, json=body, headers={"Authorization": f"Bearer {ledger.key}"}) as response:
+        ledger.saw(response)
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+    (event,) = ledger.check()
+    assert event.status == "client_disconnected" and event.prompt_tokens >= len(DESCRIPTION) // 4, event.prompt_tokens
+
+
+PICTURE = "data:image/png;base64," + "iVBORw0KGgo" * 8000  # 88 000 characters of one image's data
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                      {"type": "image_url", "image_url": {"url": PICTURE}}]}]}),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "what is this?"},
+                                                              {"type": "input_image", "image_url": PICTURE}]}]}),
+], ids=["chat", "responses"])
+def test_the_prompt_estimate_counts_an_image_as_a_picture_not_as_the_text_of_its_data(stack, ledger, path, body):
+    """An image's base64 is no text the model reads: 88 000 characters of it are not 22 000
+    prompt tokens, but a picture of middling size's (256)."""
+    response = post(stack, ledger, path, {"model": MODEL, **body, "mock": {"no_usage": True}})
+    assert response.status_code == 200, response.text
+    (event,) = ledger.check()
+    assert event.usage_source == "estimated" and 256 < event.prompt_tokens < 256 + 20, event.prompt_tokens
+
+
 # -- prompt usage too small for the prompt sent ------------------------------------------------
 
 LONG_PROMPT = "word " * 16000  # 80 000 characters: about 20 000 tokens, and at the very least 625

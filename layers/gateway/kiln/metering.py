@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any, Callable, Iterable, Iterator
 
 from .catalog import PER_MILLION, Pricing
+from .jsonio import dumps
 from .lax import server_int
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "content_texts",
     "fewest_prompt_text_tokens",
     "fewest_tokens",
+    "estimate_input_tokens",
+    "estimate_rendered_tokens",
     "texts_of",
 ]
 
@@ -49,6 +52,14 @@ LONGEST_TOKEN = 128
 TOKENS_PER_MESSAGE = 3
 # The content parts whose `text` a model reads as text (chat's, the Responses API's).
 TEXT_PARTS = ("text", "input_text", "output_text")
+# The content parts that carry media (chat's, the Responses API's, vLLM's): their data (a
+# data URL's base64, say) is no text the model reads. Each is estimated as a picture of
+# middling size is to a vision model (Qwen2-VL: 256 tokens for 448 × 448 pixels).
+MEDIA_PARTS = frozenset(("image_url", "input_image", "image", "image_embeds", "input_audio", "audio_url", "audio",
+                         "video_url", "video", "file", "input_file"))
+MEDIA_PART_TOKENS = 256
+# The request fields beside the messages that a chat template renders into the prompt.
+CHAT_PROMPT_FIELDS = ("tools", "functions", "documents")
 
 
 @dataclass(frozen=True)
@@ -224,8 +235,26 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
         messages = body.get("messages")
         if not isinstance(messages, list):
             messages = [messages] if messages is not None else []
-        return sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(texts_of(m))) for m in messages)
+        return (sum(TOKENS_PER_MESSAGE + estimate_input_tokens(m) for m in messages)
+                + sum(estimate_rendered_tokens(body.get(name)) for name in CHAT_PROMPT_FIELDS))
     return estimate_text_tokens("".join(texts_of(body.get("prompt"))))
+
+
+def estimate_input_tokens(value: Any) -> int:
+    """The estimate of a message or input item: its texts (`texts_of`), each media part
+    counted as MEDIA_PART_TOKENS, not as the text of its data."""
+    media = [0]
+    return estimate_text_tokens("".join(texts_of(value, media))) + media[0] * MEDIA_PART_TOKENS
+
+
+def estimate_rendered_tokens(value: Any) -> int:
+    """The estimate of a field a template renders as JSON (tool definitions, documents)."""
+    if not value or not isinstance(value, (list, dict)):
+        return 0
+    try:
+        return estimate_text_tokens(dumps(value))
+    except (TypeError, ValueError):  # not JSON the gateway writes: its strings, then
+        return estimate_text_tokens("".join(texts_of(value)))
 
 
 def content_texts(content: Any) -> Iterator[str]:
@@ -244,16 +273,21 @@ def content_texts(content: Any) -> Iterator[str]:
                     yield text
 
 
-def texts_of(value: Any) -> Iterable[str]:
-    """Every string inside a message or prompt (content parts, tool calls, token arrays)."""
+def texts_of(value: Any, media: list[int] | None = None) -> Iterable[str]:
+    """Every string inside a message or prompt (content parts, tool calls, token arrays).
+    With `media` (a one-item counter), a media part (MEDIA_PARTS) yields none of its data's
+    strings and is counted there instead."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
+        if media is not None and value.get("type") in MEDIA_PARTS:
+            media[0] += 1
+            return
         for item in value.values():
-            yield from texts_of(item)
+            yield from texts_of(item, media)
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, int) and not isinstance(item, bool):
                 yield "tokn"  # a token id counts as one token
             else:
-                yield from texts_of(item)
+                yield from texts_of(item, media)

@@ -24,10 +24,11 @@ from ..metering import (
     TOKENS_PER_MESSAGE,
     TokenUsage,
     content_texts,
+    estimate_input_tokens,
+    estimate_rendered_tokens,
     estimate_text_tokens,
     fewest_prompt_text_tokens,
     fewest_tokens,
-    texts_of,
 )
 from ..sse import UNREAD, SseRelay, is_done, parse_json
 from .base import ModelApi, capability_check
@@ -82,7 +83,8 @@ class ResponsesApi(ModelApi):
             items = [items] if items is not None else []
         instructions = body.get("instructions")
         tokens = estimate_text_tokens(instructions) if isinstance(instructions, str) else 0
-        return tokens + sum(TOKENS_PER_MESSAGE + estimate_text_tokens("".join(texts_of(item))) for item in items)
+        return (tokens + sum(TOKENS_PER_MESSAGE + estimate_input_tokens(item) for item in items)
+                + estimate_rendered_tokens(body.get("tools")))
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
         """The instructions, and each input item's text (a string, the content of a message
