@@ -270,7 +270,8 @@ def test_json_response_format_on_a_model_without_the_capability_is_400(stack, or
 
 @pytest.mark.parametrize("field, value", [("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"),
                                           ("guided_choice", ["yes", "no"]), ("structured_outputs", {"json": {}}),
-                                          ("regex", "[0-9]+"), ("grammar", "root ::= \"a\"")])
+                                          ("regex", "[0-9]+"), ("grammar", "root ::= \"a\""),
+                                          ("structural_tag", '{"structures": [], "triggers": ["<f>"]}')])
 def test_a_model_servers_own_constrained_output_needs_the_capability_too(stack, org, field, value):
     """vLLM's, SGLang's and llama.cpp's fields for the same thing fail on such a model the same way."""
     response = stack.post(CHAT, chat(**{field: value}), org[1])

@@ -119,7 +119,8 @@ def test_plain_text_or_unreadable_formats_need_no_capability(value):
     capability_check(PLAIN, None, (value, "response_format"))
 
 
-@pytest.mark.parametrize("field", ["guided_json", "structured_outputs", "regex", "ebnf", "json_schema", "grammar"])
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs", "structural_tag", "regex", "ebnf", "json_schema",
+                                   "grammar"])
 def test_a_model_servers_constrained_output_needs_the_json_capability(field):
     body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}], field: {"type": "object"}}
     status, error = error_of(lambda: CHAT.check(body, PLAIN))

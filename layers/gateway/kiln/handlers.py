@@ -216,7 +216,8 @@ def generation_object(event) -> dict:
 async def read_json(request: Request, limit: int) -> object:
     """The body as JSON: 413 beyond `limit` bytes (checked before reading when declared), 400 if not JSON."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    # isascii: "²" is a digit to str.isdigit, not to int
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
     chunks, size = [], 0
     try:

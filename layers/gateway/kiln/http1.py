@@ -285,7 +285,7 @@ class Response:
         already if it has one, and never held in memory beyond the bound."""
         if max_bytes is not None:
             declared = self.header("content-length")
-            if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+            if declared is not None and declared.isascii() and declared.strip().isdigit() and int(declared) > max_bytes:
                 self._discard()
                 raise BodyTooLarge(f"the body is {int(declared)} bytes, more than {max_bytes}")
         parts, size = [], 0

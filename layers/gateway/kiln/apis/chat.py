@@ -15,10 +15,10 @@ __all__ = ["API", "ChatApi"]
 
 
 # The model servers' own ways to constrain a reply, beside response_format: vLLM's
-# (guided_*, structured_outputs), SGLang's (regex, ebnf, json_schema), llama.cpp's (grammar,
+# (guided_*, structured_outputs, structural_tag), SGLang's (regex, ebnf, json_schema), llama.cpp's (grammar,
 # json_schema). Each needs the same capability as a JSON response_format.
 CONSTRAINED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                             "regex", "ebnf", "json_schema", "grammar")
+                             "structural_tag", "regex", "ebnf", "json_schema", "grammar")
 
 
 class ChatApi(ChatStyleApi):
