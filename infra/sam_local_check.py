@@ -26,7 +26,7 @@ EXPECTED_ROUTES = {
     ("POST", "/v1/completions"): "CompletionsFunction",
     ("POST", "/v1/responses"): "ResponsesFunction",
     ("GET", "/v1/models"): "ModelsFunction",
-    ("GET", "/v1/models/{model_id}"): "ModelsFunction",
+    ("GET", "/v1/models/{model_id+}"): "ModelsFunction",
     ("GET", "/v1/generations/{gen_id}"): "GenerationsFunction",
     ("GET", "/v1/credits"): "GenerationsFunction",
     ("GET", "/v1/key"): "GenerationsFunction",

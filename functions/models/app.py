@@ -1,4 +1,4 @@
-"""GET /v1/models and GET /v1/models/{model_id}."""
+"""GET /v1/models and GET /v1/models/{model_id+}."""
 
 from kiln.endpoints import MODELS
 from kiln.web import create_app, lambda_handler, routes_of

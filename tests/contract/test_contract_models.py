@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
+
+from support import catalog_for_tests
+
 
 def test_list_models_shows_the_catalog_with_pricing_and_context_length(stack, org):
     response = stack.http.get("/v1/models", headers={"Authorization": f"Bearer {org[1]}"})
@@ -24,6 +30,21 @@ def test_retrieve_one_model(stack, org):
     response = stack.http.get("/v1/models/qwen3-32b", headers={"Authorization": f"Bearer {org[1]}"})
     assert response.status_code == 200
     assert response.json()["id"] == "qwen3-32b"
+
+
+@pytest.mark.parametrize("path", ["/v1/models/Qwen/Qwen3-32B", "/v1/models/Qwen%2FQwen3-32B"], ids=["slash", "encoded"])
+def test_retrieve_a_model_whose_id_holds_a_slash(stack_factory, mock, path):
+    """vLLM serves a model under its Hugging Face name by default; the SDK's
+    `models.retrieve("Qwen/Qwen3-32B")` sends the slash as it is, or encoded."""
+    catalog = catalog_for_tests(mock.url)
+    catalog["models"].append({**copy.deepcopy(catalog["models"][0]), "id": "Qwen/Qwen3-32B"})
+    stack = stack_factory(catalog=catalog)
+    _, key = stack.org()
+    response = stack.http.get(path, headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 200, response.text
+    assert response.json()["id"] == "Qwen/Qwen3-32B"
+    missing = stack.http.get("/v1/models/Qwen/Qwen3-33B", headers={"Authorization": f"Bearer {key}"})
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
 
 
 def test_retrieve_an_unknown_model_is_404_model_not_found(stack, org):

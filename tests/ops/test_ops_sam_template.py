@@ -105,7 +105,7 @@ def env(cfn, function: str) -> dict[str, Any]:
 
 def test_the_registry_holds_at_least_the_contracts_routes():
     assert {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
-            ("get", "/v1/models/{model_id}"), ("get", "/v1/generations/{gen_id}")} <= set(ROUTES)
+            ("get", "/v1/models/{model_id+}"), ("get", "/v1/generations/{gen_id}")} <= set(ROUTES)
     # §10: an org's self-service, behind the REST API in both modes like every route
     self_service = {("get", "/v1/credits"), ("get", "/v1/key"), ("get", "/v1/usage"), ("post", "/v1/keys"),
                     ("get", "/v1/keys"), ("get", "/v1/keys/{key_id}"), ("patch", "/v1/keys/{key_id}"),

@@ -67,7 +67,8 @@ MODELS = Endpoint(
     "models",
     (
         Route("GET", "/v1/models", "models.list", "List the models in the catalog"),
-        Route("GET", "/v1/models/{model_id}", "models.retrieve", "One model of the catalog"),
+        # greedy (API Gateway's `+`): a model id may hold slashes, as vLLM's Hugging Face names do
+        Route("GET", "/v1/models/{model_id+}", "models.retrieve", "One model of the catalog"),
     ),
 )
 # the generations function also serves an org's self-service (contract §10, kiln.selfservice)

@@ -148,7 +148,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def retrieve_model(request: Request) -> Response:
-    """GET /v1/models/{model_id}."""
+    """GET /v1/models/{model_id+} (the id may hold slashes)."""
     gateway = get_gateway(request)
     record = record_of(request)
     record.endpoint = "models"

@@ -8,6 +8,7 @@ when that is first asked for: its import is most of a bare FastAPI app's cold st
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -143,7 +144,7 @@ def _described(routes: Sequence[RouteSpec]) -> bytes:
     described = FastAPI(title="Kiln gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     for route in routes:
         described.add_api_route(
-            route.path,
+            starlette_path(route.path),
             route.endpoint,
             methods=list(route.methods),
             name=route.name,
@@ -155,10 +156,19 @@ def _described(routes: Sequence[RouteSpec]) -> bytes:
     return JSONResponse(described.openapi()).body
 
 
+def starlette_path(path: str) -> str:
+    """A route's path as Starlette reads it: API Gateway's greedy `{name+}` (slashes and all)
+    is Starlette's `{name:path}`."""
+    return _GREEDY.sub(r"{\1:path}", path)
+
+
+_GREEDY = re.compile(r"\{(\w+)\+\}")
+
+
 def _served(path: str, endpoint: Handler, methods: Sequence[str], name: str) -> Route:
     """The route that serves a path: Starlette's own, without what FastAPI adds to each call
     (solving dependencies: these handlers have none, each takes the Request and answers)."""
-    route = Route(path, endpoint, methods=list(methods), name=name)
+    route = Route(starlette_path(path), endpoint, methods=list(methods), name=name)
     route.methods = set(methods)  # exactly these: for a GET route Starlette would answer HEAD too
     return route
 
