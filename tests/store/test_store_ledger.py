@@ -162,11 +162,14 @@ def test_a_validation_error_is_not_retried(stack):
     assert len(refused) == 1
 
 
-def test_the_retry_budget_ends_in_a_storage_error(stack_factory):
+@pytest.mark.parametrize("code", ["TransactionConflictException", "ThrottlingException"])
+def test_the_retry_budget_ends_in_a_storage_error(stack_factory, code):
+    """Each of the policy's attempts is one call: the AWS client does not try each again
+    itself (a throttled table would get three times the writes that refused it)."""
     stack = stack_factory(storage_retry_attempts=3)
     org_id, _ = stack.org()
     faults = StorageFaults()
-    refused = faults.fail("UpdateItem", code="TransactionConflictException")
+    refused = faults.fail("UpdateItem", code=code)
     with pytest.raises(StorageError):
         _admit(stack, org_id, SyncLedger(stack.settings, faults))
     assert len(refused) == 3

@@ -227,3 +227,56 @@ def test_an_endpoint_override_reaches_every_service_there():
     asyncio.run(client.dynamodb("GetItem", {}))
     asyncio.run(client.ssm("GetParameter", {}))
     assert seen == ["http://127.0.0.1:4566/", "http://127.0.0.1:4566/"]
+
+
+@pytest.mark.parametrize("region, host", [("us-east-1", "dynamodb.us-east-1.amazonaws.com"),
+                                          ("cn-north-1", "dynamodb.cn-north-1.amazonaws.com.cn"),
+                                          ("cn-northwest-1", "dynamodb.cn-northwest-1.amazonaws.com.cn")])
+def test_the_regional_endpoint_is_the_partitions(region, host):
+    """template.yaml builds every ARN from AWS::Partition, so it deploys in China too, whose
+    hosts end in .com.cn (as botocore's do)."""
+    seen = []
+    client = AwsClient(region=region, http=FakeHttp(lambda request: (seen.append(request.url), (200, {}))[1]),
+                       credentials=lambda: Credentials("a", "b"))
+    asyncio.run(client.dynamodb("GetItem", {}))
+    assert seen == [f"https://{host}/"]
+
+
+def test_a_client_that_tries_once_shares_the_connections_and_retries_nothing():
+    calls = []
+
+    def throttled(request):
+        calls.append(request)
+        return 400, {"__type": "x#ThrottlingException", "message": "Rate exceeded"}
+
+    client = _client(throttled, max_attempts=3)
+    once = client.once()
+    with pytest.raises(AwsError, match="ThrottlingException"):
+        asyncio.run(once.ssm("GetParameter", {"Name": "/x"}))
+    assert len(calls) == 1 and once._http is client._http
+    asyncio.run(once.aclose())  # not its connections to close
+    with pytest.raises(AwsError):
+        asyncio.run(client.ssm("GetParameter", {"Name": "/x"}))
+    assert len(calls) == 4  # the client itself still tries 3 times
+
+
+def test_a_throttled_first_read_is_as_many_ssm_calls_as_the_caches_back_off_tries():
+    """docs/deploy.md (SSM reads): a new environment retries its first read of the catalog
+    with back-off for up to 3 s, about 7 tries. Each try is one GetParameter, not one call of
+    the AWS client that would try 3 times itself, against the very quota refusing them."""
+    from kiln.errors import StorageUnavailable
+    from kiln.gateway import Gateway
+    from kiln.settings import Settings
+
+    reads = []
+
+    def throttled(request):
+        reads.append(request)
+        return 400, {"__type": "ThrottlingException", "message": "Rate exceeded"}
+
+    settings = Settings.from_env({"KILN_PARAMETER_FIRST_READ_SECONDS": "3"})
+    gateway = Gateway(settings, aws=_client(throttled, max_attempts=3))
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(gateway.catalog())
+    assert 3 <= len(reads) <= 8, len(reads)
+

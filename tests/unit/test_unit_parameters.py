@@ -220,19 +220,43 @@ def test_unparsable_refresh_keeps_last_good_value():
     asyncio.run(scenario())
 
 
-def test_first_load_failure_raises_then_retries():
+def test_first_load_failure_raises_then_retries_after_a_back_off():
+    """On Lambda no caller waits on another (one request at a time): the requests after a
+    failed first read are refused at once for a back-off, not each a read against SSM."""
     source, clock = Source(), Clock()
     source.error = TimeoutError("no route")
-    param = make(source, clock)
+    param = make(source, clock, rand=lambda: 1.0)
 
     async def scenario():
-        with pytest.raises(ParameterUnavailable, match="/kiln/test"):
-            await param.get()
+        for _ in range(10):  # ten requests 100 ms apart: one read
+            with pytest.raises(ParameterUnavailable, match="no route"):
+                await param.get()
+            clock.now += 0.1
+        assert source.reads == 1
         source.error = None
-        clock.now += 0.001
-        assert await param.get() == "V1"
+        assert await param.get() == "V1"  # 1 s after the failure
+        assert source.reads == 2
 
     asyncio.run(scenario())
+
+
+def test_the_back_off_after_failed_first_reads_doubles_up_to_its_bound():
+    source, clock = Source(), Clock()
+    source.error = throttled()
+    param = make(source, clock, rand=lambda: 1.0, max_age=600.0)
+    waits = []
+
+    async def scenario():
+        for _ in range(8):
+            reads, started = source.reads, clock.now
+            while source.reads == reads:
+                with pytest.raises(ParameterUnavailable):
+                    await param.get()
+                clock.now += 0.25
+            waits.append(clock.now - started)
+
+    asyncio.run(scenario())
+    assert waits[1:] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0], waits  # from one read to the next
 
 
 def test_a_new_environment_retries_its_first_read_within_the_budget():

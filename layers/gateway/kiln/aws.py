@@ -11,6 +11,7 @@ pynamodb and botocore, which remain the schema of record.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import hmac
 import json
@@ -243,6 +244,15 @@ class AwsClient:
             delay *= 2
         raise AssertionError("unreachable")
 
+    def once(self) -> "AwsClient":
+        """The same client (its connections, credentials and signing keys) trying each call
+        once: for callers with their own retries (the ledger's policy, the parameter cache's
+        back-off), whose every try would otherwise be this client's tries, against the very
+        quota that refused them."""
+        single = copy.copy(self)
+        single._max_attempts, single._owns_http = 1, False
+        return single
+
     async def dynamodb(self, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
         return await self.call("dynamodb", operation, payload)
 
@@ -258,7 +268,9 @@ def endpoint(service: str, region: str, endpoint_url: str | None) -> str:
     """Where a service's calls go: its regional endpoint, or `endpoint_url` as botocore uses it
     (path, port and query kept; `/` only when it has no path)."""
     if not endpoint_url:
-        return f"https://{service}.{region}.amazonaws.com/"
+        # the China partition's hosts end in .com.cn (its ARNs are template.yaml's AWS::Partition)
+        suffix = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+        return f"https://{service}.{region}.{suffix}/"
     parts = urlsplit(endpoint_url.strip())
     try:
         parts.port  # noqa: B018 - a port that is not a number raises here, not on the first call

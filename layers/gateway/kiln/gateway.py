@@ -68,6 +68,7 @@ class Gateway:
             )),
         )
         self.ledger = ledger_of(self.aws, settings, clock=clock)
+        self._ssm_once = self.aws.once() if isinstance(self.aws, AwsClient) else self.aws
         # the one storage interface of the request path (keys, orgs through the ledger, usage)
         self.store = DynamoStorage(
             self.aws,
@@ -133,7 +134,8 @@ class Gateway:
     async def _read_parameter(self, name: str, *, decrypt: bool = False) -> str | None:
         """One SSM parameter's value (a SecureString's decrypted); None if it does not exist."""
         try:
-            answer = await self.aws.ssm("GetParameter", {"Name": name, "WithDecryption": True} if decrypt else {"Name": name})
+            # tried once: the cache backs off itself (kiln.parameters), and SSM's quota is shared
+            answer = await self._ssm_once.ssm("GetParameter", {"Name": name, "WithDecryption": True} if decrypt else {"Name": name})
         except AwsError as exc:
             if exc.code == "ParameterNotFound":
                 return None

@@ -14,7 +14,10 @@ execution environment, so the cache is what keeps a busy fleet under it (docs/de
   or adding load to a throttled service;
 - the first read of an environment, which has no value to fall back on, retries with
   back-off for up to `first_read_budget` seconds before giving up; callers that waited
-  while it failed give up with it instead of trying again one after the other.
+  while it failed give up with it instead of trying again one after the other, and so do
+  those that come after it for a back-off (1 s, doubled at each first read failed in a row,
+  up to 30 s): on Lambda an environment serves one request at a time, so no caller ever
+  waits, and each would start the whole first read again against a throttled SSM.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ log = logging.getLogger("kiln.parameters")
 JITTER = 0.2  # a refresh falls due between 80% and 100% of max_age
 RETRY_AFTER = 2.0  # first back-off of a failed refresh, doubled on each failure up to max_age
 FIRST_READ_DELAY = 0.05  # first pause between two attempts of a first read, doubled each time
+FIRST_READ_RETRY_AFTER = 1.0  # no new first read for this long after one failed, doubled each time…
+FIRST_READ_RETRY_MAX = 30.0  # …up to this
 
 
 class ParameterUnavailable(Exception):
@@ -65,6 +70,8 @@ class CachedParameter(Generic[T]):
         self._expires = 0.0
         self._failures = 0  # refreshes failed in a row since the last good value
         self._first_read_failed: tuple[float, str] | None = None  # when, and why
+        self._first_reads_failed = 0  # in a row
+        self._next_first_read = 0.0  # no first read before then (a back-off after a failed one)
         self._lock = asyncio.Lock()
 
     @property
@@ -79,7 +86,8 @@ class CachedParameter(Generic[T]):
         async with self._lock:
             if not self._loaded:
                 failed = self._first_read_failed
-                if failed is not None and failed[0] > asked:  # it failed while this caller waited
+                # it failed while this caller waited, or so recently that it is backing off
+                if failed is not None and (failed[0] > asked or self._clock() < self._next_first_read):
                     raise ParameterUnavailable(f"{self.name}: {failed[1]}")
                 await self._first_read()
             elif self._clock() >= self._expires:
@@ -99,16 +107,23 @@ class CachedParameter(Generic[T]):
             except Exception as exc:  # noqa: BLE001 - retried within the budget, then reported
                 pause = delay * (0.5 + self._rand() / 2)
                 if self._clock() + pause > deadline:
-                    self._first_read_failed = (self._clock(), str(exc) or type(exc).__name__)
+                    self._first_read_gave_up(exc)
                     raise ParameterUnavailable(f"{self.name}: {exc}") from exc
                 await self._sleep(pause)
                 delay *= 2
         try:
             value = self._parse(raw)
         except Exception as exc:  # a malformed value: retrying would read the same
-            self._first_read_failed = (self._clock(), str(exc) or type(exc).__name__)
+            self._first_read_gave_up(exc)
             raise ParameterUnavailable(f"{self.name}: {exc}") from exc
         self._store(value)
+
+    def _first_read_gave_up(self, exc: Exception) -> None:
+        now = self._clock()
+        self._first_read_failed = (now, str(exc) or type(exc).__name__)
+        self._first_reads_failed += 1
+        back_off = min(FIRST_READ_RETRY_MAX, self._max_age, FIRST_READ_RETRY_AFTER * 2 ** (self._first_reads_failed - 1))
+        self._next_first_read = now + back_off * (0.5 + self._rand() / 2)
 
     async def _refresh(self) -> None:
         try:
@@ -127,5 +142,5 @@ class CachedParameter(Generic[T]):
     def _store(self, value: T) -> None:
         self._value, self._loaded = value, True
         self._failures = 0
-        self._first_read_failed = None
+        self._first_read_failed, self._first_reads_failed = None, 0
         self._expires = self._fresh_until()

@@ -668,9 +668,9 @@ def _spent_message(spent: Decimal, limits: KeyLimits, now: float) -> str:
 
 
 def ledger_of(aws: AwsClient, settings: Any, *, clock: Callable[[], float] = time.time) -> Ledger:
-    """The ledger these settings describe."""
+    """The ledger these settings describe (its calls tried once each: its policy retries them)."""
     return Ledger(
-        aws,
+        aws.once() if isinstance(aws, AwsClient) else aws,
         orgs_table=settings.orgs_table,
         usage_table=settings.usage_table,
         lease_ttl=settings.lease_ttl_seconds,
