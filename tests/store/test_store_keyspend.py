@@ -79,3 +79,56 @@ def test_only_a_key_with_a_spend_limit_has_a_figure_and_it_names_its_own_period(
     assert KeyLimits(spend_limit=Decimal(5), spend_period="month").figure("key_a", moment) == "key_spend:key_a:2026-12"
     item = {"key_spend:key_a:2026-12": {"N": "1"}, "key_spend:key_ab:total": {"N": "1"}, "key_leases:key_a": {"SS": ["g"]}}
     assert figures_of(item, "key_a") == ["key_spend:key_a:2026-12"]  # not key_ab's
+
+
+# -- the org item at the cap of keys with a limit -------------------------------------------------
+
+
+def _size(value: dict) -> int:
+    """An attribute value's size as DynamoDB bills it (its guide's "Item sizes and formats")."""
+    ((kind, raw),) = value.items()
+    if kind == "S":
+        return len(raw.encode())
+    if kind == "N":
+        digits = raw.lstrip("-").replace(".", "").lstrip("0") or "0"
+        return (len(digits) + 1) // 2 + 1
+    if kind == "BOOL":
+        return 1
+    if kind == "SS":
+        return sum(len(item.encode()) for item in raw)
+    if kind == "M":
+        return 3 + sum(len(name.encode()) + _size(inner) + 1 for name, inner in raw.items())
+    raise AssertionError(kind)
+
+
+def test_an_org_at_the_cap_of_limited_keys_still_serves_twice_its_concurrency_a_second():
+    """Every admission (an UpdateItem, 1 WCU per KB) and settle (a transaction, 2 WCU per KB,
+    and the usage event) writes the whole org item, and one item lives in one partition: 1 000
+    WCU a second at most. At MAX_LIMITED_KEYS keys with a limit, each with its marker and, at
+    a period's turn, two figures, and 8 requests in flight, the org must still be served 16
+    requests a second (its 8 slots, half-second requests) before DynamoDB throttles it."""
+    import math
+    import secrets
+    import time
+
+    from kiln.store.keyring import MAX_LIMITED_KEYS
+    from kiln.store.keyspend import marker_attribute
+    from kiln.store.ledger import Lease
+
+    now = time.time()
+    item = {"org_id": {"S": "org-acme"}, "status": {"S": "active"}, "credits": {"N": "1234.567891"},
+            "concurrency_limit": {"N": "8"}, "created_at": {"S": "2026-12-01T00:00:00.000Z"}}
+    keys = [f"key_{secrets.token_hex(8)}" for _ in range(MAX_LIMITED_KEYS)]
+    for key_id in keys:
+        item[marker_attribute(key_id)] = {"S": "day"}
+        for moment in (now - 86400, now):  # last period's figure, and this one's
+            item[spend_attribute(key_id, period_name("day", moment))] = {"N": "3.141592653"}
+    leases = {}
+    for index in range(8):
+        lease = Lease(f"gen-{index:026x}", "org-acme", keys[index], "qwen3-32b", "chat.completions", True, now,
+                      now + 60, spend_figure=spend_attribute(keys[index], period_name("day", now)))
+        leases[lease.gen_id] = lease.to_attribute()
+    item["leases"] = {"M": leases}
+    kb = math.ceil(sum(len(name.encode()) + _size(value) for name, value in item.items()) / 1024)
+    per_request = kb + 2 * kb + 2  # admission, settle (the event, ~1 KB, in the same transaction)
+    assert 1000 / per_request >= 16, f"org item {kb} KB: {per_request} WCU a request, {1000 / per_request:.1f} a second"

@@ -97,9 +97,11 @@ _EMOJI_JOINER = "\u200d"
 # a spend limit is below this (38 digits before the point at most)
 MAX_SPEND_LIMIT = Decimal("1E+38")
 # the most active keys with a spend limit an org may have: each keeps its marker and figures on
-# the org item (about 160 bytes at a period's turn), which DynamoDB holds to 400 KB and which
-# every admission and settle writes, billed by its size: 1 000 keep it far from the limit
-MAX_LIMITED_KEYS = 1000
+# the org item (about 130 bytes at a period's turn), which every admission and settle writes,
+# billed by its size (1 WCU a KB, 2 in a transaction), and one item's partition takes 1 000 WCU
+# a second: at 100 (about 13 KB) the org is served some 24 requests a second before DynamoDB
+# throttles it, at 1 000 only 2 or 3
+MAX_LIMITED_KEYS = 100
 # A request in flight when its key loses its limit (revoked, or the limit removed) adds its
 # cost to the figure its lease names when it settles, after key management removed it: that
 # figure is left where nothing reads it. Each call that may give a key a limit first clears
