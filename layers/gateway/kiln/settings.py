@@ -105,8 +105,8 @@ class Settings:
     # Backend health (kiln.health; docs/operations.md says why these values).
     backend_failure_threshold: int = setting(
         3,
-        "failures of the backend itself in a row (refused, reset before answering, TLS, no headers in "
-        "time) that take it out of service: three rule out one unlucky connection…",
+        "failures of the backend itself in a row (refused, reset before answering, TLS, a stream's "
+        "headers not in time) that take it out of service: three rule out one unlucky connection…",
         minimum=1,
     )
     backend_cooldown_seconds: float = setting(
