@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from kiln.web import openapi_path
 from kiln_ops.serve import free_port
 from kiln_ops.template import repo_root
 
@@ -208,6 +209,5 @@ def test_a_function_starts_without_the_framework_it_only_needs_for_its_schema(fu
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     module = importlib.import_module(f"kiln_functions.{function}.app")
-    # OpenAPI's names a path parameter as it is, with no greedy `+` (API Gateway's, for a model id's slashes)
-    expected = sorted({route.path.replace("+}", "}") for route in module.routes})
+    expected = sorted({openapi_path(route.path) for route in module.routes})
     assert out.stdout.strip().endswith(f"[] {expected} True"), out.stdout[-2000:]

@@ -162,6 +162,11 @@ def starlette_path(path: str) -> str:
     return _GREEDY.sub(r"{\1:path}", path)
 
 
+def openapi_path(path: str) -> str:
+    """A route's path as the OpenAPI document names it: a parameter is a parameter, greedy or not."""
+    return _GREEDY.sub(r"{\1}", path)
+
+
 _GREEDY = re.compile(r"\{(\w+)\+\}")
 
 
