@@ -634,11 +634,10 @@ def test_every_storage_call_of_a_model_request_is_granted_to_its_function(stack_
     request's lease by the next admission, settles of buffered and streamed requests, and the
     late settle of a request whose lease was reclaimed while it ran (it reads the abandoned
     event it replaces)."""
-    from support import StorageFaults, SyncLedger
-
     from kiln.store import UsageEvent
     from kiln.store.clock import iso_ms
     from kiln.store.keys import create_key
+    from support import StorageFaults, SyncLedger
 
     stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
     org_id, _ = stack.org(credits="1000")
