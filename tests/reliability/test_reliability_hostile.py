@@ -516,10 +516,8 @@ def test_a_long_text_reported_as_one_token_is_billed_for_its_length(stack, ledge
     {"role": "assistant", "content": None, "refusal": LONG},
     {"role": "assistant", "content": [{"type": "text", "text": LONG}]},
     {"role": "assistant", "content": None, "function_call": {"name": "", "arguments": LONG}},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                                                            "function": {"name": LONG, "arguments": ""}}]},
     {"role": "assistant", "content": None, "audio": {"id": "a", "data": "", "transcript": LONG}},
-], ids=["reasoning", "refusal", "content-parts", "function_call", "tool-call-name", "audio-transcript"])
+], ids=["reasoning", "refusal", "content-parts", "function_call", "audio-transcript"])
 @pytest.mark.parametrize("usage", [{"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}, None],
                          ids=["reported-0", "no-usage"])
 def test_every_text_of_a_buffered_answer_is_billed(stack, ledger, message, usage):
@@ -533,14 +531,39 @@ def test_every_text_of_a_buffered_answer_is_billed(stack, ledger, message, usage
     assert event.completion_tokens == len(LONG) // 4
 
 
-def test_a_streamed_tool_call_name_is_billed(stack, ledger):
-    """A tool call's name is text the model wrote (llama.cpp reports no usage: it is the bill)."""
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+@pytest.mark.parametrize("usage", [None, {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}],
+                         ids=["no-usage", "reported-1"])
+def test_a_tool_call_name_is_billed_when_no_count_comes_and_is_no_floor(stack, ledger, stream, usage):
+    """A tool call's name is text the client gets: billed when the server reports nothing
+    (llama.cpp). It is no floor: a server may write a name itself (a named tool_choice), or
+    again in every chunk (vLLM 0.6-0.7), so an honest small count is believed."""
     call = {"index": 0, "id": "c", "type": "function", "function": {"name": LONG, "arguments": ""}}
-    named = _chunk(choices=[{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}, "finish_reason": None}])
-    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [named, FINISH]}}
+    if stream:
+        named = _chunk(choices=[{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]},
+                                 "finish_reason": None}])
+        events = [named, FINISH] + ([_chunk(choices=[], usage=usage)] if usage else [])
+        body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": events}}
+    else:
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        answer = _answer(choices=[{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                         **({"usage": usage} if usage else {}))
+        body = {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": answer}}
     assert post(stack, ledger, CHAT, body).status_code == 200
     (event,) = ledger.check()
-    assert (event.usage_source, event.completion_tokens) == ("estimated", len(LONG) // 4)
+    assert (event.usage_source, event.completion_tokens) == (("upstream", 1) if usage else ("estimated", len(LONG) // 4))
+
+
+def test_a_tool_call_name_a_server_repeats_in_every_chunk_leaves_an_honest_count_believed(stack, ledger):
+    """vLLM 0.6-0.7 with a named tool_choice sends the function's name in every chunk."""
+    chunks = [_chunk(choices=[{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+        "name": "get_current_weather_forecast", "arguments": piece}}]}, "finish_reason": None}]) for piece in
+        ['{"', 'city', '":"', 'Paris', '"}']]
+    usage = _chunk(choices=[], usage={"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9})
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [*chunks, FINISH, usage]}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("upstream", 5)
 
 
 def test_a_usage_chunk_whose_key_is_spelled_with_an_escape_is_read_and_hidden(stack, ledger):
@@ -610,7 +633,25 @@ def test_a_responses_text_sent_only_in_done_events_is_billed(stack, ledger, done
     body = {"model": MODEL, "input": "hi", "stream": True, "mock": {"raw_events": events, "no_done": True}}
     assert post(stack, ledger, "/v1/responses", body).status_code == 200
     (event,) = ledger.check()
-    assert (event.usage_source, event.completion_tokens) == ("capped" if usage else "estimated", len(LONG) // 4)
+    if done == "a function call's name" and usage:  # a name is no floor: the count is believed
+        assert (event.usage_source, event.completion_tokens) == ("upstream", 1)
+    else:
+        assert (event.usage_source, event.completion_tokens) == ("capped" if usage else "estimated", len(LONG) // 4)
+
+
+def test_a_responses_text_mostly_sent_whole_is_billed_for_its_length(stack, ledger):
+    """A delta or two, then the whole text in done events and the final response, no usage:
+    the bill is what the whole texts say, not the deltas' one token."""
+    events = [{"type": "response.output_text.delta", "item_id": "m", "output_index": 0, "content_index": 0,
+               "delta": "Hi"}, DONE_EVENTS["output_text.done"], DONE_EVENTS["output_item.done"],
+              {"type": "response.completed", "response": {"id": "r", "object": "response", "status": "completed",
+                                                          "output": [RESPONSES_ITEM]}}]
+    body = {"model": MODEL, "input": "hi", "stream": True,
+            "mock": {"raw_events": [json.dumps(event) for event in events], "no_done": True}}
+    assert post(stack, ledger, "/v1/responses", body).status_code == 200
+    (event,) = ledger.check()
+    # the delta's token, and the rest of the text (all but its 2 characters) at 4 characters a token
+    assert (event.usage_source, event.completion_tokens) == ("estimated", 1 + -(-(len(LONG) - 2) // 4))
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
@@ -668,6 +709,30 @@ def test_a_client_that_leaves_mid_stream_pays_for_the_tools_it_sent(stack, ledge
                 break
     (event,) = ledger.check()
     assert event.status == "client_disconnected" and event.prompt_tokens >= len(DESCRIPTION) // 4, event.prompt_tokens
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "type": "image", "content": DESCRIPTION},
+    {"role": "user", "type": [], "content": DESCRIPTION},
+    {"role": "user", "content": [{"type": {"a": 1}, "text": "x"}, {"type": "text", "text": DESCRIPTION}]},
+], ids=["message-typed-as-an-image", "type-a-list", "part-type-an-object"])
+@pytest.mark.parametrize("leaves", [False, True], ids=["no-usage", "client-leaves"])
+def test_only_a_content_part_is_media_in_the_estimate(stack, ledger, message, leaves):
+    """A message that says it is an image is still read for its text by the server; a type
+    of any JSON type is no failure (a 200 stays a 200, a client that leaves pays its prompt)."""
+    if leaves:
+        body = {"model": MODEL, "messages": [message], "stream": True, "mock": {"token_delay_ms": 50}}
+        with stack.http.stream("POST", CHAT, json=body, headers={"Authorization": f"Bearer {ledger.key}"}) as answer:
+            ledger.saw(answer)
+            for seen, _ in enumerate(line for line in answer.iter_lines() if line.startswith("data: ")):
+                if seen >= 2:
+                    break
+    else:
+        answer = post(stack, ledger, CHAT, {"model": MODEL, "messages": [message], "mock": {"no_usage": True}})
+        assert answer.status_code == 200, answer.text
+    (event,) = ledger.check()
+    assert event.status == ("client_disconnected" if leaves else "success")
+    assert event.prompt_tokens >= len(DESCRIPTION) // 4, event.prompt_tokens
 
 
 PICTURE = "data:image/png;base64," + "iVBORw0KGgo" * 8000  # 88 000 characters of one image's data

@@ -241,10 +241,21 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
 
 
 def estimate_input_tokens(value: Any) -> int:
-    """The estimate of a message or input item: its texts (`texts_of`), each media part
-    counted as MEDIA_PART_TOKENS, not as the text of its data."""
-    media = [0]
-    return estimate_text_tokens("".join(texts_of(value, media))) + media[0] * MEDIA_PART_TOKENS
+    """The estimate of a message or input item: its texts (`texts_of`), but each media part
+    of its content (MEDIA_PARTS: only a part of a content list is one, whatever else says
+    its type) counted as MEDIA_PART_TOKENS, not as the text of its data."""
+    if not isinstance(value, dict) or not isinstance(value.get("content"), list):
+        return estimate_text_tokens("".join(texts_of(value)))
+    parts = value["content"]
+    media = [part for part in parts if isinstance(part, dict) and _is_media(part)]
+    texts = [*texts_of({name: item for name, item in value.items() if name != "content"}),
+             *texts_of([part for part in parts if not (isinstance(part, dict) and _is_media(part))])]
+    return estimate_text_tokens("".join(texts)) + len(media) * MEDIA_PART_TOKENS
+
+
+def _is_media(part: dict[str, Any]) -> bool:
+    kind = part.get("type")
+    return isinstance(kind, str) and kind in MEDIA_PARTS
 
 
 def estimate_rendered_tokens(value: Any) -> int:
@@ -273,21 +284,16 @@ def content_texts(content: Any) -> Iterator[str]:
                     yield text
 
 
-def texts_of(value: Any, media: list[int] | None = None) -> Iterable[str]:
-    """Every string inside a message or prompt (content parts, tool calls, token arrays).
-    With `media` (a one-item counter), a media part (MEDIA_PARTS) yields none of its data's
-    strings and is counted there instead."""
+def texts_of(value: Any) -> Iterable[str]:
+    """Every string inside a message or prompt (content parts, tool calls, token arrays)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        if media is not None and value.get("type") in MEDIA_PARTS:
-            media[0] += 1
-            return
         for item in value.values():
-            yield from texts_of(item, media)
+            yield from texts_of(item)
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, int) and not isinstance(item, bool):
                 yield "tokn"  # a token id counts as one token
             else:
-                yield from texts_of(item, media)
+                yield from texts_of(item)

@@ -33,9 +33,12 @@ BOM = b"\xef\xbb\xbf"
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # a non-empty text of a chunk the model wrote (its content, reasoning, refusal, a tool call's
-# name or arguments, an audio reply's transcript), as sent
+# arguments, an audio reply's transcript), as sent
 _TEXT_DELTA = re.compile(
-    rb'"(?:content|text|reasoning_content|reasoning|refusal|name|arguments|transcript)"\s*:\s*"((?:[^"\\]|\\.)+)"')
+    rb'"(?:content|text|reasoning_content|reasoning|refusal|arguments|transcript)"\s*:\s*"((?:[^"\\]|\\.)+)"')
+# a tool call's name: counted as relayed (the bill when no usage comes) but no floor, for a
+# server may write it itself, or again in every chunk (vLLM 0.6-0.7 with a named tool_choice)
+_NAME = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 # the longest text a single token is (as sent, escapes included): longer deltas hold several
 TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
@@ -93,6 +96,7 @@ class SseRelay:
         self.first_chunk: dict[str, Any] | None = None
         self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
         self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
+        self.relayed_bytes = 0  # their length, as sent
         self.fewest_tokens = 0  # the fewest tokens those texts can be (kiln.metering.fewest_tokens)
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
@@ -169,15 +173,16 @@ class SseRelay:
             if isinstance(data, dict):
                 data = self._echoes.answer(data)
                 payload = dumps(data)
-        self._count(_TEXT_DELTA, payload, data)
+        self._count(_TEXT_DELTA, payload, data, names=_NAME)
 
-    def _count(self, texts: re.Pattern[bytes], payload: bytes, data: Any = UNREAD) -> None:
+    def _count(self, texts: re.Pattern[bytes], payload: bytes, data: Any = UNREAD,
+               names: re.Pattern[bytes] | None = None) -> None:
         """Count the texts an event relays, and their tokens: model servers stream a token at a
         time, so a text no longer than a token (`TOKEN_BYTES`) counts one; a longer one (a
         server that sends its answer in one piece) counts as text is estimated, 4 bytes a token.
         An event with an escape is read as its JSON says it (an escape can spell a key: the
         SDKs read `"\\u0063ontent"` as content), the rest as sent; `data` is the event's JSON
-        where the caller has read it already."""
+        where the caller has read it already. `names`: texts counted as relayed, but no floor."""
         if b"\\u" in payload:
             if data is UNREAD:
                 data = parse_json(payload)
@@ -185,8 +190,12 @@ class SseRelay:
                 payload = dumps(data)
         for text in texts.findall(payload):
             self.relayed_texts += 1
+            self.relayed_bytes += len(text)
             self.fewest_tokens += fewest_tokens(text)
             self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
+        if names is not None and b'"name"' in payload:
+            for text in names.findall(payload):
+                self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
 
     def _failed(self, reason: str) -> None:
         """The stream cannot end as the upstream ended it: nothing more is relayed, and the

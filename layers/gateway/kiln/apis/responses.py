@@ -113,7 +113,7 @@ class ResponsesApi(ModelApi):
         return sum(estimate_text_tokens(text) for text in _output_texts(answer))
 
     def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
-        return sum(fewest_tokens(text) for text in _output_texts(answer))
+        return sum(fewest_tokens(text) for text in _output_texts(answer, names=False))
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         answer["usage"] = _with_cost(answer.get("usage"), usage, cost)
@@ -156,19 +156,20 @@ def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
     return billed
 
 
-def _output_texts(answer: dict[str, Any]) -> Iterator[str]:
+def _output_texts(answer: dict[str, Any], *, names: bool = True) -> Iterator[str]:
     """Every text of a response's output items (`_item_texts`)."""
     output = answer.get("output")
     for item in output if isinstance(output, list) else []:
-        yield from _item_texts(item)
+        yield from _item_texts(item, names=names)
 
 
-def _item_texts(item: Any) -> Iterator[str]:
+def _item_texts(item: Any, *, names: bool = True) -> Iterator[str]:
     """The texts the model wrote in an output item: its texts, refusals and reasoning, a tool
-    call's name and arguments (or a custom tool call's input)."""
+    call's arguments (or a custom tool call's input) and, with `names`, its name (no floor: a
+    server may write a name itself)."""
     if not isinstance(item, dict):
         return
-    texts: list[Any] = [item.get("name"), item.get("arguments"), item.get("input")]
+    texts: list[Any] = [item.get("name") if names else None, item.get("arguments"), item.get("input")]
     for part_list in (item.get("content"), item.get("summary")):
         for part in part_list if isinstance(part_list, list) else []:
             texts += _part_texts(part)
@@ -186,7 +187,7 @@ def _done_texts(data: Any) -> tuple[str, list[Any]]:
         return "text", []
     holds = _DONE_HOLDS.get(kind[len("response."):-len(".done")], "text")
     if holds == "item":
-        return holds, list(_item_texts(data.get("item")))
+        return holds, list(_item_texts(data.get("item"), names=False))
     if holds == "part":
         return holds, _part_texts(data.get("part"))
     return holds, [data.get(name) for name in ("text", "refusal", "arguments", "input")]
@@ -201,8 +202,9 @@ class ResponsesRelay(SseRelay):
         # what the texts relayed hold, by where they came: deltas, done events (a whole text,
         # part or item each: the three kinds hold the same texts, so each is summed apart), the
         # final response; the bill's floor and estimate are the most any of them says
-        self._done: dict[str, list[int]] = {"text": [0, 0], "part": [0, 0], "item": [0, 0]}  # [fewest, estimate]
-        self._final_tokens = (0, 0)
+        # [fewest tokens, estimated tokens, characters]
+        self._done: dict[str, list[int]] = {"text": [0, 0, 0], "part": [0, 0, 0], "item": [0, 0, 0]}
+        self._final_tokens = (0, 0, 0)
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
@@ -217,11 +219,14 @@ class ResponsesRelay(SseRelay):
 
     @property  # type: ignore[override]
     def relayed_tokens(self) -> int:
-        """The deltas' count (a token each counts best) or, where none came, the most the whole
-        texts say by the estimate."""
-        if self.relayed_texts:
-            return self._delta_tokens
-        return max(self._final_tokens[1], *(kind[1] for kind in self._done.values()))
+        """The deltas' count (a token each counts best), and what the whole texts hold beyond
+        the deltas' text, by the estimate (a server may send a few deltas and the rest whole);
+        with no delta, the whole texts' estimate."""
+        wholes = [self._final_tokens, *self._done.values()]
+        if not self.relayed_texts:
+            return max(whole[1] for whole in wholes)
+        beyond = max(whole[2] for whole in wholes) - self.relayed_bytes  # as sent: never less for the same text
+        return self._delta_tokens + (estimate_text_tokens("x" * beyond) if beyond > 0 else 0)
 
     @relayed_tokens.setter
     def relayed_tokens(self, value: int) -> None:
@@ -234,6 +239,12 @@ class ResponsesRelay(SseRelay):
             if isinstance(text, str) and text:
                 counts[0] += fewest_tokens(text)
                 counts[1] += estimate_text_tokens(text)
+                counts[2] += len(text)
+        if holds == "item" and isinstance(data.get("item"), dict):
+            name = data["item"].get("name")  # estimated, no floor (a server may write it itself)
+            if isinstance(name, str):
+                counts[1] += estimate_text_tokens(name)
+                counts[2] += len(name)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if is_done(payload):
@@ -268,7 +279,9 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        self._final_tokens = (API.fewest_completion_tokens(data["response"]), API.estimate_completion(data["response"]))
+        response = data["response"]
+        self._final_tokens = (API.fewest_completion_tokens(response), API.estimate_completion(response),
+                              sum(len(text) for text in _output_texts(response)))
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
