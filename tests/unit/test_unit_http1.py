@@ -659,10 +659,12 @@ GZIP_THEN_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\
 CHUNKED_TWICE = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
                  b"2\r\n{}\r\n0\r\n\r\n")
 CHUNKED_THEN_GZIP = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+# the parser reads `chunked` and a tab as no coding: the body would be handed over with its chunk sizes
+CHUNKED_AND_A_TAB = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\t\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
 
 
-@pytest.mark.parametrize("raw", [GZIP_THEN_CHUNKED, CHUNKED_TWICE, CHUNKED_THEN_GZIP],
-                         ids=["gzip-then-chunked", "chunked-twice", "chunked-then-gzip"])
+@pytest.mark.parametrize("raw", [GZIP_THEN_CHUNKED, CHUNKED_TWICE, CHUNKED_THEN_GZIP, CHUNKED_AND_A_TAB],
+                         ids=["gzip-then-chunked", "chunked-twice", "chunked-then-gzip", "chunked-and-a-tab"])
 def test_a_transfer_coding_other_than_chunked_once_is_refused_and_not_reused(raw):
     """The client decodes no transfer coding but chunked (it asks for identity): a gzipped body
     would be handed over still gzipped, and a coding applied twice (RFC 9112 §6.1) read as once.
@@ -693,11 +695,13 @@ def test_a_status_line_that_is_not_http_is_refused(version):
     run(main())
 
 
-def test_a_status_line_trickled_a_byte_at_a_time_is_still_read():
-    """The protocol is told from the answer's first bytes, whatever pieces they come in."""
+@pytest.mark.parametrize("lead", [b"", b"\r\n", b"\r\n\r\n"], ids=["none", "an-empty-line", "two"])
+def test_a_status_line_trickled_a_byte_at_a_time_is_still_read(lead):
+    """The protocol is told from the answer's first bytes, whatever pieces they come in, past
+    the empty lines a server may send first (the parser skips them, RFC 9112 §2.2)."""
     async def handler(reader, writer):
         await read_request(reader)
-        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}":
+        for byte in lead + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}":
             writer.write(bytes([byte]))
             await writer.drain()
             await asyncio.sleep(0.001)

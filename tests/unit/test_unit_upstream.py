@@ -10,7 +10,7 @@ import pytest
 from kiln.catalog import Backend, ModelEntry, Pricing, Timeouts
 from kiln.errors import UpstreamFailed
 from kiln.health import IN_SERVICE, OUT_OF_SERVICE, BackendHealth, HealthPolicy
-from kiln.http1 import ConnectFailed, ConnectTimeout, Response, ResponseTooLarge
+from kiln.http1 import ConnectFailed, ConnectTimeout, Response, ResponseTooLarge, Timeout
 from kiln.upstream import UpstreamClient
 
 A, B = Backend("a", "http://a/v1"), Backend("b", "http://b/v1")
@@ -91,3 +91,24 @@ def test_refusals_take_a_backend_out_only_while_another_is_in_service():
         with pytest.raises(UpstreamFailed):
             asyncio.run(upstream.open(model(A, B), "/chat/completions", {}, stream=True))
     assert health.state_of(B) == IN_SERVICE
+
+
+@pytest.mark.parametrize("failure", [Timeout("the request could not be sent in time"), ConnectTimeout("no")],
+                         ids=["not-reading", "connect"])
+def test_a_buffered_request_the_backend_never_read_is_the_backends_failure(failure):
+    """Only a wait for a buffered answer's headers is the request's doing too (its generation's
+    length): a backend that does not read the request, or cannot be reached, has failed."""
+    upstream, health, _ = client({"http://a": failure, "http://b": (200, b"{}")})
+    for i in range(3):
+        assert asyncio.run(upstream.open(model(A, B), "/chat/completions", {"n": i}, stream=False)).backend == B
+    assert health.state_of(A) == OUT_OF_SERVICE
+
+
+def test_a_buffered_answer_not_in_time_is_a_failed_answer_not_the_backends_failure():
+    upstream, health, ended = client({"http://a": "hang", "http://b": (200, b"{}")})
+    for i in range(3):  # one org's long generations: each spends the total on a
+        with pytest.raises(UpstreamFailed):
+            asyncio.run(upstream.open(model(A, B, total=0.05), "/chat/completions", {"n": i}, stream=False,
+                                      client="org-a"))
+    assert health.state_of(A) == IN_SERVICE and ended == ["total"] * 3
+

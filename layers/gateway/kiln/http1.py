@@ -419,7 +419,8 @@ class HttpClient:
             if not data:
                 raise ProtocolFailure("the server closed the connection without answering", nothing_received=not head)
             if len(start) < len(_PROTOCOL):
-                start += data[: len(_PROTOCOL) - len(start)]
+                # empty lines before the status line are skipped (RFC 9112 §2.2), as the parser does
+                start = (start + data[: 64]).lstrip(b"\r\n")[: len(_PROTOCOL)]
                 _check_protocol(start)
             # never more than the bound reaches the parser before the headers are complete
             piece = data[: max_header_bytes - head] if head + len(data) > max_header_bytes else data
@@ -442,7 +443,7 @@ class HttpClient:
         response, as httpx takes it, on a connection never used again. None otherwise."""
         buffered = bytes(connection.unread())
         head = buffered[:max_header_bytes]
-        if not head.startswith(_PROTOCOL):
+        if not head.lstrip(b"\r\n").startswith(_PROTOCOL):
             return None
         spoiled = _fed(parser, message, head)
         if not message.headers_complete or len(message.headers) > max_headers:
@@ -585,7 +586,8 @@ def _check_framing(headers: list[tuple[bytes, bytes]]) -> None:
     codings = [value for name, value in headers if name == b"transfer-encoding"]
     if not codings:
         return
-    if len(codings) > 1 or [part.strip().lower() for part in codings[0].split(b",")] != [b"chunked"]:
+    # blanks around a coding are spaces only: the parser reads `chunked` and a tab as no coding
+    if len(codings) > 1 or [part.strip(b" ").lower() for part in codings[0].split(b",")] != [b"chunked"]:
         shown = b", ".join(codings).decode("latin-1")[:100]
         raise ProtocolFailure(f"a transfer coding this client does not decode: {shown!r} (only chunked is)")
 

@@ -203,6 +203,11 @@ def fingerprint(client: str, path: str, content: bytes) -> str:
 _ERROR_BODY_SECONDS = 5.0  # an error answer's body, at most
 
 
+class _NoHeadersInTime(Timeout):
+    """The request's budget ran out before its answer's headers came (not a connect or send
+    timeout of the HTTP client: those say the backend failed, whatever the request)."""
+
+
 class UpstreamClient:
     def __init__(
         self,
@@ -274,7 +279,7 @@ class UpstreamClient:
                             max_header_bytes=limits.header_bytes,
                         )
                 except TimeoutError:
-                    raise Timeout("no response headers in time") from None
+                    raise _NoHeadersInTime("no response headers in time") from None
             except HttpError as exc:
                 failures.append(f"{backend.name}: {describe_transport_error(exc)}")
                 if isinstance(exc, Timeout):
@@ -288,7 +293,7 @@ class UpstreamClient:
                 # A buffered answer's headers come when its generation is done: a wait for them
                 # that outlasts the total says what the request asked for as much as that the
                 # backend failed, so it counts as a failed answer (by rate, over clients).
-                waited_for_generation = not stream and isinstance(exc, Timeout) and not isinstance(exc, ConnectTimeout)
+                waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime)
                 if _is_backend_failure(exc) and not waited_for_generation:
                     health.transport_failed(model.id, backend, enabled)
                 else:  # an answer that broke its bounds or its framing
