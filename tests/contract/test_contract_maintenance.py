@@ -96,3 +96,27 @@ def test_while_on_a_stalled_upload_is_answered_at_once(stack_factory):
                        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\"".encode())
         answer = client.recv(4096)  # the rest of the body never comes
     assert answer.startswith(b"HTTP/1.1 503 ")
+
+
+def _switch_reads(stack):
+    return lambda payload: payload.get("Name") == stack.settings.maintenance_parameter
+
+
+def test_a_throttled_read_of_the_switch_neither_serves_a_request_nor_keeps_the_switch_off(stack_factory):
+    """The switch fails open (an unreadable one counts as off): a new environment's first read,
+    throttled once (a fleet cold-starting after a deploy, maintenance on), is tried again by
+    the AWS client as ever; throttled past that, the next request reads it again at once."""
+    stack = stack_factory(maintenance_cache_seconds=60.0)
+    _, secret = stack.org()
+    stack.set_maintenance({"enabled": True, "message": "Migrating."})
+    chat = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
+    stack.faults.fail("GetParameter", code="ThrottlingException", when=_switch_reads(stack), times=1)
+    first = stack.post("/v1/chat/completions", chat, secret)
+    assert (first.status_code, first.json()["error"]["code"]) == (503, "maintenance")
+    other = stack_factory(maintenance_cache_seconds=60.0)
+    _, secret = other.org()
+    other.set_maintenance({"enabled": True})
+    other.faults.fail("GetParameter", code="ThrottlingException", when=_switch_reads(other), times=3)
+    assert other.post("/v1/chat/completions", chat, secret).status_code == 200  # unreadable: off
+    second = other.post("/v1/chat/completions", chat, secret)  # SSM answers again
+    assert (second.status_code, second.json()["error"]["code"]) == (503, "maintenance")

@@ -78,11 +78,15 @@ class Gateway:
             ledger=self.ledger,
         )
         self.auth = Authenticator(self.store, cache_seconds=settings.auth_cache_seconds)
+        # The switch fails open (an unreadable one counts as off), so it is read as before any
+        # change to how parameters are read: each read tried by the AWS client itself, and read
+        # again by the next request after a failed one (no back-off that would keep it off).
         self._maintenance = CachedParameter(
             settings.maintenance_parameter,
-            lambda: self._read_parameter(settings.maintenance_parameter),
+            lambda: self._read_parameter(settings.maintenance_parameter, once=False),
             parse_flag,
             max_age=settings.maintenance_cache_seconds,
+            back_off_first_reads=False,
         )
         if catalog is not None:
             fetch_catalog: Callable[[], Awaitable[str | None]] = _constant(None)
@@ -131,11 +135,13 @@ class Gateway:
 
     # -- parameters ------------------------------------------------------------------------
 
-    async def _read_parameter(self, name: str, *, decrypt: bool = False) -> str | None:
-        """One SSM parameter's value (a SecureString's decrypted); None if it does not exist."""
+    async def _read_parameter(self, name: str, *, decrypt: bool = False, once: bool = True) -> str | None:
+        """One SSM parameter's value (a SecureString's decrypted); None if it does not exist.
+        `once`: tried once (the cache backs off itself, kiln.parameters, and SSM's quota is
+        shared), else as the AWS client tries every call."""
         try:
-            # tried once: the cache backs off itself (kiln.parameters), and SSM's quota is shared
-            answer = await self._ssm_once.ssm("GetParameter", {"Name": name, "WithDecryption": True} if decrypt else {"Name": name})
+            payload = {"Name": name, "WithDecryption": True} if decrypt else {"Name": name}
+            answer = await (self._ssm_once if once else self.aws).ssm("GetParameter", payload)
         except AwsError as exc:
             if exc.code == "ParameterNotFound":
                 return None

@@ -17,7 +17,9 @@ execution environment, so the cache is what keeps a busy fleet under it (docs/de
   while it failed give up with it instead of trying again one after the other, and so do
   those that come after it for a back-off (1 s, doubled at each first read failed in a row,
   up to 30 s): on Lambda an environment serves one request at a time, so no caller ever
-  waits, and each would start the whole first read again against a throttled SSM.
+  waits, and each would start the whole first read again against a throttled SSM (but for
+  a parameter read with `back_off_first_reads=False`: the maintenance switch, which fails
+  open and so must be read again as soon as SSM answers).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class CachedParameter(Generic[T]):
         *,
         max_age: float,
         first_read_budget: float = 0.0,
+        back_off_first_reads: bool = True,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
@@ -62,6 +65,7 @@ class CachedParameter(Generic[T]):
         self._parse = parse
         self._max_age = max_age
         self._first_read_budget = first_read_budget
+        self._back_off_first_reads = back_off_first_reads
         self._clock = clock
         self._sleep = sleep
         self._rand = rand
@@ -87,7 +91,8 @@ class CachedParameter(Generic[T]):
             if not self._loaded:
                 failed = self._first_read_failed
                 # it failed while this caller waited, or so recently that it is backing off
-                if failed is not None and (failed[0] > asked or self._clock() < self._next_first_read):
+                if failed is not None and (failed[0] > asked or (self._back_off_first_reads
+                                                                 and self._clock() < self._next_first_read)):
                     raise ParameterUnavailable(f"{self.name}: {failed[1]}")
                 await self._first_read()
             elif self._clock() >= self._expires:
