@@ -47,6 +47,13 @@ def test_retrieve_a_model_whose_id_holds_a_slash(stack_factory, mock, path):
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
 
 
+@pytest.mark.parametrize("path", ["/v1/models/", "/v1/models/qwen3-32b/", "/v1/models//qwen3-32b"])
+def test_a_model_path_with_an_empty_part_or_a_trailing_slash_is_an_unknown_url(stack, org, path):
+    """As API Gateway matches `{model_id+}`: no empty id, none with a slash at either end."""
+    response = stack.http.get(path, headers={"Authorization": f"Bearer {org[1]}"})
+    assert (response.status_code, response.json()["error"]["code"]) == (404, "unknown_url")
+
+
 def test_retrieve_an_unknown_model_is_404_model_not_found(stack, org):
     response = stack.http.get("/v1/models/not-a-model", headers={"Authorization": f"Bearer {org[1]}"})
     assert response.status_code == 404

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -157,9 +158,22 @@ def _described(routes: Sequence[RouteSpec]) -> bytes:
 
 
 def starlette_path(path: str) -> str:
-    """A route's path as Starlette reads it: API Gateway's greedy `{name+}` (slashes and all)
-    is Starlette's `{name:path}`."""
-    return _GREEDY.sub(r"{\1:path}", path)
+    """A route's path as Starlette reads it: API Gateway's greedy `{name+}` (slashes and all,
+    but neither empty nor ending in a slash, as API Gateway matches it) is `{name:greedy}`."""
+    return _GREEDY.sub(r"{\1:greedy}", path)
+
+
+class _Greedy(Convertor):
+    regex = r"[^/](?:.*[^/])?"  # no empty value, none that starts or ends with a slash
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("greedy", _Greedy())
 
 
 def openapi_path(path: str) -> str:
