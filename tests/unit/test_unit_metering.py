@@ -327,3 +327,30 @@ def test_the_prompt_floor_is_worked_out_at_most_once():
         billable_usage(reported, BOUNDS, prompt_estimate=lambda: 7, completion_count=lambda: 5,
                        prompt_floor=lambda: asked.append(1) or 60)
         assert asked == [1]
+
+
+# -- media in the prompt estimate -------------------------------------------------------------
+
+MEDIA_DATA = "data:image/png;base64," + "iVBORw0KGgo" * 10_000  # 110 000 characters of base64
+
+
+@pytest.mark.parametrize("item", [
+    {"role": "user", "content": [{"type": "text", "text": "What is said?"}, {"type": "audio_embeds", "audio_embeds": MEDIA_DATA}]},
+    {"role": "user", "content": [{"type": "video_embeds", "video_embeds": MEDIA_DATA}]},
+    {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": MEDIA_DATA}]},
+    {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_file", "file_data": MEDIA_DATA}]},
+], ids=["audio_embeds", "video_embeds", "tool-output-image", "tool-output-file"])
+def test_a_media_part_anywhere_in_a_list_is_estimated_as_a_picture(item):
+    """vLLM's embedding parts, and the parts a function call's output may hold in the
+    Responses API (a screenshot tool), are media: their data is no text."""
+    from kiln.metering import MEDIA_PART_TOKENS, estimate_input_tokens
+
+    assert MEDIA_PART_TOKENS <= estimate_input_tokens(item) <= MEDIA_PART_TOKENS + 20
+
+
+def test_a_message_that_calls_itself_media_is_read_for_its_text():
+    from kiln.metering import estimate_input_tokens
+
+    text = "word " * 1000
+    assert estimate_input_tokens({"role": "user", "type": "image", "content": text}) >= len(text) // 4
+    assert estimate_input_tokens({"role": "user", "type": [], "content": [{"type": {"a": 1}, "text": text}]}) >= len(text) // 4

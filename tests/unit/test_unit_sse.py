@@ -142,6 +142,30 @@ def test_a_text_delta_longer_than_a_token_counts_a_token_per_4_bytes_of_it(lengt
     assert (relay.relayed_texts, relay.relayed_tokens) == (1, tokens)
 
 
+def _named(name: str, arguments: str, *, choice: int = 0, call: int = 0) -> bytes:
+    chunk = {"choices": [{"index": choice, "delta": {"tool_calls": [{"index": call, "function": {
+        "name": name, "arguments": arguments}}]}, "finish_reason": None}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def test_a_tool_call_name_sent_again_in_every_chunk_counts_once_for_its_call():
+    """vLLM 0.6-0.7 with a named tool_choice repeats the name in every chunk: what a client
+    that leaves pays (the relayed count) holds it once, and so does the floor; another call,
+    another choice, or another name for the same call (a server that streams it in pieces) counts."""
+    name = "get_current_weather_forecast"  # 28 bytes: 7 tokens
+    relay = relay_all([_named(name, piece) for piece in ['{"', "city", '":"', "Paris", '"}']])[1]
+    assert (relay.relayed_tokens, relay.fewest_tokens) == (5 + 7, 5 + 1)
+    relay = relay_all([_named(name, "{}"), _named(name, "{}", call=1), _named(name, "{}", choice=1),
+                       _named("get_", ""), _named("weather", "")])[1]
+    assert relay.relayed_tokens == 3 * (1 + 7) + 1 + 1
+
+
+def test_a_tool_call_name_under_a_key_spelled_with_an_escape_is_counted():
+    chunk = b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"\\u006eame":"' + \
+        b"f" * 400 + b'"}}]}}]}\n\n'
+    assert relay_all([chunk])[1].fewest_tokens == 400 // 128 + 1
+
+
 def test_finish_reason_is_the_last_one_seen():
     first = b'data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}\n\n'
     assert relay_all([HELLO, first])[1].finish_reason == "tool_calls"

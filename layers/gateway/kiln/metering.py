@@ -55,8 +55,8 @@ TEXT_PARTS = ("text", "input_text", "output_text")
 # The content parts that carry media (chat's, the Responses API's, vLLM's): their data (a
 # data URL's base64, say) is no text the model reads. Each is estimated as a picture of
 # middling size is to a vision model (Qwen2-VL: 256 tokens for 448 × 448 pixels).
-MEDIA_PARTS = frozenset(("image_url", "input_image", "image", "image_embeds", "input_audio", "audio_url", "audio",
-                         "video_url", "video", "file", "input_file"))
+MEDIA_PARTS = frozenset(("image_url", "input_image", "image", "image_embeds", "image_pil", "input_audio", "audio_url",
+                         "audio", "audio_embeds", "video_url", "video", "video_embeds", "file", "input_file"))
 MEDIA_PART_TOKENS = 256
 # The request fields beside the messages that a chat template renders into the prompt.
 CHAT_PROMPT_FIELDS = ("tools", "functions", "documents")
@@ -242,20 +242,33 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
 
 def estimate_input_tokens(value: Any) -> int:
     """The estimate of a message or input item: its texts (`texts_of`), but each media part
-    of its content (MEDIA_PARTS: only a part of a content list is one, whatever else says
-    its type) counted as MEDIA_PART_TOKENS, not as the text of its data."""
-    if not isinstance(value, dict) or not isinstance(value.get("content"), list):
-        return estimate_text_tokens("".join(texts_of(value)))
-    parts = value["content"]
-    media = [part for part in parts if isinstance(part, dict) and _is_media(part)]
-    texts = [*texts_of({name: item for name, item in value.items() if name != "content"}),
-             *texts_of([part for part in parts if not (isinstance(part, dict) and _is_media(part))])]
-    return estimate_text_tokens("".join(texts)) + len(media) * MEDIA_PART_TOKENS
+    in it (an object in a list, a message's content or a tool's output, whose type is one of
+    MEDIA_PARTS; the message itself is none, whatever its type says) counted as
+    MEDIA_PART_TOKENS, not as the text of its data."""
+    media = [0]
+    if isinstance(value, dict):  # the message: its own type makes it no part
+        texts = [text for item in value.values() for text in _texts_but_media(item, media)]
+    else:
+        texts = list(_texts_but_media(value, media))
+    return estimate_text_tokens("".join(texts)) + media[0] * MEDIA_PART_TOKENS
 
 
-def _is_media(part: dict[str, Any]) -> bool:
-    kind = part.get("type")
-    return isinstance(kind, str) and kind in MEDIA_PARTS
+def _texts_but_media(value: Any, media: list[int]) -> Iterator[str]:
+    """`texts_of`, where an object in a list whose type is a media type's name is counted in
+    `media` instead."""
+    if isinstance(value, list):
+        for item in value:
+            if isinstance(item, dict) and isinstance(item.get("type"), str) and item["type"] in MEDIA_PARTS:
+                media[0] += 1
+            elif isinstance(item, int) and not isinstance(item, bool):
+                yield "tokn"  # a token id counts as one token
+            else:
+                yield from _texts_but_media(item, media)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _texts_but_media(item, media)
+    elif isinstance(value, str):
+        yield value
 
 
 def estimate_rendered_tokens(value: Any) -> int:

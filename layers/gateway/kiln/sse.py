@@ -36,9 +36,9 @@ _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # arguments, an audio reply's transcript), as sent
 _TEXT_DELTA = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning|refusal|arguments|transcript)"\s*:\s*"((?:[^"\\]|\\.)+)"')
-# a tool call's name: counted as relayed (the bill when no usage comes) but no floor, for a
-# server may write it itself, or again in every chunk (vLLM 0.6-0.7 with a named tool_choice)
-_NAME = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
+# the most tool calls whose last name is remembered (a name sent again for the same call of
+# the same choice, as vLLM 0.6-0.7 does in every chunk for a named tool_choice, counts once)
+MAX_NAMED_CALLS = 10_000
 # the longest text a single token is (as sent, escapes included): longer deltas hold several
 TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
@@ -97,6 +97,7 @@ class SseRelay:
         self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
         self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
         self.relayed_bytes = 0  # their length, as sent
+        self._names: dict[tuple[Any, Any], str] = {}  # (choice, tool call) -> the name last counted
         self.fewest_tokens = 0  # the fewest tokens those texts can be (kiln.metering.fewest_tokens)
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
@@ -173,29 +174,57 @@ class SseRelay:
             if isinstance(data, dict):
                 data = self._echoes.answer(data)
                 payload = dumps(data)
-        self._count(_TEXT_DELTA, payload, data, names=_NAME)
+        self._count(_TEXT_DELTA, payload, data)
+        if b'"name"' in payload or b"\\u" in payload:
+            self._count_names(payload, data)
 
-    def _count(self, texts: re.Pattern[bytes], payload: bytes, data: Any = UNREAD,
-               names: re.Pattern[bytes] | None = None) -> None:
+    def _count_names(self, payload: bytes, data: Any) -> None:
+        """A chunk's tool call names (and the older function_call's), each counted as a text
+        once for its choice and call: a name sent again as it was, in every chunk, is not
+        written again."""
+        if data is UNREAD:
+            data = parse_json(payload)
+        choices = data.get("choices") if isinstance(data, dict) else None
+        for position, choice in enumerate(choices if isinstance(choices, list) else []):
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(delta, dict):
+                continue
+            index = choice.get("index", position)
+            calls = delta.get("tool_calls")
+            named = [(call.get("index", number), call.get("function")) for number, call in
+                     enumerate(calls if isinstance(calls, list) else []) if isinstance(call, dict)]
+            named.append(("function_call", delta.get("function_call")))
+            for call, function in named:
+                name = function.get("name") if isinstance(function, dict) else None
+                if not isinstance(name, str) or not name:
+                    continue
+                key = (_hashable(index), _hashable(call))
+                if self._names.get(key) == name:
+                    continue
+                if len(self._names) < MAX_NAMED_CALLS or key in self._names:
+                    self._names[key] = name
+                self._add_text(name.encode())
+
+    def _count(self, texts: re.Pattern[bytes], payload: bytes, data: Any = UNREAD) -> None:
         """Count the texts an event relays, and their tokens: model servers stream a token at a
         time, so a text no longer than a token (`TOKEN_BYTES`) counts one; a longer one (a
         server that sends its answer in one piece) counts as text is estimated, 4 bytes a token.
         An event with an escape is read as its JSON says it (an escape can spell a key: the
         SDKs read `"\\u0063ontent"` as content), the rest as sent; `data` is the event's JSON
-        where the caller has read it already. `names`: texts counted as relayed, but no floor."""
+        where the caller has read it already."""
         if b"\\u" in payload:
             if data is UNREAD:
                 data = parse_json(payload)
             if data is not None:
                 payload = dumps(data)
         for text in texts.findall(payload):
-            self.relayed_texts += 1
-            self.relayed_bytes += len(text)
-            self.fewest_tokens += fewest_tokens(text)
-            self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
-        if names is not None and b'"name"' in payload:
-            for text in names.findall(payload):
-                self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
+            self._add_text(text)
+
+    def _add_text(self, text: bytes) -> None:
+        self.relayed_texts += 1
+        self.relayed_bytes += len(text)
+        self.fewest_tokens += fewest_tokens(text)
+        self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
 
     def _failed(self, reason: str) -> None:
         """The stream cannot end as the upstream ended it: nothing more is relayed, and the
@@ -281,6 +310,10 @@ class SseRelay:
     def leftover(self) -> bytes:
         """Bytes of an event the upstream never finished (a cut stream)."""
         return b"".join(self._pending)
+
+
+def _hashable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
 def is_done(payload: bytes) -> bool:

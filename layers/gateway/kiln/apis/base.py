@@ -154,7 +154,7 @@ class ChatStyleApi(ModelApi):
         return sum(estimate_text_tokens(text) for text in _answer_texts(answer))
 
     def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
-        return sum(fewest_tokens(text) for text in _answer_texts(answer, names=False))
+        return sum(fewest_tokens(text) for text in _answer_texts(answer))
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         if usage.source == "upstream":
@@ -220,11 +220,10 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
         )
 
 
-def _answer_texts(answer: dict[str, Any], *, names: bool = True) -> Iterator[str]:
+def _answer_texts(answer: dict[str, Any]) -> Iterator[str]:
     """Every text of a chat or text completion the model wrote: text, content (a string or
     its text parts), reasoning (either name servers give it), refusal, and the arguments of
-    tool calls and of the older function_call, and an audio reply's transcript; with `names`,
-    the calls' names too (no floor: a server may write a name itself, as for a named tool_choice)."""
+    tool calls and of the older function_call and their names, and an audio reply's transcript."""
     choices = answer.get("choices")
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict):
@@ -240,7 +239,7 @@ def _answer_texts(answer: dict[str, Any], *, names: bool = True) -> Iterator[str
         functions = [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
         for function in [*functions, message.get("function_call")]:
             if isinstance(function, dict):
-                texts += [function.get("name") if names else None, function.get("arguments")]
+                texts += [function.get("name"), function.get("arguments")]
         audio = message.get("audio")
         if isinstance(audio, dict):
             texts.append(audio.get("transcript"))

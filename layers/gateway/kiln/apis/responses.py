@@ -113,7 +113,7 @@ class ResponsesApi(ModelApi):
         return sum(estimate_text_tokens(text) for text in _output_texts(answer))
 
     def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
-        return sum(fewest_tokens(text) for text in _output_texts(answer, names=False))
+        return sum(fewest_tokens(text) for text in _output_texts(answer))
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         answer["usage"] = _with_cost(answer.get("usage"), usage, cost)
@@ -156,20 +156,19 @@ def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
     return billed
 
 
-def _output_texts(answer: dict[str, Any], *, names: bool = True) -> Iterator[str]:
+def _output_texts(answer: dict[str, Any]) -> Iterator[str]:
     """Every text of a response's output items (`_item_texts`)."""
     output = answer.get("output")
     for item in output if isinstance(output, list) else []:
-        yield from _item_texts(item, names=names)
+        yield from _item_texts(item)
 
 
-def _item_texts(item: Any, *, names: bool = True) -> Iterator[str]:
+def _item_texts(item: Any) -> Iterator[str]:
     """The texts the model wrote in an output item: its texts, refusals and reasoning, a tool
-    call's arguments (or a custom tool call's input) and, with `names`, its name (no floor: a
-    server may write a name itself)."""
+    call's name and arguments (or a custom tool call's input)."""
     if not isinstance(item, dict):
         return
-    texts: list[Any] = [item.get("name") if names else None, item.get("arguments"), item.get("input")]
+    texts: list[Any] = [item.get("name"), item.get("arguments"), item.get("input")]
     for part_list in (item.get("content"), item.get("summary")):
         for part in part_list if isinstance(part_list, list) else []:
             texts += _part_texts(part)
@@ -187,7 +186,7 @@ def _done_texts(data: Any) -> tuple[str, list[Any]]:
         return "text", []
     holds = _DONE_HOLDS.get(kind[len("response."):-len(".done")], "text")
     if holds == "item":
-        return holds, list(_item_texts(data.get("item"), names=False))
+        return holds, list(_item_texts(data.get("item")))
     if holds == "part":
         return holds, _part_texts(data.get("part"))
     return holds, [data.get(name) for name in ("text", "refusal", "arguments", "input")]
@@ -240,11 +239,6 @@ class ResponsesRelay(SseRelay):
                 counts[0] += fewest_tokens(text)
                 counts[1] += estimate_text_tokens(text)
                 counts[2] += len(text)
-        if holds == "item" and isinstance(data.get("item"), dict):
-            name = data["item"].get("name")  # estimated, no floor (a server may write it itself)
-            if isinstance(name, str):
-                counts[1] += estimate_text_tokens(name)
-                counts[2] += len(name)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if is_done(payload):
