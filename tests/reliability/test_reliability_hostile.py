@@ -553,18 +553,25 @@ def test_a_tool_call_name_is_text_the_model_wrote(stack, ledger, stream, usage):
     assert (event.usage_source, event.completion_tokens) == ("capped" if usage else "estimated", len(LONG) // 4)
 
 
-def test_a_tool_call_name_a_server_repeats_in_every_chunk_counts_once(stack, ledger):
+@pytest.mark.parametrize("offered", [False, True], ids=["not-offered", "offered"])
+def test_a_tool_call_name_a_server_repeats_in_every_chunk_counts_once(stack, ledger, offered):
     """vLLM 0.6-0.7 with a named tool_choice sends the function's name in every chunk: it is
     counted once for its call, so an honest count (the 5 argument tokens, the name's, the
-    end's) is believed (tests/unit/test_unit_sse.py: what a client that leaves pays)."""
+    end's) is believed (tests/unit/test_unit_sse.py: what a client that leaves pays); a name
+    of one of the request's tools, which the server may write itself, is not counted at all,
+    so the 5 argument tokens alone are believed."""
     chunks = [_chunk(choices=[{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
         "name": "get_current_weather_forecast", "arguments": piece}}]}, "finish_reason": None}]) for piece in
         ['{"', 'city', '":"', 'Paris', '"}']]
-    usage = _chunk(choices=[], usage={"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11})
-    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [*chunks, FINISH, usage]}}
+    reported = 5 if offered else 7
+    usage = _chunk(choices=[], usage={"prompt_tokens": 4, "completion_tokens": reported, "total_tokens": 4 + reported})
+    tools = [{"type": "function", "function": {"name": "get_current_weather_forecast", "description": "The forecast.",
+                                               "parameters": {"type": "object"}}}]
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": [*chunks, FINISH, usage]},
+            **({"tools": tools} if offered else {})}
     assert post(stack, ledger, CHAT, body).status_code == 200
     (event,) = ledger.check()
-    assert (event.usage_source, event.completion_tokens) == ("upstream", 7)
+    assert (event.usage_source, event.completion_tokens) == ("upstream", reported)
 
 
 def test_a_usage_chunk_whose_key_is_spelled_with_an_escape_is_read_and_hidden(stack, ledger):

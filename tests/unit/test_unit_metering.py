@@ -339,7 +339,8 @@ MEDIA_DATA = "data:image/png;base64," + "iVBORw0KGgo" * 10_000  # 110 000 charac
     {"role": "user", "content": [{"type": "video_embeds", "video_embeds": MEDIA_DATA}]},
     {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": MEDIA_DATA}]},
     {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_file", "file_data": MEDIA_DATA}]},
-], ids=["audio_embeds", "video_embeds", "tool-output-image", "tool-output-file"])
+    {"type": "computer_call_output", "call_id": "c1", "output": {"type": "computer_screenshot", "image_url": MEDIA_DATA}},
+], ids=["audio_embeds", "video_embeds", "tool-output-image", "tool-output-file", "computer-screenshot"])
 def test_a_media_part_anywhere_in_a_list_is_estimated_as_a_picture(item):
     """vLLM's embedding parts, and the parts a function call's output may hold in the
     Responses API (a screenshot tool), are media: their data is no text."""

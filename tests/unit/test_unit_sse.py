@@ -5,7 +5,7 @@ from decimal import Decimal
 
 import pytest
 
-from kiln.metering import TokenUsage
+from kiln.metering import TokenUsage, UsageBounds, billable_usage
 from kiln.sse import EventTooLarge, SseRelay, error_event, usage_event
 
 ROLE = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
@@ -267,3 +267,71 @@ def test_content_that_only_mentions_an_error_is_relayed(chunk):
     event = b"data: " + chunk + b"\n\n"
     out, relay = relay_all([ROLE + event + DONE])
     assert out == ROLE + event and relay.done and relay.failure is None
+
+
+def _usage_of(completion: int) -> bytes:
+    return (b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+            % (completion, completion + 5))
+
+
+def _billed(relay: SseRelay) -> TokenUsage:
+    return billable_usage(relay.reported_usage, UsageBounds(10_000, 100_000), prompt_estimate=lambda: 5,
+                          completion_count=lambda: relay.relayed_tokens, completion_floor=relay.fewest_tokens)[0]
+
+
+LONG_NAME = "x" * 25_000
+
+
+@pytest.mark.parametrize("extra", [b',"x":NaN', b',"x":1e999', b',"x":' + b"[" * 201 + b"]" * 201],
+                         ids=["NaN", "1e999", "depth-201"])
+def test_a_name_in_a_chunk_the_gateway_cannot_read_is_still_a_floor(extra):
+    """Clients read such a chunk (the SDK reads NaN and 1e999; any parser reads 201 levels):
+    its names are counted as sent, and a 1-token report for 25 000 characters is refused."""
+    chunk = (b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",'
+             b'"function":{"name":"' + LONG_NAME.encode() + b'","arguments":"{}"}}]}}]' + extra + b"}\n\n")
+    out, relay = relay_all([chunk, _usage_of(1), DONE])
+    assert LONG_NAME.encode() in out
+    assert _billed(relay).completion_tokens >= len(LONG_NAME) // 128
+
+
+def test_a_name_with_a_lone_surrogate_escape_is_relayed_and_counted():
+    chunk = (b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":'
+             b'{"name":"get_\\ud83d","arguments":"{}"}}]}}]}\n\n')
+    out, relay = relay_all([chunk, _usage_of(3), DONE])
+    assert out == chunk and relay.fewest_tokens >= 2
+
+
+def test_the_names_remembered_do_not_hold_the_names_themselves():
+    """A hostile server's 10 000 calls of 1 MiB names must not stay in memory for the stream."""
+    import tracemalloc
+
+    relay = SseRelay(client_wants_usage=False)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for call in range(40):
+            relay.feed(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":%d,"function":'
+                       b'{"name":"%s"}}]}}]}\n\n' % (call, b"n" * 900_000))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 4 * 1024 * 1024, f"{held / 1e6:.1f} MB held by the relay after the events"
+
+
+def test_a_name_of_one_of_the_requests_tools_is_not_the_models_to_count():
+    """vLLM writes the name itself for a named tool_choice: a call cut at the context (no end
+    token, completion_tokens the argument deltas alone) is believed; a name the request did not
+    offer is text the model wrote."""
+    name = "get_current_weather_forecast"
+    pieces = ['{"', "city", '":"', "Paris", ",", " France", '"']
+    chunks = [b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+        "name": name, "arguments": piece}}]}, "finish_reason": None}]}).encode() + b"\n\n" for piece in pieces]
+    stop = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+    relay = SseRelay(client_wants_usage=False, offered={name, "other"})
+    for chunk in [*chunks, stop, _usage_of(len(pieces)), DONE]:
+        relay.feed(chunk)
+    assert (_billed(relay).source, _billed(relay).completion_tokens) == ("upstream", len(pieces))
+    unoffered = SseRelay(client_wants_usage=False, offered={"other"})
+    for chunk in chunks:
+        unoffered.feed(chunk)
+    assert unoffered.fewest_tokens == len(pieces) + 1

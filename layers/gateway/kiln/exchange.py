@@ -71,6 +71,7 @@ class Exchange:
                                              prompts=call.api.prompts(call.body))
         self._prompt_estimate: int | None = None
         self._echoes = _echoes_of(call)  # what the replies may repeat of the request: not the model's
+        self._offered = call.api.offered_names(call.body)  # tool names a server may write itself
         self._upstream: UpstreamExchange | None = None
         self._relay_state: SseRelay | None = None
         # renews the lease while the request runs, recording what it has relayed (§4)
@@ -239,8 +240,8 @@ class Exchange:
         # the answer's texts are at least their fewest tokens, as a stream's are; what they
         # repeat of the request (echo) is not the model's
         written = self._echoes.answer(answer)
-        usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(written),
-                               completion_floor=api.fewest_completion_tokens(written))
+        usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(written, self._offered),
+                               completion_floor=api.fewest_completion_tokens(written, self._offered))
         cost = self._price(usage)
         api.with_usage(answer, usage, cost)
         body = dumps(answer)
@@ -255,7 +256,7 @@ class Exchange:
     async def _relay(self, upstream: UpstreamExchange) -> AsyncGenerator[bytes, None]:
         relay = self._relay_state = self.call.api.relay(
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes,
-            request_bytes=upstream.sent_bytes, echoes=self._echoes,
+            request_bytes=upstream.sent_bytes, echoes=self._echoes, offered=self._offered,
         )
         deadline = upstream.sent_at + self.call.model.timeouts.total
         keepalive = self.gateway.settings.keepalive_seconds

@@ -56,7 +56,8 @@ TEXT_PARTS = ("text", "input_text", "output_text")
 # data URL's base64, say) is no text the model reads. Each is estimated as a picture of
 # middling size is to a vision model (Qwen2-VL: 256 tokens for 448 × 448 pixels).
 MEDIA_PARTS = frozenset(("image_url", "input_image", "image", "image_embeds", "image_pil", "input_audio", "audio_url",
-                         "audio", "audio_embeds", "video_url", "video", "video_embeds", "file", "input_file"))
+                         "audio", "audio_embeds", "video_url", "video", "video_embeds", "file", "input_file",
+                         "computer_screenshot"))
 MEDIA_PART_TOKENS = 256
 # The request fields beside the messages that a chat template renders into the prompt.
 CHAT_PROMPT_FIELDS = ("tools", "functions", "documents")
@@ -242,9 +243,9 @@ def estimate_prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
 
 def estimate_input_tokens(value: Any) -> int:
     """The estimate of a message or input item: its texts (`texts_of`), but each media part
-    in it (an object in a list, a message's content or a tool's output, whose type is one of
-    MEDIA_PARTS; the message itself is none, whatever its type says) counted as
-    MEDIA_PART_TOKENS, not as the text of its data."""
+    in it (an object whose type is one of MEDIA_PARTS, in a message's content, a tool's
+    output, a computer call's output; the message itself is none, whatever its type says)
+    counted as MEDIA_PART_TOKENS, not as the text of its data."""
     media = [0]
     if isinstance(value, dict):  # the message: its own type makes it no part
         texts = [text for item in value.values() for text in _texts_but_media(item, media)]
@@ -254,17 +255,18 @@ def estimate_input_tokens(value: Any) -> int:
 
 
 def _texts_but_media(value: Any, media: list[int]) -> Iterator[str]:
-    """`texts_of`, where an object in a list whose type is a media type's name is counted in
-    `media` instead."""
+    """`texts_of`, where an object whose type is a media type's name is counted in `media`
+    instead."""
     if isinstance(value, list):
         for item in value:
-            if isinstance(item, dict) and isinstance(item.get("type"), str) and item["type"] in MEDIA_PARTS:
-                media[0] += 1
-            elif isinstance(item, int) and not isinstance(item, bool):
+            if isinstance(item, int) and not isinstance(item, bool):
                 yield "tokn"  # a token id counts as one token
             else:
                 yield from _texts_but_media(item, media)
     elif isinstance(value, dict):
+        if isinstance(value.get("type"), str) and value["type"] in MEDIA_PARTS:
+            media[0] += 1
+            return
         for item in value.values():
             yield from _texts_but_media(item, media)
     elif isinstance(value, str):

@@ -10,7 +10,7 @@ delta), so that an upstream that never reports usage is still billed (contract Â
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Collection
 
 from .echo import Echoes
 from .jsonio import dumps, loads_strict
@@ -36,9 +36,11 @@ _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # arguments, an audio reply's transcript), as sent
 _TEXT_DELTA = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning|refusal|arguments|transcript)"\s*:\s*"((?:[^"\\]|\\.)+)"')
-# the most tool calls whose last name is remembered (a name sent again for the same call of
-# the same choice, as vLLM 0.6-0.7 does in every chunk for a named tool_choice, counts once)
+# the most tool calls whose last name is remembered, by a hash (a name sent again for the same
+# call of the same choice, as vLLM 0.6-0.7 does in every chunk for a named tool_choice, counts once)
 MAX_NAMED_CALLS = 10_000
+# a name as sent, read from the bytes where the chunk is no JSON the gateway reads
+_NAME = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 # the longest text a single token is (as sent, escapes included): longer deltas hold several
 TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
@@ -80,7 +82,7 @@ class SseRelay:
     """
 
     def __init__(self, *, client_wants_usage: bool, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
-                 echoes: Echoes | None = None) -> None:
+                 echoes: Echoes | None = None, offered: Collection[str] = ()) -> None:
         self._client_wants_usage = client_wants_usage
         self._echoes = echoes if echoes else None  # what the replies may repeat of the request (kiln.echo)
         self._max_event_bytes = max_event_bytes
@@ -97,7 +99,8 @@ class SseRelay:
         self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
         self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
         self.relayed_bytes = 0  # their length, as sent
-        self._names: dict[tuple[Any, Any], str] = {}  # (choice, tool call) -> the name last counted
+        self._names: dict[tuple[Any, Any], int] = {}  # (choice, tool call) -> the hash of the name last counted
+        self._offered = frozenset(offered)  # the request's tools' names: a server may write them itself
         self.fewest_tokens = 0  # the fewest tokens those texts can be (kiln.metering.fewest_tokens)
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
@@ -181,9 +184,15 @@ class SseRelay:
     def _count_names(self, payload: bytes, data: Any) -> None:
         """A chunk's tool call names (and the older function_call's), each counted as a text
         once for its choice and call: a name sent again as it was, in every chunk, is not
-        written again."""
+        written again; a name of one of the request's tools is not the model's to count. A
+        chunk that is no JSON the gateway reads (NaN, too deep: a client may read it) has its
+        names counted as sent."""
         if data is UNREAD:
             data = parse_json(payload)
+        if data is None:
+            for text in _NAME.findall(payload):
+                self._add_text(text)
+            return
         choices = data.get("choices") if isinstance(data, dict) else None
         for position, choice in enumerate(choices if isinstance(choices, list) else []):
             delta = choice.get("delta") if isinstance(choice, dict) else None
@@ -196,14 +205,14 @@ class SseRelay:
             named.append(("function_call", delta.get("function_call")))
             for call, function in named:
                 name = function.get("name") if isinstance(function, dict) else None
-                if not isinstance(name, str) or not name:
+                if not isinstance(name, str) or not name or name in self._offered:
                     continue
-                key = (_hashable(index), _hashable(call))
-                if self._names.get(key) == name:
+                key, seen = (_hashable(index), _hashable(call)), hash(name)
+                if self._names.get(key) == seen:
                     continue
                 if len(self._names) < MAX_NAMED_CALLS or key in self._names:
-                    self._names[key] = name
-                self._add_text(name.encode())
+                    self._names[key] = seen
+                self._add_text(name.encode("utf-8", "surrogatepass"))  # a lone surrogate escape is kept
 
     def _count(self, texts: re.Pattern[bytes], payload: bytes, data: Any = UNREAD) -> None:
         """Count the texts an event relays, and their tokens: model servers stream a token at a
@@ -313,7 +322,8 @@ class SseRelay:
 
 
 def _hashable(value: Any) -> Any:
-    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+    """A key part of what a server sent as an index: itself, or a hash of anything else."""
+    return value if isinstance(value, (str, int, float, bool, type(None))) else hash(repr(value))
 
 
 def is_done(payload: bytes) -> bool:

@@ -7,7 +7,7 @@ the model server reports none, and how its stream ends.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from ..echo import Echoes
 from ..errors import InvalidType, UnsupportedParameter
@@ -78,12 +78,29 @@ class ModelApi:
         endpoint's servers honour): none by default."""
         return Echoes(())
 
-    def estimate_completion(self, answer: dict[str, Any]) -> int:
+    def estimate_completion(self, answer: dict[str, Any], offered: Collection[str] = ()) -> int:
+        """A buffered answer's completion tokens by the estimate; `offered`: the names of the
+        request's tools, which a server may write itself (`offered_names`)."""
         raise NotImplementedError
 
-    def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
+    def fewest_completion_tokens(self, answer: dict[str, Any], offered: Collection[str] = ()) -> int:
         """The fewest completion tokens a buffered answer can be (`fewest_tokens` of each text)."""
         raise NotImplementedError
+
+    def offered_names(self, body: dict[str, Any]) -> frozenset[str]:
+        """The names of the tools the request offers: a tool call's name that is one of them may
+        be the server's writing (vLLM writes it for a named tool_choice), not the model's, so
+        it is counted neither as a floor nor in an estimate; any other name is text."""
+        names = set()
+        for field in ("tools", "functions"):
+            tools = body.get(field)
+            for tool in tools if isinstance(tools, list) else []:
+                if not isinstance(tool, dict):
+                    continue
+                function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+                if isinstance(function.get("name"), str):
+                    names.add(function["name"])
+        return frozenset(names)
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
         """What makes a buffered 200 answer unreadable (→ 502), or None."""
@@ -103,10 +120,12 @@ class ModelApi:
     # -- streaming (contract §7, §9) -----------------------------------------------------------
 
     def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0,
-              echoes: Echoes | None = None) -> SseRelay:
+              echoes: Echoes | None = None, offered: Collection[str] = ()) -> SseRelay:
         """The stream's relay; `request_bytes`: the size of the request the model server was
-        sent (for an API whose events echo it); `echoes`: what its replies may repeat of it."""
-        return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes, echoes=echoes)
+        sent (for an API whose events echo it); `echoes`: what its replies may repeat of it;
+        `offered`: its tools' names (`offered_names`)."""
+        return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes, echoes=echoes,
+                        offered=offered)
 
     def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
         """The last bytes of a stream that ended well (after the settle)."""
@@ -150,11 +169,11 @@ class ChatStyleApi(ModelApi):
                 return "tool_calls is not an array of objects"
         return None
 
-    def estimate_completion(self, answer: dict[str, Any]) -> int:
-        return sum(estimate_text_tokens(text) for text in _answer_texts(answer))
+    def estimate_completion(self, answer: dict[str, Any], offered: Collection[str] = ()) -> int:
+        return sum(estimate_text_tokens(text) for text in _answer_texts(answer, offered))
 
-    def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
-        return sum(fewest_tokens(text) for text in _answer_texts(answer))
+    def fewest_completion_tokens(self, answer: dict[str, Any], offered: Collection[str] = ()) -> int:
+        return sum(fewest_tokens(text) for text in _answer_texts(answer, offered))
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         if usage.source == "upstream":
@@ -220,10 +239,11 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
         )
 
 
-def _answer_texts(answer: dict[str, Any]) -> Iterator[str]:
+def _answer_texts(answer: dict[str, Any], offered: Collection[str] = ()) -> Iterator[str]:
     """Every text of a chat or text completion the model wrote: text, content (a string or
     its text parts), reasoning (either name servers give it), refusal, and the arguments of
-    tool calls and of the older function_call and their names, and an audio reply's transcript."""
+    tool calls and of the older function_call and their names (but those of the request's
+    tools, `offered`: a server may write them), and an audio reply's transcript."""
     choices = answer.get("choices")
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict):
@@ -239,7 +259,8 @@ def _answer_texts(answer: dict[str, Any]) -> Iterator[str]:
         functions = [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
         for function in [*functions, message.get("function_call")]:
             if isinstance(function, dict):
-                texts += [function.get("name"), function.get("arguments")]
+                name = function.get("name")
+                texts += [None if isinstance(name, str) and name in offered else name, function.get("arguments")]
         audio = message.get("audio")
         if isinstance(audio, dict):
             texts.append(audio.get("transcript"))

@@ -13,7 +13,7 @@ the usage under `response.usage`: that event is held back, settled, and sent wit
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from .. import schemas
 from ..echo import Echoes
@@ -109,11 +109,11 @@ class ResponsesApi(ModelApi):
             return "output is not an array of objects"
         return None
 
-    def estimate_completion(self, answer: dict[str, Any]) -> int:
-        return sum(estimate_text_tokens(text) for text in _output_texts(answer))
+    def estimate_completion(self, answer: dict[str, Any], offered: Collection[str] = ()) -> int:
+        return sum(estimate_text_tokens(text) for text in _output_texts(answer, offered))
 
-    def fewest_completion_tokens(self, answer: dict[str, Any]) -> int:
-        return sum(fewest_tokens(text) for text in _output_texts(answer))
+    def fewest_completion_tokens(self, answer: dict[str, Any], offered: Collection[str] = ()) -> int:
+        return sum(fewest_tokens(text) for text in _output_texts(answer, offered))
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         answer["usage"] = _with_cost(answer.get("usage"), usage, cost)
@@ -126,10 +126,10 @@ class ResponsesApi(ModelApi):
         return answer.get("status") == "failed"
 
     def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0,
-              echoes: Echoes | None = None) -> SseRelay:
+              echoes: Echoes | None = None, offered: Collection[str] = ()) -> SseRelay:
         # every event that carries the response object echoes the request (its instructions,
         # tools, metadata): the bound is the model's plus the request's own size
-        return ResponsesRelay(max_event_bytes=max_event_bytes + request_bytes)
+        return ResponsesRelay(max_event_bytes=max_event_bytes + request_bytes, offered=offered)
 
     def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
         assert isinstance(relay, ResponsesRelay) and relay.final is not None
@@ -156,19 +156,22 @@ def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
     return billed
 
 
-def _output_texts(answer: dict[str, Any]) -> Iterator[str]:
+def _output_texts(answer: dict[str, Any], offered: Collection[str] = ()) -> Iterator[str]:
     """Every text of a response's output items (`_item_texts`)."""
     output = answer.get("output")
     for item in output if isinstance(output, list) else []:
-        yield from _item_texts(item)
+        yield from _item_texts(item, offered)
 
 
-def _item_texts(item: Any) -> Iterator[str]:
+def _item_texts(item: Any, offered: Collection[str] = ()) -> Iterator[str]:
     """The texts the model wrote in an output item: its texts, refusals and reasoning, a tool
-    call's name and arguments (or a custom tool call's input)."""
+    call's name (but one of the request's tools', `offered`: a server may write it) and
+    arguments (or a custom tool call's input)."""
     if not isinstance(item, dict):
         return
-    texts: list[Any] = [item.get("name"), item.get("arguments"), item.get("input")]
+    name = item.get("name")
+    texts: list[Any] = [None if isinstance(name, str) and name in offered else name, item.get("arguments"),
+                        item.get("input")]
     for part_list in (item.get("content"), item.get("summary")):
         for part in part_list if isinstance(part_list, list) else []:
             texts += _part_texts(part)
@@ -179,14 +182,14 @@ def _part_texts(part: Any) -> list[Any]:
     return [part.get("text"), part.get("refusal")] if isinstance(part, dict) else []
 
 
-def _done_texts(data: Any) -> tuple[str, list[Any]]:
+def _done_texts(data: Any, offered: Collection[str] = ()) -> tuple[str, list[Any]]:
     """What a done event holds whole ("item", "part" or "text") and its texts."""
     kind = data.get("type") if isinstance(data, dict) else None
     if not isinstance(kind, str):
         return "text", []
     holds = _DONE_HOLDS.get(kind[len("response."):-len(".done")], "text")
     if holds == "item":
-        return holds, list(_item_texts(data.get("item")))
+        return holds, list(_item_texts(data.get("item"), offered))
     if holds == "part":
         return holds, _part_texts(data.get("part"))
     return holds, [data.get(name) for name in ("text", "refusal", "arguments", "input")]
@@ -197,14 +200,14 @@ class ResponsesRelay(SseRelay):
     (its `response.usage` is billed, then sent with `cost`). It has no `[DONE]`: the final
     event is the end (`done`)."""
 
-    def __init__(self, *, max_event_bytes: int) -> None:
+    def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
         # what the texts relayed hold, by where they came: deltas, done events (a whole text,
         # part or item each: the three kinds hold the same texts, so each is summed apart), the
         # final response; the bill's floor and estimate are the most any of them says
         # [fewest tokens, estimated tokens, characters]
         self._done: dict[str, list[int]] = {"text": [0, 0, 0], "part": [0, 0, 0], "item": [0, 0, 0]}
         self._final_tokens = (0, 0, 0)
-        super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes)
+        super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
 
@@ -232,7 +235,7 @@ class ResponsesRelay(SseRelay):
         self._delta_tokens = value
 
     def _count_done(self, data: Any) -> None:
-        holds, texts = _done_texts(data)
+        holds, texts = _done_texts(data, self._offered)
         counts = self._done[holds]
         for text in texts:
             if isinstance(text, str) and text:
@@ -274,8 +277,9 @@ class ResponsesRelay(SseRelay):
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
         response = data["response"]
-        self._final_tokens = (API.fewest_completion_tokens(response), API.estimate_completion(response),
-                              sum(len(text) for text in _output_texts(response)))
+        offered = self._offered
+        self._final_tokens = (API.fewest_completion_tokens(response, offered), API.estimate_completion(response, offered),
+                              sum(len(text) for text in _output_texts(response, offered)))
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
