@@ -118,7 +118,7 @@ class _Message:
     """httptools' callbacks for one response."""
 
     __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser", "max_headers",
-                 "interim", "relaxed")
+                 "interim", "relaxed", "coded")
 
     def __init__(
         self,
@@ -138,12 +138,16 @@ class _Message:
         self.max_headers = MAX_HEADERS
         self.interim = False  # parsing a 1xx answer, which the final one follows
         self.relaxed = False  # the parser goes on past a 1xx that would close the connection
+        self.coded = False  # a Transfer-Encoding header came (checked once the headers are in)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.complete:
             return  # a message after the answer: never part of it (see on_headers_complete)
         if len(self.headers) <= self.max_headers:  # one more than allowed is kept: the caller sees it and refuses
-            self.headers.append((name.lower(), value))
+            name = name.lower()
+            if name == b"transfer-encoding":
+                self.coded = True
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self.complete:
@@ -158,6 +162,7 @@ class _Message:
             # the same connection (RFC 9110 §15.2). Its bytes count in the headers' bound.
             self.interim = True
             self.headers.clear()
+            self.coded = False
             # an HTTP/1.0 server's 1xx (HTTP/1.0 has none, some send one) reads as a message
             # that closes the connection: the final answer after it is read all the same
             self.parser.set_dangerous_leniencies(lenient_keep_alive=True)
@@ -413,15 +418,13 @@ class HttpClient:
             return early
         head = 0  # bytes of the status line and headers fed so far
         spoiled: ProtocolFailure | None = None
-        start = b""  # the answer's first bytes, until they show its protocol
+        start: bytes | None = b""  # the answer's first bytes, until they show its protocol (then None)
         while not message.headers_complete:
             data = await _read(connection, head_timeout, "no response in time", nothing_received=not head)
             if not data:
                 raise ProtocolFailure("the server closed the connection without answering", nothing_received=not head)
-            if len(start) < len(_PROTOCOL):
-                # empty lines before the status line are skipped (RFC 9112 §2.2), as the parser does
-                start = (start + data[: 64]).lstrip(b"\r\n")[: len(_PROTOCOL)]
-                _check_protocol(start)
+            if start is not None:
+                start = None if not start and data.startswith(_PROTOCOL) else _protocol_shown(start, data)
             # never more than the bound reaches the parser before the headers are complete
             piece = data[: max_header_bytes - head] if head + len(data) > max_header_bytes else data
             head += len(piece)
@@ -433,7 +436,8 @@ class HttpClient:
                     raise ResponseTooLarge(f"response headers over {max_header_bytes} bytes")
             elif len(piece) < len(data) and spoiled is None:
                 spoiled = _fed(parser, message, data[len(piece):])  # the body's start, read with the headers' end
-        _check_framing(message.headers)
+        if message.coded:
+            _check_framing(message.headers)
         return Response(self, connection, parser, message, read_timeout, spoiled)
 
     def _early_answer(self, connection: _Connection, parser: object, message: _Message, read_timeout: float | None,
@@ -448,7 +452,8 @@ class HttpClient:
         spoiled = _fed(parser, message, head)
         if not message.headers_complete or len(message.headers) > max_headers:
             return None
-        _check_framing(message.headers)
+        if message.coded:
+            _check_framing(message.headers)
         if spoiled is None and len(head) < len(buffered):
             spoiled = _fed(parser, message, buffered[len(head):])
         message.keep_alive = False
@@ -574,10 +579,14 @@ def _feed(parser: object, data: bytes) -> None:
 _PROTOCOL = b"HTTP/"
 
 
-def _check_protocol(start: bytes) -> None:
-    """The answer's first bytes are HTTP's (the parser reads RTSP and ICE status lines too)."""
-    if not _PROTOCOL.startswith(start[: len(_PROTOCOL)]):
+def _protocol_shown(start: bytes, data: bytes) -> bytes | None:
+    """The answer's first bytes so far, `data` added, or None once they show HTTP's protocol;
+    ProtocolFailure if they show another (the parser reads RTSP and ICE status lines too).
+    Empty lines before the status line are skipped (RFC 9112 §2.2), as the parser does."""
+    start = (start + data[:64]).lstrip(b"\r\n")[: len(_PROTOCOL)]
+    if not _PROTOCOL.startswith(start):
         raise ProtocolFailure("the answer is not HTTP: its status line does not start with HTTP/")
+    return None if len(start) == len(_PROTOCOL) else start
 
 
 def _check_framing(headers: list[tuple[bytes, bytes]]) -> None:

@@ -226,8 +226,11 @@ class SseRelay:
                 data = parse_json(payload)
             if data is not None:
                 payload = dumps(data)
-        for text in texts.findall(payload):
-            self._add_text(text)
+        for text in texts.findall(payload):  # as _add_text, without a call a text
+            self.relayed_texts += 1
+            self.relayed_bytes += len(text)
+            self.fewest_tokens += fewest_tokens(text)
+            self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
 
     def _add_text(self, text: bytes) -> None:
         self.relayed_texts += 1
@@ -278,7 +281,8 @@ class SseRelay:
             if isinstance(first, dict):
                 self.first_chunk = first
         # usage as sent, or as an event read for its escapes says it (`"\\u0075sage"` is usage)
-        if _USAGE_PRESENT.search(payload) or (isinstance(data, dict) and data.get("usage") is not None):
+        if _USAGE_PRESENT.search(payload) or (data is not UNREAD and isinstance(data, dict)
+                                              and data.get("usage") is not None):
             return self._usage(event, payload, data)
         self._count_reply(payload, data)
         finish = _FINISH_REASON.findall(payload)

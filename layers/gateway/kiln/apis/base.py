@@ -29,6 +29,9 @@ def stream_flag(value: Any) -> bool:
     )
 
 
+_NO_NAMES: frozenset[str] = frozenset()
+
+
 class ModelApi:
     """One model endpoint's rules. Subclasses fill in what differs."""
 
@@ -91,6 +94,8 @@ class ModelApi:
         """The names of the tools the request offers: a tool call's name that is one of them may
         be the server's writing (vLLM writes it for a named tool_choice), not the model's, so
         it is counted neither as a floor nor in an estimate; any other name is text."""
+        if "tools" not in body and "functions" not in body:
+            return _NO_NAMES
         names = set()
         for field in ("tools", "functions"):
             tools = body.get(field)
