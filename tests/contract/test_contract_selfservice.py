@@ -207,6 +207,10 @@ def test_usage_is_the_callers_orgs_only_and_splits_exactly_at_a_time(stack, busy
         ({"since": "2026-08-01", "until": "2026-11-03"}, "until"),  # 94 days
         ({"group_by": "endpoint"}, "group_by"),
         ({"group_by": ""}, "group_by"),
+        # since alone, 100 days ago: the span is too long by the parameter the client sent
+        ({"since": (datetime.now(timezone.utc) - timedelta(days=100)).strftime("%Y-%m-%d")}, "since"),
+        # ends read to the millisecond, as events store time: this span is empty
+        ({"since": "2026-11-01T00:00:00.0001Z", "until": "2026-11-01T00:00:00.0009Z"}, "since"),
     ],
 )
 def test_bad_usage_parameters_are_400_naming_the_parameter(stack, org, params, param):
@@ -215,6 +219,16 @@ def test_bad_usage_parameters_are_400_naming_the_parameter(stack, org, params, p
     error = response.json()["error"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, "invalid_value")
     assert error["message"]
+
+
+@pytest.mark.parametrize("query, param", [("group_by=model&group_by=day", "group_by"),
+                                          ("since=2026-01-01&since=2026-02-01&until=2026-02-15", "since"),
+                                          ("until=2026-02-15&until=2026-02-16", "until")])
+def test_a_usage_parameter_given_twice_is_400_not_the_last_one(stack, org, query, param):
+    """A proxy or cache that reads the first of two values would see another request."""
+    response = stack.http.get(f"/v1/usage?{query}", headers={"Authorization": f"Bearer {org[1]}"})
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("invalid_value", param)
 
 
 def test_a_span_of_93_days_and_offsets_are_accepted(stack, busy_org):

@@ -191,7 +191,12 @@ def parse_rfc3339(text: str) -> datetime | None:
 
 def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
     """`since`, `until` and `group_by` of a usage request, with their defaults: until now, since
-    30 days before `until`, by day. The span is half-open and at most 93 days long."""
+    30 days before `until`, by day. The span is half-open and at most 93 days long; its ends are
+    read to the millisecond, as events store time. Each parameter may be given once: a proxy
+    that reads the first of two would see another request than the one answered."""
+    for name in ("since", "until", "group_by"):
+        if len(query.getlist(name)) > 1:
+            raise InvalidValue(f"{name} may be given once.", param=name)
     moments: dict[str, datetime | None] = {}
     for name in ("since", "until"):
         text = query.get(name)
@@ -202,7 +207,8 @@ def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
                 raise InvalidValue(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
                                      f"(2026-11-01T00:00:00Z); got {text[:40]!r}.", param=name)
             try:  # the span is read in UTC: an offset may carry a time out of the years 1-9999
-                moments[name] = moment.astimezone(timezone.utc)
+                moment = moment.astimezone(timezone.utc)
+                moments[name] = moment.replace(microsecond=moment.microsecond // 1000 * 1000)
             except OverflowError:
                 raise InvalidValue(f"{name} is out of range: {text[:40]!r} is not a time of the years 1 to 9999 "
                                    f"in UTC.", param=name) from None
@@ -213,8 +219,9 @@ def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
         raise InvalidValue("until is too early.", param="until") from None
     if since >= until:
         raise InvalidValue("since must be before until.", param="since")
-    if until - since > timedelta(days=MAX_USAGE_DAYS):
-        raise InvalidValue(f"since and until may be at most {MAX_USAGE_DAYS} days apart.", param="until")
+    if until - since > timedelta(days=MAX_USAGE_DAYS):  # named as sent: since alone, until now, is too early
+        raise InvalidValue(f"since and until may be at most {MAX_USAGE_DAYS} days apart.",
+                           param="until" if moments["until"] is not None else "since")
     group_by = query.get("group_by", "day")
     if group_by not in USAGE_GROUPINGS:
         raise InvalidValue(f"group_by must be one of {', '.join(USAGE_GROUPINGS)}.", param="group_by")
