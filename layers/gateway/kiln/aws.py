@@ -25,7 +25,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from .http1 import HttpClient, HttpError, Response, canonical_host
 from .tls import client_context
 
-__all__ = ["AwsClient", "AwsError", "Credentials", "canonical_query", "canonical_uri", "resolve_credentials", "sign"]
+__all__ = ["AwsClient", "AwsError", "Credentials", "canonical_query", "canonical_uri", "resolve_credentials", "sign",
+           "tried_once"]
 
 _SERVICES = {
     # service: (X-Amz-Target prefix, content type)
@@ -256,12 +257,18 @@ class AwsClient:
     async def dynamodb(self, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
         return await self.call("dynamodb", operation, payload)
 
+
     async def ssm(self, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
         return await self.call("ssm", operation, payload)
 
     async def aclose(self) -> None:
         if self._owns_http:
             await self._http.aclose()
+
+
+def tried_once(aws: Any) -> Any:
+    """`aws.once()` for the gateway's own client; any other (a test's stand-in) as it is."""
+    return aws.once() if isinstance(aws, AwsClient) else aws
 
 
 def endpoint(service: str, region: str, endpoint_url: str | None) -> str:

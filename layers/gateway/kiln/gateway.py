@@ -15,7 +15,7 @@ import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 from .auth import Authenticator
-from .aws import AwsClient, AwsError
+from .aws import AwsClient, AwsError, tried_once
 from .catalog import Catalog
 from .errors import GatewayError, StorageUnavailable
 from .health import BackendHealth, HealthPolicy
@@ -68,7 +68,7 @@ class Gateway:
             )),
         )
         self.ledger = ledger_of(self.aws, settings, clock=clock)
-        self._ssm_once = self.aws.once() if isinstance(self.aws, AwsClient) else self.aws
+        self._ssm_once = tried_once(self.aws)
         # the one storage interface of the request path (keys, orgs through the ledger, usage)
         self.store = DynamoStorage(
             self.aws,

@@ -590,11 +590,9 @@ def _protocol_shown(start: bytes, data: bytes) -> bytes | None:
 
 
 def _check_framing(headers: list[tuple[bytes, bytes]]) -> None:
-    """A transfer coding other than chunked once is refused (as h11 does): the client decodes
+    """Of an answer with a Transfer-Encoding header: a transfer coding other than chunked once is refused (as h11 does): the client decodes
     none but chunked (it asks for identity), so such a body would be handed over still coded."""
     codings = [value for name, value in headers if name == b"transfer-encoding"]
-    if not codings:
-        return
     # blanks around a coding are spaces only: the parser reads `chunked` and a tab as no coding
     if len(codings) > 1 or [part.strip(b" ").lower() for part in codings[0].split(b",")] != [b"chunked"]:
         shown = b", ".join(codings).decode("latin-1")[:100]

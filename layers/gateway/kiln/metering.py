@@ -248,29 +248,10 @@ def estimate_input_tokens(value: Any) -> int:
     counted as MEDIA_PART_TOKENS, not as the text of its data."""
     media = [0]
     if isinstance(value, dict):  # the message: its own type makes it no part
-        texts = [text for item in value.values() for text in _texts_but_media(item, media)]
+        texts = [text for item in value.values() for text in texts_of(item, media)]
     else:
-        texts = list(_texts_but_media(value, media))
+        texts = list(texts_of(value, media))
     return estimate_text_tokens("".join(texts)) + media[0] * MEDIA_PART_TOKENS
-
-
-def _texts_but_media(value: Any, media: list[int]) -> Iterator[str]:
-    """`texts_of`, where an object whose type is a media type's name is counted in `media`
-    instead."""
-    if isinstance(value, list):
-        for item in value:
-            if isinstance(item, int) and not isinstance(item, bool):
-                yield "tokn"  # a token id counts as one token
-            else:
-                yield from _texts_but_media(item, media)
-    elif isinstance(value, dict):
-        if isinstance(value.get("type"), str) and value["type"] in MEDIA_PARTS:
-            media[0] += 1
-            return
-        for item in value.values():
-            yield from _texts_but_media(item, media)
-    elif isinstance(value, str):
-        yield value
 
 
 def estimate_rendered_tokens(value: Any) -> int:
@@ -299,16 +280,21 @@ def content_texts(content: Any) -> Iterator[str]:
                     yield text
 
 
-def texts_of(value: Any) -> Iterable[str]:
-    """Every string inside a message or prompt (content parts, tool calls, token arrays)."""
+def texts_of(value: Any, media: list[int] | None = None) -> Iterable[str]:
+    """Every string inside a message or prompt (content parts, tool calls, token arrays).
+    With `media` (a one-item counter), an object whose type is a media type's name
+    (MEDIA_PARTS) yields none of its data's strings and is counted there instead."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
+        if media is not None and isinstance(value.get("type"), str) and value["type"] in MEDIA_PARTS:
+            media[0] += 1
+            return
         for item in value.values():
-            yield from texts_of(item)
+            yield from texts_of(item, media)
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, int) and not isinstance(item, bool):
                 yield "tokn"  # a token id counts as one token
             else:
-                yield from texts_of(item)
+                yield from texts_of(item, media)

@@ -276,10 +276,9 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        response = data["response"]
-        offered = self._offered
-        self._final_tokens = (API.fewest_completion_tokens(response, offered), API.estimate_completion(response, offered),
-                              sum(len(text) for text in _output_texts(response, offered)))
+        texts = list(_output_texts(data["response"], self._offered))
+        self._final_tokens = (sum(fewest_tokens(text) for text in texts), sum(estimate_text_tokens(text) for text in texts),
+                              sum(len(text) for text in texts))
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"

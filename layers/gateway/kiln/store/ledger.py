@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Awaitable, Callable, TypeVar
 
-from ..aws import AwsClient
+from ..aws import AwsClient, tried_once
 from ..errors import (
     GatewayError,
     InsufficientCredits,
@@ -670,7 +670,7 @@ def _spent_message(spent: Decimal, limits: KeyLimits, now: float) -> str:
 def ledger_of(aws: AwsClient, settings: Any, *, clock: Callable[[], float] = time.time) -> Ledger:
     """The ledger these settings describe (its calls tried once each: its policy retries them)."""
     return Ledger(
-        aws.once() if isinstance(aws, AwsClient) else aws,
+        tried_once(aws),
         orgs_table=settings.orgs_table,
         usage_table=settings.usage_table,
         lease_ttl=settings.lease_ttl_seconds,
