@@ -410,3 +410,21 @@ def test_a_shared_backend_taken_out_for_one_model_is_still_tried_for_a_model_it_
     org_id, key = stack.org()
     response = stack.post(CHAT, {"model": "solo-model", "messages": MESSAGES}, key)
     assert response.status_code == 200, (response.status_code, response.text)
+
+
+def test_a_shared_backend_taken_out_as_unreachable_leaves_the_model_it_is_the_last_of_503(stack_factory, mock):
+    """§5: a model whose every backend is unreachable and marked out of service answers 503
+    `no_backend_available` (a backend shared by two models, taken out as the other's)."""
+    dead = dead_url()
+    pair = model("pair-model", [{"name": "dead", "url": dead}, {"name": "b", "url": mock.url}])
+    solo = model("solo-model", [{"name": "dead", "url": dead}])
+    stack, changes = production_health(stack_factory, mock, pair, solo, backend_cooldown_seconds=60)
+    org_id, key = stack.org()
+    for i in range(3):  # refused each time, served by b
+        body = {"model": "pair-model", "messages": [{"role": "user", "content": f"hi {i}"}]}
+        assert stack.post(CHAT, body, key).status_code == 200
+    assert ("pair-model", "dead", "out_of_service") in changes
+    ledger = LedgerCheck(stack, org_id)
+    response = ledger.saw(stack.post(CHAT, {"model": "solo-model", "messages": MESSAGES}, key))
+    assert (response.status_code, response.json()["error"]["code"]) == (503, "no_backend_available")
+    ledger.check()

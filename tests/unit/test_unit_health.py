@@ -112,14 +112,25 @@ def test_a_probe_that_never_reports_does_not_keep_the_backend_out_forever():
     assert h.claim(A)
 
 
-def test_every_backend_out_of_service_means_all_are_tried():
-    h, clock, _ = health(failure_threshold=1)
+def test_every_backend_out_of_service_for_its_answers_means_all_are_tried():
+    h, clock, _ = health(error_min_requests=2, error_min_clients=2)
     shared = (A,)
-    h.transport_failed("m", A, PAIR)  # out, as a backend of m…
+    answer(h, A, "r1", "org1")
+    answer(h, A, "r2", "org2")  # out, for its answers as a backend of m…
+    assert h.state_of(A) == OUT_OF_SERVICE
     assert h.candidates("n", shared) == ([A], True)  # …but n has nothing else: it is tried anyway,
     assert not h.claim(A) and h.claim(A, panic=True) and h.claim(A, panic=True)  # by every request
     answer(h, A, "n's", "org1", failed=False)  # and what comes of it counts
     assert h.state_of(A) == IN_SERVICE
+
+
+def test_every_backend_out_of_service_as_unreachable_means_none_is_tried():
+    """§5: every backend unreachable and marked out of service is 503 no_backend_available."""
+    h, clock, _ = health(failure_threshold=1, cooldown=10)
+    h.transport_failed("m", A, PAIR)  # refused: out as a backend of m
+    assert h.candidates("n", (A,)) == ([], True)
+    clock.now += 10  # its cooldown over, it is probed as ever
+    assert h.candidates("n", (A,)) == ([A], False)
 
 
 def test_the_snapshot_and_the_metric_say_each_backends_state():

@@ -20,7 +20,9 @@ ejection in a row up to `max_cooldown`); then it is *probing*: one request at a 
 a success puts it back in service, a failure ejects it again. A model's last backend in
 service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its requests are
 tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
-models, taken out as another model's), all of them are tried by every request (a panic).
+models, taken out as another model's), those taken out for their answers are tried by every
+request (a panic: they answer, a model is not taken away by another model's requests); those
+taken out as unreachable are not, and the model answers 503 `no_backend_available` (§5).
 
 State is per process (a Lambda execution environment, or `kiln dev`): every state change is
 logged (`"event": "backend_state"`) and sent as the `BackendInService` metric (1 in service,
@@ -77,7 +79,7 @@ class HealthPolicy:
 
 class _State:
     __slots__ = ("backend", "models", "transport_failures", "answers", "out_until", "ejections", "trial_until",
-                 "reason")
+                 "reason", "unreachable")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -89,6 +91,7 @@ class _State:
         self.ejections = 0  # in a row, for the growing cooldown
         self.trial_until = 0.0  # a probe is in flight until then
         self.reason = ""
+        self.unreachable = False  # out of service for failures of the backend itself, not its answers
 
 
 StateListener = Callable[[str, Backend, str, str], None]  # (model id, backend, state, reason)
@@ -127,9 +130,9 @@ class BackendHealth:
     def candidates(self, model_id: str, backends: Iterable[Backend]) -> tuple[list[Backend], bool]:
         """The backends a request may try, in order, and whether this is a panic: those in
         service, and those whose cooldown is over (each tried by one request at a time); or,
-        when none of them is (a backend shared by models, taken out as another model's),
-        all of them, a panic, where every one is tried by every request: better a try than a
-        model gone."""
+        when none of them is (a backend shared by models, taken out as another model's), those
+        out for their answers, not as unreachable, a panic, where every one is tried by every
+        request: better a try than a model gone. None at all: 503 no_backend_available."""
         backends = list(backends)
         now = self._clock()
         chosen = []
@@ -139,7 +142,9 @@ class BackendHealth:
                 chosen.append(backend)
             elif now >= state.out_until and now >= state.trial_until:
                 chosen.append(backend)
-        return (chosen, False) if chosen else (backends, True)
+        if chosen:
+            return chosen, False
+        return [backend for backend in backends if not self._state(backend).unreachable], True
 
     def claim(self, backend: Backend, *, panic: bool = False) -> bool:
         """Just before a request tries `backend`: False if another request is probing it (in
@@ -169,7 +174,7 @@ class BackendHealth:
         state.transport_failures += 1
         if state.out_until is not None or state.transport_failures >= self.policy.failure_threshold:
             self._eject(model_id, state, models_backends,
-                        f"{state.transport_failures} transport failures in a row")
+                        f"{state.transport_failures} transport failures in a row", unreachable=True)
 
     def answered(self, model_id: str, backend: Backend, request: str, client: str, *, failed: bool,
                  models_backends: Iterable[Backend]) -> None:
@@ -207,7 +212,8 @@ class BackendHealth:
 
     # -- changes ----------------------------------------------------------------------------
 
-    def _eject(self, model_id: str, state: _State, models_backends: Iterable[Backend], reason: str) -> None:
+    def _eject(self, model_id: str, state: _State, models_backends: Iterable[Backend], reason: str, *,
+               unreachable: bool = False) -> None:
         others = [b for b in models_backends if (b.name, b.url) != (state.backend.name, state.backend.url)]
         if state.out_until is None and not any(self.state_of(b) == IN_SERVICE for b in others):
             if state.reason != "last":
@@ -224,6 +230,7 @@ class BackendHealth:
         state.transport_failures = 0
         state.answers.clear()
         state.reason = reason
+        state.unreachable = unreachable
         if not was_out:
             self._changed(state, OUT_OF_SERVICE, f"{reason}; out for {cooldown:g} s")
 
@@ -232,6 +239,7 @@ class BackendHealth:
         state.ejections = 0
         state.trial_until = 0.0
         state.reason = ""
+        state.unreachable = False
         self._changed(state, IN_SERVICE, reason)
 
     def _changed(self, state: _State, new_state: str, reason: str) -> None:
