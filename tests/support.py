@@ -22,7 +22,7 @@ from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
 from kiln.store.clock import epoch_of
-from kiln.store.keys import create_key
+from kiln.store.keys import create_key, list_keys
 from kiln.store.keyspend import period_kind, period_name
 from kiln.store.orgs import OrgInfo, create_org, get_org
 from kiln.store.usage import query_events
@@ -249,6 +249,23 @@ class Stack:
                 figures[name] = set(value["SS"])
         return figures
 
+    def key_tallies(self, org_id: str) -> dict[tuple[str, str, str], Decimal]:
+        """(key id, month, attribute) → value of every tally item of the org's keys
+        (kiln.store.tally), read consistently: `month` and `d01`..`d31`."""
+        tallies: dict[tuple[str, str, str], Decimal] = {}
+        for key in list_keys(self.tables, org_id):
+            pages = self.dynamodb.get_paginator("scan").paginate(
+                TableName=self.settings.usage_table, ConsistentRead=True,
+                FilterExpression="begins_with(gen_id, :prefix)",
+                ExpressionAttributeValues={":prefix": {"S": f"tally:{key.key_id}:"}})
+            for page in pages:
+                for item in page["Items"]:
+                    month = item["gen_id"]["S"].rpartition(":")[2]
+                    for name, value in item.items():
+                        if name != "gen_id":
+                            tallies[(key.key_id, month, name)] = Decimal(value["N"])
+        return tallies
+
     def org_info(self, org_id: str) -> OrgInfo:
         return get_org(self.tables, org_id)
 
@@ -448,6 +465,7 @@ class LedgerCheck:
         start = stack.org_info(org_id)
         self.credits, self.in_flight = start.credits, start.in_flight
         self.spend = stack.key_figures(org_id)
+        self.tallies = stack.key_tallies(org_id)
         self.before = {event.gen_id for event in stack.events(org_id)}  # events of earlier requests
         self.gen_ids: list[str] = []
 
@@ -473,8 +491,24 @@ class LedgerCheck:
         assert counts == {gen_id: 1 for gen_id in self.gen_ids}, f"events {counts} for the ids seen {self.gen_ids}"
         debited = self.credits - info.credits
         assert debited == sum((event.cost for event in events), Decimal(0)), (debited, [e.cost for e in events])
-        check_key_figures(self.stack, self.org_id, events, self.spend)
+        check_key_figures(self.stack, self.org_id, events, self.spend, self.tallies)
         return events
+
+
+def check_tallies(stack: "Stack", org_id: str, events: list[UsageEvent],
+                  before: dict[tuple[str, str, str], Decimal] | None = None) -> None:
+    """Each of the org's keys' tallies grew by exactly its events' costs, month by month and
+    day by day: none counts a cost no event has, or misses one."""
+    expected: dict[tuple[str, str, str], Decimal] = dict(before or {})
+    for event in events:
+        if not event.cost:
+            continue
+        month, day = event.created_at[:7], "d" + event.created_at[8:10]
+        for name in ("month", day):
+            expected[(event.key_id, month, name)] = expected.get((event.key_id, month, name), Decimal(0)) + event.cost
+    found = stack.key_tallies(org_id)
+    assert {name: value for name, value in found.items() if value} == {
+        name: value for name, value in expected.items() if value}, (found, expected)
 
 
 def key_totals(figures: dict[str, Any]) -> dict[str, Decimal]:
@@ -483,9 +517,13 @@ def key_totals(figures: dict[str, Any]) -> dict[str, Decimal]:
 
 
 def check_key_figures(stack: "Stack", org_id: str, events: list[UsageEvent],
-                      before: dict[str, Decimal] | None = None) -> None:
+                      before: dict[str, Decimal] | None = None,
+                      tallies: dict[tuple[str, str, str], Decimal] | None = None) -> None:
     """Each key's spend figure grew by exactly the costs of its events admitted in the
-    figure's period, and no key counts a request in flight once the org has none."""
+    figure's period, and no key counts a request in flight once the org has none; each
+    key's tally (its month's and each day's sums) grew by exactly its events' costs in them.
+    `before` and `tallies`: the figures and tallies before `events` (none: a new org)."""
+    check_tallies(stack, org_id, events, tallies)
     figures = stack.key_figures(org_id)
     if stack.org_info(org_id).in_flight == 0:
         assert not [name for name in figures if name.startswith("key_leases:")], figures

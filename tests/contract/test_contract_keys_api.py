@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 from kiln.aws import AwsClient
 from kiln.errors import KeySpendLimitExceeded
 from kiln.store import UsageEvent
-from kiln.store.clock import iso_ms
+from kiln.store.clock import epoch_of, iso_ms
 from kiln.store.errors import AlreadyRevoked
 from kiln.store.keyring import Keyring
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
 from kiln.store.keyspend import KeyLimits
 from kiln.store.ledger import ledger_of
+from kiln.store.tally import tally_updates
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
@@ -339,11 +340,14 @@ def test_any_key_attributes_get_a_key_or_a_400(shared_stack, fuzz_admin, body, m
 
 
 def put_event(stack, org_id: str, key_id: str, created_at: str, cost: str) -> None:
-    """A settled request of the key at `created_at`, written as the ledger writes one."""
-    stack.dynamodb.put_item(TableName=stack.settings.usage_table, Item={
+    """A settled request of the key at `created_at`, written as the ledger writes one: its
+    event and its key's tally in one transaction."""
+    event = {"Put": {"TableName": stack.settings.usage_table, "Item": {
         "gen_id": {"S": f"gen-{secrets.token_hex(8)}"}, "org_id": {"S": org_id}, "created_at": {"S": created_at},
         "key_id": {"S": key_id}, "model": {"S": "qwen3-32b"}, "endpoint": {"S": "chat.completions"},
-        "streamed": {"BOOL": False}, "status": {"S": "success"}, "cost": {"N": cost}})
+        "streamed": {"BOOL": False}, "status": {"S": "success"}, "cost": {"N": cost}}}}
+    tally = tally_updates(stack.settings.usage_table, [(key_id, epoch_of(created_at), Decimal(cost))])
+    stack.dynamodb.transact_write_items(TransactItems=[event, *tally])
 
 
 def figures_of_key(stack, org_id: str, key_id: str) -> dict[str, Decimal]:
@@ -365,7 +369,7 @@ def test_a_key_without_a_limit_shows_this_periods_spend_from_its_events(stack):
     daily = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
     total = call(stack, "POST", "/v1/keys", admin, {}).json()
     put_event(stack, org_id, daily["id"], now_stored(-timedelta(days=2)), "7")  # an earlier day: not today's
-    put_event(stack, org_id, total["id"], now_stored(-timedelta(days=2)), "7")  # before the key was made
+    put_event(stack, org_id, total["id"], now_stored(-timedelta(days=40)), "7")  # a month before the key was made
     for key in (daily, total):
         assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
     costs = {event.key_id: event.cost for event in stack.events(org_id) if event.cost != 7}
@@ -378,18 +382,67 @@ def test_a_key_without_a_limit_shows_this_periods_spend_from_its_events(stack):
         assert Decimal(str(call(stack, "GET", "/v1/key", key["secret"]).json()["spend"])) == costs[key["id"]]
 
 
-def test_a_list_reads_the_orgs_events_once_for_every_key(stack):
+def _batch_keys(stack, before: int) -> list[int]:
+    """How many tallies each BatchGetItem since the `before`-th read."""
+    table = stack.settings.usage_table
+    batches = [payload for op, payload in stack.faults.calls if op == "BatchGetItem"][before:]
+    return [len(payload["RequestItems"][table]["Keys"]) for payload in batches]
+
+
+def test_a_keys_spend_is_read_from_its_tally_never_from_the_orgs_events(stack):
+    """A key's spend is read in items of its own, a few, however many events its org has:
+    summed from the org's events it cost a read of every one of them since the period began
+    (since the key was made, for `total`), every key's, on every GET /v1/key."""
     org_id, admin = management_org(stack)
+    busy = stack.key(org_id)
+    for _ in range(6):
+        assert stack.post(CHAT, BODY, busy).status_code == 200
     keys = [call(stack, "POST", "/v1/keys", admin, {"spend_period": period}).json()
             for period in ("day", "week", "month", "total")]
     for key in keys:
         assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
-    before = stack.faults.count("Query", lambda payload: payload["TableName"] == stack.settings.usage_table)
+    costs: dict[str, Decimal] = {}
+    for event in stack.events(org_id):
+        costs[event.key_id] = costs.get(event.key_id, Decimal(0)) + event.cost
+
+    def usage_queries() -> int:
+        return stack.faults.count("Query", lambda payload: payload["TableName"] == stack.settings.usage_table)
+
+    queries, batches = usage_queries(), stack.faults.count("BatchGetItem")
     listed = call(stack, "GET", "/v1/keys", admin).json()["data"]
-    assert stack.faults.count("Query", lambda payload: payload["TableName"] == stack.settings.usage_table) == before + 1
-    costs = {event.key_id: event.cost for event in stack.events(org_id)}
+    assert usage_queries() == queries
+    assert len(_batch_keys(stack, batches)) == 1  # every key's tallies in one read
     assert {item["id"]: Decimal(str(item["spend"])) for item in listed} == {
         item["id"]: costs.get(item["id"], Decimal(0)) for item in listed}
+    for key in keys:
+        batches = stack.faults.count("BatchGetItem")
+        mine = call(stack, "GET", "/v1/key", key["secret"]).json()
+        assert Decimal(str(mine["spend"])) == costs[key["id"]]
+        assert usage_queries() == queries
+        (read,) = _batch_keys(stack, batches)
+        assert read <= 2  # a week may span two months
+
+
+def test_a_keys_spend_is_kept_when_its_usage_events_expire(stack):
+    """With a usage retention DynamoDB's TTL removes old events: a key's spend this period
+    (all its life, for `total`) still counts them, and so does a limit set afterwards."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {}).json()
+    for _ in range(2):
+        assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    events = [event for event in stack.events(org_id) if event.key_id == key["id"]]
+    spent = sum((event.cost for event in events), Decimal(0))
+    assert len(events) == 2 and spent > 0
+    for event in events:  # as the TTL does
+        stack.dynamodb.delete_item(TableName=stack.settings.usage_table, Key={"gen_id": {"S": event.gen_id}})
+    assert Decimal(str(call(stack, "GET", "/v1/key", key["secret"]).json()["spend"])) == spent
+    listed = {item["id"]: item for item in call(stack, "GET", "/v1/keys", admin).json()["data"]}
+    assert Decimal(str(listed[key["id"]]["spend"])) == spent
+    patched = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": str(spent / 2)})
+    assert patched.status_code == 200 and Decimal(str(patched.json()["spend"])) == spent
+    refused = stack.post(CHAT, BODY, key["secret"])
+    assert refused.status_code == 402, refused.text
+    assert refused.json()["error"]["code"] == "key_spend_limit_exceeded"
 
 
 def test_a_key_with_a_limit_shows_its_figure(stack):
@@ -1097,13 +1150,13 @@ def test_a_change_whose_answer_is_lost_counts_what_the_key_spent_even_if_not_sen
 
 
 def test_a_change_that_cannot_read_the_keys_spend_is_not_made(stack):
-    """The key's spend in its new period comes from its usage events: when they cannot be read
+    """The key's spend in its new period comes from its tally: when it cannot be read
     (throttled), the change is refused whole (503), the key and its figure as they were."""
     org_id, admin = management_org(stack, credits="1000")
     key = call(stack, "POST", "/v1/keys", admin, DAY_LIMIT).json()
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
     before = figures_of_key(stack, org_id, key["id"])
-    stack.faults.fail("Query", when=lambda payload: payload["TableName"] == stack.settings.usage_table)
+    stack.faults.fail("BatchGetItem", when=lambda payload: stack.settings.usage_table in payload["RequestItems"])
     try:
         answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "week"})
     finally:

@@ -973,6 +973,9 @@ def test_generation_shows_the_full_usage_event(admin, stack):
     event = json.loads(admin("generation", gen_id, "--format", "json").text)
     assert event["prompt_tokens"] == 4 and event["cost"] == "0.00000098" and event["key_id"].startswith("key_")
     assert_fails(admin("generation", "gen-" + "0" * 26), "generation 'gen-00000000000000000000000000' not found")
+    # the key's tally beside the events is not a generation (kiln.store.tally)
+    tally = f"tally:{event['key_id']}:{event['created_at'][:7]}"
+    assert_fails(admin("generation", tally), f"generation '{tally}' not found")
 
 
 def test_keys_list_shows_when_a_key_was_last_used(admin, stack):

@@ -402,10 +402,18 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
                "dynamodb:PutItem", "ssm:GetParameter"}
     for role in MODEL_ROLES:
         assert actions(role) - {"kms:Decrypt"} == gateway, role
+        # the usage table is updated only in the keys' tallies (kiln.store.tally), never an event
+        (tally,) = [statement for statement in statements(cfn, role) if statement["Resource"] == {
+            "Fn::GetAtt": ["UsageTable", "Arn"]} and "dynamodb:UpdateItem" in statement["Action"]]
+        assert tally["Action"] == ["dynamodb:UpdateItem"], role
+        assert tally["Condition"] == {"ForAllValues:StringLike": {"dynamodb:LeadingKeys": ["tally:*"]}}, role
     # the models and generations functions neither admit nor bill: they write only keys (their
     # last use; the generations function also issues, changes and revokes them, contract §10)
     assert actions("ModelsRole") == gateway - {"dynamodb:PutItem"}
-    assert actions("GenerationsRole") == gateway | {"dynamodb:Query", "dynamodb:ConditionCheckItem"}
+    assert actions("GenerationsRole") == gateway | {"dynamodb:Query", "dynamodb:ConditionCheckItem",
+                                                    "dynamodb:BatchGetItem"}
+    # keys' spend is read from their tallies (kiln.store.tally), beside the usage events
+    assert granted(cfn, "GenerationsRole", "dynamodb:BatchGetItem") == [{"Fn::GetAtt": ["UsageTable", "Arn"]}]
     # a key item checked (never written) where what requests in flight left for it is cleared
     assert granted(cfn, "GenerationsRole", "dynamodb:ConditionCheckItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
     assert granted(cfn, "ModelsRole", "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
@@ -552,7 +560,8 @@ def test_sam_deploy_guided_deploys_when_every_prompt_is_answered_with_enter():
 
 # The IAM action each DynamoDB call needs (a transaction: each of its items, by its kind).
 CALL_ACTIONS = {"GetItem": "dynamodb:GetItem", "PutItem": "dynamodb:PutItem", "UpdateItem": "dynamodb:UpdateItem",
-                "DeleteItem": "dynamodb:DeleteItem", "Query": "dynamodb:Query", "Scan": "dynamodb:Scan"}
+                "DeleteItem": "dynamodb:DeleteItem", "Query": "dynamodb:Query", "Scan": "dynamodb:Scan",
+                "BatchGetItem": "dynamodb:BatchGetItem"}
 ITEM_ACTIONS = {"Get": "dynamodb:GetItem", "Put": "dynamodb:PutItem", "Update": "dynamodb:UpdateItem",
                 "Delete": "dynamodb:DeleteItem", "ConditionCheck": "dynamodb:ConditionCheckItem"}
 
@@ -569,6 +578,9 @@ def needed(settings, calls: list[tuple[str, dict]]) -> set[tuple[str, str]]:
 
     found = set()
     for operation, payload in calls:
+        if operation == "BatchGetItem":
+            found.update((CALL_ACTIONS[operation], resource({"TableName": table})) for table in payload["RequestItems"])
+            continue
         if "TableName" not in payload and "TransactItems" not in payload:
             continue  # not DynamoDB's (SSM's reads are checked above)
         if operation in ("TransactWriteItems", "TransactGetItems"):
@@ -669,3 +681,9 @@ def test_every_storage_call_of_a_model_request_is_granted_to_its_function(stack_
         grants = {(action, json.dumps(resource)) for action in set(CALL_ACTIONS.values()) | set(ITEM_ACTIONS.values())
                   for resource in granted(cfn, role, action)}
         assert needed(stack.settings, calls) - grants == set(), role
+    # and the condition of the usage table's UpdateItem: only tallies (dynamodb:LeadingKeys)
+    updated = [inner["Key"]["gen_id"]["S"] for operation, payload in calls
+               for kind, inner in ([next(iter(item.items())) for item in payload["TransactItems"]]
+                                   if operation == "TransactWriteItems" else [(operation, payload)])
+               if kind in ("Update", "UpdateItem") and inner.get("TableName") == stack.settings.usage_table]
+    assert updated and all(key.startswith("tally:") for key in updated), updated

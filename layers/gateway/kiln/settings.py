@@ -43,7 +43,7 @@ class Settings:
 
     keys_table: str = setting("kiln-keys", "DynamoDB table of the API keys (hashed)")
     orgs_table: str = setting("kiln-orgs", "DynamoDB table of the orgs: credits, limits, leases")
-    usage_table: str = setting("kiln-usage", "DynamoDB table of the usage events")
+    usage_table: str = setting("kiln-usage", "DynamoDB table of the usage events (and of the keys' spend tallies)")
     maintenance_parameter: str = setting("/kiln/maintenance", "SSM parameter of the maintenance flag")
     catalog_parameter: str = setting("/kiln/catalog", "SSM parameter of the model catalog")
     catalog_file: str | None = setting(None, "a catalog file instead of the SSM parameter (tests, the local stack)")

@@ -15,7 +15,9 @@ A key with a spend limit counts its spend in one figure on its org item, with a 
 its kind of period (kiln.store.keyspend); key management keeps them in step with the key as
 stored: a revocation or a limit removed takes them off, a limit set or a new spend period sets
 the marker and brings the new period's figure up to what the key already spent in it (from its
-usage events). A key without a limit is shown its spend summed from its events.
+tally). A key without a limit is shown its spend from its tally, which every write of one of
+its usage events adds to (kiln.store.tally); a key made before tallies were kept, summed from
+its events.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from .keyspend import (
 )
 from .retry import client_token
 from .schema import KEY, ORG
+from .tally import reads_for, tallied_spends
 from .usage import key_costs
 
 __all__ = [
@@ -255,6 +258,7 @@ def _info(item: dict[str, Any]) -> KeyInfo:
         concurrency=int(concurrency) if concurrency is not None else None,
         spend_limit=Decimal(spend_limit) if spend_limit is not None else None,
         spend_period=text(KEY.spend_period) or "total",
+        tallied=item.get(KEY.tallied, {}).get("BOOL") is True,
     )
 
 
@@ -380,15 +384,21 @@ class Keyring:
                      now: float) -> dict[str, Decimal]:
         """Key id -> its spend in the current period of its spend_period at `now`: a key with a
         spend limit, its figure on `org_item`; any other (or a revoked key, whose figures are
-        gone), summed from its usage events (since its creation, for `total`), all of them
-        from one read of the org's events."""
+        gone), its tally (kiln.store.tally), all of them read in batches; a key made before
+        tallies were kept, summed from its usage events (since its creation, for `total`),
+        all of those from one read of the org's events."""
         spent: dict[str, Decimal] = {}
         starts: dict[str, str] = {}
+        tallies: dict[str, list[tuple[str, str]]] = {}
         for key in keys:
             if _counted_on_org(key):
                 spent[key.key_id] = spend_in(dict(org_item), key.key_id, key.spend_period, now)
+            elif key.tallied:
+                tallies[key.key_id] = reads_for(key.key_id, key.spend_period, key.created_at, now)
             else:
                 starts[key.key_id] = _period_began(key, now)
+        if tallies:
+            spent.update(await tallied_spends(self._aws, self._usage(), tallies))
         if starts:
             summed = KeySpend(starts)
             only = next(iter(starts)) if len(starts) == 1 else None
@@ -550,11 +560,11 @@ class Keyring:
         return payload, figure
 
     async def _spent_in_period(self, key: KeyInfo, now: float) -> Decimal:
-        """What the key's usage events say it spent in the current period of its spend_period."""
+        """What the key spent in the current period of its spend_period, by its tally (or events)."""
         return (await self.spends(key.org_id, [replace(key, spend_limit=None)], {}, now))[key.key_id]
 
     async def _raise_to_events(self, key: KeyInfo, figure: str, now: float) -> str:
-        """Raise the figure to what the key's usage events say it spent in the period, never
+        """Raise the figure to what the key's tally (or events) says it spent in the period, never
         lowering it, on the condition that it is what was read. A key whose settles keep
         landing between the reads and the write gets, at the last try, what was missing added
         instead: the settles that landed during that read are then counted twice, the side a
@@ -596,6 +606,7 @@ class Keyring:
             status="active",
             prefix=secret[:_SHOWN_PREFIX],
             created_at=iso_ms(self.clock()),
+            tallied=True,
         )
         key = replace(key, **{name: value for name, value in changes.items() if value is not None})
         item = {
@@ -605,6 +616,7 @@ class Keyring:
             KEY.status: {"S": key.status},
             KEY.prefix: {"S": key.prefix},
             KEY.created_at: {"S": key.created_at},
+            KEY.tallied: {"BOOL": True},
         }
         for name, value in changes.items():
             if value is not None:
@@ -681,8 +693,8 @@ class Keyring:
         written in one transaction, so that neither is ever left without the other (a failure
         writes nothing), the org's part conditioned on the marker as read (a change of the same
         key at once: read both again). Then the figure the key counts in is brought up to what
-        its usage events say it spent in the period: the settles before the transaction are in
-        the events, those after it in the figure."""
+        its tally (or events) says it spent in the period: the settles before the transaction
+        are in the tally, those after it in the figure."""
         key_hash, owner = item[KEY.hash_key]["S"], item[KEY.org_id]["S"]
         key_id = item[KEY.key_id]["S"]
         # each change its own token: the same items sent by a later change (a key blocked again
@@ -757,7 +769,10 @@ class Keyring:
             revoked = _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
                                               extra_condition=NOT_REVOKED))
         except AlreadyRevoked:
+            # revoked meanwhile, or by this very write, whose answer was lost and whose resend
+            # found it done: the figures come off either way
             current = await self._item(key_id, org_id)
+            await self._tidy(_info(current), why="revoked")
             raise AlreadyRevoked(key_id, current.get(KEY.revoked_at, {}).get("S")) from None
         await self._tidy(revoked, why="revoked")
         return revoked

@@ -63,6 +63,7 @@ class KeyInfo:
     concurrency: int | None = None  # None: the org's limit
     spend_limit: Decimal | None = None  # USD per spend_period; None: no limit
     spend_period: str = "total"
+    tallied: bool = False  # its spend is tallied (kiln.store.tally); else summed from its events
 
 
 @dataclass(frozen=True)

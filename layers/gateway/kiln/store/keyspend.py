@@ -30,7 +30,7 @@ only when they settle, so a key can end a period above its limit by at most what
 cost. Figures of periods that are over are removed in the background after an admission
 sees them; a revoked key's, or one whose limit is removed, by key management (and those that
 a request in flight at that change makes again, by the next call that may set a limit). A key's
-spend without a limit is read from its usage events.
+spend without a limit is read from its tally (kiln.store.tally).
 """
 
 from __future__ import annotations

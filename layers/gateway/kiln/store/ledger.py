@@ -34,7 +34,11 @@ slot for at most the TTL, and one that keeps running never loses it.
   kind of period it counts in now) being what its lease assumed, or absent; when it is not
   (key management changed the key since), the settle reads the marker and adds the cost to
   the figure it says, under a token of its own. A reclaim and a late settle add to the
-  figure the marker says in the org item they read.
+  figure the marker says in the org item they read, on the condition that it still says
+  so (a reclaim that meets a change is left to the next admission; a late settle reads again).
+- **A key's tally** (kiln.store.tally): each of those transactions that writes a usage event
+  also adds its cost (a replacement, the difference) to the key's tally of the event's
+  month and day, so what a key spent is read without reading its events.
 
 Every write goes through one retry policy (`kiln.store.retry`).
 """
@@ -77,6 +81,7 @@ from .keyspend import (
 )
 from .retry import RetryPolicy, client_token
 from .schema import LEASE, ORG, USAGE
+from .tally import tally_updates
 from .usage import UsageEvent
 
 __all__ = ["Lease", "Ledger", "Progress", "new_generation_id", "with_ledger"]
@@ -102,7 +107,8 @@ EVENT_IS_NEW = "attribute_not_exists(#gen_id)"
 EVENT_IS_ABANDONED = "#status = :abandoned"
 EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
 
-# A reclaim is one transaction: at most this many leases at once (DynamoDB allows 100 items).
+# A reclaim is one transaction: at most this many leases at once (DynamoDB allows 100 items:
+# the org's, and for each lease its event and at most one key's tally, kiln.store.tally).
 MAX_RECLAIM = 49
 # Past periods' spend figures removed in one write, at most.
 MAX_PRUNE = 100
@@ -429,6 +435,9 @@ class Ledger:
             del names["#credits"]
         update += _key_bookkeeping([(lease, event.cost, _counted_in(lease, seen))
                                     for lease, event in zip(leases, events, strict=True)], names, values)
+        # the figures are those the markers in `seen` say: a change of a key's spend since
+        # (its marker set, changed or removed) makes this reclaim one that raced
+        unchanged += _markers_as_read(sorted({lease.key_id for lease in leases}), seen, names, values)
         items: list[dict[str, Any]] = [
             {
                 "Update": {
@@ -442,6 +451,8 @@ class Ledger:
             }
         ]
         items += [self._put_event(event, EVENT_IS_NEW) for event in events]
+        items += tally_updates(self._usage_table, [(lease.key_id, lease.started, event.cost)
+                                                   for lease, event in zip(leases, events, strict=True)])
         gen_ids = [lease.gen_id for lease in leases]
         payload = {"TransactItems": items, "ClientRequestToken": client_token("r", json.dumps(items, sort_keys=True))}
         self._reclaiming.update(gen_ids)
@@ -523,7 +534,9 @@ class Ledger:
                 "ExpressionAttributeValues": values,
             }
         }
-        payload: dict[str, Any] = {"TransactItems": [release, self._put_event(event, EVENT_IS_NEW)]}
+        payload: dict[str, Any] = {"TransactItems": [
+            release, self._put_event(event, EVENT_IS_NEW),
+            *tally_updates(self._usage_table, [(lease.key_id, lease.started, event.cost)])]}
         if request_token:
             # each attempt after reading the marker is another transaction: its own token (a
             # retry of one after a lost answer, within the retry policy, keeps it)
@@ -546,37 +559,47 @@ class Ledger:
     async def _settle_late(self, lease: Lease, event: UsageEvent, org: dict[str, Any] | None = None) -> str:
         """The lease is gone: this settle already happened, or the lease expired and was
         reclaimed as `abandoned` (already billed for its last renewal). Replace that event,
-        debiting only the difference (added to the key's figures as `org`, the org item read
-        after the lease was found gone, has them)."""
+        debiting only the difference, added to the key's figures as `org` (the org item read
+        after the lease was found gone) has them, on the condition that the key's marker is
+        still what it says: a change of the key's spend between the read and the write reads
+        it again (MAX_FIGURE_READS times; then the bill goes first, as in `settle`)."""
         found = await self._read_event(event.gen_id)
         if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
             return "already_settled"
-        if org is None:
-            org = await self._read_org(lease)
         billed = Decimal(found.get(USAGE.cost, {}).get("N", "0"))
-        names = {"#credits": ORG.credits, "#org_id": ORG.org_id}
-        values: dict[str, Any] = {":difference": {"N": number(event.cost - billed)}}
-        # the reclaim already took the lease out of the key's set: only the spend changes
-        update = "SET #credits = #credits - :difference" + _key_bookkeeping(
-            [(lease, event.cost - billed, _counted_in(lease, org))], names, values, release=False)
-        debit = {
-            "Update": {
-                "TableName": self._orgs_table,
-                "Key": {ORG.hash_key: {"S": lease.org_id}},
-                "UpdateExpression": update,
-                "ConditionExpression": ORG_EXISTS,
-                "ExpressionAttributeNames": names,
-                "ExpressionAttributeValues": values,
-            }
-        }
         put = self._put_event(event, EVENT_IS_THE_ABANDONED_ONE, billed=billed)
-        try:
-            await self._retried("settle", "TransactWriteItems", {"TransactItems": [debit, put]})
-            return "replaced_abandoned"
-        except TransactionCancelled as cancelled:
-            if cancelled.failed_condition(1):
-                return "already_settled"  # replaced by another settle of the same generation
-            raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
+        tally = tally_updates(self._usage_table, [(lease.key_id, lease.started, event.cost - billed)])
+        for attempt in range(MAX_FIGURE_READS + 1):
+            if org is None:
+                org = await self._read_org(lease)
+            names = {"#credits": ORG.credits, "#org_id": ORG.org_id}
+            values: dict[str, Any] = {":difference": {"N": number(event.cost - billed)}}
+            # the reclaim already took the lease out of the key's set: only the spend changes
+            update = "SET #credits = #credits - :difference" + _key_bookkeeping(
+                [(lease, event.cost - billed, _counted_in(lease, org))], names, values, release=False)
+            condition = ORG_EXISTS
+            if attempt < MAX_FIGURE_READS:
+                condition = " AND ".join([condition, *_markers_as_read([lease.key_id], org, names, values)])
+            debit = {
+                "Update": {
+                    "TableName": self._orgs_table,
+                    "Key": {ORG.hash_key: {"S": lease.org_id}},
+                    "UpdateExpression": update,
+                    "ConditionExpression": condition,
+                    "ExpressionAttributeNames": names,
+                    "ExpressionAttributeValues": values,
+                }
+            }
+            try:
+                await self._retried("settle", "TransactWriteItems", {"TransactItems": [debit, put, *tally]})
+                return "replaced_abandoned"
+            except TransactionCancelled as cancelled:
+                if cancelled.failed_condition(1):
+                    return "already_settled"  # replaced by another settle of the same generation
+                if not cancelled.failed_condition(0):
+                    raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
+            org = None  # the key's marker changed (or the org is gone): read it again
+        raise StorageError("settle cancelled: the org item is gone")
 
     async def _read_event(self, gen_id: str) -> dict[str, Any] | None:
         answer = await self._retried(
@@ -629,6 +652,22 @@ def _expiry(lease: dict[str, Any]) -> float:
 
 def _counted_in(lease: Lease, org: dict[str, Any]) -> tuple[str, ...]:
     return counted_in(org, lease.key_id, lease.started, lease.spend_figure)
+
+
+def _markers_as_read(key_ids: list[str], org: dict[str, Any], names: dict[str, str],
+                     values: dict[str, Any]) -> list[str]:
+    """The conditions that each key's marker is what `org` (an org item as read) has: the
+    figures worked out from it are still the ones its key counts in."""
+    conditions = []
+    for index, key_id in enumerate(key_ids):
+        names[f"#mk{index}"] = marker_attribute(key_id)
+        marker = marker_of(org, key_id)
+        if marker is None:
+            conditions.append(f"attribute_not_exists(#mk{index})")
+        else:
+            values[f":mk{index}"] = {"S": marker}
+            conditions.append(f"#mk{index} = :mk{index}")
+    return conditions
 
 
 def _key_bookkeeping(charges: list[tuple[Lease, Decimal, tuple[str, ...]]], names: dict[str, str],

@@ -1,4 +1,4 @@
-"""The three DynamoDB items, declared once: tables' keys, attribute names and types, indexes.
+"""The DynamoDB items, declared once: tables' keys, attribute names and types, indexes.
 
 Everything that reads or writes an item takes its names from here: the request path's
 storage (`kiln.store.storage`, the ledger, the codec) and the operators' pynamodb models,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KEY", "LEASE", "ORG", "USAGE", "Attribute", "Index", "ItemSchema"]
+__all__ = ["KEY", "LEASE", "ORG", "TALLY", "USAGE", "Attribute", "Index", "ItemSchema"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ KEY = ItemSchema(
         Attribute("concurrency", "N", null=True),  # its own limit of requests in flight
         Attribute("spend_limit", "money", null=True),  # USD per spend_period
         Attribute("spend_period", "S", null=True),  # day | week | month | total (when absent)
+        # its spend is tallied month by month (kiln.store.tally); absent: a key made before
+        # tallies were kept, whose spend is summed from its usage events
+        Attribute("tallied", "BOOL", null=True),
     ),
     indexes=(Index("by_key_id", "key_id"), Index("by_org", "org_id", "created_at")),
 )
@@ -124,4 +127,15 @@ USAGE = ItemSchema(
         Attribute("expires_at", "N", null=True),  # epoch seconds, DynamoDB's TTL attribute
     ),
     indexes=(Index("by_org_time", "org_id", "created_at"),),
+)
+
+# A key's spend in one UTC month, in the usage table beside its events (kiln.store.tally):
+# its id is no generation id, and it has no org_id or created_at, so by_org_time never holds it.
+TALLY = ItemSchema(
+    hash_key="gen_id",  # "tally:<key id>:<YYYY-MM>"
+    attributes=(
+        Attribute("gen_id", "S"),
+        Attribute("month", "money"),  # the month's sum
+        *(Attribute(f"d{day:02d}", "money", null=True) for day in range(1, 32)),  # each day's
+    ),
 )

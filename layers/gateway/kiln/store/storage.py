@@ -89,6 +89,9 @@ class DynamoStorage:
                 "Key": {KEY.hash_key: {"S": key_hash}},
                 "ProjectionExpression": ", ".join(f"#a{index}" for index in range(len(_KEY_FIELDS))),
                 "ExpressionAttributeNames": {f"#a{index}": name for index, name in enumerate(_KEY_FIELDS)},
+                # read strongly: the answer is cached for the auth cache time, and a replica
+                # behind a revocation would serve the key for that long again
+                "ConsistentRead": True,
             },
         )
         item = found.get("Item")
@@ -104,6 +107,7 @@ class DynamoStorage:
                 "Key": {ORG.hash_key: {"S": org_id}},
                 "ProjectionExpression": "#status",
                 "ExpressionAttributeNames": {"#status": ORG.status},
+                "ConsistentRead": True,  # cached as the key is (above)
             },
         )
         item = found.get("Item")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 from .codec import from_item
 from .errors import RecordNotFound
 from .schema import USAGE
+from .tally import is_tally
 
 if TYPE_CHECKING:  # pynamodb is for operators' tools; the request path never imports it
     from .records import Tables
@@ -80,6 +81,8 @@ class UsageEvent:
 def get_event(tables: Tables, gen_id: str) -> UsageEvent:
     from pynamodb.exceptions import DoesNotExist
 
+    if is_tally(gen_id):  # a key's tally, beside the events: no generation
+        raise RecordNotFound("generation", gen_id)
     try:
         return UsageEvent.from_record(tables.usage.get(gen_id, consistent_read=True))
     except DoesNotExist:

@@ -1,0 +1,260 @@
+"""Per-key limits and key management with DynamoDB as AWS serves it where the embedded AWS
+does not (contract §2 step 3, §10): indexes and plain reads eventually consistent, a write
+landing while another call is between its read and its write, an answer lost after the
+write was made.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from decimal import Decimal
+
+import kiln.store.keyring as keyring_module
+from kiln.http1 import Response
+from kiln.store.clock import epoch_of, iso_ms
+from kiln.store.keys import create_key, revoke_key
+from kiln.store.keyspend import KeyLimits, period_kind, period_name
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def call(stack, method: str, path: str, key: str, body=None):
+    return stack.http.request(method, path, json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+def management_org(stack, **org) -> tuple[str, str]:
+    org_id, _ = stack.org(**org)
+    return org_id, create_key(stack.tables, org_id, role="management", label="console").secret
+
+
+def key_figures(stack, org_id: str, key_id: str) -> dict[str, Decimal]:
+    return {name: value for name, value in stack.key_figures(org_id).items()
+            if name.startswith(f"key_spend:{key_id}:")}
+
+
+def key_spent_in(stack, org_id: str, key_id: str, figure: str) -> Decimal:
+    """What the key's events admitted in the figure's period cost."""
+    period = figure.rpartition(":")[2]
+    kind = period_kind(period)
+    return sum((event.cost for event in stack.events(org_id) if event.key_id == key_id
+                and period_name(kind, epoch_of(event.created_at)) == period), Decimal(0))
+
+
+def lagging_index(monkeypatch, lag: float = 1.0) -> None:
+    """The `by_org_time` GSI as DynamoDB serves it: eventually consistent, a write reaching it a
+    moment after it is acknowledged (a GSI Query cannot ask for ConsistentRead). Modelled
+    conservatively: an event whose request was admitted less than `lag` seconds ago (so was
+    written less than `lag` seconds ago) is not yet on the index."""
+    real = keyring_module.key_costs
+
+    def key_costs(aws, usage_table, org_id, since, *, key_id=None):
+        cut = iso_ms(time.time() - lag)
+
+        async def rows():
+            async for row in real(aws, usage_table, org_id, since, key_id=key_id):
+                if row[1] < cut:
+                    yield row
+
+        return rows()
+
+    monkeypatch.setattr(keyring_module, "key_costs", key_costs)
+
+
+# -- 1. a limit set right after the key spent is seeded from an index that lags ----------------
+
+
+def test_a_limit_set_just_after_the_key_spent_counts_what_it_spent(stack, monkeypatch):
+    """A key without a limit spends c; its org then gives it a daily limit of c. The key has
+    spent its limit: its next request must be 402 (§10: soft only by requests in flight, and
+    none is). Summed from the `by_org_time` GSI, which on AWS does not yet show an event
+    settled a moment ago, the new figure started at 0 and the key got its whole limit again:
+    it is read from the key's tally, written with the event and read consistently."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    (event,) = stack.events(org_id)
+    lagging_index(monkeypatch)
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": str(event.cost)})
+    assert changed.status_code == 200, changed.text
+    monkeypatch.undo()
+    figure = KeyLimits(None, event.cost, "day").figure(key["id"], time.time())
+    figures = key_figures(stack, org_id, key["id"])
+    refused = stack.post(CHAT, BODY, key["secret"])
+    assert refused.status_code == 402, (refused.status_code, "a key at its spend limit was admitted again", figures)
+    assert figures.get(figure, Decimal(0)) == event.cost, ("the figure misses what the key spent before", figures)
+
+
+def test_a_new_spend_period_counts_what_the_key_spent_just_before(stack, monkeypatch):
+    """The same through a change of period: a key with a $c total limit that spent c/2 gets
+    `spend_period: month`. Seeded from the lagging index, its month figure lost c/2 (the old
+    figure that held it is removed) and the key could spend c more this month."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    (event,) = stack.events(org_id)
+    lagging_index(monkeypatch)
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "month"})
+    assert changed.status_code == 200, changed.text
+    monkeypatch.undo()
+    month = KeyLimits(None, Decimal(5), "month").figure(key["id"], time.time())
+    assert key_figures(stack, org_id, key["id"]) == {month: event.cost}, key_figures(stack, org_id, key["id"])
+
+
+# -- 2. a reclaim adds an abandoned request's cost to the figure an old read of the org says ---------
+
+
+def test_a_reclaim_landing_after_a_period_change_counts_in_the_keys_figure(stack_factory):
+    """A gateway died with a request of a key (daily limit $5) that had relayed $0.10. The next
+    admission reclaims its lease in the background, from the org item it read (marker absent:
+    the lease's day figure). A change of the key's period to `month` lands before that reclaim's
+    transaction (a slow answer, or conflicts it retries through). Conditioned only on the
+    lease's expiry, it added $0.10 to the day figure the change removed, and the month figure
+    the key counts in never got it (§10: settling — or reclaiming — adds the cost to the key's
+    spend for the period). Conditioned on the marker as read, it races, and the next
+    admission reclaims the lease into the month figure."""
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    day_limits = KeyLimits(None, Decimal(5), "day")
+    dead = stack.ledger.admit(org_id=org_id, key_id=key["id"], model="gpt-oss-120b", endpoint="chat.completions",
+                              streamed=False, limits=day_limits)
+    assert stack.ledger.renew(dead, (3, 2, Decimal("0.1"))) is not None
+    time.sleep(0.45)  # the gateway that held it is gone: the lease expires
+    reclaim = stack.faults.slow("TransactWriteItems", 1.5, when=lambda payload: '"abandoned"' in json.dumps(payload),
+                                times=1)
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200  # admits, and reclaims the dead lease later
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "month"})
+    assert changed.status_code == 200, changed.text
+    assert reclaim, "the reclaim never ran"
+    time.sleep(1.6)  # the slowed reclaim meets the change: it raced, and leaves the lease be
+    stack.faults.clear()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200  # the next admission reclaims it
+    deadline = time.monotonic() + 5
+    while stack.org_info(org_id).leases and time.monotonic() < deadline:  # the dead lease is reclaimed
+        time.sleep(0.05)
+    time.sleep(0.2)
+    stack.faults.clear()
+    statuses = sorted(event.status for event in stack.events(org_id))
+    assert statuses == ["abandoned", "success", "success"], statuses
+    month = KeyLimits(None, Decimal(5), "month").figure(key["id"], time.time())
+    figures = key_figures(stack, org_id, key["id"])
+    assert figures.get(month) == key_spent_in(stack, org_id, key["id"], month), figures
+    assert set(figures) == {month}, figures
+
+
+# -- 3. a revoked key read back from a replica that has not seen the revocation ----------------------
+
+
+def test_a_revoked_key_is_refused_once_the_auth_cache_time_has_passed(stack_factory):
+    """§10: DELETE revokes, 401 for the key within the auth cache time. Another gateway's
+    cache entry expires and it reads the key again with an eventually consistent GetItem
+    (no ConsistentRead, as it once did): on AWS that read may come from a replica that has not
+    seen the revocation a moment ago, and its answer is cached for a whole cache time more, so
+    the revoked key was served for up to twice the cache time."""
+    cache = 0.6
+    stack = stack_factory(auth_cache_seconds=cache)
+    org_id, _ = stack.org()
+    issued = create_key(stack.tables, org_id, label="to revoke")
+    assert stack.post(CHAT, BODY, issued.secret).status_code == 200  # cached by this gateway
+    keys_table = stack.settings.keys_table
+    (item,) = stack.dynamodb.scan(TableName=keys_table, FilterExpression="key_id = :k",
+                                  ExpressionAttributeValues={":k": {"S": issued.key_id}})["Items"]
+    revoke_key(stack.tables, issued.key_id)  # by another process (the CLI, another gateway)
+    revoked_at = time.monotonic()
+
+    # AWS: an eventually consistent read within a second of a write may return the item as it was
+    faults = stack.faults
+    answer = faults.answer
+
+    def replica(operation, payload):
+        stale = (operation == "GetItem" and payload.get("TableName") == keys_table
+                 and not payload.get("ConsistentRead") and time.monotonic() - revoked_at < 1.0)
+        if stale:
+            faults.calls.append((operation, payload))
+            wanted = payload.get("ExpressionAttributeNames", {}).values()
+            shown = {name: value for name, value in item.items() if not wanted or name in wanted}
+            return Response.complete(200, json.dumps({"Item": shown}).encode())
+        return answer(operation, payload)
+
+    faults.answer = replica
+    try:
+        time.sleep(cache + 0.1)  # this gateway's entry has expired: the next request reads the key again
+        stack.post(CHAT, BODY, issued.secret)
+        time.sleep(max(0.0, revoked_at + cache + 0.3 - time.monotonic()))
+        late = stack.post(CHAT, BODY, issued.secret)  # well past the cache time since the revocation
+    finally:
+        faults.answer = answer
+    assert late.status_code == 401, (late.status_code, f"revoked key served {time.monotonic() - revoked_at:.2f} s "
+                                                       f"after its revocation, the cache time being {cache} s")
+
+
+def test_a_late_settle_landing_after_a_period_change_counts_in_the_keys_figure(stack_factory):
+    """The same race in `_settle_late`: a request whose lease was reclaimed as `abandoned`
+    ($0.10) settles after all ($0.25). It reads the org item (no marker: the lease's day figure),
+    then sends the transaction that replaces the event and adds the difference. A change of the
+    key's period to `month` lands in between: conditioned only on the org existing, the $0.15
+    went to the removed day figure, and the month figure the key counts in missed it."""
+    import threading
+
+    from kiln.store import UsageEvent
+    from support import StorageFaults, SyncLedger
+
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    day_limits = KeyLimits(None, Decimal(5), "day")
+    admit = dict(org_id=org_id, key_id=key["id"], model="gpt-oss-120b", endpoint="chat.completions", streamed=False,
+                 limits=day_limits)
+    slow = stack.ledger.admit(**admit)
+    assert stack.ledger.renew(slow, (3, 2, Decimal("0.1"))) is not None
+    time.sleep(0.45)
+    other = stack.ledger.admit(**admit)  # reclaims `slow` (in the background; drained before it returns)
+    event = lambda lease, cost: UsageEvent(gen_id=lease.gen_id, org_id=org_id, created_at=iso_ms(lease.started),  # noqa: E731
+                                           key_id=key["id"], model=lease.model, endpoint=lease.endpoint,
+                                           streamed=False, status="success", cost=Decimal(cost), prompt_tokens=3,
+                                           completion_tokens=4)
+    assert stack.ledger.settle(other, event(other, "0.5")) == "settled"
+    assert sorted(e.status for e in stack.events(org_id)) == ["abandoned", "success"]
+
+    faults = StorageFaults()
+    held = faults.slow("TransactWriteItems", 1.5, when=lambda payload: ":difference" in json.dumps(payload), times=1)
+    outcome = []
+    late = threading.Thread(target=lambda: outcome.append(SyncLedger(stack.settings, faults).settle(slow, event(slow, "0.25"))))
+    late.start()
+    deadline = time.monotonic() + 5
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held, "the late settle never reached its transaction"
+    changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_period": "month"})
+    assert changed.status_code == 200, changed.text
+    late.join(10)
+    assert outcome == ["replaced_abandoned"], outcome
+    month = KeyLimits(None, Decimal(5), "month").figure(key["id"], time.time())
+    figures = key_figures(stack, org_id, key["id"])
+    assert figures.get(month) == key_spent_in(stack, org_id, key["id"], month) == Decimal("0.75"), figures
+    assert set(figures) == {month}, figures
+
+
+def test_a_revocation_whose_answer_was_lost_still_takes_the_keys_figures_off(stack):
+    """DELETE /v1/keys/{id}: DynamoDB applies the revoking UpdateItem and its answer is lost;
+    the client sends it again, whose condition (not revoked) now fails: taken for a revocation
+    made before, it once left the key's marker and spend figure on the org item that every
+    admission and settle writes (keyring: "a revocation ... takes them off")."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
+    assert key_figures(stack, org_id, key["id"])  # the key counts its spend on the org item
+    lost = stack.faults.lose("UpdateItem", when=lambda payload: payload.get("TableName") == stack.settings.keys_table
+                             and '"revoked"' in json.dumps(payload.get("ExpressionAttributeValues", {})), times=1)
+    try:
+        revoked = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)
+    finally:
+        stack.faults.clear()
+    assert lost, "the fault was never injected"
+    assert revoked.status_code == 200 and revoked.json()["status"] == "revoked", revoked.text
+    item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"]
+    left = sorted(name for name in item if key["id"] in name)
+    assert left == [], left
