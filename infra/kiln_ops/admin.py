@@ -513,7 +513,7 @@ def _generation(ctx: Context, args: argparse.Namespace, out) -> None:
 def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store import with_ledger
 
-    from .replay import replay, unsettled_events
+    from .replay import replay, unsettled_records
 
     if args.file == "-":
         lines = sys.stdin
@@ -522,8 +522,8 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
             lines = open(args.file, encoding="utf-8")
         except OSError as exc:
             raise AdminError(f"cannot read {args.file}: {exc.strerror}") from None
-    events = list(unsettled_events(lines))
-    outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, events))
+    records = list(unsettled_records(lines))
+    outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, records))
     total = sum(outcomes.values())
     details = ", ".join(f"{count} {outcome.replace('_', ' ')}" for outcome, count in sorted(outcomes.items()))
     out(f"replayed {total} unsettled usage events" + (f": {details}" if total else ""))

@@ -21,8 +21,9 @@ from typing import Any, Iterable, Iterator
 
 from kiln.gateway import UNSETTLED
 from kiln.store import Lease, Ledger, UsageEvent
+from kiln.store.clock import epoch_of
 
-__all__ = ["replay", "unsettled_events"]
+__all__ = ["lease_of", "replay", "unsettled_events", "unsettled_records"]
 
 
 def _records(line: str) -> Iterator[dict[str, Any]]:
@@ -50,18 +51,39 @@ def _records(line: str) -> Iterator[dict[str, Any]]:
             yield inner
 
 
-def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:
+def unsettled_records(lines: Iterable[str]) -> Iterator[tuple[UsageEvent, str | None]]:
+    """Each logged event, with the key's spend figure its lease named (None: none, or a line
+    logged before the gateway wrote it)."""
     for line in lines:
         for record in _records(line):
             if record.get("event") == UNSETTLED and isinstance(record.get("usage"), dict):
-                yield UsageEvent.from_dict(record["usage"])
+                figure = record.get("spend_figure")
+                yield UsageEvent.from_dict(record["usage"]), figure if isinstance(figure, str) else None
 
 
-async def replay(ledger: Ledger, events: Iterable[UsageEvent]) -> Counter:
-    """Settle each event; counts of the outcomes ("settled", "replaced_abandoned", "already_settled")."""
+def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:
+    for event, _ in unsettled_records(lines):
+        yield event
+
+
+def lease_of(event: UsageEvent, spend_figure: str | None = None) -> Lease:
+    """The lease the event's request held, as far as the event tells it: admitted when the
+    event was created (the period its key's spend and tally count it in), naming the figure."""
+    try:
+        started = epoch_of(event.created_at)
+    except (TypeError, ValueError):
+        started = 0.0  # a time no period holds: the event is still settled, its key's figure aside
+    return Lease(event.gen_id, event.org_id, event.key_id, event.model, event.endpoint, event.streamed,
+                 started, started, spend_figure=spend_figure)
+
+
+async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent, str | None]]) -> Counter:
+    """Settle each event (alone, or with the spend figure its lease named); counts of the
+    outcomes ("settled", "replaced_abandoned", "already_settled")."""
     outcomes: Counter = Counter()
-    for event in events:
-        lease = Lease(event.gen_id, event.org_id, event.key_id, event.model, event.endpoint, event.streamed, 0.0, 0.0)
+    for record in records:
+        event, figure = record if isinstance(record, tuple) else (record, None)
+        lease = lease_of(event, figure)
         # no ClientRequestToken: DynamoDB would repeat an earlier success silently, and the
         # operator is to be told "already settled"
         outcomes[await ledger.settle(lease, event, request_token=False)] += 1

@@ -108,6 +108,32 @@ def test_a_settle_that_keeps_failing_is_logged_whole_and_replayed_by_the_operato
     assert stack.org_info(org_id).credits == Decimal(1) - sum(e.cost for e in events.values())
 
 
+def test_a_replayed_settle_counts_in_its_keys_spend_figure_and_tally_for_the_day_it_was_admitted(
+        stack_factory, tmp_path, capsys):
+    """A key with a daily limit: its request's settle is logged and replayed. The replay once
+    rebuilt the lease admitted at the epoch and naming no figure, so the key's spend figure
+    never got the cost (the key could spend its limit again) and its tally went to 1970."""
+    stack = stack_factory(storage_retry_seconds=0.5)
+    org_id, _ = stack.org(credits="1")
+    key = stack.key(org_id, spend_limit=Decimal("5"), spend_period="day")
+    mark = len(TELEMETRY.text())
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id))
+    assert stack.post(CHAT, BODY, key).status_code == 200
+    stack.faults.clear()
+    (record,) = _unsettled_records(mark)
+    assert record["spend_figure"].startswith("key_spend:")  # the lease's figure, in the log
+    exported = tmp_path / "unsettled.log"
+    exported.write_text(TELEMETRY.text()[mark:])
+    lines: list[str] = []
+    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
+    assert run_admin(args, settings=stack.settings, out=lines.append) == 0, capsys.readouterr().err
+    assert lines == ["replayed 1 unsettled usage events: 1 settled"]
+    events = stack.events(org_id)
+    assert [event.cost for event in events] == [Decimal(record["usage"]["cost"])]
+    assert stack.key_figures(org_id) == {record["spend_figure"]: events[0].cost}
+    check_key_figures(stack, org_id, events)  # and the tally: its month and day
+
+
 def test_replay_after_the_lease_was_reclaimed_replaces_the_abandoned_event(stack_factory, tmp_path, capsys):
     stack = stack_factory(lease_ttl_seconds=0.5)
     org_id, key = stack.org(credits="1", concurrency=1)

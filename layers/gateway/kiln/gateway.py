@@ -190,16 +190,18 @@ class Gateway:
     async def settle(self, lease: Lease, event: UsageEvent) -> str:
         """Settle; if storage keeps failing, the full event goes to the log, never lost.
 
-        The log record (`"event": "usage_unsettled"`, the whole usage event under `usage`) is
-        what `kiln admin replay-usage` reads back to settle it later. Its cost is written as a
-        string of the exact decimal: a log formatter that parses the message as JSON (Powertools
-        does) would turn a number into a float and lose digits.
+        The log record (`"event": "usage_unsettled"`, the whole usage event under `usage`, and
+        the key's spend figure its lease named under `spend_figure`) is what `kiln admin
+        replay-usage` reads back to settle it later. Its cost is written as a string of the
+        exact decimal: a log formatter that parses the message as JSON (Powertools does) would
+        turn a number into a float and lose digits.
         """
         try:
             return await self.ledger.settle(lease, event)
         except Exception as exc:  # noqa: BLE001 - whatever happened, keep the event
             usage = {**event.as_dict(), "cost": decimal_text(event.cost)}
-            record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": usage}
+            record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": usage,
+                      "spend_figure": lease.spend_figure}
             unsettled_log.error(dumps(record).decode())
             return "unsettled"
 
