@@ -430,11 +430,17 @@ def test_a_failed_response_is_billed_as_reported_and_settled_as_an_upstream_erro
     assert Decimal(str(relayed["usage"]["cost"])) == event.cost  # the client still gets the failure, with its cost
 
 
+@pytest.mark.parametrize("error", [{"error": {"object": "error", "message": "boom", "type": "BadRequestError",
+                                                "code": 400}},
+                                   {"error": "boom"}, {"error": ["boom"]}, {"error": True}],
+                         ids=["vllm", "text", "list", "true"])
 @pytest.mark.parametrize("done", [True, False], ids=["then-done", "no-done"])
-def test_an_error_the_upstream_sends_mid_stream_ends_the_stream_with_the_error_event(stack, ledger, done):
+def test_an_error_the_upstream_sends_mid_stream_ends_the_stream_with_the_error_event(stack, ledger, done, error):
     """vLLM reports a failure after the 200 as a `data: {"error": …}` event: the client gets the
-    §5 error event (code upstream_error) once, never `[DONE]`, and the request is not a success."""
-    error = json.dumps({"error": {"object": "error", "message": "boom", "type": "BadRequestError", "code": 400}})
+    §5 error event (code upstream_error) once, never `[DONE]`, and the request is not a success.
+    The OpenAI SDKs raise on any `error` that is not null or false (a text, a list, true): each
+    is the server's error, never relayed."""
+    error = json.dumps(error)
     body = {"model": MODEL, "messages": MESSAGES, "stream": True,
             "mock": {"raw_events": [CONTENT, CONTENT, error], "no_done": not done}}
     response = post(stack, ledger, CHAT, body)

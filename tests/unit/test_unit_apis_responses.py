@@ -120,16 +120,19 @@ def test_a_buffered_answer_needs_output_items_that_are_objects():
 def test_output_tokens_are_estimated_from_texts_reasoning_and_arguments():
     answer = {
         "output": [
-            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "abcdefgh"}, "x"]},  # 2
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "abcdefgh"}, "x"]},  # 2 + 1
             {"type": "message", "content": [{"type": "output_text", "text": "abcde"}, {"type": "refusal"}]},  # 2
             {"type": "function_call", "arguments": '{"a":1}'},  # 2
-            {"type": "message", "content": "not parts", "summary": {"text": "abcd"}},
+            # a content that is one text, a summary that is one part: the client's SDK shows them
+            {"type": "message", "content": "not parts", "summary": {"text": "abcd"}},  # 3 + 1
+            {"type": "code_interpreter_call", "code": "print(1)", "outputs": [{"logs": "1"}]},  # 2: not its output
+            {"type": "web_search_call", "action": {"type": "search", "query": "kiln", "queries": ["a b"]}},  # 1 + 1
             "not an item",
         ]
     }
-    assert RESPONSES.estimate_completion(answer) == 6
+    assert RESPONSES.estimate_completion(answer) == 15
     assert RESPONSES.estimate_completion({"output": None}) == RESPONSES.estimate_completion({}) == 0
-    assert RESPONSES.fewest_completion_tokens(answer) == 3
+    assert RESPONSES.fewest_completion_tokens(answer) == 9  # one at least for each text
     assert RESPONSES.fewest_completion_tokens({"output": [{"type": "message", "content": [{"text": ""}]}]}) == 0
 
 

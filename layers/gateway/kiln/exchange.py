@@ -68,7 +68,7 @@ class Exchange:
         self.ttfb_ms: int | None = None
         self.upstream_name: str | None = None
         self.bounds = UsageBounds.of_request(call.body, call.model.context_length, limits=call.api.token_limits,
-                                             prompts=call.api.prompts(call.body))
+                                             prompts=call.api.prompts(call.body), choices_field=call.api.choices_field)
         self._prompt_estimate: int | None = None
         self._echoes = _echoes_of(call)  # what the replies may repeat of the request: not the model's
         self._offered = call.api.offered_names(call.body)  # tool names a server may write itself

@@ -115,20 +115,22 @@ class UsageBounds:
 
     @classmethod
     def of_request(cls, body: dict[str, Any], context_length: int, *, limits: tuple[str, ...],
-                   prompts: int = 1) -> "UsageBounds":
+                   prompts: int = 1, choices_field: str | None = "n") -> "UsageBounds":
         """`limits`: the fields that cap a reply's tokens on the endpoint's model servers (a
         field of another endpoint, which they ignore, caps nothing); as servers differ on
         which of them wins, the largest given is the bound, and one given that is no count
         (llama.cpp reads `n_predict: -1` as no limit) or 0 (which some servers read as no
         limit, and which a server that produced tokens did not read as none) leaves only the
         context. `prompts`:
-        how many the request carries (a batch of completions), each with its `n` choices."""
+        how many the request carries (a batch of completions), each with its `n` choices;
+        `choices_field`: the field that asks for several choices on the endpoint (None: the
+        endpoint answers one reply, whatever the body says, as the Responses API does)."""
         given = [body[name] if _count(body[name]) and body[name] > 0 else context_length
                  for name in limits if body.get(name) is not None]
         per_choice = min(context_length, max(given)) if given else context_length
         # `n` as the model server reads it ("4" and 4.0 are 4 choices there); a cap is read
         # exactly: one the server might not honour caps nothing
-        n = server_int(body.get("n"))
+        n = server_int(body.get(choices_field)) if choices_field is not None else None
         choices = min(n, MAX_CHOICES) if n is not None and n >= 1 else 1
         prompts = max(prompts, 1)
         return cls(prompt=context_length * prompts, completion=per_choice * choices * prompts)

@@ -45,8 +45,9 @@ _NAME = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 # what an error the upstream sends in the stream looks like (vLLM: {"error": {...}}; older
-# servers: {"object": "error", ...}); an escape can spell it too
-_IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*\{|"object"\s*:\s*"error"|\\u')
+# servers: {"object": "error", ...}; the OpenAI SDKs raise on any "error" that is not null or
+# false); an escape can spell it too
+_IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*[^\sn]|"object"\s*:\s*"error"|\\u')
 # an event's JSON not read yet (parse_json's None is JSON it could not read)
 UNREAD: Any = object()
 
@@ -96,15 +97,25 @@ class SseRelay:
         self.reported_usage: dict[str, Any] | None = None  # its usage object, as the upstream sent it
         self.usage: TokenUsage | None = None
         self.first_chunk: dict[str, Any] | None = None
-        self.relayed_tokens = 0  # the completion tokens relayed, by the gateway's estimate
+        self.text_tokens = 0  # the completion tokens of the texts relayed, by the gateway's estimate
         self.relayed_texts = 0  # the non-empty texts relayed: a model writes at least a token for each
         self.relayed_bytes = 0  # their length, as sent
         self._names: dict[tuple[Any, Any], int] = {}  # (choice, tool call) -> the hash of the name last counted
         self._offered = frozenset(offered)  # the request's tools' names: a server may write them itself
-        self.fewest_tokens = 0  # the fewest tokens those texts can be (kiln.metering.fewest_tokens)
+        self.text_fewest = 0  # the fewest tokens those texts can be (kiln.metering.fewest_tokens)
         self.finish_reason: str | None = None
         self.upstream_failed = False  # the stream ended as the upstream's failure (a 200 all the same)
         self.failure: str | None = None  # why the stream cannot end as the upstream ended it
+
+    @property
+    def relayed_tokens(self) -> int:
+        """The completion tokens relayed, by the gateway's estimate (what a bill falls back on)."""
+        return self.text_tokens
+
+    @property
+    def fewest_tokens(self) -> int:
+        """The fewest tokens what was relayed can be (the bill's floor)."""
+        return self.text_fewest
 
     def feed(self, data: bytes) -> bytes:
         if not data:
@@ -229,14 +240,14 @@ class SseRelay:
         for text in texts.findall(payload):  # as _add_text, without a call a text
             self.relayed_texts += 1
             self.relayed_bytes += len(text)
-            self.fewest_tokens += fewest_tokens(text)
-            self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
+            self.text_fewest += fewest_tokens(text)
+            self.text_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
 
     def _add_text(self, text: bytes) -> None:
         self.relayed_texts += 1
         self.relayed_bytes += len(text)
-        self.fewest_tokens += fewest_tokens(text)
-        self.relayed_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
+        self.text_fewest += fewest_tokens(text)
+        self.text_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
 
     def _failed(self, reason: str) -> None:
         """The stream cannot end as the upstream ended it: nothing more is relayed, and the
@@ -337,9 +348,10 @@ def is_done(payload: bytes) -> bool:
 
 
 def _is_error(data: Any) -> bool:
-    """An upstream's error event: an object that is an error, not a chunk."""
+    """An upstream's error event: an object that is an error, not a chunk (the OpenAI SDKs
+    raise on an event whose `error` is anything but null, false, 0 or empty)."""
     return isinstance(data, dict) and not data.get("choices") and (
-        isinstance(data.get("error"), dict) or data.get("object") == "error")
+        bool(data.get("error")) or data.get("object") == "error")
 
 
 def data_of(event: bytes) -> bytes | None:

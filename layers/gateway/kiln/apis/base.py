@@ -42,6 +42,8 @@ class ModelApi:
     unfinished = "the stream ended before [DONE]"
     # the request fields its model servers honour to cap a reply's tokens (contract §4)
     token_limits: tuple[str, ...] = ()
+    # the field asking for several choices (each bounded as one reply); None: one reply only
+    choices_field: str | None = "n"
 
     # -- validation (contract §2 step 4) ---------------------------------------------------
 

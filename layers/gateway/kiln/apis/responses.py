@@ -30,7 +30,7 @@ from ..metering import (
     fewest_prompt_text_tokens,
     fewest_tokens,
 )
-from ..sse import UNREAD, SseRelay, is_done, parse_json
+from ..sse import _IN_BAND_ERROR, UNREAD, SseRelay, _is_error, is_done, parse_json
 from .base import ModelApi, capability_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -38,13 +38,17 @@ __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _FINAL = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"')
 _ERROR = re.compile(rb'"type"\s*:\s*"error"')
-# a non-empty delta of text, reasoning or tool-call arguments (counted as chat's texts are)
+# a non-empty delta of text, reasoning or tool-call arguments (counted as chat's texts are), in
+# an event that is a delta (`response.output_text.delta`, …): the response an event echoes holds
+# the request's metadata, whose values may be under a key "delta"
 _DELTA = re.compile(rb'"delta"\s*:\s*"((?:[^"\\]|\\.)+)"')
-# an event that gives a whole text, part or output item when it is done (`response.output_text.done`,
-# `response.content_part.done`, `response.output_item.done`, …)
-_DONE = re.compile(rb'"type"\s*:\s*"response\.[a-z_.]+\.done"')
-# what a done event holds whole: its text, its part or its item
-_DONE_HOLDS = {"output_item": "item", "content_part": "part", "reasoning_summary_part": "part"}
+_DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.[a-z_.]+\.delta"')
+# an event that may end the stream or give texts whole (a text, part or output item when it is
+# added or done, the response so far), and any with an escape, which can spell one
+_WHOLE = re.compile(rb'"type"\s*:\s*"response\.(?:[a-z_.]+\.(?:done|added)|created|in_progress|completed|incomplete|failed)"'
+                    rb'|\\u')
+# the most places in the output whose whole texts a stream's relay remembers (memory)
+MAX_WHOLE_PLACES = 10_000
 
 
 class ResponsesApi(ModelApi):
@@ -52,6 +56,7 @@ class ResponsesApi(ModelApi):
     openapi_body = staticmethod(schemas.responses_body)
     upstream_path = "/responses"
     token_limits = ("max_output_tokens",)
+    choices_field = None  # a response is one reply: vLLM and SGLang ignore an `n` sent here
     unfinished = "the stream ended before its final event"
 
     def check(self, body: dict[str, Any], model: Any) -> None:
@@ -158,113 +163,195 @@ def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
 
 def _output_texts(answer: dict[str, Any], offered: Collection[str] = ()) -> Iterator[str]:
     """Every text of a response's output items (`_item_texts`)."""
-    output = answer.get("output")
-    for item in output if isinstance(output, list) else []:
-        yield from _item_texts(item, offered)
+    for _, text in _output_parts(answer, offered):
+        yield text
+
+
+def _output_parts(answer: Any, offered: Collection[str] = ()) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """(where, text) of every text of a response's output: its item's place, then the text's."""
+    output = answer.get("output") if isinstance(answer, dict) else None
+    for index, item in enumerate(output if isinstance(output, list) else []):
+        for where, text in _item_parts(item, offered):
+            yield (index, *where), text
+
+
+# what the model writes in an output item beside its content: a tool call's arguments (or a
+# custom tool's input), the code it runs in a code interpreter; the queries of a search, and
+# what a search, a browser or a shell action says
+_ITEM_TEXTS = ("arguments", "input", "code")
+_ACTION_TEXTS = ("query", "url", "pattern")
+_LISTED_TEXTS = ("queries", "command")
 
 
 def _item_texts(item: Any, offered: Collection[str] = ()) -> Iterator[str]:
-    """The texts the model wrote in an output item: its texts, refusals and reasoning, a tool
-    call's name (but one of the request's tools', `offered`: a server may write it) and
-    arguments (or a custom tool call's input)."""
+    for _, text in _item_parts(item, offered):
+        yield text
+
+
+def _item_parts(item: Any, offered: Collection[str] = ()) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """(where, text) of each text the model wrote in an output item: its content's and its
+    summary's texts and refusals (a content given as one text, or one part, is read too), a
+    tool call's name (but one of the request's tools', `offered`: a server may write it) and
+    what `_ITEM_TEXTS` and its action name."""
     if not isinstance(item, dict):
         return
     name = item.get("name")
-    texts: list[Any] = [None if isinstance(name, str) and name in offered else name, item.get("arguments"),
-                        item.get("input")]
-    for part_list in (item.get("content"), item.get("summary")):
-        for part in part_list if isinstance(part_list, list) else []:
-            texts += _part_texts(part)
-    yield from (text for text in texts if isinstance(text, str))
+    if isinstance(name, str) and name and name not in offered:
+        yield ("name",), name
+    for field in _ITEM_TEXTS:
+        if isinstance(item.get(field), str):
+            yield (field,), item[field]
+    action = item.get("action")
+    for holder, place in ((item, ()), (action, ("action",))):
+        if not isinstance(holder, dict):
+            continue
+        if holder is action:
+            for field in _ACTION_TEXTS:
+                if isinstance(action.get(field), str):
+                    yield ("action", field), action[field]
+        for field in _LISTED_TEXTS:
+            listed = holder.get(field)
+            for index, text in enumerate(listed if isinstance(listed, list) else []):
+                if isinstance(text, str):
+                    yield (*place, field, index), text
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if isinstance(parts, (str, dict)):
+            parts = [parts]
+        for index, part in enumerate(parts if isinstance(parts, list) else []):
+            for kind, text in _part_parts(part):
+                yield (field, index, kind), text
 
 
-def _part_texts(part: Any) -> list[Any]:
-    return [part.get("text"), part.get("refusal")] if isinstance(part, dict) else []
+def _part_parts(part: Any) -> list[tuple[str, str]]:
+    """(kind, text) of a content part: its text and its refusal (a part that is a text: itself)."""
+    if isinstance(part, str):
+        return [("text", part)]
+    if not isinstance(part, dict):
+        return []
+    return [(kind, part[kind]) for kind in ("text", "refusal") if isinstance(part.get(kind), str)]
 
 
-def _done_texts(data: Any, offered: Collection[str] = ()) -> tuple[str, list[Any]]:
-    """What a done event holds whole ("item", "part" or "text") and its texts."""
-    kind = data.get("type") if isinstance(data, dict) else None
-    if not isinstance(kind, str):
-        return "text", []
-    holds = _DONE_HOLDS.get(kind[len("response."):-len(".done")], "text")
+# where the texts of an event that gives them whole are: by its kind (`response.<kind>.done`),
+# the list they are in and the field of the text (or "item" and "part": an output item, a part)
+_WHOLE_AT = {
+    "output_item": ("item", None), "content_part": ("part", "content"), "reasoning_summary_part": ("part", "summary"),
+    "output_text": ("text", "content"), "reasoning_text": ("text", "content"), "refusal": ("refusal", "content"),
+    "reasoning_summary_text": ("text", "summary"), "function_call_arguments": ("arguments", None),
+    "custom_tool_call_input": ("input", None), "code_interpreter_call_code": ("code", None),
+}
+_WHOLE_FIELDS = ("text", "refusal", "arguments", "input", "code")
+
+
+def _whole_parts(data: dict[str, Any], kind: str, offered: Collection[str]) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """(where, text) of the texts an event gives whole: `response.<kind>.done` or `.added` (an
+    output item, a part, a text), a response (`response.created`, `response.in_progress`):
+    placed as the final response would place them, so the same text is one text."""
+    if kind in ("created", "in_progress"):
+        yield from _output_parts(data.get("response"), offered)
+        return
+    at = _hashable(data.get("output_index"))
+    holds, listed = _WHOLE_AT.get(kind, (None, None))
+    index = _hashable(data.get("summary_index" if listed == "summary" else "content_index"))
     if holds == "item":
-        return holds, list(_item_texts(data.get("item"), offered))
-    if holds == "part":
-        return holds, _part_texts(data.get("part"))
-    return holds, [data.get(name) for name in ("text", "refusal", "arguments", "input")]
+        for where, text in _item_parts(data.get("item"), offered):
+            yield (at, *where), text
+    elif holds == "part":
+        for part_kind, text in _part_parts(data.get("part")):
+            yield (at, listed, index, part_kind), text
+    elif holds is not None:
+        if isinstance(data.get(holds), str):
+            yield ((at, listed, index, holds) if listed else (at, holds)), data[holds]
+    else:  # a kind of event the gateway does not know: what it says whole, in a place of its own
+        for field in _WHOLE_FIELDS:
+            if isinstance(data.get(field), str):
+                yield (at, kind, field), data[field]
+
+
+def _hashable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else hash(repr(value))
 
 
 class ResponsesRelay(SseRelay):
     """The Responses API's stream: every event relayed as sent, but the final one, held back
     (its `response.usage` is billed, then sent with `cost`). It has no `[DONE]`: the final
-    event is the end (`done`)."""
+    event is the end (`done`).
+
+    What it relayed is counted from two sources: the deltas (a token each counts best), and
+    the texts given whole, by the events that hold an item, a part, a text or the response
+    so far (`*.added`, `*.done`, `response.created`, `response.in_progress`, the final): each
+    place in the output (item, list, index, field) counts once, its longest text, since an
+    honest server sends the same text in three or four of them. The bill's floor and its
+    estimate are the most either source says (kiln.exchange)."""
 
     def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
-        # what the texts relayed hold, by where they came: deltas, done events (a whole text,
-        # part or item each: the three kinds hold the same texts, so each is summed apart), the
-        # final response; the bill's floor and estimate are the most any of them says
-        # [fewest tokens, estimated tokens, characters]
-        self._done: dict[str, list[int]] = {"text": [0, 0, 0], "part": [0, 0, 0], "item": [0, 0, 0]}
-        self._final_tokens = (0, 0, 0)
+        # place -> (fewest tokens, estimated tokens, characters) of its longest text; past
+        # MAX_WHOLE_PLACES places, the others are added to `_unplaced`
+        self._wholes: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+        self._whole_sums = [0, 0, 0]
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
 
-    @property  # type: ignore[override]
+    @property
     def fewest_tokens(self) -> int:
-        return max(self._delta_fewest, self._final_tokens[0], *(kind[0] for kind in self._done.values()))
+        return max(self.text_fewest, self._whole_sums[0])
 
-    @fewest_tokens.setter
-    def fewest_tokens(self, value: int) -> None:  # the deltas' (SseRelay._count)
-        self._delta_fewest = value
-
-    @property  # type: ignore[override]
+    @property
     def relayed_tokens(self) -> int:
-        """The deltas' count (a token each counts best), and what the whole texts hold beyond
-        the deltas' text, by the estimate (a server may send a few deltas and the rest whole);
-        with no delta, the whole texts' estimate."""
-        wholes = [self._final_tokens, *self._done.values()]
+        """The deltas' count, and what the whole texts hold beyond the deltas' text, by the
+        estimate (a server may send a few deltas and the rest whole); with no delta, the whole
+        texts' estimate."""
         if not self.relayed_texts:
-            return max(whole[1] for whole in wholes)
-        beyond = max(whole[2] for whole in wholes) - self.relayed_bytes  # as sent: never less for the same text
-        return self._delta_tokens + (estimate_text_tokens("x" * beyond) if beyond > 0 else 0)
+            return self._whole_sums[1]
+        beyond = self._whole_sums[2] - self.relayed_bytes  # as sent: never less for the same text
+        return self.text_tokens + (estimate_text_tokens("x" * beyond) if beyond > 0 else 0)
 
-    @relayed_tokens.setter
-    def relayed_tokens(self, value: int) -> None:
-        self._delta_tokens = value
-
-    def _count_done(self, data: Any) -> None:
-        holds, texts = _done_texts(data, self._offered)
-        counts = self._done[holds]
-        for text in texts:
-            if isinstance(text, str) and text:
-                counts[0] += fewest_tokens(text)
-                counts[1] += estimate_text_tokens(text)
-                counts[2] += len(text)
+    def _count_wholes(self, parts: Iterator[tuple[tuple[Any, ...], str]]) -> None:
+        for where, text in parts:
+            if not text:
+                continue
+            known = self._wholes.get(where)
+            if known is not None and known[2] >= len(text):
+                continue
+            counted = (fewest_tokens(text), estimate_text_tokens(text), len(text))
+            if known is None and len(self._wholes) >= MAX_WHOLE_PLACES:
+                known = (0, 0, 0)  # not remembered: counted as a place of its own each time
+            else:
+                self._wholes[where] = counted
+            for index in range(3):
+                self._whole_sums[index] += counted[index] - (known[index] if known else 0)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if is_done(payload):
             return None  # a chat-style end marker: the Responses API has none (the SDK would stop at it)
-        final_like = _FINAL.search(payload)
-        # read what may end the stream: what looks like a final or an error event, and any
-        # event with an escape (which can spell either type)
+        # read what may end the stream or give texts whole: what looks like a final event, an
+        # error (the Responses API's or chat's), an event holding an item, a part, a text or
+        # the response so far, and any event with an escape (which can spell any of them)
         data = UNREAD
-        done_like = _DONE.search(payload)
-        if final_like or done_like or _ERROR.search(payload) or b"\\u" in payload:
+        whole_like = _WHOLE.search(payload)
+        if whole_like or _ERROR.search(payload) or _IN_BAND_ERROR.search(payload):
             data = parse_json(payload)
             kind = data.get("type") if isinstance(data, dict) else None
             if kind in FINAL_EVENTS:
                 if not isinstance(data.get("response"), dict):
                     return self._failed(f"its final event ({kind}) has no response object")
                 return self._final(event, data)
-            if kind == "error":  # the stream ends with the gateway's one error event (§9)
+            if kind == "error" or _is_error(data):
+                # the stream ends with the gateway's one error event (§9), whether the server
+                # wrote the Responses API's error event or chat's (`{"error": {...}}`)
                 return self._failed("the model server sent an error event")
-            if final_like and data is None:
+            if whole_like and data is None and _FINAL.search(payload):
                 return self._failed("its final event is not JSON the gateway can read")
-            if isinstance(kind, str) and kind.endswith(".done"):
-                self._count_done(data)
-        self._count(_DELTA, payload, data)
+            if isinstance(kind, str) and kind.startswith("response."):
+                kind = kind[len("response."):]
+                if kind in ("created", "in_progress") or kind.endswith((".done", ".added")):
+                    self._count_wholes(_whole_parts(data, kind.rpartition(".")[0] or kind, self._offered))
+                elif kind.endswith(".delta"):
+                    self._count(_DELTA, payload, data)
+            return event
+        if _DELTA_EVENT.search(payload):
+            self._count(_DELTA, payload, data)  # a delta's text; `"delta"` elsewhere (an echo) is not
         return event
 
     def _final(self, event: bytes, data: dict[str, Any]) -> None:
@@ -276,9 +363,7 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        texts = list(_output_texts(data["response"], self._offered))
-        self._final_tokens = (sum(fewest_tokens(text) for text in texts), sum(estimate_text_tokens(text) for text in texts),
-                              sum(len(text) for text in texts))
+        self._count_wholes(_output_parts(data["response"], self._offered))
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
