@@ -22,6 +22,7 @@ from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
 from kiln.store.clock import epoch_of
+from kiln.store.codec import exact_sum
 from kiln.store.keys import create_key, list_keys
 from kiln.store.keyspend import period_kind, period_name
 from kiln.store.orgs import OrgInfo, create_org, get_org
@@ -505,7 +506,8 @@ def check_tallies(stack: "Stack", org_id: str, events: list[UsageEvent],
             continue
         month, day = event.created_at[:7], "d" + event.created_at[8:10]
         for name in ("month", day):
-            expected[(event.key_id, month, name)] = expected.get((event.key_id, month, name), Decimal(0)) + event.cost
+            expected[(event.key_id, month, name)] = exact_sum(expected.get((event.key_id, month, name), Decimal(0)),
+                                                              event.cost)
     found = stack.key_tallies(org_id)
     assert {name: value for name, value in found.items() if value} == {
         name: value for name, value in expected.items() if value}, (found, expected)

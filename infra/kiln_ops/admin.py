@@ -416,8 +416,8 @@ KEY_COLUMNS = ("key_id", "prefix", "status", "created_at", "last_used_at", "revo
 
 def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
     async def describe(keyring: Any) -> list[dict[str, Any]]:
-        # each key's spend this period: its figure (a key with a limit), else summed from the
-        # org's events, read once for every key
+        # each key's spend this period: its figure (a key with a limit), else its tally
+        # (kiln.store.tally), every key's read in batches
         return await keyring.describe(args.org, await keyring.list(args.org))
 
     rows = [

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import datetime, timezone
 
-__all__ = ["epoch_of", "iso_ms", "now", "stored_time"]
+__all__ = ["epoch_of", "iso_ms", "now", "to_the_ms", "stored_time"]
 
 
 def now() -> float:
     return time.time()
+
+
+def to_the_ms(epoch_seconds: float) -> float:
+    """The moment cut to its millisecond, as it is stored: a float a rounding error below a
+    millisecond is that millisecond (cutting twice cuts nothing more)."""
+    return math.floor(epoch_seconds * 1000 + 1e-3) / 1000
 
 
 def iso_ms(epoch_seconds: float) -> str:

@@ -15,8 +15,8 @@ from typing import Any
 from ..jsonio import decimal_text
 from .errors import UnstorableValue
 
-__all__ = ["DIGITS", "decode", "encode", "from_item", "number", "significant_digits", "storage_problem", "to_item",
-           "within_digits"]
+__all__ = ["DIGITS", "decode", "encode", "exact_sum", "from_item", "number", "significant_digits", "storage_problem",
+           "to_item", "within_digits"]
 
 # DynamoDB numbers: up to 38 significant digits, magnitudes from 1E-130 to below 1E+126.
 DIGITS = 38
@@ -34,6 +34,18 @@ def significant_digits(value: Decimal) -> int:
     while kept > 1 and digits[kept - 1] == 0:
         kept -= 1
     return kept
+
+
+# Sums of stored numbers (38 digits each) worked out exactly: Python's default context keeps 28
+_EXACT = Context(prec=120, Emax=MAX_EMAX, Emin=MIN_EMIN)
+
+
+def exact_sum(*values: Decimal) -> Decimal:
+    """The sum of the values (a difference: a negated term), exact, then within 38 digits."""
+    total = Decimal(0)
+    for value in values:
+        total = _EXACT.add(total, value)
+    return within_digits(total)
 
 
 def within_digits(value: Decimal) -> Decimal:

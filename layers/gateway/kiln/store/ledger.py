@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -65,8 +64,8 @@ from ..errors import (
     RateLimitExceeded,
 )
 from ..jsonio import decimal_text
-from .clock import iso_ms
-from .codec import number, to_item, within_digits
+from .clock import iso_ms, to_the_ms
+from .codec import exact_sum, number, to_item, within_digits
 from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
 from .keyspend import (
     KeyLimits,
@@ -148,8 +147,8 @@ class Lease:
     def to_attribute(self) -> dict[str, Any]:
         fields = {
             LEASE.exp: {"N": repr(round(self.expires, 3))},
-            # cut to the millisecond as iso_ms cuts the event's created_at: never into the next period
-            LEASE.started: {"N": repr(math.floor(self.started * 1000) / 1000)},
+            # to the millisecond, as the event's created_at is (admit makes it so)
+            LEASE.started: {"N": repr(to_the_ms(self.started))},
             LEASE.key: {"S": self.key_id},
             LEASE.model: {"S": self.model},
             LEASE.endpoint: {"S": self.endpoint},
@@ -243,7 +242,10 @@ class Ledger:
                     limits: KeyLimits | None = None) -> Lease:
         """Take one of the org's slots, within the key's own limits, or raise 402 / 429 / 403
         (StorageError if DynamoDB fails)."""
-        now = self._clock()
+        # the lease starts at the millisecond its event's created_at and the stored lease say:
+        # a moment just before midnight rounded up by one of them, down by the other, would
+        # count the request in two days (its key's figure, its tally)
+        now = to_the_ms(self._clock())
         limits = limits or KeyLimits()
         lease = Lease(new_generation_id(now), org_id, key_id, model, endpoint, streamed, now, now + self._lease_ttl,
                       spend_figure=limits.figure(key_id, now))
@@ -427,7 +429,7 @@ class Ledger:
             removes.append(f"#leases.#g{index}")
             unchanged.append(f"#leases.#g{index}.#exp = :e{index}")
         update = "REMOVE " + ", ".join(removes)
-        billed = sum((event.cost for event in events), Decimal(0))
+        billed = exact_sum(*(event.cost for event in events))
         if billed:
             update = f"SET #credits = #credits - :billed {update}"
             values[":billed"] = {"N": number(billed)}
@@ -438,18 +440,7 @@ class Ledger:
         # the figures are those the markers in `seen` say: a change of a key's spend since
         # (its marker set, changed or removed) makes this reclaim one that raced
         unchanged += _markers_as_read(sorted({lease.key_id for lease in leases}), seen, names, values)
-        items: list[dict[str, Any]] = [
-            {
-                "Update": {
-                    "TableName": self._orgs_table,
-                    "Key": {ORG.hash_key: {"S": org_id}},
-                    "UpdateExpression": update,
-                    "ConditionExpression": " AND ".join(unchanged),
-                    "ExpressionAttributeNames": names,
-                    "ExpressionAttributeValues": values,
-                }
-            }
-        ]
+        items = [self._org_update(org_id, update, " AND ".join(unchanged), names, values)]
         items += [self._put_event(event, EVENT_IS_NEW) for event in events]
         items += tally_updates(self._usage_table, [(lease.key_id, lease.started, event.cost)
                                                    for lease, event in zip(leases, events, strict=True)])
@@ -524,16 +515,7 @@ class Ledger:
                 values[":marker"] = {"S": marker}
                 guard = "#marker = :marker" if attempt else MARKER_AS_ASSUMED
                 condition += f" AND {guard}"
-        release = {
-            "Update": {
-                "TableName": self._orgs_table,
-                "Key": {ORG.hash_key: {"S": lease.org_id}},
-                "UpdateExpression": update,
-                "ConditionExpression": condition,
-                "ExpressionAttributeNames": names,
-                "ExpressionAttributeValues": values,
-            }
-        }
+        release = self._org_update(lease.org_id, update, condition, names, values)
         payload: dict[str, Any] = {"TransactItems": [
             release, self._put_event(event, EVENT_IS_NEW),
             *tally_updates(self._usage_table, [(lease.key_id, lease.started, event.cost)])]}
@@ -567,29 +549,21 @@ class Ledger:
         if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
             return "already_settled"
         billed = Decimal(found.get(USAGE.cost, {}).get("N", "0"))
+        difference = exact_sum(event.cost, -billed)
         put = self._put_event(event, EVENT_IS_THE_ABANDONED_ONE, billed=billed)
-        tally = tally_updates(self._usage_table, [(lease.key_id, lease.started, event.cost - billed)])
+        tally = tally_updates(self._usage_table, [(lease.key_id, lease.started, difference)])
         for attempt in range(MAX_FIGURE_READS + 1):
             if org is None:
                 org = await self._read_org(lease)
             names = {"#credits": ORG.credits, "#org_id": ORG.org_id}
-            values: dict[str, Any] = {":difference": {"N": number(event.cost - billed)}}
+            values: dict[str, Any] = {":difference": {"N": number(difference)}}
             # the reclaim already took the lease out of the key's set: only the spend changes
             update = "SET #credits = #credits - :difference" + _key_bookkeeping(
-                [(lease, event.cost - billed, _counted_in(lease, org))], names, values, release=False)
+                [(lease, difference, _counted_in(lease, org))], names, values, release=False)
             condition = ORG_EXISTS
             if attempt < MAX_FIGURE_READS:
                 condition = " AND ".join([condition, *_markers_as_read([lease.key_id], org, names, values)])
-            debit = {
-                "Update": {
-                    "TableName": self._orgs_table,
-                    "Key": {ORG.hash_key: {"S": lease.org_id}},
-                    "UpdateExpression": update,
-                    "ConditionExpression": condition,
-                    "ExpressionAttributeNames": names,
-                    "ExpressionAttributeValues": values,
-                }
-            }
+            debit = self._org_update(lease.org_id, update, condition, names, values)
             try:
                 await self._retried("settle", "TransactWriteItems", {"TransactItems": [debit, put, *tally]})
                 return "replaced_abandoned"
@@ -600,6 +574,18 @@ class Ledger:
                     raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
             org = None  # the key's marker changed (or the org is gone): read it again
         raise StorageError("settle cancelled: the org item is gone")
+
+    def _org_update(self, org_id: str, update: str, condition: str, names: dict[str, str],
+                    values: dict[str, Any]) -> dict[str, Any]:
+        """A transaction's item that updates the org item."""
+        return {"Update": {
+            "TableName": self._orgs_table,
+            "Key": {ORG.hash_key: {"S": org_id}},
+            "UpdateExpression": update,
+            "ConditionExpression": condition,
+            "ExpressionAttributeNames": names,
+            "ExpressionAttributeValues": values,
+        }}
 
     async def _read_event(self, gen_id: str) -> dict[str, Any] | None:
         answer = await self._retried(
@@ -681,7 +667,7 @@ def _key_bookkeeping(charges: list[tuple[Lease, Decimal, tuple[str, ...]]], name
     for lease, cost, figures in charges:
         released.setdefault(lease.key_id, []).append(lease.gen_id)
         for figure in figures:
-            spend[figure] = spend.get(figure, Decimal(0)) + cost
+            spend[figure] = exact_sum(spend.get(figure, Decimal(0)), cost)
     adds, deletes = [], []
     for index, (attribute, amount) in enumerate(spend.items()):
         names[f"#ks{index}"] = attribute

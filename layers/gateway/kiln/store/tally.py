@@ -31,7 +31,7 @@ from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any, Iterable, Mapping, Sequence
 
-from .codec import number, within_digits
+from .codec import exact_sum, number
 from .errors import StorageError
 from .keyspend import period_start
 from .schema import TALLY
@@ -68,14 +68,14 @@ def tally_updates(table: str, charges: Iterable[tuple[str, float, Decimal]]) -> 
             continue
         day = _day(moment)
         days = sums.setdefault(tally_id(key_id, day), {})
-        days[_day_attribute(day)] = days.get(_day_attribute(day), Decimal(0)) + cost
+        days[_day_attribute(day)] = exact_sum(days.get(_day_attribute(day), Decimal(0)), cost)
     items = []
     for item_id, days in sums.items():
         names = {"#month": TALLY.month}
-        values = {":month": {"N": number(within_digits(sum(days.values(), Decimal(0))))}}
+        values = {":month": {"N": number(exact_sum(*days.values()))}}
         adds = ["#month :month"]
         for index, (attribute, amount) in enumerate(sorted(days.items())):
-            names[f"#d{index}"], values[f":d{index}"] = attribute, {"N": number(within_digits(amount))}
+            names[f"#d{index}"], values[f":d{index}"] = attribute, {"N": number(amount)}
             adds.append(f"#d{index} :d{index}")
         items.append({"Update": {
             "TableName": table,
@@ -131,7 +131,7 @@ async def tallied_spends(aws: Any, table: str, reads: Mapping[str, Sequence[tupl
         for item_id, attribute in pairs:
             raw = found.get(item_id, {}).get(attribute, {}).get("N")
             if raw is not None:
-                total += Decimal(raw)
+                total = exact_sum(total, Decimal(raw))
         spends[key_id] = total
     return spends
 
