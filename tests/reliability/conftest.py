@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-from support import EmulatorProcess, stacks_on
+from support import EmulatorProcess, LedgerCheck, stacks_on
 
 # Kept bounded so the whole CI stays well under 15 minutes; raise them for a longer soak.
 STORM_ROUNDS = int(os.environ.get("KILN_TEST_STORM_ROUNDS", "50"))
@@ -32,6 +32,15 @@ FAULTS_SHRINK = int(os.environ.get("KILN_TEST_FAULTS_SHRINK", "5"))
 def sized(storage: str, count: int) -> int:
     """`count` for the plain runs, a fraction of it under faults."""
     return count if storage == "plain" else max(1, count // FAULTS_SHRINK)
+
+
+@pytest.fixture
+def ledger(stack) -> LedgerCheck:
+    """A rich org of its own, its key (`ledger.key`) and the invariants its requests must keep."""
+    org_id, key = stack.org(credits="100000000")
+    check = LedgerCheck(stack, org_id)
+    check.key = key
+    return check
 
 
 @pytest.fixture

@@ -23,14 +23,6 @@ MESSAGES = [{"role": "user", "content": "x y z"}]
 ESTIMATED_PROMPT = 6  # "user" and "x y z": 9 characters, ~4 per token, + 3 for the message
 
 
-@pytest.fixture
-def ledger(stack):
-    org_id, key = stack.org(credits="100000000")
-    check = LedgerCheck(stack, org_id)
-    check.key = key
-    return check
-
-
 def post(stack, ledger: LedgerCheck, path: str, body, **kwargs):
     return ledger.saw(stack.post(path, body, ledger.key, **kwargs))
 

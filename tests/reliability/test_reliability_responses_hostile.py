@@ -17,14 +17,6 @@ CONTEXT = 40960
 LONG = "word " * 5000  # 25 000 characters: ~6 250 tokens, never fewer than 196
 
 
-@pytest.fixture
-def ledger(stack):
-    org_id, key = stack.org(credits="100000000")
-    check = LedgerCheck(stack, org_id)
-    check.key = key
-    return check
-
-
 def post(stack, ledger: LedgerCheck, body, **kwargs):
     return ledger.saw(stack.post(RESPONSES, body, ledger.key, **kwargs))
 
@@ -42,14 +34,26 @@ def final(response: dict, kind: str = "response.completed") -> str:
     return json.dumps({"type": kind, "response": response})
 
 
+def billed_for_long(stack, ledger: LedgerCheck, answer: dict, stream: bool):
+    """The usage event of `answer`, sent buffered or as the final event of a stream, once the
+    client got its LONG text: never fewer tokens than that text can be."""
+    body = {"model": MODEL, "input": "hi", "stream": stream}
+    body["mock"] = ({"raw_events": [final(answer)], "no_done": True} if stream else {"raw_body": json.dumps(answer)})
+    response = post(stack, ledger, body)
+    assert response.status_code == 200 and LONG in response.text
+    (record,) = ledger.check()
+    assert record.completion_tokens >= -(-len(LONG) // 128), (record.completion_tokens, record.usage_source)
+    return record
+
+
 # -- usage the model cannot have produced (§4) -----------------------------------------------
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
 def test_n_on_a_responses_request_does_not_raise_the_bound_on_output_tokens(stack, ledger, stream):
     """The Responses API has no `n` (vLLM's and SGLang's ResponsesRequest ignore it): one reply,
-    at most the context length. With `n: 8` in the body, output_tokens of 3 × the context are
-    believed and billed (the bound is multiplied by a field the server never honoured)."""
+    at most the context length. With `n: 8` in the body, output_tokens of 3 × the context were
+    believed and billed, the bound multiplied by a field the server never honoured."""
     usage = {"input_tokens": 10, "output_tokens": 3 * CONTEXT}
     answer = {"id": "r", "object": "response", "status": "completed", "output": [], "usage": usage}
     body = {"model": MODEL, "input": "hi", "n": 8, "stream": stream}
@@ -72,7 +76,7 @@ ITEM = {"type": "message", "id": "m", "role": "assistant", "status": "in_progres
 def test_a_text_sent_only_in_an_added_or_in_progress_event_is_billed(stack, ledger, where, usage):
     """The client's SDK reads the whole text from `response.output_item.added` (its item),
     `response.content_part.added` (its part) or a `response.in_progress` whose output holds it:
-    25 000 characters relayed, billed as 1 token (or 0 by the estimate)."""
+    25 000 characters relayed were billed as 1 token (or 0 by the estimate)."""
     if where == "output_item.added":
         event = {"type": "response.output_item.added", "output_index": 0, "item": ITEM}
     elif where == "content_part.added":
@@ -104,8 +108,8 @@ DELTA = json.dumps({"type": "response.output_text.delta", "item_id": "m", "outpu
 def test_a_chat_style_error_in_a_responses_stream_ends_it_with_the_one_error_event(stack, ledger, error):
     """vLLM and SGLang report a failure after the 200 as `data: {"error": {...}}`: §9 says the
     stream ends with ONE `event: error` (type error, code upstream_error). The Responses relay
-    does not see it: the upstream's own error is relayed (the SDK raises on it, with the
-    upstream's message), then the gateway's event follows: two errors."""
+    once relayed the upstream's own error (the SDK raises on it, with the upstream's message),
+    and the gateway's event followed: two errors."""
     body = {"model": MODEL, "input": "hi", "stream": True,
             "mock": {"raw_events": [DELTA, DELTA, json.dumps(error)], "no_done": True}}
     response = post(stack, ledger, body)
@@ -124,17 +128,12 @@ def test_a_chat_style_error_in_a_responses_stream_ends_it_with_the_one_error_eve
                          ids=["string", "object"])
 def test_a_message_content_that_is_not_a_list_is_still_billed(stack, ledger, stream, content):
     """An output message whose `content` is the text itself (or one part, not in a list): the
-    client gets 25 000 characters, `output_tokens: 1` is believed (the shape check only asks
-    `output` to be a list of objects, the text walker only reads a content list)."""
+    client gets 25 000 characters; `output_tokens: 1` was believed, as only a content list
+    was read."""
     item = {"type": "message", "id": "m", "role": "assistant", "status": "completed", "content": content}
     answer = {"id": "r", "object": "response", "status": "completed", "output": [item],
               "usage": {"input_tokens": 4, "output_tokens": 1}}
-    body = {"model": MODEL, "input": "hi", "stream": stream}
-    body["mock"] = ({"raw_events": [final(answer)], "no_done": True} if stream else {"raw_body": json.dumps(answer)})
-    response = post(stack, ledger, body)
-    assert response.status_code == 200 and LONG in response.text
-    (record,) = ledger.check()
-    assert record.completion_tokens >= -(-len(LONG) // 128), (record.completion_tokens, record.usage_source)
+    billed_for_long(stack, ledger, answer, stream)
 
 
 # -- an honest count disbelieved: the request's own echo counted as the model's text ----------
@@ -143,9 +142,9 @@ def test_a_message_content_that_is_not_a_list_is_still_billed(stack, ledger, str
 def test_metadata_echoed_in_the_stream_is_not_billed_as_output(stack, ledger):
     """vLLM echoes the request's `metadata` in every event that carries the response object
     (response.created, response.in_progress, the final). A metadata value under the key
-    "delta" matches the relay's delta pattern: the echo is counted as relayed text, its floor
-    (196 tokens) is above the honest `output_tokens: 2`, and the request is billed ~6 250
-    output tokens, marked capped, instead of the 2 the model wrote."""
+    "delta" matched the relay's delta pattern: the echo was counted as relayed text, its floor
+    (196 tokens) above the honest `output_tokens: 2`, and the request billed ~6 250 output
+    tokens, marked capped, instead of the 2 the model wrote. Deltas count only in delta events."""
     metadata = {"delta": "y" * 500, "note": "x"}  # 500 characters: OpenAI's limit for a value is 512
     shell = {"id": "r", "object": "response", "status": "in_progress", "output": [], "metadata": metadata}
     item = {"type": "message", "id": "m", "role": "assistant", "status": "completed",
@@ -180,22 +179,17 @@ BUILT_IN_CALLS = {
 @pytest.mark.parametrize("kind", BUILT_IN_CALLS)
 def test_text_the_model_wrote_for_a_built_in_tool_is_billed(stack, ledger, kind, usage, stream):
     """gpt-oss on vLLM calls its built-in python and browser tools: the output item carries the
-    code (or the query) the model wrote. The text walker reads only name/arguments/input and
-    content/summary parts: 25 000 characters of code are billed as 1 token reported, or as 0
-    output tokens when no usage is reported (§4: never billed zero for what was relayed)."""
+    code (or the query) the model wrote. Read only for names, arguments, input and content,
+    25 000 characters of code were billed as the 1 token reported, or as 0 output tokens with
+    no usage reported (§4: never billed zero for what was relayed)."""
     answer = {"id": "r", "object": "response", "status": "completed", "output": [BUILT_IN_CALLS[kind]],
               **({"usage": usage} if usage else {})}
-    body = {"model": MODEL, "input": "hi", "stream": stream}
-    body["mock"] = ({"raw_events": [final(answer)], "no_done": True} if stream else {"raw_body": json.dumps(answer)})
-    response = post(stack, ledger, body)
-    assert response.status_code == 200 and LONG in response.text
-    (record,) = ledger.check()
-    assert record.completion_tokens >= -(-len(LONG) // 128), (record.completion_tokens, record.usage_source)
+    billed_for_long(stack, ledger, answer, stream)
 
 
 def test_code_sent_whole_in_its_done_event_is_billed(stack, ledger):
     """`response.code_interpreter_call_code.done` carries the whole code (`code`), as the
-    delta events would have: sent only there, it is not counted."""
+    delta events would have: sent only there, it was not counted."""
     done = {"type": "response.code_interpreter_call_code.done", "item_id": "ci", "output_index": 0, "code": LONG}
     last = {"id": "r", "object": "response", "status": "completed", "output": []}
     body = {"model": MODEL, "input": "hi", "stream": True,
@@ -208,9 +202,9 @@ def test_code_sent_whole_in_its_done_event_is_billed(stack, ledger):
 
 def test_a_delta_after_a_whole_text_is_not_billed_twice(stack, ledger):
     """No usage reported; the whole text comes first (output_text.done), then one delta "x".
-    The client got 25 001 characters (~6 251 tokens). The relay's `relayed_tokens += …` reads
-    the property (deltas + whole texts beyond them) and stores it back as the deltas' count, so
-    the whole text is counted twice: billed 12 501 output tokens."""
+    The client got 25 001 characters (~6 251 tokens). The relay's `relayed_tokens += …` read
+    the property (deltas + whole texts beyond them) and stored it back as the deltas' count, so
+    the whole text was counted twice: billed 12 501 output tokens."""
     done = {"type": "response.output_text.done", "item_id": "m", "output_index": 0, "content_index": 0, "text": LONG}
     delta = {"type": "response.output_text.delta", "item_id": "m2", "output_index": 1, "content_index": 0, "delta": "x"}
     last = {"id": "r", "object": "response", "status": "completed", "output": []}

@@ -71,6 +71,16 @@ def _unsettled_records(since: int) -> list[dict]:
     return [record["message"] for record in records]
 
 
+def _replay_logged(stack, since: int, tmp_path, capsys) -> list[str]:
+    """`kiln admin replay-usage` of the log since `since`, exported as an operator does: its lines."""
+    exported = tmp_path / "unsettled.log"
+    exported.write_text(TELEMETRY.text()[since:])
+    lines: list[str] = []
+    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
+    assert run_admin(args, settings=stack.settings, out=lines.append) == 0, capsys.readouterr().err
+    return lines
+
+
 def test_a_settle_that_keeps_failing_is_logged_whole_and_replayed_by_the_operator(stack_factory, tmp_path, capsys):
     stack = stack_factory(storage_retry_seconds=0.5)  # a short budget, spent on every attempt here
     storage_faults = stack.faults
@@ -122,12 +132,7 @@ def test_a_replayed_settle_counts_in_its_keys_spend_figure_and_tally_for_the_day
     stack.faults.clear()
     (record,) = _unsettled_records(mark)
     assert record["spend_figure"].startswith("key_spend:")  # the lease's figure, in the log
-    exported = tmp_path / "unsettled.log"
-    exported.write_text(TELEMETRY.text()[mark:])
-    lines: list[str] = []
-    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
-    assert run_admin(args, settings=stack.settings, out=lines.append) == 0, capsys.readouterr().err
-    assert lines == ["replayed 1 unsettled usage events: 1 settled"]
+    assert _replay_logged(stack, mark, tmp_path, capsys) == ["replayed 1 unsettled usage events: 1 settled"]
     events = stack.events(org_id)
     assert [event.cost for event in events] == [Decimal(record["usage"]["cost"])]
     assert stack.key_figures(org_id) == {record["spend_figure"]: events[0].cost}
@@ -147,13 +152,7 @@ def test_replay_after_the_lease_was_reclaimed_replaces_the_abandoned_event(stack
     time.sleep(0.6)
     assert stack.post(CHAT, BODY, key).status_code == 200  # reclaims the expired lease as abandoned
     assert get_event(stack.tables, lost).status == "abandoned"
-
-    exported = tmp_path / "unsettled.log"
-    exported.write_text(TELEMETRY.text()[mark:])
-    lines: list[str] = []
-    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
-    assert run_admin(args, settings=stack.settings, out=lines.append) == 0, capsys.readouterr().err
-    assert lines == ["replayed 1 unsettled usage events: 1 replaced abandoned"]
+    assert _replay_logged(stack, mark, tmp_path, capsys) == ["replayed 1 unsettled usage events: 1 replaced abandoned"]
     assert get_event(stack.tables, lost).status == "success"
     events = stack.events(org_id)
     assert len(events) == 2
