@@ -252,6 +252,9 @@ def test_an_event_just_under_the_bound_passes_whatever_the_pieces():
     b'{"error":{"object":"error","message":"boom","type":"BadRequestError","code":400}}',  # vLLM
     b'{"object":"error","message":"boom","type":"InternalServerError","code":500}',
     b'{"\\u0065rror":{"message":"boom"}}',
+    # a chunk with an error beside its choices: the OpenAI SDKs raise on any `error` not null or false
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}],"error":{"soft":1}}',
+    b'{"id":"c1","choices":[],"error":"boom"}',
 ])
 def test_an_error_the_upstream_sends_in_the_stream_ends_it_unrelayed(error):
     out, relay = relay_all([ROLE + HELLO + b"data: " + error + b"\n\n" + HELLO + DONE])
@@ -261,7 +264,10 @@ def test_an_error_the_upstream_sends_in_the_stream_ends_it_unrelayed(error):
 @pytest.mark.parametrize("chunk", [
     b'{"id":"c1","choices":[{"index":0,"delta":{"content":"{\\"error\\": {\\"x\\": 1}}"},"finish_reason":null}]}',
     b'{"id":"c1","choices":[{"index":0,"delta":{"content":"caf\\u00e9"},"finish_reason":null}]}',
-    b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}],"error":{"soft":1}}',
+    # an error that is null, false, empty: no error to the SDKs
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":null}',
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":{}}',
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":false}',
 ])
 def test_content_that_only_mentions_an_error_is_relayed(chunk):
     event = b"data: " + chunk + b"\n\n"

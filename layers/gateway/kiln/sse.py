@@ -348,10 +348,9 @@ def is_done(payload: bytes) -> bool:
 
 
 def _is_error(data: Any) -> bool:
-    """An upstream's error event: an object that is an error, not a chunk (the OpenAI SDKs
-    raise on an event whose `error` is anything but null, false, 0 or empty)."""
-    return isinstance(data, dict) and not data.get("choices") and (
-        bool(data.get("error")) or data.get("object") == "error")
+    """An upstream's error event: an object that is an error, or whose `error` is anything but
+    null, false, 0 or empty (the OpenAI SDKs raise on it, choices or not)."""
+    return isinstance(data, dict) and (bool(data.get("error")) or data.get("object") == "error")
 
 
 def data_of(event: bytes) -> bytes | None:

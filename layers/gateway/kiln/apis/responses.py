@@ -42,13 +42,21 @@ _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # an event that is a delta (`response.output_text.delta`, …): the response an event echoes holds
 # the request's metadata, whose values may be under a key "delta"
 _DELTA = re.compile(rb'"delta"\s*:\s*"((?:[^"\\]|\\.)+)"')
-_DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.[a-z_.]+\.delta"')
+_DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
+_ITEM_ID = re.compile(rb'"item_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_SUMMARY_INDEX = re.compile(rb'"summary_index"\s*:\s*(-?[0-9]+)')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
 # added or done, the response so far), and any with an escape, which can spell one
-_WHOLE = re.compile(rb'"type"\s*:\s*"response\.(?:[a-z_.]+\.(?:done|added)|created|in_progress|completed|incomplete|failed)"'
-                    rb'|\\u')
-# the most places in the output whose whole texts a stream's relay remembers (memory)
-MAX_WHOLE_PLACES = 10_000
+_WHOLE = (rb'"type"\s*:\s*"response\.(?:[a-z_.]+\.(?:done|added)|queued|created|in_progress|completed|'
+          rb'incomplete|failed)"|\\u')
+# what the relay reads as JSON: those, and what may be an error (the Responses API's, or chat's)
+_READ = re.compile(_WHOLE + rb"|" + _ERROR.pattern + rb"|" + _IN_BAND_ERROR.pattern)
+# what a stream's relay remembers of the texts it relayed, to tell the whole texts from the
+# deltas (memory): the bytes of both, the deltas' items, and the bytes compared at the end;
+# past them, a text is counted whole as it comes (more, never less)
+MAX_WHOLE_BYTES = 16 << 20
+MAX_DELTA_GROUPS = 10_000
+MAX_COMPARED_BYTES = 64 << 20
 
 
 class ResponsesApi(ModelApi):
@@ -161,18 +169,11 @@ def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
     return billed
 
 
-def _output_texts(answer: dict[str, Any], offered: Collection[str] = ()) -> Iterator[str]:
+def _output_texts(answer: Any, offered: Collection[str] = ()) -> Iterator[str]:
     """Every text of a response's output items (`_item_texts`)."""
-    for _, text in _output_parts(answer, offered):
-        yield text
-
-
-def _output_parts(answer: Any, offered: Collection[str] = ()) -> Iterator[tuple[tuple[Any, ...], str]]:
-    """(where, text) of every text of a response's output: its item's place, then the text's."""
     output = answer.get("output") if isinstance(answer, dict) else None
-    for index, item in enumerate(output if isinstance(output, list) else []):
-        for where, text in _item_parts(item, offered):
-            yield (index, *where), text
+    for item in output if isinstance(output, list) else []:
+        yield from _item_texts(item, offered)
 
 
 # what the model writes in an output item beside its content: a tool call's arguments (or a
@@ -184,92 +185,52 @@ _LISTED_TEXTS = ("queries", "command")
 
 
 def _item_texts(item: Any, offered: Collection[str] = ()) -> Iterator[str]:
-    for _, text in _item_parts(item, offered):
-        yield text
-
-
-def _item_parts(item: Any, offered: Collection[str] = ()) -> Iterator[tuple[tuple[Any, ...], str]]:
-    """(where, text) of each text the model wrote in an output item: its content's and its
-    summary's texts and refusals (a content given as one text, or one part, is read too), a
-    tool call's name (but one of the request's tools', `offered`: a server may write it) and
-    what `_ITEM_TEXTS` and its action name."""
+    """The texts the model wrote in an output item: its content's and its summary's texts and
+    refusals (a content given as one text, or one part, is read too), a tool call's name (but
+    one of the request's tools', `offered`: a server may write it) and what `_ITEM_TEXTS` and
+    its action name."""
     if not isinstance(item, dict):
         return
     name = item.get("name")
-    if isinstance(name, str) and name and name not in offered:
-        yield ("name",), name
-    for field in _ITEM_TEXTS:
-        if isinstance(item.get(field), str):
-            yield (field,), item[field]
+    if isinstance(name, str) and name not in offered:
+        yield name
+    yield from (item[field] for field in _ITEM_TEXTS if isinstance(item.get(field), str))
     action = item.get("action")
-    for holder, place in ((item, ()), (action, ("action",))):
-        if not isinstance(holder, dict):
-            continue
-        if holder is action:
-            for field in _ACTION_TEXTS:
-                if isinstance(action.get(field), str):
-                    yield ("action", field), action[field]
-        for field in _LISTED_TEXTS:
+    if isinstance(action, dict):
+        yield from (action[field] for field in _ACTION_TEXTS if isinstance(action.get(field), str))
+    for holder in (item, action):
+        for field in _LISTED_TEXTS if isinstance(holder, dict) else ():
             listed = holder.get(field)
-            for index, text in enumerate(listed if isinstance(listed, list) else []):
-                if isinstance(text, str):
-                    yield (*place, field, index), text
+            yield from (text for text in (listed if isinstance(listed, list) else []) if isinstance(text, str))
     for field in ("content", "summary"):
         parts = item.get(field)
-        if isinstance(parts, (str, dict)):
-            parts = [parts]
-        for index, part in enumerate(parts if isinstance(parts, list) else []):
-            for kind, text in _part_parts(part):
-                yield (field, index, kind), text
+        for part in [parts] if isinstance(parts, (str, dict)) else parts if isinstance(parts, list) else []:
+            yield from _part_texts(part)
 
 
-def _part_parts(part: Any) -> list[tuple[str, str]]:
-    """(kind, text) of a content part: its text and its refusal (a part that is a text: itself)."""
+def _part_texts(part: Any) -> list[str]:
+    """A content part's text and refusal (a part that is a text: itself)."""
     if isinstance(part, str):
-        return [("text", part)]
+        return [part]
     if not isinstance(part, dict):
         return []
-    return [(kind, part[kind]) for kind in ("text", "refusal") if isinstance(part.get(kind), str)]
+    return [part[kind] for kind in ("text", "refusal") if isinstance(part.get(kind), str)]
 
 
-# where the texts of an event that gives them whole are: by its kind (`response.<kind>.done`),
-# the list they are in and the field of the text (or "item" and "part": an output item, a part)
-_WHOLE_AT = {
-    "output_item": ("item", None), "content_part": ("part", "content"), "reasoning_summary_part": ("part", "summary"),
-    "output_text": ("text", "content"), "reasoning_text": ("text", "content"), "refusal": ("refusal", "content"),
-    "reasoning_summary_text": ("text", "summary"), "function_call_arguments": ("arguments", None),
-    "custom_tool_call_input": ("input", None), "code_interpreter_call_code": ("code", None),
-}
+# the fields of an event that give a text whole (`response.output_text.done`'s text,
+# `response.function_call_arguments.done`'s arguments, `response.code_interpreter_call_code.done`'s code, …)
 _WHOLE_FIELDS = ("text", "refusal", "arguments", "input", "code")
+# the events that hold the response so far
+_SNAPSHOTS = ("queued", "created", "in_progress")
 
 
-def _whole_parts(data: dict[str, Any], kind: str, offered: Collection[str]) -> Iterator[tuple[tuple[Any, ...], str]]:
-    """(where, text) of the texts an event gives whole: `response.<kind>.done` or `.added` (an
-    output item, a part, a text), a response (`response.created`, `response.in_progress`):
-    placed as the final response would place them, so the same text is one text."""
-    if kind in ("created", "in_progress"):
-        yield from _output_parts(data.get("response"), offered)
-        return
-    at = _hashable(data.get("output_index"))
-    holds, listed = _WHOLE_AT.get(kind, (None, None))
-    index = _hashable(data.get("summary_index" if listed == "summary" else "content_index"))
-    if holds == "item":
-        for where, text in _item_parts(data.get("item"), offered):
-            yield (at, *where), text
-    elif holds == "part":
-        for part_kind, text in _part_parts(data.get("part")):
-            yield (at, listed, index, part_kind), text
-    elif holds is not None:
-        if isinstance(data.get(holds), str):
-            yield ((at, listed, index, holds) if listed else (at, holds)), data[holds]
-    else:  # a kind of event the gateway does not know: what it says whole, in a place of its own
-        for field in _WHOLE_FIELDS:
-            if isinstance(data.get(field), str):
-                yield (at, kind, field), data[field]
-
-
-def _hashable(value: Any) -> Any:
-    return value if isinstance(value, (str, int, float, bool, type(None))) else hash(repr(value))
+def _whole_texts(data: dict[str, Any], kind: str, offered: Collection[str]) -> list[str]:
+    """The texts an event gives whole: a response so far (`_SNAPSHOTS`), or, in a `*.added` or
+    `*.done` event, its item, its part and its own text fields."""
+    if kind in _SNAPSHOTS:
+        return list(_output_texts(data.get("response"), offered))
+    texts = list(_item_texts(data.get("item"), offered)) + _part_texts(data.get("part"))
+    return texts + [data[field] for field in _WHOLE_FIELDS if isinstance(data.get(field), str)]
 
 
 class ResponsesRelay(SseRelay):
@@ -277,50 +238,121 @@ class ResponsesRelay(SseRelay):
     (its `response.usage` is billed, then sent with `cost`). It has no `[DONE]`: the final
     event is the end (`done`).
 
-    What it relayed is counted from two sources: the deltas (a token each counts best), and
-    the texts given whole, by the events that hold an item, a part, a text or the response
-    so far (`*.added`, `*.done`, `response.created`, `response.in_progress`, the final): each
-    place in the output (item, list, index, field) counts once, its longest text, since an
-    honest server sends the same text in three or four of them. The bill's floor and its
-    estimate are the most either source says (kiln.exchange)."""
+    What it relayed is counted from two sources: the deltas (a token each counts best), kept
+    by item and kind (`output_text`, `function_call_arguments`, …), and the texts given whole
+    by the events that hold an item, a part, a text or the response so far (`*.added`,
+    `*.done`, `response.queued`, `response.created`, `response.in_progress`, the final). An
+    honest server gives each text whole in three or four events, after its deltas, however
+    it numbers them: so a whole text counts once, as many times as one event holds it, and
+    only what the deltas did not spell already (the whole of an item's deltas, a part of it,
+    or what a text holds beyond the deltas that began it)."""
 
     def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
-        # place -> (fewest tokens, estimated tokens, characters) of its longest text; past
-        # MAX_WHOLE_PLACES places, the others are added to `_unplaced`
-        self._wholes: dict[tuple[Any, ...], tuple[int, int, int]] = {}
-        self._whole_sums = [0, 0, 0]
+        # (item, kind) -> the deltas' texts as sent (JSON string contents, joined when read)
+        self._deltas: dict[tuple[bytes, bytes], list[bytes]] = {}
+        # each whole text -> the most times one event held it; past MAX_WHOLE_BYTES of them
+        # remembered, what comes is counted as it comes (`_unremembered`)
+        self._wholes: dict[str, int] = {}
+        self._remembered = 0  # the bytes of deltas and whole texts remembered
+        self._unremembered = [0, 0]  # fewest and estimated tokens of texts not remembered
+        self._counted: tuple[int, tuple[int, int]] | None = None  # (version, what `_beyond` said)
+        self._version = 0
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
 
     @property
     def fewest_tokens(self) -> int:
-        return max(self.text_fewest, self._whole_sums[0])
+        return self.text_fewest + self._beyond()[0]
 
     @property
     def relayed_tokens(self) -> int:
-        """The deltas' count, and what the whole texts hold beyond the deltas' text, by the
-        estimate (a server may send a few deltas and the rest whole); with no delta, the whole
-        texts' estimate."""
-        if not self.relayed_texts:
-            return self._whole_sums[1]
-        beyond = self._whole_sums[2] - self.relayed_bytes  # as sent: never less for the same text
-        return self.text_tokens + (estimate_text_tokens("x" * beyond) if beyond > 0 else 0)
+        """The deltas' count (a token each counts best), and the whole texts' estimate for what
+        they hold that the deltas did not spell."""
+        return self.text_tokens + self._beyond()[1]
 
-    def _count_wholes(self, parts: Iterator[tuple[tuple[Any, ...], str]]) -> None:
-        for where, text in parts:
-            if not text:
-                continue
-            known = self._wholes.get(where)
-            if known is not None and known[2] >= len(text):
-                continue
-            counted = (fewest_tokens(text), estimate_text_tokens(text), len(text))
-            if known is None and len(self._wholes) >= MAX_WHOLE_PLACES:
-                known = (0, 0, 0)  # not remembered: counted as a place of its own each time
+    def _beyond(self) -> tuple[int, int]:
+        """(fewest, estimated) tokens of what the whole texts hold beyond the deltas."""
+        if self._counted is not None and self._counted[0] == self._version:
+            return self._counted[1]
+        spelled: dict[str, None] = {}
+        for parts in self._deltas.values():
+            text = parse_json(b'"' + b"".join(parts) + b'"')
+            if isinstance(text, str) and text:
+                spelled[text] = None
+        fewest, estimated = self._unremembered
+        budget = MAX_COMPARED_BYTES
+        for text, times in self._wholes.items():
+            extra, rest = times, ""
+            if text in spelled:
+                extra = times - 1
             else:
-                self._wholes[where] = counted
-            for index in range(3):
-                self._whole_sums[index] += counted[index] - (known[index] if known else 0)
+                for deltas in spelled:
+                    if budget <= 0:
+                        break
+                    budget -= len(deltas)
+                    if text in deltas:
+                        extra = times - 1
+                        break
+                    if text.startswith(deltas):
+                        extra, rest = times - 1, text[len(deltas):]
+                        break
+            for counted in ([rest] if rest else []) + [text] * max(extra, 0):
+                fewest += fewest_tokens(counted)
+                estimated += estimate_text_tokens(counted)
+        self._counted = (self._version, (fewest, estimated))
+        return fewest, estimated
+
+    def _remember(self, size: int) -> bool:
+        self._version += 1
+        if self._remembered + size > MAX_WHOLE_BYTES:
+            return False
+        self._remembered += size
+        return True
+
+    def _count_wholes(self, texts: list[str]) -> None:
+        held: dict[str, int] = {}
+        for text in texts:
+            if text:
+                held[text] = held.get(text, 0) + 1
+        for text, times in held.items():
+            known = self._wholes.get(text)
+            if known is not None:
+                if times > known:
+                    self._wholes[text] = times
+                    self._version += 1
+            elif self._remember(len(text)):
+                self._wholes[text] = times
+            else:
+                self._unremembered[0] += fewest_tokens(text) * times
+                self._unremembered[1] += estimate_text_tokens(text) * times
+
+    def _count_delta(self, payload: bytes, data: Any, kind: re.Match[bytes] | None = None) -> None:
+        """A delta event: its text counted as chat's are (SseRelay._count), and kept by its item
+        and kind (a reasoning summary's by its part too) to be told from the whole texts.
+        `data`: the event read (UNREAD: not read, then `kind` is its type found as sent)."""
+        if isinstance(data, dict):
+            self._count(_DELTA, payload, data)
+            delta, name = data.get("delta"), data.get("type")
+            if not isinstance(delta, str) or not delta or not isinstance(name, str):
+                return
+            raw = [dumps(delta)[1:-1]]
+            item = data.get("item_id")
+            group = (dumps(item) if item is not None else b"", name.encode("utf-8", "surrogatepass"),
+                     dumps(data.get("summary_index")))
+        else:
+            raw = _DELTA.findall(payload)
+            for text in raw:  # as SseRelay._count, the event having no escape
+                self._add_text(text)
+            if not raw or kind is None:
+                return
+            item_found = _ITEM_ID.search(payload)
+            summary = _SUMMARY_INDEX.search(payload) if kind.group(1) == b"reasoning_summary_text" else None
+            group = (b'"' + item_found.group(1) + b'"' if item_found else b"",
+                     b"response." + kind.group(1) + b".delta", summary.group(1) if summary else b"null")
+        size = sum(len(part) for part in raw)
+        if (group in self._deltas or len(self._deltas) < MAX_DELTA_GROUPS) and self._remember(size):
+            self._deltas.setdefault(group, []).extend(raw)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if is_done(payload):
@@ -329,8 +361,7 @@ class ResponsesRelay(SseRelay):
         # error (the Responses API's or chat's), an event holding an item, a part, a text or
         # the response so far, and any event with an escape (which can spell any of them)
         data = UNREAD
-        whole_like = _WHOLE.search(payload)
-        if whole_like or _ERROR.search(payload) or _IN_BAND_ERROR.search(payload):
+        if _READ.search(payload):
             data = parse_json(payload)
             kind = data.get("type") if isinstance(data, dict) else None
             if kind in FINAL_EVENTS:
@@ -341,17 +372,18 @@ class ResponsesRelay(SseRelay):
                 # the stream ends with the gateway's one error event (§9), whether the server
                 # wrote the Responses API's error event or chat's (`{"error": {...}}`)
                 return self._failed("the model server sent an error event")
-            if whole_like and data is None and _FINAL.search(payload):
+            if data is None and _FINAL.search(payload):
                 return self._failed("its final event is not JSON the gateway can read")
             if isinstance(kind, str) and kind.startswith("response."):
                 kind = kind[len("response."):]
-                if kind in ("created", "in_progress") or kind.endswith((".done", ".added")):
-                    self._count_wholes(_whole_parts(data, kind.rpartition(".")[0] or kind, self._offered))
+                if kind in _SNAPSHOTS or kind.endswith((".done", ".added")):
+                    self._count_wholes(_whole_texts(data, kind, self._offered))
                 elif kind.endswith(".delta"):
-                    self._count(_DELTA, payload, data)
+                    self._count_delta(payload, data)
             return event
-        if _DELTA_EVENT.search(payload):
-            self._count(_DELTA, payload, data)  # a delta's text; `"delta"` elsewhere (an echo) is not
+        kind_found = _DELTA_EVENT.search(payload)
+        if kind_found is not None:
+            self._count_delta(payload, UNREAD, kind_found)  # a delta's text; `"delta"` elsewhere (an echo) is not
         return event
 
     def _final(self, event: bytes, data: dict[str, Any]) -> None:
@@ -363,7 +395,7 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        self._count_wholes(_output_parts(data["response"], self._offered))
+        self._count_wholes(list(_output_texts(data["response"], self._offered)))
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
