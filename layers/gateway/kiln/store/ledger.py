@@ -667,7 +667,7 @@ def _key_bookkeeping(charges: list[tuple[Lease, Decimal, tuple[str, ...]]], name
     for lease, cost, figures in charges:
         released.setdefault(lease.key_id, []).append(lease.gen_id)
         for figure in figures:
-            spend[figure] = exact_sum(spend.get(figure, Decimal(0)), cost)
+            spend[figure] = exact_sum(spend[figure], cost) if figure in spend else cost
     adds, deletes = [], []
     for index, (attribute, amount) in enumerate(spend.items()):
         names[f"#ks{index}"] = attribute

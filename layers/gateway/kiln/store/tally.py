@@ -29,6 +29,7 @@ import asyncio
 import random
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 from .codec import exact_sum, number
@@ -59,6 +60,13 @@ def _day_attribute(day: date) -> str:
     return f"d{day.day:02d}"
 
 
+@lru_cache(maxsize=16)
+def _names_on(epoch_day: int) -> tuple[str, str]:
+    """(the month's "YYYY-MM", the day's attribute) of a UTC day: worked out once a day."""
+    day = date(1970, 1, 1) + timedelta(days=epoch_day)
+    return day.strftime("%Y-%m"), _day_attribute(day)
+
+
 def tally_updates(table: str, charges: Iterable[tuple[str, float, Decimal]]) -> list[dict[str, Any]]:
     """The transaction items that add each (key id, moment admitted, cost) to its key's tally:
     one Update per key and month (a transaction names an item once), none for a cost of 0."""
@@ -66,13 +74,14 @@ def tally_updates(table: str, charges: Iterable[tuple[str, float, Decimal]]) -> 
     for key_id, moment, cost in charges:
         if not cost:
             continue
-        day = _day(moment)
-        days = sums.setdefault(tally_id(key_id, day), {})
-        days[_day_attribute(day)] = exact_sum(days.get(_day_attribute(day), Decimal(0)), cost)
+        month, day = _names_on(int(moment // 86400))
+        days = sums.setdefault(f"{TALLY_PREFIX}{key_id}:{month}", {})
+        days[day] = exact_sum(days[day], cost) if day in days else cost
     items = []
     for item_id, days in sums.items():
         names = {"#month": TALLY.month}
-        values = {":month": {"N": number(exact_sum(*days.values()))}}
+        month_sum = exact_sum(*days.values()) if len(days) > 1 else next(iter(days.values()))
+        values = {":month": {"N": number(month_sum)}}
         adds = ["#month :month"]
         for index, (attribute, amount) in enumerate(sorted(days.items())):
             names[f"#d{index}"], values[f":d{index}"] = attribute, {"N": number(amount)}
