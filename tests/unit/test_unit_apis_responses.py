@@ -203,13 +203,20 @@ def test_a_final_event_without_its_event_line_or_status_is_still_final():
         b'{"note":{"type":"response.completed"},"type":"response.output_text.done","response":{}}',
         b'{"note":{"type":"error"},"type":"response.output_text.delta","delta":"caf\\u00e9"}',
         b'["type","response.completed"]',
-        b'{"type":"response.output_text.delta","delta":"\\u00e9", oops',
     ],
 )
 def test_what_only_looks_like_a_final_or_error_event_is_relayed(data):
     odd = b"event: x\ndata: " + data + b"\n\n"
     out, relay = relayed(odd + DELTA)
     assert out == odd + DELTA and relay.done is False and relay.final is None and relay.failure is None
+
+
+def test_an_event_the_gateway_cannot_read_that_may_hold_text_ends_the_stream_unrelayed():
+    """Broken JSON with an escape (which may spell any type): what the gateway cannot read it
+    cannot count, so it is not relayed; the stream ends with the one error event."""
+    odd = b'event: x\ndata: {"type":"response.output_text.delta","delta":"\\u00e9", oops\n\n'
+    out, relay = relayed(DELTA + odd + DELTA)
+    assert out == DELTA and relay.done and relay.failure
 
 
 @pytest.mark.parametrize(

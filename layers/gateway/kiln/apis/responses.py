@@ -30,7 +30,7 @@ from ..metering import (
     fewest_prompt_text_tokens,
     fewest_tokens,
 )
-from ..sse import _IN_BAND_ERROR, UNREAD, SseRelay, _is_error, is_done, parse_json
+from ..sse import _IN_BAND_ERROR, SseRelay, _is_error, is_done, parse_json
 from .base import ModelApi, capability_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -44,19 +44,16 @@ _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 _DELTA = re.compile(rb'"delta"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
 _ITEM_ID = re.compile(rb'"item_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_SUMMARY_INDEX = re.compile(rb'"summary_index"\s*:\s*(-?[0-9]+)')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
 # added or done, the response so far), and any with an escape, which can spell one
 _WHOLE = (rb'"type"\s*:\s*"response\.(?:[a-z_.]+\.(?:done|added)|queued|created|in_progress|completed|'
           rb'incomplete|failed)"|\\u')
 # what the relay reads as JSON: those, and what may be an error (the Responses API's, or chat's)
 _READ = re.compile(_WHOLE + rb"|" + _ERROR.pattern + rb"|" + _IN_BAND_ERROR.pattern)
-# what a stream's relay remembers of the texts it relayed, to tell the whole texts from the
-# deltas (memory): the bytes of both, the deltas' items, and the bytes compared at the end;
-# past them, a text is counted whole as it comes (more, never less)
-MAX_WHOLE_BYTES = 16 << 20
-MAX_DELTA_GROUPS = 10_000
-MAX_COMPARED_BYTES = 64 << 20
+# what a stream's relay remembers (memory): the output items it counts one by one, and the
+# distinct texts given apart of one item; past them, texts count as they come (more, never less)
+MAX_ITEMS = 1_000
+MAX_ITEM_PARTS = 32
 
 
 class ResponsesApi(ModelApi):
@@ -224,13 +221,56 @@ _WHOLE_FIELDS = ("text", "refusal", "arguments", "input", "code")
 _SNAPSHOTS = ("queued", "created", "in_progress")
 
 
-def _whole_texts(data: dict[str, Any], kind: str, offered: Collection[str]) -> list[str]:
-    """The texts an event gives whole: a response so far (`_SNAPSHOTS`), or, in a `*.added` or
-    `*.done` event, its item, its part and its own text fields."""
-    if kind in _SNAPSHOTS:
-        return list(_output_texts(data.get("response"), offered))
-    texts = list(_item_texts(data.get("item"), offered)) + _part_texts(data.get("part"))
-    return texts + [data[field] for field in _WHOLE_FIELDS if isinstance(data.get(field), str)]
+def _measured(texts: Any) -> tuple[int, int, int]:
+    """(fewest tokens, estimated tokens, characters) of the texts."""
+    fewest = estimated = chars = 0
+    for text in texts:
+        if text:
+            fewest, estimated, chars = fewest + fewest_tokens(text), estimated + estimate_text_tokens(text), chars + len(text)
+    return fewest, estimated, chars
+
+
+def _plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+class _Item:
+    """What the relay knows of one output item: its deltas' count (tokens a token each, their
+    floor, their bytes as sent) and its texts given whole: the most the item held whole in one
+    event, and the distinct texts given apart (a part, a text: `output_text.done`, …)."""
+
+    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "whole", "parts", "parts_sum")
+
+    def __init__(self) -> None:
+        self.delta_tokens = self.delta_fewest = self.delta_bytes = 0
+        self.whole = (0, 0, 0)
+        self.parts: set[int] = set()  # the hashes of the texts given apart
+        self.parts_sum = (0, 0, 0)
+
+    def held_whole(self, measured: tuple[int, int, int]) -> None:
+        if measured[2] > self.whole[2]:
+            self.whole = measured
+
+    def part(self, text: str) -> None:
+        if not text:
+            return
+        seen = hash(text)
+        if seen in self.parts:
+            return
+        if len(self.parts) < MAX_ITEM_PARTS:
+            self.parts.add(seen)
+        self.parts_sum = _plus(self.parts_sum, _measured([text]))
+
+    def counted(self) -> tuple[int, int]:
+        """(fewest, estimated) tokens: the deltas' count and, by the estimate, what the whole
+        texts hold beyond the deltas' bytes (a server may stream part of a text and send the
+        rest whole); with no delta, the whole texts'; the floor, the most either says."""
+        whole = self.whole if self.whole[2] >= self.parts_sum[2] else self.parts_sum
+        if not self.delta_bytes:
+            return whole[0], whole[1]
+        beyond = whole[2] - self.delta_bytes  # as sent: never less for the same text
+        return (max(self.delta_fewest, whole[0]),
+                self.delta_tokens + (estimate_text_tokens("x" * beyond) if beyond > 0 else 0))
 
 
 class ResponsesRelay(SseRelay):
@@ -238,121 +278,97 @@ class ResponsesRelay(SseRelay):
     (its `response.usage` is billed, then sent with `cost`). It has no `[DONE]`: the final
     event is the end (`done`).
 
-    What it relayed is counted from two sources: the deltas (a token each counts best), kept
-    by item and kind (`output_text`, `function_call_arguments`, …), and the texts given whole
-    by the events that hold an item, a part, a text or the response so far (`*.added`,
-    `*.done`, `response.queued`, `response.created`, `response.in_progress`, the final). An
-    honest server gives each text whole in three or four events, after its deltas, however
-    it numbers them: so a whole text counts once, as many times as one event holds it, and
-    only what the deltas did not spell already (the whole of an item's deltas, a part of it,
-    or what a text holds beyond the deltas that began it)."""
+    What it relayed is counted item by item (by the id the server gives each output item,
+    in its deltas, its parts and texts, the item itself and the response's output), from
+    two sources: the deltas (a token each counts best), and the texts given whole by the
+    events that hold an item, a part, a text or the response so far (`*.added`, `*.done`,
+    `response.queued`, `response.created`, `response.in_progress`, the final). An honest
+    server gives an item's texts whole in three or four events after its deltas, however it
+    numbers them: an item counts its deltas and what its texts hold beyond them, its longest
+    telling; items are summed. Whole texts of no id count each as an item of their own."""
 
     def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
-        # (item, kind) -> the deltas' texts as sent (JSON string contents, joined when read)
-        self._deltas: dict[tuple[bytes, bytes], list[bytes]] = {}
-        # each whole text -> the most times one event held it; past MAX_WHOLE_BYTES of them
-        # remembered, what comes is counted as it comes (`_unremembered`)
-        self._wholes: dict[str, int] = {}
-        self._remembered = 0  # the bytes of deltas and whole texts remembered
-        self._unremembered = [0, 0]  # fewest and estimated tokens of texts not remembered
-        self._counted: tuple[int, tuple[int, int]] | None = None  # (version, what `_beyond` said)
-        self._version = 0
+        self._items: dict[Any, _Item] = {}
+        self._overflow = _Item()  # whole texts of items past MAX_ITEMS (and of none), summed
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
 
+    def _item(self, key: Any) -> _Item | None:
+        """The item of this id (None: no id, or past MAX_ITEMS: its texts count apart)."""
+        if not isinstance(key, (str, bytes)):
+            return None
+        item = self._items.get(key)
+        if item is None and len(self._items) < MAX_ITEMS:
+            item = self._items[key] = _Item()
+        return item
+
+    def _totals(self) -> tuple[int, int]:
+        fewest, estimated = self._overflow.parts_sum[:2]
+        for item in self._items.values():
+            counted = item.counted()
+            fewest, estimated = fewest + counted[0], estimated + counted[1]
+        # deltas of items not remembered are in the relay's own count only
+        remembered = sum(item.delta_tokens for item in self._items.values())
+        remembered_fewest = sum(item.delta_fewest for item in self._items.values())
+        return fewest + self.text_fewest - remembered_fewest, estimated + self.text_tokens - remembered
+
     @property
     def fewest_tokens(self) -> int:
-        return self.text_fewest + self._beyond()[0]
+        return self._totals()[0]
 
     @property
     def relayed_tokens(self) -> int:
-        """The deltas' count (a token each counts best), and the whole texts' estimate for what
-        they hold that the deltas did not spell."""
-        return self.text_tokens + self._beyond()[1]
+        return self._totals()[1]
 
-    def _beyond(self) -> tuple[int, int]:
-        """(fewest, estimated) tokens of what the whole texts hold beyond the deltas."""
-        if self._counted is not None and self._counted[0] == self._version:
-            return self._counted[1]
-        spelled: dict[str, None] = {}
-        for parts in self._deltas.values():
-            text = parse_json(b'"' + b"".join(parts) + b'"')
-            if isinstance(text, str) and text:
-                spelled[text] = None
-        fewest, estimated = self._unremembered
-        budget = MAX_COMPARED_BYTES
-        for text, times in self._wholes.items():
-            extra, rest = times, ""
-            if text in spelled:
-                extra = times - 1
-            else:
-                for deltas in spelled:
-                    if budget <= 0:
-                        break
-                    budget -= len(deltas)
-                    if text in deltas:
-                        extra = times - 1
-                        break
-                    if text.startswith(deltas):
-                        extra, rest = times - 1, text[len(deltas):]
-                        break
-            for counted in ([rest] if rest else []) + [text] * max(extra, 0):
-                fewest += fewest_tokens(counted)
-                estimated += estimate_text_tokens(counted)
-        self._counted = (self._version, (fewest, estimated))
-        return fewest, estimated
-
-    def _remember(self, size: int) -> bool:
-        self._version += 1
-        if self._remembered + size > MAX_WHOLE_BYTES:
-            return False
-        self._remembered += size
-        return True
-
-    def _count_wholes(self, texts: list[str]) -> None:
-        held: dict[str, int] = {}
-        for text in texts:
-            if text:
-                held[text] = held.get(text, 0) + 1
-        for text, times in held.items():
-            known = self._wholes.get(text)
-            if known is not None:
-                if times > known:
-                    self._wholes[text] = times
-                    self._version += 1
-            elif self._remember(len(text)):
-                self._wholes[text] = times
-            else:
-                self._unremembered[0] += fewest_tokens(text) * times
-                self._unremembered[1] += estimate_text_tokens(text) * times
-
-    def _count_delta(self, payload: bytes, data: Any, kind: re.Match[bytes] | None = None) -> None:
-        """A delta event: its text counted as chat's are (SseRelay._count), and kept by its item
-        and kind (a reasoning summary's by its part too) to be told from the whole texts.
-        `data`: the event read (UNREAD: not read, then `kind` is its type found as sent)."""
-        if isinstance(data, dict):
-            self._count(_DELTA, payload, data)
-            delta, name = data.get("delta"), data.get("type")
-            if not isinstance(delta, str) or not delta or not isinstance(name, str):
-                return
-            raw = [dumps(delta)[1:-1]]
-            item = data.get("item_id")
-            group = (dumps(item) if item is not None else b"", name.encode("utf-8", "surrogatepass"),
-                     dumps(data.get("summary_index")))
+    def _held(self, key: Any, texts: list[str]) -> None:
+        """An item held whole (`texts`, all of it) by one event."""
+        item = self._item(key)
+        if item is not None:
+            item.held_whole(_measured(texts))
         else:
-            raw = _DELTA.findall(payload)
-            for text in raw:  # as SseRelay._count, the event having no escape
-                self._add_text(text)
-            if not raw or kind is None:
-                return
-            item_found = _ITEM_ID.search(payload)
-            summary = _SUMMARY_INDEX.search(payload) if kind.group(1) == b"reasoning_summary_text" else None
-            group = (b'"' + item_found.group(1) + b'"' if item_found else b"",
-                     b"response." + kind.group(1) + b".delta", summary.group(1) if summary else b"null")
-        size = sum(len(part) for part in raw)
-        if (group in self._deltas or len(self._deltas) < MAX_DELTA_GROUPS) and self._remember(size):
-            self._deltas.setdefault(group, []).extend(raw)
+            self._add_apart(texts)
+
+    def _apart(self, key: Any, texts: list[str]) -> None:
+        """Texts of an item given apart (a part, a text)."""
+        item = self._item(key)
+        if item is None:
+            self._add_apart(texts)
+            return
+        for text in texts:
+            item.part(text)
+
+    def _add_apart(self, texts: list[str]) -> None:
+        self._overflow.parts_sum = _plus(self._overflow.parts_sum, _measured(texts))
+
+    def _snapshot(self, response: Any) -> None:
+        output = response.get("output") if isinstance(response, dict) else None
+        for item in output if isinstance(output, list) else []:
+            if isinstance(item, dict):
+                self._held(_item_key(item.get("id")), list(_item_texts(item, self._offered)))
+
+    def _count_wholes(self, data: dict[str, Any], kind: str) -> None:
+        if kind in _SNAPSHOTS:
+            self._snapshot(data.get("response"))
+            return
+        item = data.get("item")
+        if isinstance(item, dict):
+            self._held(_item_key(item.get("id")), list(_item_texts(item, self._offered)))
+        texts = _part_texts(data.get("part")) + [data[field] for field in _WHOLE_FIELDS
+                                                 if isinstance(data.get(field), str)]
+        if texts:
+            self._apart(_item_key(data.get("item_id")), texts)
+
+    def _delta_of(self, key: Any, texts: list[bytes]) -> None:
+        """Texts of an item's deltas (as sent), counted as chat's are (SseRelay._add_text)."""
+        item = self._item(key)
+        for text in texts:
+            before_tokens, before_fewest = self.text_tokens, self.text_fewest
+            self._add_text(text)
+            if item is not None:
+                item.delta_tokens += self.text_tokens - before_tokens
+                item.delta_fewest += self.text_fewest - before_fewest
+                item.delta_bytes += len(text)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if is_done(payload):
@@ -360,9 +376,17 @@ class ResponsesRelay(SseRelay):
         # read what may end the stream or give texts whole: what looks like a final event, an
         # error (the Responses API's or chat's), an event holding an item, a part, a text or
         # the response so far, and any event with an escape (which can spell any of them)
-        data = UNREAD
+        kind_found = _DELTA_EVENT.search(payload)
         if _READ.search(payload):
             data = parse_json(payload)
+            if data is None:
+                if kind_found is not None and b"\\u" not in payload:
+                    # a delta with a value the gateway does not read (1e999): its text, as sent
+                    self._delta_of(_raw_item(payload), _DELTA.findall(payload))
+                    return event
+                # not JSON the gateway reads, though a client's parser may: what it holds
+                # cannot be counted, so it is not relayed
+                return self._failed("it sent an event that is not JSON the gateway can read")
             kind = data.get("type") if isinstance(data, dict) else None
             if kind in FINAL_EVENTS:
                 if not isinstance(data.get("response"), dict):
@@ -372,18 +396,17 @@ class ResponsesRelay(SseRelay):
                 # the stream ends with the gateway's one error event (§9), whether the server
                 # wrote the Responses API's error event or chat's (`{"error": {...}}`)
                 return self._failed("the model server sent an error event")
-            if data is None and _FINAL.search(payload):
-                return self._failed("its final event is not JSON the gateway can read")
             if isinstance(kind, str) and kind.startswith("response."):
                 kind = kind[len("response."):]
                 if kind in _SNAPSHOTS or kind.endswith((".done", ".added")):
-                    self._count_wholes(_whole_texts(data, kind, self._offered))
+                    self._count_wholes(data, kind)
                 elif kind.endswith(".delta"):
-                    self._count_delta(payload, data)
+                    delta = data.get("delta")
+                    if isinstance(delta, str) and delta:
+                        self._delta_of(_item_key(data.get("item_id")), [dumps(delta)[1:-1]])
             return event
-        kind_found = _DELTA_EVENT.search(payload)
-        if kind_found is not None:
-            self._count_delta(payload, UNREAD, kind_found)  # a delta's text; `"delta"` elsewhere (an echo) is not
+        if kind_found is not None:  # a delta's text; `"delta"` elsewhere (an echo) is not
+            self._delta_of(_raw_item(payload), _DELTA.findall(payload))
         return event
 
     def _final(self, event: bytes, data: dict[str, Any]) -> None:
@@ -395,12 +418,24 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        self._count_wholes(list(_output_texts(data["response"], self._offered)))
+        self._snapshot(data["response"])
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
         self.done = True
         return None
+
+
+def _item_key(item_id: Any) -> Any:
+    """An item's id as the relay keys it (its JSON form: the same whether read or as sent); None: no id."""
+    return dumps(item_id) if isinstance(item_id, str) and item_id else None
+
+
+def _raw_item(payload: bytes) -> bytes:
+    """A delta's item id as sent (an event with no escape: its JSON form is what was sent);
+    b"": none given (the deltas of no id are one item)."""
+    found = _ITEM_ID.search(payload)
+    return b'"' + found.group(1) + b'"' if found else b""
 
 
 API = ResponsesApi()

@@ -1,0 +1,229 @@
+"""The Responses relay item by item (contract §4, §9): what honest servers send in their own
+order and numbering is billed as reported or about its text; what a hostile one sends, never
+below what it relayed; and what the relay keeps of a stream, bounded."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import tracemalloc
+
+from kiln.apis import responses
+from support import LedgerCheck
+
+RESPONSES = "/v1/responses"
+MODEL = "qwen3-32b"  # context length 40 960
+LONG = "word " * 5000  # 25 000 characters: never fewer than 196 tokens
+
+
+def fewest(text: str) -> int:
+    return -(-len(text) // 128)  # kiln.metering.fewest_tokens
+
+
+def ev(kind: str, **fields) -> str:
+    return json.dumps({"type": kind, **fields})
+
+
+def post(stack, ledger: LedgerCheck, events: list[str], **extra):
+    body = {"model": MODEL, "input": "hi", "stream": True,
+            "mock": {"raw_events": events, "no_done": True, **extra.pop("mock", {})}, **extra}
+    return ledger.saw(stack.post(RESPONSES, body, ledger.key))
+
+
+SHELL = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "status": "in_progress",
+         "output": [], "usage": None, "metadata": None, "error": None, "incomplete_details": None}
+TOOLS = [{"type": "function", "name": "write_file", "parameters": {"type": "object"}}]
+
+
+def message(text: str, item_id: str) -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+# -- 1. honest servers ------------------------------------------------------------------------
+
+
+def gpt_oss_function_call(tokens: list[str], usage: dict | None) -> list[str]:
+    """gpt-oss on vLLM (`_process_harmony_streaming_events`, serving_responses.py up to the
+    release where `emit_function_call_delta_events` learned to "Always emit the delta
+    (including on first call)"): the first argument token of a function call is spent on
+    `response.output_item.added` and never sent as a delta; the done events, the item and
+    the final response give the whole arguments, that token included."""
+    args = "".join(tokens)
+    item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "write_file",
+            "arguments": args, "status": "completed"}
+    events = [ev("response.created", response=SHELL), ev("response.in_progress", response=SHELL),
+              ev("response.output_item.added", output_index=1,
+                 item={**item, "id": "msg_prev", "arguments": "", "status": "in_progress"})]
+    events += [ev("response.function_call_arguments.delta", item_id="fc_1", output_index=1, delta=t)
+               for t in tokens[1:]]  # the first token: no delta
+    events += [ev("response.function_call_arguments.done", item_id="fc_1", output_index=2, name="write_file",
+                  arguments=args),
+               ev("response.output_item.done", output_index=2, item=item)]
+    if usage is not False:
+        events.append(ev("response.completed", response={**SHELL, "status": "completed", "output": [item],
+                                                         "usage": usage}))
+    return events
+
+
+ARG_TOKENS = ['{"co'] + ["de x"] * 999  # 1 000 tokens of 4 characters: 4 000 characters of arguments
+
+
+def test_an_honest_gpt_oss_function_call_whose_first_token_is_no_delta_is_believed(stack, ledger):
+    """1 000 argument tokens, 999 of them as deltas; output_tokens 1 012 (the arguments and
+    the harmony header, `<|constrain|>json<|message|>`, `<|call|>`). The whole arguments
+    neither equal, lie in, nor begin with the deltas (they *end* with them), so all 4 000
+    characters count "beyond" the deltas: floor 999 + 32 = 1 031 > 1 012, `capped`."""
+    reported = len(ARG_TOKENS) + 12
+    usage = {"input_tokens": 20, "output_tokens": reported, "total_tokens": 20 + reported}
+    response = post(stack, ledger, gpt_oss_function_call(ARG_TOKENS, usage), tools=TOOLS)
+    assert response.status_code == 200
+    (record,) = ledger.check()
+    assert (record.usage_source, record.completion_tokens) == ("upstream", reported)
+
+
+def test_an_honest_gpt_oss_function_call_cut_before_its_usage_is_billed_about_its_text(stack, ledger):
+    """The same stream cut before response.completed: 999 deltas + the 4 000 characters
+    estimated again: 1 999 tokens billed for 4 000 characters (1 000 tokens)."""
+    response = post(stack, ledger, gpt_oss_function_call(ARG_TOKENS, False), tools=TOOLS,
+                    mock={"cut_after": 0})
+    assert response.status_code == 200
+    (record,) = ledger.check()
+    assert record.usage_source == "estimated"
+    assert record.completion_tokens <= 1.25 * len("".join(ARG_TOKENS)) / 4, record.completion_tokens
+
+
+def test_identical_texts_streamed_in_three_items_are_not_billed_five_times(stack, ledger):
+    """Three parallel function calls (three tools of the request) with the same arguments, each
+    streamed as 100 one-token deltas: the final response holds the text 3 times, the rule
+    takes off one spelling (`extra = times - 1`) though three delta groups spelled it, so two
+    more copies count: 300 + 250 = 550 estimated for 1 500 characters (375 by text/4)."""
+    args = "word " * 100
+    tools = [{"type": "function", "name": f"f{k}", "parameters": {"type": "object"}} for k in range(3)]
+    items, events = [], [ev("response.created", response=SHELL)]
+    for k in range(3):
+        item = {"type": "function_call", "id": f"fc{k}", "call_id": f"c{k}", "name": f"f{k}", "arguments": args,
+                "status": "completed"}
+        items.append(item)
+        events.append(ev("response.output_item.added", output_index=k, item={**item, "arguments": ""}))
+        events += [ev("response.function_call_arguments.delta", item_id=f"fc{k}", output_index=k, delta="word ")
+                   for _ in range(100)]
+        events += [ev("response.function_call_arguments.done", item_id=f"fc{k}", output_index=k, arguments=args),
+                   ev("response.output_item.done", output_index=k, item=item)]
+    events.append(ev("response.completed", response={**SHELL, "status": "completed", "output": items}))
+    response = post(stack, ledger, events, tools=tools)
+    assert response.status_code == 200
+    (record,) = ledger.check()
+    assert record.usage_source == "estimated"
+    assert record.completion_tokens <= 1.25 * 3 * len(args) / 4, record.completion_tokens
+
+
+# -- 2. hostile servers -----------------------------------------------------------------------
+
+
+def test_a_delta_group_holding_every_later_whole_text_does_not_lower_the_bill(stack, ledger):
+    """100 messages given whole (output_item.added, items b0..b99), each a different
+    24 900-character text: alone they are billed at least 100 × 195 tokens. One delta of
+    25 000 random characters first, in item a, of which each message is a substring: every
+    whole text is "in" the deltas, the floor falls to 196 and output_tokens 196 is believed
+    for 2.5 MB relayed. Sending more text lowers the bill."""
+    rng = random.Random(7)
+    junk = "".join(rng.choice(string.ascii_letters + " ") for _ in range(25_000))
+    texts = [junk[k:k + 24_900] for k in range(100)]
+    events = [ev("response.output_text.delta", item_id="a", output_index=0, content_index=0, delta=junk)]
+    events += [ev("response.output_item.added", output_index=k + 1, item=message(text, f"b{k}"))
+               for k, text in enumerate(texts)]
+    events.append(ev("response.completed", response={**SHELL, "status": "completed", "output": [],
+                                                     "usage": {"input_tokens": 4, "output_tokens": fewest(junk)}}))
+    response = post(stack, ledger, events)
+    assert response.status_code == 200 and texts[-1] in response.text
+    (record,) = ledger.check()
+    assert record.completion_tokens >= sum(fewest(text) for text in texts), (record.completion_tokens,
+                                                                             record.usage_source)
+
+
+def test_one_text_in_fifty_items_is_billed_for_each_item(stack, ledger):
+    """50 output_item.added events, 50 message items (m0..m49, output indexes 0..49), each the
+    same 25 000 characters; the final event's output is empty. The SDK's snapshot holds 50
+    messages; the relay counts the text once (the most times *one* event held it): 196 tokens
+    believed for 1.25 MB relayed."""
+    events = [ev("response.output_item.added", output_index=k, item=message(LONG, f"m{k}")) for k in range(50)]
+    events.append(ev("response.completed", response={**SHELL, "status": "completed", "output": [],
+                                                     "usage": {"input_tokens": 4, "output_tokens": fewest(LONG)}}))
+    response = post(stack, ledger, events)
+    assert response.status_code == 200 and response.text.count(LONG) >= 50
+    (record,) = ledger.check()
+    assert record.completion_tokens >= 50 * fewest(LONG), (record.completion_tokens, record.usage_source)
+
+
+def _never_relayed_unbilled(stack, ledger, events: list[str], text: str, **extra) -> None:
+    response = post(stack, ledger, events, **extra)
+    assert response.status_code == 200
+    if text in response.text:  # relayed: then billed
+        (record,) = ledger.check()
+        assert record.completion_tokens >= fewest(text), (record.completion_tokens, record.usage_source)
+        return
+    # not relayed: the stream ends with the one error event, as for a final event it cannot read
+    assert response.text.rstrip("\n").rsplit("\n\n", 1)[-1].startswith("event: error"), response.text[-300:]
+    (record,) = ledger.check()
+    assert record.status == "stream_interrupted"
+
+
+def test_an_event_the_gateway_cannot_read_but_the_sdks_can_is_never_relayed_unbilled(stack, ledger):
+    """`response.output_item.added` with a 25 000-character message and an extra field
+    `"x": 1e999`: Python's json.loads (the OpenAI SDK) reads it as inf, JSON.parse as
+    Infinity, and both hand the item to the client; the gateway's strict parser rejects it.
+    It was relayed with nothing counted, billed the 1 token reported: what the gateway
+    cannot read (and so count) it does not relay."""
+    added = ev("response.output_item.added", output_index=0, item=message(LONG, "m"))[:-1] + ', "x": 1e999}'
+    assert json.loads(added)["item"]["content"][0]["text"] == LONG
+    events = [added, ev("response.completed", response={**SHELL, "status": "completed", "output": [],
+                                                        "usage": {"input_tokens": 4, "output_tokens": 1}})]
+    _never_relayed_unbilled(stack, ledger, events, LONG)
+
+
+def test_a_delta_with_an_escape_in_an_event_the_gateway_cannot_read_is_never_relayed_unbilled(stack, ledger):
+    """A `response.output_text.delta` of 16 000 characters with one `\\u00e9` escape and
+    `"x": 1e999`: the escape makes the relay read the event, the read fails, and the delta was
+    relayed uncounted (cut before any final event: billed 0 completion tokens)."""
+    delta = ev("response.output_text.delta", item_id="m", output_index=0, content_index=0,
+               delta="\u00e9" + "abcd" * 4000)[:-1] + ', "x": 1e999}'
+    assert "\\u00e9" in delta and len(json.loads(delta)["delta"]) == 16_001
+    _never_relayed_unbilled(stack, ledger, [delta], "abcd" * 4000, mock={"cut_after": 0})
+
+
+def test_a_delta_the_gateway_cannot_read_without_an_escape_is_billed_as_sent(stack, ledger):
+    delta = ev("response.output_text.delta", item_id="m", output_index=0, content_index=0,
+               delta="abcd" * 4000)[:-1] + ', "x": 1e999}'
+    response = post(stack, ledger, [delta], mock={"cut_after": 0})
+    assert "abcd" * 4000 in response.text
+    (record,) = ledger.check()
+    assert record.completion_tokens >= fewest("abcd" * 4000), (record.completion_tokens, record.usage_source)
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def test_what_a_stream_remembers_stays_bounded_however_many_items_and_parts_it_sends():
+    """Whole texts were once remembered as texts (a str and a dict entry each, ~85 bytes for
+    4 characters: ~330 MB for one stream of tiny texts). The relay keeps counts by item, at
+    most MAX_ITEMS of them, each with at most MAX_ITEM_PARTS hashes of its texts."""
+    relay = responses.ResponsesRelay(max_event_bytes=1 << 20)
+    alphabet = string.ascii_letters + string.digits
+    names = iter(a + b + c + d for a in alphabet for b in alphabet for c in alphabet for d in alphabet)
+    tracemalloc.start()
+    try:
+        for item in range(2 * responses.MAX_ITEMS):
+            texts = [next(names) for _ in range(2 * responses.MAX_ITEM_PARTS)]
+            for text in texts:
+                payload = json.dumps({"type": "response.content_part.done", "item_id": f"m{item}",
+                                      "part": {"type": "output_text", "text": text}})
+                relay.feed(b"data: " + payload.encode() + b"\n\n")
+            if item % 500 == 0:
+                retained, _ = tracemalloc.get_traced_memory()
+                assert retained <= 8 << 20, (item, retained)
+    finally:
+        tracemalloc.stop()
+    # and every text still counted: one token at least each
+    assert relay.fewest_tokens >= 2 * responses.MAX_ITEMS * 2 * responses.MAX_ITEM_PARTS
