@@ -54,6 +54,7 @@ _READ = re.compile(_WHOLE + rb"|" + _ERROR.pattern + rb"|" + _IN_BAND_ERROR.patt
 # distinct texts given apart of one item; past them, texts count as they come (more, never less)
 MAX_ITEMS = 1_000
 MAX_ITEM_PARTS = 32
+MAX_SEEN_TEXTS = 4_096
 
 
 class ResponsesApi(ModelApi):
@@ -236,20 +237,15 @@ def _plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, i
 
 class _Item:
     """What the relay knows of one output item: its deltas' count (tokens a token each, their
-    floor, their bytes as sent) and its texts given whole: the most the item held whole in one
-    event, and the distinct texts given apart (a part, a text: `output_text.done`, …)."""
+    floor, their bytes as sent) and the distinct texts it was given whole in (the item in an
+    event, a part, a text: `output_text.done`, …), summed."""
 
-    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "whole", "parts", "parts_sum")
+    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "parts", "parts_sum")
 
     def __init__(self) -> None:
         self.delta_tokens = self.delta_fewest = self.delta_bytes = 0
-        self.whole = (0, 0, 0)
-        self.parts: set[int] = set()  # the hashes of the texts given apart
+        self.parts: set[int] = set()  # the hashes of its texts given whole
         self.parts_sum = (0, 0, 0)
-
-    def held_whole(self, measured: tuple[int, int, int]) -> None:
-        if measured[2] > self.whole[2]:
-            self.whole = measured
 
     def part(self, text: str) -> None:
         if not text:
@@ -265,7 +261,7 @@ class _Item:
         """(fewest, estimated) tokens: the deltas' count and, by the estimate, what the whole
         texts hold beyond the deltas' bytes (a server may stream part of a text and send the
         rest whole); with no delta, the whole texts'; the floor, the most either says."""
-        whole = self.whole if self.whole[2] >= self.parts_sum[2] else self.parts_sum
+        whole = self.parts_sum
         if not self.delta_bytes:
             return whole[0], whole[1]
         beyond = whole[2] - self.delta_bytes  # as sent: never less for the same text
@@ -284,11 +280,14 @@ class ResponsesRelay(SseRelay):
     events that hold an item, a part, a text or the response so far (`*.added`, `*.done`,
     `response.queued`, `response.created`, `response.in_progress`, the final). An honest
     server gives an item's texts whole in three or four events after its deltas, however it
-    numbers them: an item counts its deltas and what its texts hold beyond them, its longest
-    telling; items are summed. Whole texts of no id count each as an item of their own."""
+    numbers them: an item counts its deltas and what the distinct texts it was given whole in
+    hold beyond them; items are summed. A response's item that names no item seen yet (vLLM's
+    final output mints new ids) adds only texts no item was given whole in; whole texts of no
+    id count each as an item of their own."""
 
     def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
         self._items: dict[Any, _Item] = {}
+        self._seen: set[int] = set()  # hashes of the texts given whole so far, any item's
         self._overflow = _Item()  # whole texts of items past MAX_ITEMS (and of none), summed
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
@@ -321,16 +320,15 @@ class ResponsesRelay(SseRelay):
     def relayed_tokens(self) -> int:
         return self._totals()[1]
 
-    def _held(self, key: Any, texts: list[str]) -> None:
-        """An item held whole (`texts`, all of it) by one event."""
-        item = self._item(key)
-        if item is not None:
-            item.held_whole(_measured(texts))
-        else:
-            self._add_apart(texts)
-
-    def _apart(self, key: Any, texts: list[str]) -> None:
-        """Texts of an item given apart (a part, a text)."""
+    def _whole(self, key: Any, texts: list[str], *, known_only_new: bool = False) -> None:
+        """Texts of an item given whole (the item, a part, a text). `known_only_new`: a
+        response's item that names no item seen yet (vLLM's final output mints new ids) adds
+        only texts no item was given whole in yet."""
+        if known_only_new and key not in self._items:
+            texts = [text for text in texts if hash(text) not in self._seen]
+        for text in texts:
+            if text and len(self._seen) < MAX_SEEN_TEXTS:
+                self._seen.add(hash(text))
         item = self._item(key)
         if item is None:
             self._add_apart(texts)
@@ -345,7 +343,7 @@ class ResponsesRelay(SseRelay):
         output = response.get("output") if isinstance(response, dict) else None
         for item in output if isinstance(output, list) else []:
             if isinstance(item, dict):
-                self._held(_item_key(item.get("id")), list(_item_texts(item, self._offered)))
+                self._whole(_id_of(item), list(_item_texts(item, self._offered)), known_only_new=True)
 
     def _count_wholes(self, data: dict[str, Any], kind: str) -> None:
         if kind in _SNAPSHOTS:
@@ -353,11 +351,12 @@ class ResponsesRelay(SseRelay):
             return
         item = data.get("item")
         if isinstance(item, dict):
-            self._held(_item_key(item.get("id")), list(_item_texts(item, self._offered)))
+            # vLLM's gpt-oss function call item has no id, but the item_id of its deltas
+            self._whole(_id_of(item) or _item_key(data.get("item_id")), list(_item_texts(item, self._offered)))
         texts = _part_texts(data.get("part")) + [data[field] for field in _WHOLE_FIELDS
                                                  if isinstance(data.get(field), str)]
         if texts:
-            self._apart(_item_key(data.get("item_id")), texts)
+            self._whole(_item_key(data.get("item_id")), texts)
 
     def _delta_of(self, key: Any, texts: list[bytes]) -> None:
         """Texts of an item's deltas (as sent), counted as chat's are (SseRelay._add_text)."""
@@ -380,12 +379,9 @@ class ResponsesRelay(SseRelay):
         if _READ.search(payload):
             data = parse_json(payload)
             if data is None:
-                if kind_found is not None and b"\\u" not in payload:
-                    # a delta with a value the gateway does not read (1e999): its text, as sent
-                    self._delta_of(_raw_item(payload), _DELTA.findall(payload))
-                    return event
-                # not JSON the gateway reads, though a client's parser may: what it holds
-                # cannot be counted, so it is not relayed
+                # not JSON the gateway reads, though a client's parser may (1e999; a type given
+                # twice, the last one the client's): what it holds cannot be counted, so it is
+                # not relayed
                 return self._failed("it sent an event that is not JSON the gateway can read")
             kind = data.get("type") if isinstance(data, dict) else None
             if kind in FINAL_EVENTS:
@@ -424,6 +420,11 @@ class ResponsesRelay(SseRelay):
         self.upstream_failed = data["type"] == "response.failed"
         self.done = True
         return None
+
+
+def _id_of(item: dict[str, Any]) -> Any:
+    """An output item's key: its id, or the item_id a server may give it instead."""
+    return _item_key(item.get("id")) or _item_key(item.get("item_id"))
 
 
 def _item_key(item_id: Any) -> Any:
