@@ -25,6 +25,7 @@ from kiln.store.clock import epoch_of
 from kiln.store.codec import exact_sum
 from kiln.store.keys import create_key, list_keys
 from kiln.store.keyspend import period_kind, period_name
+from kiln.store.ledger import ledger_of
 from kiln.store.orgs import OrgInfo, create_org, get_org
 from kiln.store.usage import query_events
 from kiln.tls import client_context
@@ -516,6 +517,22 @@ def check_tallies(stack: "Stack", org_id: str, events: list[UsageEvent],
 def key_totals(figures: dict[str, Any]) -> dict[str, Decimal]:
     """key id → its spend figure (a key with a spend limit has one), from Stack.key_figures."""
     return {name.split(":")[1]: value for name, value in figures.items() if name.startswith("key_spend:")}
+
+
+def with_clocked_ledger(settings: Settings, clock: Callable[[], float], use: Callable[[Any], Any]) -> Any:
+    """`use(ledger)` on a fresh loop with a ledger whose clock is `clock` (admission times,
+    expiries, reclaims, periods); its background work drained before the loop closes."""
+
+    async def main():
+        aws = AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url)
+        ledger = ledger_of(aws, settings, clock=clock)
+        try:
+            return await use(ledger)
+        finally:
+            await ledger.drain()
+            await aws.aclose()
+
+    return asyncio.run(main())
 
 
 def check_key_figures(stack: "Stack", org_id: str, events: list[UsageEvent],

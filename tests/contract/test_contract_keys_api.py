@@ -27,8 +27,8 @@ from kiln.store.errors import AlreadyRevoked
 from kiln.store.keyring import Keyring
 from kiln.store.keys import create_key, list_keys, looks_like_key, revoke_key
 from kiln.store.keyspend import KeyLimits
-from kiln.store.ledger import ledger_of
 from kiln.store.tally import tally_updates
+from support import with_clocked_ledger
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
@@ -660,15 +660,7 @@ DAY = 86400.0
 
 def tomorrow(stack, use):
     """`use(ledger)` on a ledger whose clock is a day ahead: the key's next period."""
-    async def main():
-        aws = AwsClient(region=stack.settings.region, endpoint_url=stack.settings.aws_endpoint_url)
-        ledger = ledger_of(aws, stack.settings, clock=lambda: time.time() + DAY)
-        try:
-            return await use(ledger)
-        finally:
-            await ledger.drain()
-            await aws.aclose()
-    return asyncio.run(main())
+    return with_clocked_ledger(stack.settings, lambda: time.time() + DAY, use)
 
 
 def admitted_tomorrow(stack, org_id: str, key_id: str, limits: KeyLimits, cost: str, tries: int = 6) -> int:

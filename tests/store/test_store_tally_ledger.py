@@ -4,17 +4,14 @@ and at the edges of days and months."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 from datetime import datetime, timezone
 from decimal import Decimal
 
-from kiln.aws import AwsClient
 from kiln.store import UsageEvent
 from kiln.store.clock import iso_ms
 from kiln.store.keys import create_key
-from kiln.store.ledger import ledger_of
-from support import check_tallies
+from support import check_tallies, with_clocked_ledger
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
@@ -26,21 +23,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def with_clocked_ledger(settings, clock, use):
-    """`use(ledger)` with a ledger whose clock is `clock` (admission times, expiries, reclaims)."""
-
-    async def main():
-        aws = AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url)
-        ledger = ledger_of(aws, settings, clock=clock)
-        try:
-            return await use(ledger)
-        finally:
-            await ledger.drain()
-            await aws.aclose()
-
-    return asyncio.run(main())
 
 
 def event_of(lease, cost: str, status: str = "success") -> UsageEvent:
