@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from decimal import Context, Decimal
 
@@ -95,6 +96,31 @@ def test_a_late_settle_replaces_the_abandoned_event_and_bills(stack_factory):
     assert stack.ledger.settle(other, _event(other)) == "settled"
     assert stack.org_info(org_id).credits == Decimal("0.5")
     assert len(stack.events(org_id)) == 2
+
+
+def test_a_late_settle_whose_answer_was_lost_still_says_it_replaced_the_abandoned_event(stack_factory):
+    """The late settle's transaction went without a ClientRequestToken: applied, its answer
+    lost, its retry met its own write (the event no longer abandoned) and the settle said
+    "already_settled", so the gateway's log and metrics said a request was billed twice over
+    though it was billed once. Its retry is now recognised as its own; an operator's replay
+    (no token) is still told that it was settled already."""
+    stack = stack_factory(lease_ttl_seconds=0.2)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    slow = _admit(stack, org_id)
+    time.sleep(0.3)
+    other = _admit(stack, org_id)  # reclaims the expired lease as abandoned
+    faults = StorageFaults()
+    faults.lose("TransactWriteItems", when=lambda payload: "#leases" not in json.dumps(payload["TransactItems"][0]),
+                times=1)
+    assert SyncLedger(stack.settings, faults).settle(slow, _event(slow)) == "replaced_abandoned"
+    replacing = [payload for op, payload in faults.calls
+                 if op == "TransactWriteItems" and "#leases" not in json.dumps(payload["TransactItems"][0])]
+    tokens = {payload.get("ClientRequestToken") for payload in replacing}
+    assert len(replacing) == 2 and len(tokens) == 1 and None not in tokens  # the lost one and its retry
+    assert stack.ledger.settle(slow, _event(slow), request_token=False) == "already_settled"
+    assert stack.ledger.settle(other, _event(other)) == "settled"
+    assert stack.org_info(org_id).credits == Decimal("0.5") and stack.org_info(org_id).in_flight == 0
+    assert sorted(e.status for e in stack.events(org_id)) == ["success", "success"]
 
 
 def test_only_expired_leases_are_reclaimed(stack_factory):

@@ -489,11 +489,11 @@ class Ledger:
                 if exc.code != "IdempotentParameterMismatchException":
                     raise
                 # the token was spent on an earlier settle of this generation with another event
-                return await self._settle_late(lease, event)
+                return await self._settle_late(lease, event, request_token=request_token)
             # the lease is gone, or the key's marker is not what the lease assumed: read which
             item = await self._read_org(lease)
             if lease.gen_id not in item.get(ORG.leases, {}).get("M", {}):
-                return await self._settle_late(lease, event, item)
+                return await self._settle_late(lease, event, item, request_token=request_token)
             figures, marker = _counted_in(lease, item), marker_of(item, lease.key_id)
         raise AssertionError("unreachable: the last attempt is not conditioned on the marker")
 
@@ -538,13 +538,16 @@ class Ledger:
         })
         return (answer or {}).get("Item") or {}
 
-    async def _settle_late(self, lease: Lease, event: UsageEvent, org: dict[str, Any] | None = None) -> str:
+    async def _settle_late(self, lease: Lease, event: UsageEvent, org: dict[str, Any] | None = None, *,
+                           request_token: bool = True) -> str:
         """The lease is gone: this settle already happened, or the lease expired and was
         reclaimed as `abandoned` (already billed for its last renewal). Replace that event,
         debiting only the difference, added to the key's figures as `org` (the org item read
         after the lease was found gone) has them, on the condition that the key's marker is
         still what it says: a change of the key's spend between the read and the write reads
-        it again (MAX_FIGURE_READS times; then the bill goes first, as in `settle`)."""
+        it again (MAX_FIGURE_READS times; then the bill goes first, as in `settle`). Each
+        attempt's token is made from its items: its retry after a lost answer is told it
+        succeeded, not that the event was replaced already."""
         found = await self._read_event(event.gen_id)
         if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
             return "already_settled"
@@ -564,8 +567,11 @@ class Ledger:
             if attempt < MAX_FIGURE_READS:
                 condition = " AND ".join([condition, *_markers_as_read([lease.key_id], org, names, values)])
             debit = self._org_update(lease.org_id, update, condition, names, values)
+            payload: dict[str, Any] = {"TransactItems": [debit, put, *tally]}
+            if request_token:
+                payload["ClientRequestToken"] = client_token("l", json.dumps(payload["TransactItems"], sort_keys=True))
             try:
-                await self._retried("settle", "TransactWriteItems", {"TransactItems": [debit, put, *tally]})
+                await self._retried("settle", "TransactWriteItems", payload)
                 return "replaced_abandoned"
             except TransactionCancelled as cancelled:
                 if cancelled.failed_condition(1):
