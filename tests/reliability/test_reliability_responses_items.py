@@ -292,6 +292,60 @@ def test_an_item_telling_one_text_whole_and_another_as_its_part_is_billed_for_bo
     assert record.completion_tokens >= fewest(a) + fewest(b), (record.usage_source, record.completion_tokens)
 
 
+def junk_then_whole(text: str, deltas: int, usage: dict | None) -> list[str]:
+    """`deltas` deltas of 16 characters (a token each by the relay's rule) under id "m", then a
+    different text given whole under the same id (its done events and the final output)."""
+    junk = distinct_texts(deltas, 16, seed=5)
+    events = [ev("response.output_text.delta", item_id="m", output_index=0, content_index=0, delta=piece)
+              for piece in junk]
+    events += [ev("response.output_text.done", item_id="m", output_index=0, content_index=0, text=text),
+               ev("response.output_item.done", output_index=0, item=message(text, "m"))]
+    final = {**SHELL, "status": "completed", "output": [message(text, "m")]}
+    if usage is not None:
+        final["usage"] = usage
+    return events + [ev("response.completed", response=final)]
+
+
+def test_junk_deltas_then_a_different_whole_text_under_one_id_are_estimated_for_both(stack, ledger):
+    """1 000 deltas of 16 characters, then a different 16 000-character text given whole, all
+    under id "m", no usage. The relay took the whole text to be the deltas' text when it was no
+    longer than their bytes: 1 000 tokens estimated for the deltas and ~4 000 of text."""
+    text = distinct_texts(1, 16_000, seed=13)[0]
+    response = post(stack, ledger, junk_then_whole(text, 1000, None))
+    assert response.status_code == 200 and text in response.text
+    (record,) = ledger.check()
+    assert record.usage_source == "estimated"
+    assert record.completion_tokens >= 1000 + 0.8 * len(text) / 4, record.completion_tokens
+
+
+def test_junk_deltas_then_a_different_whole_text_under_one_id_are_both_the_floor(stack, ledger):
+    """The same with output_tokens 1 000 reported: the floor was the larger of the deltas' (1 000)
+    and the whole text's (125), so 1 000 was believed for both."""
+    text = distinct_texts(1, 16_000, seed=13)[0]
+    usage = {"input_tokens": 5, "output_tokens": 1000, "total_tokens": 1005}
+    response = post(stack, ledger, junk_then_whole(text, 1000, usage))
+    assert response.status_code == 200 and text in response.text
+    (record,) = ledger.check()
+    assert record.completion_tokens >= 1000 + fewest(text), (record.usage_source, record.completion_tokens)
+
+
+def test_a_text_streamed_in_part_and_given_whole_is_estimated_about_its_length(stack, ledger):
+    """An honest odd server: the first 4 000 characters of a text as 1 000 deltas, then the whole
+    8 000 characters in the done events and the final output, no usage: about 2 000 tokens, the
+    streamed part counted once."""
+    text = "word" * 2000
+    events = [ev("response.output_text.delta", item_id="m", output_index=0, content_index=0, delta="word")
+              for _ in range(1000)]
+    events += [ev("response.output_text.done", item_id="m", output_index=0, content_index=0, text=text),
+               ev("response.output_item.done", output_index=0, item=message(text, "m")),
+               ev("response.completed", response={**SHELL, "status": "completed", "output": [message(text, "m")]})]
+    response = post(stack, ledger, events)
+    assert response.status_code == 200
+    (record,) = ledger.check()
+    assert record.usage_source == "estimated"
+    assert 0.8 * len(text) / 4 <= record.completion_tokens <= 1.25 * len(text) / 4, record.completion_tokens
+
+
 def test_an_unreadable_event_whose_last_type_is_a_final_with_text_is_not_relayed_uncounted(stack, ledger):
     """`{"type":"response.output_text.delta","delta":"x", "n":1e999, "type":"response.completed",
     "response":{... 100 000 characters of output ...}}`: not JSON the gateway reads (1e999), but

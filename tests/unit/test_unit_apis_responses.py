@@ -311,3 +311,51 @@ def test_the_final_events_field_lines_are_kept_as_written():
 def test_a_comment_line_does_not_hide_the_final_event():
     out, relay = relayed(DELTA + b": last one\n" + COMPLETED + DELTA)
     assert out == DELTA and relay.done and relay.reported_usage == USAGE
+
+
+def streamed_then_whole(deltas, whole, *, raw=False):
+    """The relay's estimate for an item "m" streamed as `deltas`, then given `whole`; `raw`: each
+    delta written as JSON may write it, with `\\/` for a slash."""
+    pieces = []
+    for delta in deltas:
+        data = json.dumps({"type": "response.output_text.delta", "item_id": "m", "delta": delta})
+        pieces.append(b"data: " + (data.replace("/", "\\/") if raw else data).encode() + b"\n\n")
+    pieces.append(event("response.output_text.done", {"type": "response.output_text.done", "item_id": "m",
+                                                       "text": whole}))
+    _, relay = relayed(b"".join(pieces))
+    return relay.relayed_tokens, relay.fewest_tokens
+
+
+def test_a_whole_text_the_deltas_held_counts_no_more():
+    assert streamed_then_whole(["ab/c"] * 100, "ab/c" * 100) == (100, 100)
+    assert streamed_then_whole(["ab/c"] * 100, "ab/c" * 100, raw=True) == (100, 100)
+    assert streamed_then_whole(["a\n\u00e9\"\\"] * 100, "a\n\u00e9\"\\" * 100) == (100, 100)
+
+
+def test_what_a_whole_text_holds_beyond_its_streamed_start_or_end_counts_as_text():
+    tokens = [f"<{k:03d}>" for k in range(100)]  # 5 characters each
+    rest = "".join(f"[{k:03d}]" for k in range(100))  # 500 characters none of the deltas hold
+    # the start streamed, the rest given whole; all but the first token streamed (gpt-oss)
+    assert streamed_then_whole(tokens, "".join(tokens) + rest) == (100 + 125, 100 + 4)
+    assert streamed_then_whole(tokens[1:], "{\"co" + "".join(tokens[1:])) == (99 + 2, 99 + 1)  # {\"co as sent
+
+
+def test_a_whole_text_other_than_the_deltas_counts_whole_beside_them():
+    assert streamed_then_whole(["x" * 16] * 100, "y" * 1600) == (100 + 400, 100 + 13)
+    # the deltas' text held twice (a distinct text given whole twice) counts by its bytes beyond them
+    pieces = [event("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "m",
+                                                    "delta": "abcd" * 4}) for _ in range(100)]
+    for text in ("abcd" * 400, "bcda" * 399):
+        pieces.append(event("response.output_text.done", {"type": "response.output_text.done", "item_id": "m",
+                                                           "text": text}))
+    _, relay = relayed(b"".join(pieces))
+    assert (relay.relayed_tokens, relay.fewest_tokens) == (100 + 399, 100 + 13)
+
+
+@pytest.mark.parametrize("bound", ["MAX_KEPT_DELTA_BYTES", "MAX_SEARCHED_BYTES"])
+def test_past_the_deltas_kept_or_searched_a_whole_text_counts_again(monkeypatch, bound):
+    from kiln.apis import responses
+    tokens = [f"<{k:03d}>" for k in range(400)]
+    assert streamed_then_whole(tokens, "".join(tokens)) == (400, 400)
+    monkeypatch.setattr(responses, bound, 0)
+    assert streamed_then_whole(tokens, "".join(tokens)) == (400 + 500, 400 + 16)

@@ -12,6 +12,7 @@ the usage under `response.usage`: that event is held back, settled, and sent wit
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Collection, Iterator
 
@@ -21,6 +22,8 @@ from ..errors import UnsupportedParameter
 from ..jsonio import dumps
 from ..lax import server_bool
 from ..metering import (
+    CHARS_PER_TOKEN,
+    LONGEST_TOKEN,
     TOKENS_PER_MESSAGE,
     TokenUsage,
     content_texts,
@@ -55,6 +58,10 @@ _READ = re.compile(_WHOLE + rb"|" + _ERROR.pattern + rb"|" + _IN_BAND_ERROR.patt
 MAX_ITEMS = 1_000
 MAX_ITEM_PARTS = 32
 MAX_SEEN_TEXTS = 4_096
+# the deltas' text a stream's relay keeps to find the texts given whole in (past it, what those
+# hold beyond it counts again), and the bytes it may search for them
+MAX_KEPT_DELTA_BYTES = 2 << 20
+MAX_SEARCHED_BYTES = 64 << 20
 
 
 class ResponsesApi(ModelApi):
@@ -237,36 +244,64 @@ def _plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, i
 
 class _Item:
     """What the relay knows of one output item: its deltas' count (tokens a token each, their
-    floor, their bytes as sent) and the distinct texts it was given whole in (the item in an
-    event, a part, a text: `output_text.done`, …), summed."""
+    floor, their bytes as sent), their text as sent (the first MAX_KEPT_DELTA_BYTES of a
+    stream's) and the distinct texts it was given whole in (the item in an event, a part, a
+    text: `output_text.done`, …), summed, and what of them the deltas did not hold."""
 
-    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "parts", "parts_sum")
+    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "sent", "parts", "parts_sum", "uncovered",
+                 "covered")
 
     def __init__(self) -> None:
         self.delta_tokens = self.delta_fewest = self.delta_bytes = 0
+        self.sent = bytearray()  # the deltas' texts as sent, one after the other
         self.parts: set[int] = set()  # the hashes of its texts given whole
         self.parts_sum = (0, 0, 0)
+        self.uncovered = (0, 0)  # (fewest, estimated) tokens of what the whole texts hold the deltas did not
+        self.covered = 0  # bytes (as sent) of the whole texts the deltas held
 
-    def part(self, text: str) -> None:
-        if not text:
-            return
-        seen = hash(text)
-        if seen in self.parts:
-            return
-        if len(self.parts) < MAX_ITEM_PARTS:
-            self.parts.add(seen)
+    def part(self, text: str, uncovered: str, covered: int) -> None:
         self.parts_sum = _plus(self.parts_sum, _measured([text]))
+        self.uncovered = (self.uncovered[0] + (fewest_tokens(uncovered) if uncovered else 0),
+                          self.uncovered[1] + estimate_text_tokens(uncovered))
+        self.covered += covered
 
     def counted(self) -> tuple[int, int]:
-        """(fewest, estimated) tokens: the deltas' count and, by the estimate, what the whole
-        texts hold beyond the deltas' bytes (a server may stream part of a text and send the
-        rest whole); with no delta, the whole texts'; the floor, the most either says."""
+        """(fewest, estimated) tokens: the deltas' count, what the whole texts hold that the
+        deltas did not (a server may stream part of a text and send the rest whole, or send
+        other text whole than it streamed), and, by the estimate, what they hold of the
+        deltas' text beyond the deltas' bytes (distinct texts each held by the same deltas);
+        with no delta, the whole texts'. The floor: the most the sources say."""
         whole = self.parts_sum
         if not self.delta_bytes:
             return whole[0], whole[1]
-        beyond = whole[2] - self.delta_bytes  # as sent: never less for the same text
-        return (max(self.delta_fewest, whole[0]),
-                self.delta_tokens + (estimate_text_tokens("x" * beyond) if beyond > 0 else 0))
+        beyond = max(self.covered - self.delta_bytes, 0)  # as sent: never less for the same text
+        return (max(self.delta_fewest + self.uncovered[0] + -(-beyond // LONGEST_TOKEN), whole[0]),
+                self.delta_tokens + self.uncovered[1] + -(-beyond // CHARS_PER_TOKEN))
+
+
+def _held(needle: bytes, haystack: bytearray, budget: list[int]) -> tuple[int, int]:
+    """How much of `needle` `haystack` holds: (its longest prefix, its longest suffix) found in
+    it, the whole as the prefix when it is there. Each search takes the haystack's length from
+    `budget`: with none left, nothing is found (what is not found is counted again: more,
+    never less)."""
+    def found(piece: bytes) -> bool:
+        if budget[0] <= 0:
+            return False
+        budget[0] -= len(haystack)
+        return piece in haystack
+
+    if not haystack or not needle:
+        return 0, 0
+    if found(needle):
+        return len(needle), 0
+    ends = []
+    for piece in (lambda k: needle[:k], lambda k: needle[-k:]):
+        held, missing = 0, len(needle)  # held is found, missing is not
+        while missing - held > 1:
+            middle = (held + missing) // 2
+            held, missing = (middle, missing) if found(piece(middle)) else (held, middle)
+        ends.append(held)
+    return ends[0], ends[1]
 
 
 class ResponsesRelay(SseRelay):
@@ -281,7 +316,7 @@ class ResponsesRelay(SseRelay):
     `response.queued`, `response.created`, `response.in_progress`, the final). An honest
     server gives an item's texts whole in three or four events after its deltas, however it
     numbers them: an item counts its deltas and what the distinct texts it was given whole in
-    hold beyond them; items are summed. A response's item that names no item seen yet (vLLM's
+    hold beyond them, in what they spell and in bytes (`_Item.counted`); items are summed. A response's item that names no item seen yet (vLLM's
     final output mints new ids) adds only texts no item was given whole in; whole texts of no
     id count each as an item of their own."""
 
@@ -289,6 +324,8 @@ class ResponsesRelay(SseRelay):
         self._items: dict[Any, _Item] = {}
         self._seen: set[int] = set()  # hashes of the texts given whole so far, any item's
         self._overflow = _Item()  # whole texts of items past MAX_ITEMS (and of none), summed
+        self._kept = MAX_KEPT_DELTA_BYTES  # the deltas' bytes it may still keep
+        self._search = [MAX_SEARCHED_BYTES]  # the bytes it may still search
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
@@ -334,7 +371,22 @@ class ResponsesRelay(SseRelay):
             self._add_apart(texts)
             return
         for text in texts:
-            item.part(text)
+            self._part(item, text)
+
+    def _part(self, item: _Item, text: str) -> None:
+        """A text of the item given whole: counted once (by its hash, for MAX_ITEM_PARTS of
+        them), with what of it the item's deltas did not hold."""
+        if not text:
+            return
+        seen = hash(text)
+        if seen in item.parts:
+            return
+        if len(item.parts) < MAX_ITEM_PARTS:
+            item.parts.add(seen)
+        sent = dumps(text)[1:-1]  # as the deltas are kept
+        prefix, suffix = _held(sent, item.sent, self._search)
+        uncovered = sent[prefix:len(sent) - suffix] if prefix + suffix < len(sent) else b""
+        item.part(text, uncovered.decode("utf-8", "ignore"), len(sent) - len(uncovered))
 
     def _add_apart(self, texts: list[str]) -> None:
         self._overflow.parts_sum = _plus(self._overflow.parts_sum, _measured(texts))
@@ -368,6 +420,9 @@ class ResponsesRelay(SseRelay):
                 item.delta_tokens += self.text_tokens - before_tokens
                 item.delta_fewest += self.text_fewest - before_fewest
                 item.delta_bytes += len(text)
+                if len(text) <= self._kept:
+                    self._kept -= len(text)
+                    item.sent += _canonical(text)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
         if is_done(payload):
@@ -420,6 +475,17 @@ class ResponsesRelay(SseRelay):
         self.upstream_failed = data["type"] == "response.failed"
         self.done = True
         return None
+
+
+def _canonical(sent: bytes) -> bytes:
+    """A delta's text as sent, written as `dumps` writes it (what the whole texts are compared
+    in): only `\\/` can be sent otherwise by a stream the relay did not parse (it has no `\\u`)."""
+    if b"\\/" not in sent:
+        return sent
+    try:
+        return dumps(json.loads(b'"' + sent + b'"'))[1:-1]
+    except ValueError:
+        return sent
 
 
 def _id_of(item: dict[str, Any]) -> Any:
