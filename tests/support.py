@@ -514,6 +514,27 @@ def check_tallies(stack: "Stack", org_id: str, events: list[UsageEvent],
         name: value for name, value in expected.items() if value}, (found, expected)
 
 
+
+def made_before_tallies(stack: "Stack", key_id: str, created_at: str | None = None) -> None:
+    """The key as a version that kept no tallies made it: no `tallied` mark (made at `created_at`)."""
+    (item,) = stack.dynamodb.query(TableName=stack.settings.keys_table, IndexName="by_key_id",
+                                   KeyConditionExpression="key_id = :id",
+                                   ExpressionAttributeValues={":id": {"S": key_id}})["Items"]
+    made = {"UpdateExpression": "SET created_at = :made REMOVE tallied",
+            "ExpressionAttributeValues": {":made": {"S": created_at}}} if created_at else {
+        "UpdateExpression": "REMOVE tallied"}
+    stack.dynamodb.update_item(TableName=stack.settings.keys_table, Key={"key_hash": item["key_hash"]}, **made)
+
+
+def older_event(stack: "Stack", org_id: str, key_id: str, created_at: str, cost: str) -> str:
+    """An event as a version that kept no tallies wrote it (no mark, in no tally): its generation id."""
+    gen_id = f"gen-{secrets.token_hex(8)}"
+    stack.dynamodb.put_item(TableName=stack.settings.usage_table, Item={
+        "gen_id": {"S": gen_id}, "org_id": {"S": org_id}, "created_at": {"S": created_at},
+        "key_id": {"S": key_id}, "model": {"S": "gpt-oss-120b"}, "endpoint": {"S": "chat.completions"},
+        "streamed": {"BOOL": False}, "status": {"S": "success"}, "cost": {"N": cost}})
+    return gen_id
+
 def key_totals(figures: dict[str, Any]) -> dict[str, Decimal]:
     """key id → its spend figure (a key with a spend limit has one), from Stack.key_figures."""
     return {name.split(":")[1]: value for name, value in figures.items() if name.startswith("key_spend:")}

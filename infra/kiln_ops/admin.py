@@ -112,6 +112,14 @@ def add_admin_parser(subparsers: Any) -> None:
     )
     key_list.add_argument("org")
     key_list.set_defaults(run=_keys_list)
+    key_tally = keys.add_parser(
+        "tally", help="add the usage events of a version that kept no tallies to their keys' tallies "
+                      "(once every function runs this version)")
+    key_tally.add_argument("org", nargs="*", help="these orgs (default: every org)")
+    key_tally.add_argument(
+        "--progress", action="store_true", help="report progress on stderr even when it is not a terminal"
+    )
+    key_tally.set_defaults(run=_keys_tally)
 
     credits = groups.add_parser("credits", help="prepaid credits").add_subparsers(dest="action", required=True)
     add = credits.add_parser("add", help="add USD to an org's credits (negative to correct)")
@@ -430,6 +438,45 @@ def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
         for key in _with_keyring(ctx, describe)
     ]
     render(rows, KEY_COLUMNS, args.format, out)
+
+
+def _keys_tally(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import list_orgs
+    from kiln.store.tally_backfill import TallyBackfill
+
+    orgs = args.org or [org.org_id for org in list_orgs(ctx.tables)]
+    show_progress = args.progress or sys.stderr.isatty()
+
+    def progress(done: TallyBackfill) -> None:
+        if show_progress:
+            end = "\r" if sys.stderr.isatty() else "\n"
+            print(f"kiln admin: {done.added + done.found_tallied} usage events tallied…", end=end, file=sys.stderr,
+                  flush=True)
+
+    async def tally(keyring: Any) -> tuple[TallyBackfill, int]:
+        total, keys = TallyBackfill(), 0
+        for org_id in orgs:
+            done, marked = await keyring.tally_events(org_id, progress=progress)
+            if show_progress and sys.stderr.isatty():
+                print(file=sys.stderr)
+            out(f"org {org_id}: {_tallied_line(done)}; {_counted(len(marked), 'key')} marked tallied")
+            total += done
+            keys += len(marked)
+        return total, keys
+
+    total, keys = _with_keyring(ctx, tally)
+    out(f"tallied {_counted(len(orgs), 'org')}: {_tallied_line(total)}; {_counted(keys, 'key')} marked tallied")
+
+
+def _tallied_line(done: Any) -> str:
+    line = f"{_counted(done.added, 'usage event')} added to the keys' tallies (${decimal_text(done.cost)})"
+    if done.found_tallied:
+        line += f", {done.found_tallied} found tallied already"
+    return line
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _credits_add(ctx: Context, args: argparse.Namespace, out) -> None:

@@ -345,7 +345,7 @@ def put_event(stack, org_id: str, key_id: str, created_at: str, cost: str) -> No
     event = {"Put": {"TableName": stack.settings.usage_table, "Item": {
         "gen_id": {"S": f"gen-{secrets.token_hex(8)}"}, "org_id": {"S": org_id}, "created_at": {"S": created_at},
         "key_id": {"S": key_id}, "model": {"S": "qwen3-32b"}, "endpoint": {"S": "chat.completions"},
-        "streamed": {"BOOL": False}, "status": {"S": "success"}, "cost": {"N": cost}}}}
+        "streamed": {"BOOL": False}, "status": {"S": "success"}, "cost": {"N": cost}, "tallied": {"BOOL": True}}}}
     tally = tally_updates(stack.settings.usage_table, [(key_id, epoch_of(created_at), Decimal(cost))])
     stack.dynamodb.transact_write_items(TransactItems=[event, *tally])
 

@@ -27,11 +27,12 @@ import pytest
 
 from kiln.settings import Settings
 from kiln.store import RecordNotFound
+from kiln.store.clock import iso_ms
 from kiln.store.keys import hash_secret, looks_like_key
 from kiln.store.keyspend import KeyLimits
 from kiln_ops.admin import run_admin
 from kiln_ops.cli import build_parser
-from support import dead_url
+from support import check_tallies, dead_url, made_before_tallies, older_event
 
 CHAT = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
 KILN = Path(sys.executable).parent / "kiln"
@@ -315,6 +316,28 @@ def test_keys_list_does_not_show_another_orgs_keys(admin):
     assert admin("orgs", "create", theirs).code == 0
     their_key, _ = created_key(admin("keys", "create", theirs))
     assert their_key not in admin("keys", "list", mine).text
+
+
+def test_keys_tally_adds_an_older_versions_events_once_and_says_what_it_did(admin, stack):
+    """A key and an event as a version that kept no tallies left them, and a request of this
+    version: `keys tally` adds the older event to the key's tally, marks the key, and says so;
+    `keys list` shows the same spend before and after; a second run finds nothing to do."""
+    org_id, key_id, secret = org_with_key(admin, credits="5")
+    made_before_tallies(stack, key_id)
+    older_event(stack, org_id, key_id, iso_ms(time.time()), "0.25")
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
+    spend = Decimal(str(json.loads(admin("keys", "list", org_id, "--format", "json").text)[0]["spend"]))
+
+    result = admin("keys", "tally", org_id)
+    assert result.code == 0, result.err
+    assert result.lines == [
+        f"org {org_id}: 1 usage event added to the keys' tallies ($0.25); 1 key marked tallied",
+        "tallied 1 org: 1 usage event added to the keys' tallies ($0.25); 1 key marked tallied"]
+    check_tallies(stack, org_id, stack.events(org_id))
+    assert Decimal(str(json.loads(admin("keys", "list", org_id, "--format", "json").text)[0]["spend"])) == spend
+    again = admin("keys", "tally", org_id, org_id)
+    assert again.lines[-1] == "tallied 2 orgs: 0 usage events added to the keys' tallies ($0); 0 keys marked tallied"
+    assert_fails(admin("keys", "tally", "no-such-org"), "kiln admin: org 'no-such-org' not found")
 
 
 def test_revoked_key_gets_401_and_revoking_twice_is_refused(admin, stack):

@@ -37,8 +37,8 @@ def test_each_pynamodb_model_is_its_schema(model, schema):
     assert sorted(indexes) == sorted(index.name for index in schema.indexes)
 
 
-def test_a_usage_event_has_exactly_the_usage_items_attributes():
-    assert tuple(field.name for field in dataclasses.fields(UsageEvent)) == USAGE.names
+def test_a_usage_event_has_exactly_the_usage_items_attributes_but_the_ledgers_tally_mark():
+    assert (*(field.name for field in dataclasses.fields(UsageEvent)), USAGE.tallied) == USAGE.names
 
 
 @pytest.mark.parametrize("schema, table", [(KEY, "KeysTable"), (ORG, "OrgsTable"), (USAGE, "UsageTable")])

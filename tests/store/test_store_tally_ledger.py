@@ -1,17 +1,22 @@
 """The keys' tallies through the ledger (kiln.store.tally): a key's tally, month by month and
-UTC day by day, equals the sum of its usage events' costs (check_tallies), to the 38th digit
-and at the edges of days and months."""
+UTC day by day, equals the sum of its usage events' costs (check_tallies), to the 38th digit,
+at the edges of days and months, and once the events of a version that kept no tallies are
+added to them (kiln.store.tally_backfill), however that races a late settle."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from datetime import datetime, timezone
 from decimal import Decimal
 
+import pytest
+
 from kiln.store import UsageEvent
-from kiln.store.clock import iso_ms
-from kiln.store.keys import create_key
-from support import check_tallies, with_clocked_ledger
+from kiln.store.clock import epoch_of, iso_ms
+from kiln.store.keys import create_key, with_keyring
+from kiln.store.tally_backfill import tally_org
+from support import check_tallies, made_before_tallies, older_event, with_clocked_ledger
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
@@ -137,3 +142,113 @@ def test_a_throttled_tally_read_is_a_503(stack):
         stack.faults.clear()
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "storage_unavailable"
+
+
+# -- events of a version that kept no tallies (kiln.store.tally_backfill, `kiln admin keys tally`) ---------
+
+
+def key_item(stack, key_id: str) -> dict:
+    (item,) = stack.dynamodb.query(TableName=stack.settings.keys_table, IndexName="by_key_id",
+                                   KeyConditionExpression="key_id = :id",
+                                   ExpressionAttributeValues={":id": {"S": key_id}})["Items"]
+    return item
+
+
+def as_if_written_before_tallies(stack, org_id: str) -> None:
+    """Every event of the org unmarked and every tally of its keys gone: the older version's world."""
+    for event in stack.events(org_id):
+        stack.dynamodb.update_item(TableName=stack.settings.usage_table, Key={"gen_id": {"S": event.gen_id}},
+                                   UpdateExpression="REMOVE tallied")
+        assert "tallied" not in stack.dynamodb.get_item(TableName=stack.settings.usage_table,
+                                                        Key={"gen_id": {"S": event.gen_id}})["Item"]
+    for key_id, month, _ in list(stack.key_tallies(org_id)):
+        stack.dynamodb.delete_item(TableName=stack.settings.usage_table,
+                                   Key={"gen_id": {"S": f"tally:{key_id}:{month}"}})
+    assert not stack.key_tallies(org_id)
+
+
+def spends(stack, org_id: str) -> dict[str, Decimal]:
+    """Each key's spend, as GET /v1/keys and `kiln admin keys list` read it."""
+    async def read(keyring):
+        return {row["id"]: Decimal(str(row["spend"])) for row in await keyring.describe(org_id, await keyring.list(org_id))}
+
+    return with_keyring(stack.tables, read)
+
+
+def tally_events(stack, org_id: str):
+    return with_keyring(stack.tables, lambda keyring: keyring.tally_events(org_id))
+
+
+def test_an_older_versions_events_are_added_once_and_its_keys_then_read_as_much_from_their_tallies(stack):
+    org_id, _ = stack.org(credits="10")
+    key = create_key(stack.tables, org_id, label="older")
+    made_before_tallies(stack, key.key_id, "2026-10-15T08:00:00.000Z")
+    for created_at, cost in [("2026-10-31T23:59:59.999Z", "0.1"), ("2026-11-01T00:00:00.000Z", "0.02"),
+                             ("2026-11-30T12:00:00.000Z", "0"), (iso_ms(epoch_of(key.created_at)), "0.003")]:
+        older_event(stack, org_id, key.key_id, created_at, cost)
+    # and one the ledger of this version settled: marked, and in the tally already
+    lease = stack.ledger.admit(**admit_args(org_id, key.key_id))
+    assert stack.ledger.settle(lease, event_of(lease, "0.0004")) == "settled"
+    before = spends(stack, org_id)
+    assert before[key.key_id] == Decimal("0.1234")  # summed from its events (period: total)
+
+    done, marked = tally_events(stack, org_id)
+    assert (done.added, done.cost, done.found_tallied, done.free) == (3, Decimal("0.123"), 0, 1)
+    assert marked == [key.key_id] and key_item(stack, key.key_id)["tallied"] == {"BOOL": True}
+    check_tallies(stack, org_id, stack.events(org_id))  # every event once, month by month and day by day
+    assert spends(stack, org_id) == before
+
+    again, marked = tally_events(stack, org_id)
+    assert (again.added, again.found_tallied, marked) == (0, 0, [])
+    check_tallies(stack, org_id, stack.events(org_id))
+    # an older function still settling after the upgrade: the next run adds it
+    older_event(stack, org_id, key.key_id, iso_ms(epoch_of(key.created_at) + 1), "0.5")
+    late, _ = tally_events(stack, org_id)
+    assert (late.added, late.cost) == (1, Decimal("0.5"))
+    check_tallies(stack, org_id, stack.events(org_id))
+    assert spends(stack, org_id)[key.key_id] == Decimal("0.6234")
+
+
+@pytest.mark.parametrize("order", ["tallied_first", "replaced_first", "tallied_between_read_and_write"])
+def test_a_late_settle_replacing_an_older_versions_abandoned_event_and_the_backfill_add_it_once(stack, order):
+    """A lease reclaimed as abandoned ($0.1 billed) by the older version: its event is in no tally.
+    Its request settles late for $0.5: the tally needs the whole $0.5, not the difference, unless
+    the backfill added the $0.1 first; the backfill must not add the $0.1 once it is replaced."""
+    org_id, _ = stack.org(credits="10", concurrency=1)
+    key = create_key(stack.tables, org_id, label="late")
+    clock = Clock(math.floor(epoch_of(key.created_at)) + 1)
+    usage_table = stack.settings.usage_table
+
+    async def scenario(ledger):
+        dead = await ledger.admit(**admit_args(org_id, key.key_id))
+        clock.now += 1
+        assert await ledger.renew(dead, (3, 2, Decimal("0.1"))) is not None
+        clock.now += 10 * ledger.lease_ttl
+        other = await ledger.admit(**admit_args(org_id, key.key_id))  # reclaims `dead` (org full)
+        await ledger.drain()
+        assert await ledger.settle(other, event_of(other, "0.2")) == "settled"
+        await asyncio.to_thread(as_if_written_before_tallies, stack, org_id)
+        if order == "tallied_first":
+            assert (await tally_org(ledger._aws, usage_table, org_id)).added == 2
+        elif order == "tallied_between_read_and_write":
+            read = ledger._read_event
+
+            async def racing(gen_id):
+                found = await read(gen_id)
+                if ledger._read_event is racing:
+                    ledger._read_event = read
+                    assert (await tally_org(ledger._aws, usage_table, org_id)).added == 2
+                return found
+
+            ledger._read_event = racing
+        outcome = await ledger.settle(dead, event_of(dead, "0.5"))
+        if order == "replaced_first":
+            backfill = await tally_org(ledger._aws, usage_table, org_id)
+            assert (backfill.added, backfill.cost) == (1, Decimal("0.2"))
+        return outcome
+
+    assert with_clocked_ledger(stack.settings, clock, scenario) == "replaced_abandoned"
+    events = stack.events(org_id)
+    assert sorted(event.cost for event in events) == [Decimal("0.2"), Decimal("0.5")]
+    check_tallies(stack, org_id, events)
+    assert stack.org_info(org_id).credits == Decimal("9.3")

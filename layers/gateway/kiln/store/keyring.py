@@ -64,6 +64,7 @@ from .keyspend import (
 from .retry import client_token
 from .schema import KEY, ORG
 from .tally import reads_for, tallied_spends
+from .tally_backfill import TallyBackfill, tally_org
 from .usage import key_costs
 
 __all__ = [
@@ -753,6 +754,27 @@ class Keyring:
         if figure is not None:
             await self._raise_to_events(after, figure, now)
         return await self.by_hash(key_hash) or after
+
+    async def tally_events(self, org_id: str, *,
+                           progress: Callable[[TallyBackfill], None] | None = None) -> tuple[TallyBackfill, list[str]]:
+        """Add the org's events that are in no tally to their keys' tallies, then have each of
+        its keys made before tallies were kept read its spend from them (kiln.store.tally_backfill):
+        what was done, and the ids of the keys marked."""
+        await self.org(org_id)  # RecordNotFound
+        done = await tally_org(self._aws, self._usage(), org_id, progress=progress)
+        marked = []
+        for key in await self.list(org_id):
+            if not key.tallied:
+                await self.mark_tallied(key.key_id, org_id)
+                marked.append(key.key_id)
+        return done, marked
+
+    async def mark_tallied(self, key_id: str, org_id: str) -> KeyInfo:
+        """Read the key's spend from its tallies from now on (once every event of it is in them)."""
+        item = await self._item(key_id, org_id)
+        return _info(await self._write(item, "SET #tallied = :yes", {"#hash": KEY.hash_key, "#org": KEY.org_id,
+                                                                      "#tallied": KEY.tallied},
+                                       {":org": {"S": org_id}, ":yes": {"BOOL": True}}))
 
     async def revoke(self, key_id: str, *, org_id: str | None = None) -> KeyInfo:
         """Refuse the key from now on (within the gateway's auth cache time), and take its spend

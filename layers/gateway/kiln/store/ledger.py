@@ -109,6 +109,9 @@ EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
 # A reclaim is one transaction: at most this many leases at once (DynamoDB allows 100 items:
 # the org's, and for each lease its event and at most one key's tally, kiln.store.tally).
 MAX_RECLAIM = 49
+# A late settle reads the abandoned event again when it changed between its read and its write
+# (replaced by another settle: then it is done; tallied by `kiln admin keys tally`): this many times.
+MAX_EVENT_READS = 3
 # Past periods' spend figures removed in one write, at most.
 MAX_PRUNE = 100
 # A settle that finds its key's marker changed reads it and tries again, this many times;
@@ -548,13 +551,27 @@ class Ledger:
         it again (MAX_FIGURE_READS times; then the bill goes first, as in `settle`). Each
         attempt's token is made from its items: its retry after a lost answer is told it
         succeeded, not that the event was replaced already."""
-        found = await self._read_event(event.gen_id)
-        if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
-            return "already_settled"
+        for _ in range(MAX_EVENT_READS):
+            found = await self._read_event(event.gen_id)
+            if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
+                return "already_settled"
+            outcome = await self._replace_abandoned(lease, event, found, org, request_token=request_token)
+            if outcome is not None:
+                return outcome
+        raise StorageError("settle cancelled: the abandoned event kept changing")
+
+    async def _replace_abandoned(self, lease: Lease, event: UsageEvent, found: dict[str, Any],
+                                 org: dict[str, Any] | None, *, request_token: bool) -> str | None:
+        """`_settle_late`'s write, replacing the abandoned event `found` as read: None when it
+        changed since (`kiln admin keys tally` added an event of an older version to its
+        key's tally: the difference is then all the tally needs)."""
         billed = Decimal(found.get(USAGE.cost, {}).get("N", "0"))
         difference = exact_sum(event.cost, -billed)
-        put = self._put_event(event, EVENT_IS_THE_ABANDONED_ONE, billed=billed)
-        tally = tally_updates(self._usage_table, [(lease.key_id, lease.started, difference)])
+        was_tallied = found.get(USAGE.tallied, {}).get("BOOL") is True
+        put = self._put_event(event, EVENT_IS_THE_ABANDONED_ONE, billed=billed, was_tallied=was_tallied)
+        # an abandoned event of an older version is in no tally: the tally gets the whole cost
+        tally = tally_updates(self._usage_table, [(lease.key_id, lease.started,
+                                                   difference if was_tallied else event.cost)])
         for attempt in range(MAX_FIGURE_READS + 1):
             if org is None:
                 org = await self._read_org(lease)
@@ -575,7 +592,7 @@ class Ledger:
                 return "replaced_abandoned"
             except TransactionCancelled as cancelled:
                 if cancelled.failed_condition(1):
-                    return "already_settled"  # replaced by another settle of the same generation
+                    return None  # replaced by another settle of the same generation, or tallied: read it again
                 if not cancelled.failed_condition(0):
                     raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
             org = None  # the key's marker changed (or the org is gone): read it again
@@ -611,16 +628,21 @@ class Ledger:
             event = replace(event, cost=rounded)
         return event
 
-    def _put_event(self, event: UsageEvent, condition: str, *, billed: Decimal | None = None) -> dict[str, Any]:
+    def _put_event(self, event: UsageEvent, condition: str, *, billed: Decimal | None = None,
+                   was_tallied: bool = True) -> dict[str, Any]:
+        """The event's Put, marked `tallied` (its transaction adds its cost to its key's tally);
+        replacing the abandoned event, conditioned on its cost and its mark as read."""
         put: dict[str, Any] = {
             "TableName": self._usage_table,
-            "Item": to_item(event),
+            "Item": {**to_item(event), USAGE.tallied: {"BOOL": True}},
             "ConditionExpression": condition,
         }
         if condition == EVENT_IS_NEW:
             put["ExpressionAttributeNames"] = {"#gen_id": USAGE.gen_id}
         elif condition == EVENT_IS_THE_ABANDONED_ONE:
-            put["ExpressionAttributeNames"] = {"#status": USAGE.status, "#cost": USAGE.cost}
+            mark = "attribute_exists(#tallied)" if was_tallied else "attribute_not_exists(#tallied)"
+            put["ConditionExpression"] = f"{condition} AND {mark}"
+            put["ExpressionAttributeNames"] = {"#status": USAGE.status, "#cost": USAGE.cost, "#tallied": USAGE.tallied}
             put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}, ":billed": {"N": number(billed or 0)}}
         else:
             put["ExpressionAttributeNames"] = {"#status": USAGE.status}

@@ -125,6 +125,9 @@ USAGE = ItemSchema(
         Attribute("upstream", "S", null=True),
         Attribute("error", "S", null=True),
         Attribute("expires_at", "N", null=True),  # epoch seconds, DynamoDB's TTL attribute
+        # its cost is in its key's tally (kiln.store.tally): every event the ledger writes;
+        # absent: an event of a version that kept no tallies, until `kiln admin keys tally`
+        Attribute("tallied", "BOOL", null=True),
     ),
     indexes=(Index("by_org_time", "org_id", "created_at"),),
 )

@@ -20,7 +20,8 @@ from one item a month of the key's life, in batches. Tallies do not expire with 
 A request counts in the period it was admitted in, as its event's `created_at` does.
 
 Keys made before tallies were kept have no `tallied` mark on their key item: their spend
-is still summed from their events (kiln.store.usage.key_costs).
+is still summed from their events (kiln.store.usage.key_costs) until their events are added
+to their tallies (kiln.store.tally_backfill, `kiln admin keys tally`).
 """
 
 from __future__ import annotations
