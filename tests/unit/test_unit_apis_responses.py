@@ -356,6 +356,69 @@ def test_a_whole_text_other_than_the_deltas_counts_whole_beside_them():
 def test_past_the_deltas_kept_or_searched_a_whole_text_counts_again(monkeypatch, bound):
     from kiln.apis import responses
     tokens = [f"<{k:03d}>" for k in range(400)]
-    assert streamed_then_whole(tokens, "".join(tokens)) == (400, 400)
+    middle = "".join(tokens[100:300])  # 1 000 characters the deltas spell, not at their start or end
+    assert streamed_then_whole(tokens, middle) == (400, 400)
     monkeypatch.setattr(responses, bound, 0)
-    assert streamed_then_whole(tokens, "".join(tokens)) == (400 + 500, 400 + 16)
+    assert streamed_then_whole(tokens, middle) == (400 + 250, 400 + 8)
+
+
+# -- a text given whole many times over, and the search's cost ---------------------------------
+
+
+def test_an_items_parts_repeated_in_its_item_are_each_counted():
+    """A message item whose content is 90 000 one-character parts (an alphabet of 29 texts)
+    spells any text to the client (`response.output_text` joins the parts), but each distinct
+    text counted once per item (by hash): 29 tokens were estimated and 29 the floor."""
+    msg = "The quick brown fox jumps over the lazy dog. " * 2000
+    item = {"id": "m", "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": c, "annotations": []} for c in msg]}
+    final = {"type": "response.completed",
+             "response": {"id": "r", "status": "completed", "output": [item],
+                          "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}}
+    relay = RESPONSES.relay(client_wants_usage=False, max_event_bytes=8 << 20)
+    relay.feed(event("response.output_item.done", {"type": "response.output_item.done", "output_index": 0,
+                                                  "item": item}) + event("response.completed", final))
+    shown = "".join(part["text"] for part in relay.final["response"]["output"][0]["content"])
+    assert shown == msg
+    assert relay.relayed_tokens >= 0.8 * len(msg) / 4, relay.relayed_tokens
+    assert relay.fewest_tokens >= len(msg) // 128, relay.fewest_tokens
+
+
+def test_texts_given_whole_one_character_each_in_done_events_are_each_counted():
+    """The same spelled as 22 500 `response.output_text.done` events of one character each
+    (a streaming client shows them): 29 tokens were estimated."""
+    msg = "The quick brown fox jumps over the lazy dog. " * 500
+    pieces = [event("response.output_text.done", {"type": "response.output_text.done", "item_id": "m",
+                                                  "output_index": 0, "content_index": k, "text": c})
+              for k, c in enumerate(msg)]
+    _, relay = relayed(b"".join(pieces))
+    assert relay.relayed_tokens >= 0.4 * len(msg) / 4, relay.relayed_tokens
+
+
+def test_the_search_for_whole_texts_is_linear_and_bounded_against_a_short_deltas_text(monkeypatch):
+    """2 496 bytes of deltas ("a"), 32 distinct texts (MAX_ITEM_PARTS), then `a*1000 b a*1000`
+    given whole 1 300 times: each time searched for, in a haystack CPython searches naively
+    under 30 000 bytes (its time, the haystack's length times the needle's): ~5 s of CPU for
+    2.75 MB relayed. A haystack is searched padded to LINEAR_SEARCH_BYTES, each text past
+    MAX_ITEM_PARTS is not searched for, and the bytes searched stay within the budget."""
+    from kiln.apis import responses
+    searched: list[int] = []
+
+    def contains(haystack, piece):
+        searched.append(len(haystack))
+        return piece in haystack
+
+    monkeypatch.setattr(responses, "_contains", contains)
+    hay = "a" * 2496
+    pieces = [event("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "m",
+                                                   "delta": hay[k:k + 16]}) for k in range(0, len(hay), 16)]
+    pieces += [event("response.output_text.done", {"type": "response.output_text.done", "item_id": "m",
+                                                   "text": f"z{k}"}) for k in range(31)]
+    odd = "a" * 1000 + "b" + "a" * 1000
+    pieces += [event("response.output_text.done", {"type": "response.output_text.done", "item_id": "m",
+                                                   "text": odd})] * 1300
+    _, relay = relayed(b"".join(pieces))
+    assert searched and min(searched) >= responses.LINEAR_SEARCH_BYTES
+    assert sum(searched) <= responses.MAX_SEARCHED_BYTES + responses.LINEAR_SEARCH_BYTES
+    assert len(searched) <= 32 * 2 * 12, len(searched)  # the 32 distinct texts' searches, once each
+    assert relay.relayed_tokens >= 1300 * len(odd) / 4 / 2  # each time counted, ~half of it as bytes beyond the deltas

@@ -62,6 +62,7 @@ MAX_SEEN_TEXTS = 4_096
 # hold beyond it counts again), and the bytes it may search for them
 MAX_KEPT_DELTA_BYTES = 2 << 20
 MAX_SEARCHED_BYTES = 64 << 20
+LINEAR_SEARCH_BYTES = 30_000
 
 
 class ResponsesApi(ModelApi):
@@ -242,66 +243,121 @@ def _plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, i
     return a[0] + b[0], a[1] + b[1], a[2] + b[2]
 
 
+class _Tellings:
+    """Texts of an item given whole, summed: their tokens (fewest, estimated), and what of them
+    the item's deltas did not spell (fewest, estimated) or did (bytes as sent)."""
+
+    __slots__ = ("fewest", "estimated", "uncovered_fewest", "uncovered_estimated", "covered")
+
+    def __init__(self) -> None:
+        self.fewest = self.estimated = self.uncovered_fewest = self.uncovered_estimated = self.covered = 0
+
+    def add(self, text: _Text) -> None:
+        self.fewest += text.fewest
+        self.estimated += text.estimated
+        self.uncovered_fewest += text.uncovered_fewest
+        self.uncovered_estimated += text.uncovered_estimated
+        self.covered += text.covered
+
+    def counted(self, item: _Item) -> tuple[int, int]:
+        """(fewest, estimated) tokens of the item by these tellings: with no delta, theirs; else
+        the deltas' count, what they hold that the deltas did not spell, and, by the estimate,
+        what they hold of the deltas' text beyond the deltas' bytes (texts spelled by the same
+        deltas); the floor at least theirs."""
+        if not item.delta_bytes:
+            return self.fewest, self.estimated
+        beyond = max(self.covered - item.delta_bytes, 0)  # as sent: never less for the same text
+        return (max(item.delta_fewest + self.uncovered_fewest + -(-beyond // LONGEST_TOKEN), self.fewest),
+                item.delta_tokens + self.uncovered_estimated + -(-beyond // CHARS_PER_TOKEN))
+
+
+class _Text:
+    """One text given whole, measured: its tokens, and what of it the item's deltas did not
+    spell (when it was first given) or did."""
+
+    __slots__ = ("fewest", "estimated", "uncovered_fewest", "uncovered_estimated", "covered")
+
+    def __init__(self, text: str, uncovered: str, covered: int) -> None:
+        self.fewest, self.estimated = fewest_tokens(text), estimate_text_tokens(text)
+        self.uncovered_fewest = fewest_tokens(uncovered) if uncovered else 0
+        self.uncovered_estimated = estimate_text_tokens(uncovered)
+        self.covered = covered
+
+
 class _Item:
     """What the relay knows of one output item: its deltas' count (tokens a token each, their
     floor, their bytes as sent), their text as sent (the first MAX_KEPT_DELTA_BYTES of a
-    stream's) and the distinct texts it was given whole in (the item in an event, a part, a
-    text: `output_text.done`, …), summed, and what of them the deltas did not hold."""
+    stream's), and its texts given whole (the item in an event, a part, a text:
+    `output_text.done`, …) twice over: each distinct text once (`distinct`, by hash, for
+    MAX_ITEM_PARTS texts), and every text each telling gave (`told`: by the kind of event,
+    `item.done`, `part.done`, `text.done`, the final, …), however often. An honest server
+    gives each of an item's parts once in each kind of event; a text given many times over
+    (parts of one character, in the item or in as many done events) counts as often."""
 
-    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "sent", "parts", "parts_sum", "uncovered",
-                 "covered")
+    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "sent", "texts", "distinct", "told")
 
     def __init__(self) -> None:
         self.delta_tokens = self.delta_fewest = self.delta_bytes = 0
         self.sent = bytearray()  # the deltas' texts as sent, one after the other
-        self.parts: set[int] = set()  # the hashes of its texts given whole
-        self.parts_sum = (0, 0, 0)
-        self.uncovered = (0, 0)  # (fewest, estimated) tokens of what the whole texts hold the deltas did not
-        self.covered = 0  # bytes (as sent) of the whole texts the deltas held
-
-    def part(self, text: str, uncovered: str, covered: int) -> None:
-        self.parts_sum = _plus(self.parts_sum, _measured([text]))
-        self.uncovered = (self.uncovered[0] + (fewest_tokens(uncovered) if uncovered else 0),
-                          self.uncovered[1] + estimate_text_tokens(uncovered))
-        self.covered += covered
+        self.texts: dict[int, _Text] = {}  # the distinct texts given whole, by hash
+        self.distinct = _Tellings()
+        self.told: dict[str, _Tellings] = {}
 
     def counted(self) -> tuple[int, int]:
-        """(fewest, estimated) tokens: the deltas' count, what the whole texts hold that the
-        deltas did not (a server may stream part of a text and send the rest whole, or send
-        other text whole than it streamed), and, by the estimate, what they hold of the
-        deltas' text beyond the deltas' bytes (distinct texts each held by the same deltas);
-        with no delta, the whole texts'. The floor: the most the sources say."""
-        whole = self.parts_sum
-        if not self.delta_bytes:
-            return whole[0], whole[1]
-        beyond = max(self.covered - self.delta_bytes, 0)  # as sent: never less for the same text
-        return (max(self.delta_fewest + self.uncovered[0] + -(-beyond // LONGEST_TOKEN), whole[0]),
-                self.delta_tokens + self.uncovered[1] + -(-beyond // CHARS_PER_TOKEN))
+        """(fewest, estimated) tokens: the most the distinct texts or any one kind of telling say."""
+        fewest, estimated = self.distinct.counted(self)
+        for tellings in self.told.values():
+            other = tellings.counted(self)
+            fewest, estimated = max(fewest, other[0]), max(estimated, other[1])
+        return fewest, estimated
 
 
 def _held(needle: bytes, haystack: bytearray, budget: list[int]) -> tuple[int, int]:
     """How much of `needle` `haystack` holds: (its longest prefix, its longest suffix) found in
-    it, the whole as the prefix when it is there. Each search takes the haystack's length from
-    `budget`: with none left, nothing is found (what is not found is counted again: more,
-    never less)."""
+    it, the whole as the prefix when it is there. An honest server's whole text is its deltas'
+    text, a part of it, or it with a start or an end more (a first token never streamed, the
+    rest of a text sent whole): those need at most one search. Each search takes its
+    haystack's length, at least LINEAR_SEARCH_BYTES, from `budget`: with none left, nothing
+    is found (what is not found is counted again: more, never less)."""
+    if not haystack or not needle:
+        return 0, 0
+    if needle.startswith(haystack):
+        return len(haystack), 0
+    if needle.endswith(haystack):
+        return 0, len(haystack)
+    # CPython searches a haystack of fewer than 30 000 bytes naively (its time, the haystack's
+    # length times the needle's): padded with NUL, which no text as sent holds, it is searched
+    # in linear time
+    padded = bytes(haystack) + b"\0" * max(LINEAR_SEARCH_BYTES - len(haystack), 0)
+
     def found(piece: bytes) -> bool:
         if budget[0] <= 0:
             return False
-        budget[0] -= len(haystack)
-        return piece in haystack
+        budget[0] -= len(padded)
+        return _contains(padded, piece)
 
-    if not haystack or not needle:
-        return 0, 0
     if found(needle):
         return len(needle), 0
     ends = []
     for piece in (lambda k: needle[:k], lambda k: needle[-k:]):
-        held, missing = 0, len(needle)  # held is found, missing is not
+        held, missing = 0, min(len(needle), len(haystack) + 1)  # held is found, missing is not
         while missing - held > 1:
             middle = (held + missing) // 2
             held, missing = (middle, missing) if found(piece(middle)) else (held, middle)
         ends.append(held)
     return ends[0], ends[1]
+
+
+def _contains(haystack: bytes, piece: bytes) -> bool:
+    return piece in haystack
+
+
+def _as_sent(text: str) -> bytes:
+    """A text as JSON writes it, quotes aside (as `dumps` does, and the deltas are kept)."""
+    try:
+        return json.dumps(text, ensure_ascii=False)[1:-1].encode()
+    except UnicodeEncodeError:  # a lone surrogate: written as an escape, as `dumps` does
+        return json.dumps(text)[1:-1].encode()
 
 
 class ResponsesRelay(SseRelay):
@@ -323,7 +379,7 @@ class ResponsesRelay(SseRelay):
     def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
         self._items: dict[Any, _Item] = {}
         self._seen: set[int] = set()  # hashes of the texts given whole so far, any item's
-        self._overflow = _Item()  # whole texts of items past MAX_ITEMS (and of none), summed
+        self._overflow_sum = (0, 0, 0)  # whole texts of items past MAX_ITEMS (and of none), summed
         self._kept = MAX_KEPT_DELTA_BYTES  # the deltas' bytes it may still keep
         self._search = [MAX_SEARCHED_BYTES]  # the bytes it may still search
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
@@ -340,7 +396,7 @@ class ResponsesRelay(SseRelay):
         return item
 
     def _totals(self) -> tuple[int, int]:
-        fewest, estimated = self._overflow.parts_sum[:2]
+        fewest, estimated = self._overflow_sum[:2]
         for item in self._items.values():
             counted = item.counted()
             fewest, estimated = fewest + counted[0], estimated + counted[1]
@@ -357,10 +413,10 @@ class ResponsesRelay(SseRelay):
     def relayed_tokens(self) -> int:
         return self._totals()[1]
 
-    def _whole(self, key: Any, texts: list[str], *, known_only_new: bool = False) -> None:
-        """Texts of an item given whole (the item, a part, a text). `known_only_new`: a
-        response's item that names no item seen yet (vLLM's final output mints new ids) adds
-        only texts no item was given whole in yet."""
+    def _whole(self, key: Any, texts: list[str], telling: str, *, known_only_new: bool = False) -> None:
+        """Texts of an item given whole (the item, a part, a text) by an event of the kind
+        `telling`. `known_only_new`: a response's item that names no item seen yet (vLLM's
+        final output mints new ids) adds only texts no item was given whole in yet."""
         if known_only_new and key not in self._items:
             texts = [text for text in texts if hash(text) not in self._seen]
         for text in texts:
@@ -370,45 +426,60 @@ class ResponsesRelay(SseRelay):
         if item is None:
             self._add_apart(texts)
             return
+        told = item.told.get(telling)
+        if told is None:
+            told = item.told[telling] = _Tellings()
         for text in texts:
-            self._part(item, text)
+            if text:
+                self._part(item, text, told)
 
-    def _part(self, item: _Item, text: str) -> None:
-        """A text of the item given whole: counted once (by its hash, for MAX_ITEM_PARTS of
-        them), with what of it the item's deltas did not hold."""
-        if not text:
-            return
+    def _part(self, item: _Item, text: str, told: _Tellings) -> None:
+        """A text of the item given whole: counted in its telling every time, and among the
+        item's distinct texts once (by its hash, for MAX_ITEM_PARTS of them; past them, every
+        time, and not searched for in the deltas), with what of it the deltas did not spell."""
         seen = hash(text)
-        if seen in item.parts:
-            return
-        if len(item.parts) < MAX_ITEM_PARTS:
-            item.parts.add(seen)
-        sent = dumps(text)[1:-1]  # as the deltas are kept
+        measured = item.texts.get(seen)
+        if measured is None:
+            remembered = len(item.texts) < MAX_ITEM_PARTS
+            measured = self._measure(item, text, search=remembered)
+            item.distinct.add(measured)
+            if remembered:
+                item.texts[seen] = measured
+        told.add(measured)
+
+    def _measure(self, item: _Item, text: str, *, search: bool) -> _Text:
+        if not item.sent or not search:
+            return _Text(text, text, 0)
+        sent = _as_sent(text)
         prefix, suffix = _held(sent, item.sent, self._search)
         uncovered = sent[prefix:len(sent) - suffix] if prefix + suffix < len(sent) else b""
-        item.part(text, uncovered.decode("utf-8", "ignore"), len(sent) - len(uncovered))
+        return _Text(text, uncovered.decode("utf-8", "ignore"), len(sent) - len(uncovered))
 
     def _add_apart(self, texts: list[str]) -> None:
-        self._overflow.parts_sum = _plus(self._overflow.parts_sum, _measured(texts))
+        self._overflow_sum = _plus(self._overflow_sum, _measured(texts))
 
-    def _snapshot(self, response: Any) -> None:
+    def _snapshot(self, response: Any, telling: str) -> None:
         output = response.get("output") if isinstance(response, dict) else None
         for item in output if isinstance(output, list) else []:
             if isinstance(item, dict):
-                self._whole(_id_of(item), list(_item_texts(item, self._offered)), known_only_new=True)
+                self._whole(_id_of(item), list(_item_texts(item, self._offered)), telling, known_only_new=True)
 
     def _count_wholes(self, data: dict[str, Any], kind: str) -> None:
         if kind in _SNAPSHOTS:
-            self._snapshot(data.get("response"))
+            self._snapshot(data.get("response"), kind)
             return
+        ending = "added" if kind.endswith(".added") else "done"
         item = data.get("item")
+        key = _item_key(data.get("item_id"))
         if isinstance(item, dict):
             # vLLM's gpt-oss function call item has no id, but the item_id of its deltas
-            self._whole(_id_of(item) or _item_key(data.get("item_id")), list(_item_texts(item, self._offered)))
-        texts = _part_texts(data.get("part")) + [data[field] for field in _WHOLE_FIELDS
-                                                 if isinstance(data.get(field), str)]
+            self._whole(_id_of(item) or key, list(_item_texts(item, self._offered)), "item." + ending)
+        parts = _part_texts(data.get("part"))
+        if parts:
+            self._whole(key, parts, "part." + ending)
+        texts = [data[field] for field in _WHOLE_FIELDS if isinstance(data.get(field), str)]
         if texts:
-            self._whole(_item_key(data.get("item_id")), texts)
+            self._whole(key, texts, "text." + ending)
 
     def _delta_of(self, key: Any, texts: list[bytes]) -> None:
         """Texts of an item's deltas (as sent), counted as chat's are (SseRelay._add_text)."""
@@ -469,7 +540,7 @@ class ResponsesRelay(SseRelay):
         # the final response holds the whole output: its texts bound the bill from below whether
         # or not they came as deltas (a server may send them only in *.done events, or only
         # here), and are the estimate when no delta came (deltas, a token each, count better)
-        self._snapshot(data["response"])
+        self._snapshot(data["response"], "final")
         status = data["response"].get("status")
         self.finish_reason = status if isinstance(status, str) else None
         self.upstream_failed = data["type"] == "response.failed"
