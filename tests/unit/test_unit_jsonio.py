@@ -5,7 +5,7 @@ from decimal import Decimal
 
 import pytest
 
-from kiln.jsonio import MAX_DEPTH, decimal_text, dumps, loads_strict
+from kiln.jsonio import MAX_DEPTH, compact, compact_text, decimal_text, dumps, loads_strict
 
 
 def test_accepts_rfc8259_json_with_surrounding_whitespace():
@@ -92,3 +92,23 @@ def test_decimal_text_is_a_plain_number():
 def test_long_decimal_written_exactly():
     value = Decimal("12345678901234567890.123456789012")
     assert exact(dumps({"v": value})) == {"v": value}
+
+
+@pytest.mark.parametrize("value", [
+    {"a": [1, 2.5, -0.0, True, False, None], "é": "\u2028 \"quoted\" \\ \x00 \U0001F600", "nested": {"k": [{}, []]}},
+    ["\ud800 lone surrogate"], "text", 10**40, 1e308, {"": ""},
+])
+def test_compact_writes_what_json_dumps_writes(value):
+    """The gateway's compact encoder is json.dumps' own, made once: byte for byte its output."""
+    for ascii_only in (False, True):
+        assert compact_text(value, ascii_only=ascii_only) == json.dumps(
+            value, ensure_ascii=ascii_only, separators=(",", ":"))
+    if "\ud800" not in json.dumps(value, ensure_ascii=False):  # a lone surrogate is no UTF-8
+        assert compact(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def test_compact_refuses_what_json_dumps_refuses():
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        compact_text({"a": object()})
+    with pytest.raises(TypeError):
+        compact({"cost": Decimal("1")})

@@ -8,9 +8,15 @@ import re
 import secrets
 import sys
 from decimal import Decimal
-from typing import Any
+from json.encoder import encode_basestring, encode_basestring_ascii
+from typing import Any, Callable
 
-__all__ = ["MAX_DEPTH", "compact", "decimal_text", "dumps", "loads_strict"]
+try:
+    from _json import make_encoder as c_make_encoder
+except ImportError:  # pragma: no cover - CPython always has it
+    c_make_encoder = None
+
+__all__ = ["MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_text", "dumps", "loads_strict"]
 
 # Deeper than this is no request anyone means to send, and everything the gateway does with
 # a body afterwards (copying, encoding, estimating) must stay far from the recursion limit.
@@ -93,9 +99,41 @@ def decimal_text(value: Decimal) -> str:
     return text
 
 
+def _not_serializable(obj: Any) -> Any:
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def compact_encoder(ascii_only: bool = False, default: Callable[[Any], Any] = _not_serializable) -> Callable[[Any], str]:
+    """What `json.dumps(value, ensure_ascii=ascii_only, separators=(",", ":"), check_circular=False,
+    default=default)` does, without its per-call set-up: CPython's accelerated encoder (the one
+    json.dumps itself uses), made once. The values the gateway writes are trees (parsed JSON and
+    its own dicts), never cycles, so no circular-reference bookkeeping is needed."""
+    if c_make_encoder is None:  # an interpreter without the accelerated module
+        encoder = json.JSONEncoder(ensure_ascii=ascii_only, separators=(",", ":"), check_circular=False,
+                                   default=default)
+        return encoder.encode
+    made = c_make_encoder(None, default, encode_basestring_ascii if ascii_only else encode_basestring, None, ":", ",",
+                          False, False, True)
+
+    def encode(value: Any) -> str:
+        return "".join(made(value, 0))
+
+    return encode
+
+
+_COMPACT = compact_encoder(False)
+_COMPACT_ASCII = compact_encoder(True)
+
+
+def compact_text(value: Any, *, ascii_only: bool = False) -> str:
+    """Compact JSON text of plain values (no Decimals: see `dumps`); with `ascii_only`, non-ASCII
+    as \\u escapes."""
+    return _COMPACT_ASCII(value) if ascii_only else _COMPACT(value)
+
+
 def compact(value: Any) -> bytes:
     """Compact JSON bytes of plain values (no Decimals: see `dumps`), non-ASCII kept as UTF-8."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    return _COMPACT(value).encode()
 
 
 def dumps(value: Any) -> bytes:
@@ -107,6 +145,7 @@ def dumps(value: Any) -> bytes:
     decimals: list[str] = []
     # A fresh marker per call, so no string in the payload can pass for a placeholder.
     mark = f"\u0000{secrets.token_hex(8)}:"
+    mark_escaped = "\\u0000" + mark[1:]  # as JSON writes it, ASCII or not
 
     def encode_decimal(obj: Any) -> str:
         if isinstance(obj, Decimal):
@@ -116,9 +155,9 @@ def dumps(value: Any) -> bytes:
 
     def text(ascii_only: bool) -> str:
         decimals.clear()
-        written = json.dumps(value, ensure_ascii=ascii_only, separators=(",", ":"), default=encode_decimal)
+        written = compact_encoder(ascii_only, encode_decimal)(value)
         for index, number in enumerate(decimals):
-            written = written.replace(json.dumps(f"{mark}{index}"), number, 1)
+            written = written.replace(f'"{mark_escaped}{index}"', number, 1)
         return written
 
     try:
