@@ -36,7 +36,7 @@ def test_usage_items_decode_back_to_the_same_event(event):
 
 
 @pytest.mark.parametrize("value", ["1E+999999999", "1e1000000", "-1E+1000000", "1E-1000000", "1E-999999999",
-                                   "123456789E+999999999"])
+                                   "123456789E+999999999", "NaN", "sNaN", "-Infinity"])
 def test_a_number_beyond_any_exponent_is_unstorable_not_an_arithmetic_error(value):
     with pytest.raises(UnstorableValue):
         number(Decimal(value))

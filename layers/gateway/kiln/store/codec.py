@@ -20,7 +20,8 @@ __all__ = ["DIGITS", "decode", "encode", "exact_sum", "from_item", "number", "si
 
 # DynamoDB numbers: up to 38 significant digits, magnitudes from 1E-130 to below 1E+126.
 DIGITS = 38
-_SMALLEST, _LARGEST = Decimal("1E-130"), Decimal("1E+126")
+# (as the exponent of a number's leading digit: 1E+126 and up overflow, below 1E-130 underflow)
+_SMALLEST_LEADING, _LARGEST_LEADING = -130, 126
 # Rounds to 38 digits with the widest exponents a Decimal has (no overflow short of its very
 # last exponents, which no cost comes near).
 _ROUNDED = Context(prec=DIGITS, rounding=ROUND_HALF_EVEN, Emax=MAX_EMAX, Emin=MIN_EMIN)
@@ -29,7 +30,10 @@ _ROUNDED = Context(prec=DIGITS, rounding=ROUND_HALF_EVEN, Emax=MAX_EMAX, Emin=MI
 def significant_digits(value: Decimal) -> int:
     """How many significant digits a finite Decimal has (trailing zeros are not), worked out
     from its digits alone: no arithmetic, so no context's exponent limits (1E+999999999 has 1)."""
-    digits = value.as_tuple().digits
+    return _significant(value.as_tuple().digits)
+
+
+def _significant(digits: tuple[int, ...]) -> int:
     kept = len(digits)
     while kept > 1 and digits[kept - 1] == 0:
         kept -= 1
@@ -58,14 +62,21 @@ def within_digits(value: Decimal) -> Decimal:
 def storage_problem(value: Decimal) -> str | None:
     """Why DynamoDB cannot hold a finite number: "digits" (more than 38 significant),
     "overflow" (1E+126 and up), "underflow" (below 1E-130 but not 0); None: it can."""
-    if value.is_zero():
+    _, digits, exponent = value.as_tuple()
+    return _problem(digits, exponent)
+
+
+def _problem(digits: tuple[int, ...], exponent: int) -> str | None:
+    """`storage_problem` of the finite number these digits and exponent make (Decimal.as_tuple)."""
+    if not any(digits):  # zero, whatever its exponent
         return None
-    if significant_digits(value) > DIGITS:
+    if _significant(digits) > DIGITS:
         return "digits"
-    magnitude = value.copy_abs()  # copy_abs: no context, no overflow
-    if magnitude >= _LARGEST:
+    # the exponent of the leading digit (Decimal.adjusted), worked out from the digits alone
+    leading = exponent + len(digits) - 1
+    if leading >= _LARGEST_LEADING:
         return "overflow"
-    return "underflow" if magnitude < _SMALLEST else None
+    return "underflow" if leading < _SMALLEST_LEADING else None
 
 
 # an int strictly inside ±10**38 has at most 38 digits and no magnitude DynamoDB refuses
@@ -76,10 +87,21 @@ def number(value: int | Decimal) -> str:
     """A number as DynamoDB's N, exactly, or UnstorableValue if DynamoDB would refuse it."""
     if type(value) is int and -_PLAIN_INT < value < _PLAIN_INT:  # the counts and times of every item
         return str(value)
-    exact = Decimal(value)
-    if not exact.is_finite():
+    try:
+        return _number(value)
+    except TypeError:  # a signaling NaN has no hash: no cache, the same refusal
+        return _number.__wrapped__(value)
+
+
+@lru_cache(maxsize=1024, typed=True)
+def _number(value: int | Decimal) -> str:
+    """`number` of anything but a small int, worked out once per value: a request's cost is
+    written several times over (the org's debit, its event, its key's figure and tallies)."""
+    exact = value if type(value) is Decimal else Decimal(value)
+    _, digits, exponent = exact.as_tuple()
+    if type(exponent) is not int:  # "n", "N" or "F": NaN, sNaN, Infinity
         raise UnstorableValue(f"{value!r} is not a finite number")
-    problem = storage_problem(exact)
+    problem = _problem(digits, exponent)
     if problem == "digits":
         raise UnstorableValue(f"{value!r} has more than {DIGITS} significant digits")
     if problem is not None:
@@ -122,7 +144,16 @@ def to_item(record: Any) -> dict[str, dict[str, Any]]:
     item: dict[str, dict[str, Any]] = {}
     for name in _field_names(type(record)):
         value = getattr(record, name)
-        if value is not None:
+        if value is None:
+            continue
+        kind = type(value)  # the kinds of nearly every field, encoded here as `encode` does
+        if kind is str:
+            item[name] = {"S": value}
+        elif kind is bool:
+            item[name] = {"BOOL": value}
+        elif kind is int and -_PLAIN_INT < value < _PLAIN_INT:
+            item[name] = {"N": str(value)}
+        else:
             item[name] = encode(value)
     return item
 
