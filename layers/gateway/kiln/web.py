@@ -1,24 +1,20 @@
 """The ASGI app every function serves: its routes, the gateway's services, errors in one shape.
 
-A Starlette app: its handlers each take the Request and answer, with nothing for a framework
-to solve per call. FastAPI describes the same routes for `/openapi.json`, and is imported only
-when that is first asked for: its import is most of a bare FastAPI app's cold start.
+Its handlers each take a Starlette Request and answer with a Starlette Response; the app
+routes, observes and answers errors itself (`App`), with nothing for a framework to do per
+call. FastAPI describes the same routes for `/openapi.json`, and is imported only when that
+is first asked for: its import is most of a bare FastAPI app's cold start.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable, Sequence
 
-from starlette.applications import Starlette
-from starlette.convertors import Convertor, register_url_convertor
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware import Middleware
+from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from . import schemas
 from .endpoints import Endpoint
@@ -29,7 +25,7 @@ from .observability import ObservabilityMiddleware, Observer, record_of
 from .responses import error_response
 from .selfservice import HANDLERS as SELF_SERVICE
 
-__all__ = ["RouteSpec", "create_app", "lambda_handler", "routes_of"]
+__all__ = ["App", "RouteSpec", "create_app", "lambda_handler", "routes_of"]
 
 HEALTH_PATH = "/healthz"  # the Web Adapter's readiness check (AWS_LWA_READINESS_CHECK_PATH in template.yaml)
 OPENAPI_PATH = "/openapi.json"
@@ -91,38 +87,126 @@ def create_app(
     routes: Sequence[RouteSpec],
     gateway: Gateway | Callable[[], Gateway] | None = None,
     observer: Observer | None = None,
-) -> Starlette:
+) -> "App":
     """An app serving `routes`. The gateway is made on first use (or given, for tests)."""
-    factory = gateway if callable(gateway) and not isinstance(gateway, Gateway) else None
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette):
-        yield
-        made = app.state._state.get("gateway")
-        if made is not None and not isinstance(gateway, Gateway):  # ours to close
-            await made.aclose()
-
-    served = [_served(HEALTH_PATH, _healthz, ("GET",), "healthz")]
-    served += [_served(route.path, route.endpoint, route.methods, route.name) for route in routes]
-    served.append(_served(OPENAPI_PATH, _openapi(routes), ("GET", "HEAD"), "openapi"))  # as FastAPI serves it
-    # outermost: it sees every response, the error handlers' included
-    middleware = [Middleware(ObservabilityMiddleware, observer=observer, quiet_paths=frozenset({HEALTH_PATH}))]
-    if not isinstance(gateway, Gateway):
-        middleware.append(Middleware(_LazyGateway, factory=factory or Gateway.from_env))
-    app = Starlette(
-        routes=served,
-        middleware=middleware,
-        exception_handlers={
-            GatewayError: _gateway_error,
-            StarletteHTTPException: _http_error,
-            Exception: _unexpected_error,
-        },
-        lifespan=lifespan,
-    )
-    app.router.redirect_slashes = False  # a trailing slash is an unknown URL, not a 307 to a Host-built Location
+    served = [(HEALTH_PATH, _healthz, ("GET",))]
+    served += [(route.path, route.endpoint, route.methods) for route in routes]
+    served.append((OPENAPI_PATH, _openapi(routes), ("GET", "HEAD")))  # as FastAPI serves it
     if isinstance(gateway, Gateway):
-        app.state.gateway = gateway
-    return app
+        return App(served, observer=observer, gateway=gateway)
+    return App(served, observer=observer, factory=gateway or Gateway.from_env)
+
+
+class App:
+    """The ASGI app of a function: its routes, the gateway's services, one telemetry record per
+    request (kiln.observability), errors in the contract's shape.
+
+    Each request goes from the server to its handler in one call: a route is found by its path
+    (a dict for the fixed ones, a pattern for the few with a parameter), and the handler's
+    answer, or the error it raised, is sent from here. A request's task resumes through every
+    frame between the server and the awaiting code each time an answer it waits for arrives
+    (three or four times a request), so those frames are kept few."""
+
+    def __init__(self, routes: Sequence[tuple[str, Handler, Sequence[str]]], *, observer: Observer | None = None,
+                 gateway: Gateway | None = None, factory: Callable[[], Gateway] | None = None) -> None:
+        self.state = State()
+        if gateway is not None:
+            self.state.gateway = gateway
+        self._owns_gateway = gateway is None
+        self._factory = factory
+        # outermost: it sees every response, the errors' included
+        self._observed = ObservabilityMiddleware(self._dispatch, observer=observer,
+                                                 quiet_paths=frozenset({HEALTH_PATH}))
+        self._fixed: dict[str, dict[str, Handler]] = {}
+        self._patterned: list[tuple[re.Pattern[str], dict[str, Handler]]] = []
+        for path, endpoint, methods in routes:
+            self.add_route(path, endpoint, methods=methods)
+
+    def add_route(self, path: str, endpoint: Handler, methods: Sequence[str], include_in_schema: bool = True) -> None:
+        """Serve `path` (API Gateway's syntax: `{name}` is one segment, `{name+}` any of them)
+        with `endpoint` for these methods, exactly (a GET route answers no HEAD)."""
+        by_method = dict.fromkeys(methods, endpoint)
+        if "{" not in path:
+            self._fixed.setdefault(path, {}).update(by_method)
+            return
+        pattern = _route_pattern(path)
+        for known, handlers in self._patterned:
+            if known.pattern == pattern.pattern:
+                handlers.update(by_method)
+                return
+        self._patterned.append((pattern, by_method))
+
+    def _route(self, path: str) -> tuple[dict[str, Handler] | None, dict[str, str]]:
+        handlers = self._fixed.get(path)
+        if handlers is not None:
+            return handlers, {}
+        for pattern, handlers in self._patterned:
+            found = pattern.fullmatch(path)
+            if found is not None:
+                return handlers, found.groupdict()
+        return None, {}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            scope["app"] = self
+            await self._observed(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "websocket":  # nothing here speaks WebSocket
+            await send({"type": "websocket.close", "code": 1000})
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                made = self.state._state.get("gateway")
+                if made is not None and self._owns_gateway:  # ours to close
+                    await made.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _dispatch(self, scope: dict, receive: Any, send: Any) -> None:
+        """The route's handler and its response, or the error's in the contract's shape (what
+        goes wrong once a response is being sent ends it as the server ends a broken one)."""
+        path = scope["path"]
+        root = scope.get("root_path")
+        if root and path.startswith(root):  # as Starlette routes a path mounted under a root path
+            path = path[len(root):]
+        handlers, scope["path_params"] = self._route(path)
+        if self._factory is not None and self.state._state.get("gateway") is None:
+            self.state.gateway = self._factory()  # on the first request: a Lambda init must not touch the network
+        request = Request(scope, receive)
+        try:
+            if handlers is None:
+                raise UnknownUrl(f"Unknown request URL: {request.method} {request.url.path}.")
+            handler = handlers.get(scope["method"])
+            if handler is None:
+                raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")
+            response = await handler(request)
+        except GatewayError as error:
+            response = _answer(request, error)
+        except Exception as exc:
+            log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+            response = _answer(request, InternalError("The gateway failed to process the request."))
+        await response(scope, receive, send)
+
+
+def _route_pattern(path: str) -> re.Pattern[str]:
+    """A path with parameters as a pattern: `{name}` one segment, `{name+}` one or more (no
+    empty value, none that starts or ends with a slash, as API Gateway matches it)."""
+    parts = re.split(r"(\{\w+\+?\})", path)
+    pattern = ""
+    for part in parts:
+        named = re.fullmatch(r"\{(\w+)(\+?)\}", part)
+        if named is None:
+            pattern += re.escape(part)
+        else:
+            name, greedy = named.groups()
+            pattern += f"(?P<{name}>{_GREEDY_VALUE if greedy else '[^/]+'})"
+    return re.compile(pattern)
 
 
 def _openapi(routes: Sequence[RouteSpec]) -> Handler:
@@ -145,7 +229,7 @@ def _described(routes: Sequence[RouteSpec]) -> bytes:
     described = FastAPI(title="Kiln gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     for route in routes:
         described.add_api_route(
-            starlette_path(route.path),
+            openapi_path(route.path),
             route.endpoint,
             methods=list(route.methods),
             name=route.name,
@@ -157,54 +241,13 @@ def _described(routes: Sequence[RouteSpec]) -> bytes:
     return JSONResponse(described.openapi()).body
 
 
-def starlette_path(path: str) -> str:
-    """A route's path as Starlette reads it: API Gateway's greedy `{name+}` (slashes and all,
-    but neither empty nor ending in a slash, as API Gateway matches it) is `{name:greedy}`."""
-    return _GREEDY.sub(r"{\1:greedy}", path)
-
-
-class _Greedy(Convertor):
-    regex = r"[^/](?:.*[^/])?"  # no empty value, none that starts or ends with a slash
-
-    def convert(self, value: str) -> str:
-        return value
-
-    def to_string(self, value: str) -> str:
-        return value
-
-
-register_url_convertor("greedy", _Greedy())
-
-
 def openapi_path(path: str) -> str:
     """A route's path as the OpenAPI document names it: a parameter is a parameter, greedy or not."""
     return _GREEDY.sub(r"{\1}", path)
 
 
 _GREEDY = re.compile(r"\{(\w+)\+\}")
-
-
-def _served(path: str, endpoint: Handler, methods: Sequence[str], name: str) -> Route:
-    """The route that serves a path: Starlette's own, without what FastAPI adds to each call
-    (solving dependencies: these handlers have none, each takes the Request and answers)."""
-    route = Route(starlette_path(path), endpoint, methods=list(methods), name=name)
-    route.methods = set(methods)  # exactly these: for a GET route Starlette would answer HEAD too
-    return route
-
-
-class _LazyGateway:
-    """Builds the gateway on the first request (a Lambda init must not touch the network)."""
-
-    def __init__(self, app, factory: Callable[[], Gateway]) -> None:
-        self.app = app
-        self.factory = factory
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            state = scope["app"].state
-            if state._state.get("gateway") is None:
-                state.gateway = self.factory()
-        await self.app(scope, receive, send)
+_GREEDY_VALUE = r"[^/](?:.*[^/])?"
 
 
 async def _healthz(request: Request) -> Response:
@@ -217,26 +260,7 @@ def _answer(request: Request, error: GatewayError) -> Response:
     return error_response(error)
 
 
-async def _gateway_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, GatewayError)
-    return _answer(request, exc)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    if exc.status_code == 405:
-        return _answer(request, MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}."))
-    if exc.status_code == 404:
-        return _answer(request, UnknownUrl(f"Unknown request URL: {request.method} {request.url.path}."))
-    return _answer(request, InternalError(str(exc.detail)))
-
-
-async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _answer(request, InternalError("The gateway failed to process the request."))
-
-
-def lambda_handler(app: Starlette) -> Callable[[dict, Any], dict]:
+def lambda_handler(app: App) -> Callable[[dict, Any], dict]:
     """The buffered Lambda entry point (API Gateway REST / Function URL events) via Mangum."""
     adapter: list[Any] = []
 
