@@ -715,3 +715,63 @@ def test_a_status_line_trickled_a_byte_at_a_time_is_still_read(lead):
         await http.aclose()
 
     run(main())
+
+
+def test_a_server_sending_faster_than_its_answer_is_read_is_held_to_a_bounded_buffer():
+    """While the body is not taken, the connection stops reading from its socket past a bound
+    (as asyncio's streams do): what waits in memory is bounded, and nothing is lost."""
+    from kiln.http1 import RECEIVE_BOUND
+
+    size = 16 * 1024 * 1024
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"{}")
+            await asyncio.sleep(0.5)  # the server goes on sending; nothing is read
+            waiting = len(response._connection.unread())  # noqa: SLF001 - what the connection holds
+            assert 0 < waiting <= RECEIVE_BOUND + 256 * 1024
+            assert len(await response.read()) == size
+        await http.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize(("given", "host"), [
+    ({"x-a": "1"}, None),
+    ({"Host": "example.test", "Content-Length": "999", "x-a": "1"}, b"example.test"),
+    ({"x-a": "1", "HOST": "first.test", "host": "second.test"}, b"first.test"),
+    ({"host": "", "x-a": "1"}, None),
+])
+def test_the_request_carries_its_own_length_and_the_first_host_given(given, host):
+    """Host and Content-Length are the client's to write: the body's true length, the first
+    Host given (none, or an empty one: the URL's), every other header as given, once."""
+    seen = []
+
+    async def handler(reader, writer):
+        seen.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url + "/x", headers=given, body=b"12345")
+            assert response.status == 200 and await response.read() == b""
+            (request,) = seen
+            lines = request.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]
+            names = [line.split(b":", 1)[0].lower() for line in lines]
+            assert names.count(b"host") == 1 and names.count(b"content-length") == 1 and names.count(b"x-a") == 1
+            assert b"content-length: 5" in [line.lower() for line in lines]
+            expected = host or url.split("//", 1)[1].encode()
+            assert f"host: {expected.decode()}".encode() in [line.lower() for line in lines]
+        await http.aclose()
+
+    run(main())

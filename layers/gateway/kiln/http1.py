@@ -33,7 +33,8 @@ __all__ = [
     "ResponseTooLarge", "Timeout", "canonical_host", "sooner",
 ]
 
-READ_SIZE = 64 * 1024
+# unread bytes beyond which a connection stops reading from its socket (as asyncio's streams do)
+RECEIVE_BOUND = 128 * 1024
 # Defaults for any server; the model servers' come from the catalog (kiln.catalog.Limits).
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 256
@@ -85,33 +86,147 @@ class _Origin:
         return self.scheme, self.host, self.port
 
 
-class _Connection:
-    def __init__(self, origin: _Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+class _Connection(asyncio.Protocol):
+    """One connection, as its transport reports it: what the server sent that was not read yet,
+    whether it ended, and whether writing must wait for the kernel to take what was written.
+
+    A read takes everything received so far. Each wait for more is a future of its own, woken
+    by the transport's callbacks; a timeout sets it (no timer scope around the waiting task).
+    Reading from the socket pauses while more than `RECEIVE_BOUND` bytes wait unread, as
+    asyncio's stream reader pauses, so a server that sends faster than its answer is taken
+    holds no more than that in memory."""
+
+    def __init__(self, origin: _Origin) -> None:
         self.origin = origin
-        self.reader = reader
-        self.writer = writer
+        self.transport: asyncio.Transport | None = None
+        self.received = bytearray()
+        self.ended = False  # the server closed its side, or the connection was lost
+        self.lost = False  # connection_lost came
+        self.failure: BaseException | None = None  # how it was lost, when by an error
+        self._waiter: asyncio.Future | None = None
+        self._writable: asyncio.Future | None = None  # set while the transport's buffer is full
+        self._reading_paused = False
         self.idle_since = time.monotonic()
         self.reused = False
 
+    # -- the transport's callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received += data
+        if len(self.received) > RECEIVE_BOUND and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        self._wake()
+        return False  # nothing more is written after the server's end: close
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.ended = self.lost = True
+        self.failure = exc
+        self._wake()
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- what the client does with it ----------------------------------------------------
+
     def usable(self, expiry: float) -> bool:
         return (
-            not self.reader.at_eof()
-            and not self.writer.is_closing()
+            not self.ended
+            and not self.transport.is_closing()  # type: ignore[union-attr]
             # bytes the server sent while the connection was idle answer no request: read by
             # the next one they would be its answer
-            and not self.unread()
+            and not self.received
             and time.monotonic() - self.idle_since < expiry
         )
 
     def unread(self) -> bytearray:
-        """What the server sent that was not read yet (the reader's own buffer, not a copy).
-        StreamReader keeps it in `_buffer`, and its reads raise a connection's failure before
-        handing it over."""
-        return self.reader._buffer  # noqa: SLF001
+        """What the server sent that was not read yet (the buffer itself, not a copy)."""
+        return self.received
+
+    async def read(self, timeout: float | None) -> bytes:
+        """Everything the server sent that was not read yet, waiting for some at most `timeout`
+        seconds (None: no bound; TimeoutError past it): b"" once it has closed and all was read.
+        A connection lost by an error raises that error, whatever it had received, as asyncio's
+        stream reader does."""
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            received = self.received
+            if received:
+                data = bytes(received)
+                received.clear()
+                if self._reading_paused:
+                    self._reading_paused = False
+                    self.transport.resume_reading()  # type: ignore[union-attr]
+                return data
+            if self.ended:
+                return b""
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            if timeout is None:
+                await waiter
+                continue
+            timer = loop.call_later(max(0.0, timeout), _expire, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    async def drain(self, timeout: float | None) -> None:
+        """Wait until the kernel has taken what was written (TimeoutError past `timeout`);
+        ConnectionResetError when the connection is lost, as asyncio's stream writer says it."""
+        if self.failure is not None:
+            raise self.failure
+        if self.lost:
+            raise ConnectionResetError("Connection lost")
+        writable = self._writable
+        if writable is None:
+            if not self.transport.is_closing():  # type: ignore[union-attr]
+                return
+            await asyncio.sleep(0)  # a closing transport: let connection_lost come, as asyncio's writer does
+            if self.lost:
+                raise ConnectionResetError("Connection lost")
+            return
+        if timeout is None:
+            await writable
+        else:
+            async with asyncio.timeout(timeout):
+                await writable
+        if self.lost:
+            raise ConnectionResetError("Connection lost")
 
     def close(self) -> None:
-        if not self.writer.is_closing():
-            self.writer.close()
+        if not self.transport.is_closing():  # type: ignore[union-attr]
+            self.transport.close()  # type: ignore[union-attr]
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class _Message:
@@ -253,11 +368,7 @@ class Response:
                 limit = None if self._read_timeout is None else self._silent_since + self._read_timeout
                 wake = sooner(limit, until)
                 try:
-                    if wake is None:
-                        data = await connection.reader.read(READ_SIZE)
-                    else:
-                        async with asyncio.timeout(max(0.0, wake - time.monotonic())):
-                            data = await connection.reader.read(READ_SIZE)
+                    data = await connection.read(None if wake is None else wake - time.monotonic())
                 except TimeoutError:
                     if limit is not None and time.monotonic() >= limit:
                         raise Timeout("the server sent nothing in time") from None
@@ -370,11 +481,12 @@ class HttpClient:
         None when the caller bounds the whole wait itself), each read of the body by
         `read_timeout`."""
         head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
-        origin, target, url_host = _addressed(url)
-        host = next((value for name, value in headers.items() if name.lower() == "host"), None) or url_host
-        head = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
-        head += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in ("host", "content-length")]
-        wire = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        origin, target, host = _addressed(url)
+        lines = [f"{name}: {value}\r\n" for name, value in headers.items() if name.lower() not in _FRAMING]
+        if len(lines) != len(headers):  # a Host or a Content-Length was given: the first Host is sent
+            host = next((value for name, value in headers.items() if name.lower() == "host"), None) or host
+        wire = (f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n{''.join(lines)}"
+                "\r\n").encode("latin-1") + body
         for attempt in range(2):
             connection = await self._connection(origin, connect_timeout)
             try:
@@ -398,14 +510,11 @@ class HttpClient:
         message.max_headers = max_headers
         parser = httptools.HttpResponseParser(message)
         message.parser = parser
-        writer = connection.writer
         try:
-            writer.write(wire)
-            if writer.transport.get_write_buffer_size():  # the kernel did not take it all: wait, bounded
-                async with asyncio.timeout(read_timeout):
-                    await writer.drain()
-            else:  # nothing to wait for (nearly every request): no timer
-                await writer.drain()  # still raises for a connection already lost
+            connection.write(wire)
+            # the kernel did not take it all: wait, bounded (nearly every request has nothing to
+            # wait for; a connection already lost still raises)
+            await connection.drain(read_timeout)
         except TimeoutError:
             early = self._early_answer(connection, parser, message, read_timeout, max_header_bytes, max_headers)
             if early is None:
@@ -472,23 +581,24 @@ class HttpClient:
             self._drop(connection)
         try:
             async with asyncio.timeout(connect_timeout):
+                loop = asyncio.get_running_loop()
                 if origin.scheme == "https":
-                    reader, writer = await asyncio.open_connection(
-                        origin.host, origin.port, ssl=self._ssl_context(), server_hostname=origin.host
+                    _, connection = await loop.create_connection(
+                        lambda: _Connection(origin), origin.host, origin.port, ssl=self._ssl_context(),
+                        server_hostname=origin.host,
                     )
                 else:
-                    reader, writer = await asyncio.open_connection(origin.host, origin.port)
+                    _, connection = await loop.create_connection(lambda: _Connection(origin), origin.host, origin.port)
         except TimeoutError:
             raise ConnectTimeout(f"could not connect to {origin.host}:{origin.port} in time") from None
         except (OSError, ssl.SSLError) as exc:
             raise ConnectFailed(f"could not connect to {origin.host}:{origin.port}: {exc}") from exc
-        connection = _Connection(origin, reader, writer)
         self._open.add(connection)
         return connection
 
     def _release(self, connection: _Connection, keep: bool) -> None:
         idle = self._idle.setdefault(connection.origin.key, deque())
-        if keep and len(idle) < self._max_idle and not connection.writer.is_closing():
+        if keep and len(idle) < self._max_idle and not connection.transport.is_closing():
             connection.idle_since = time.monotonic()
             idle.append(connection)
         else:
@@ -529,8 +639,7 @@ async def _read(connection: _Connection, timeout: float | None, timeout_message:
                 nothing_received: bool = False) -> bytes:
     """What the server sent next (b"" once it closed), waiting at most `timeout`."""
     try:
-        async with asyncio.timeout(timeout):
-            return await connection.reader.read(READ_SIZE)
+        return await connection.read(timeout)
     except TimeoutError:
         raise Timeout(timeout_message) from None
     except OSError as exc:
@@ -577,6 +686,8 @@ def _feed(parser: object, data: bytes) -> None:
 
 
 _PROTOCOL = b"HTTP/"
+# the headers the client writes itself, whatever it is given
+_FRAMING = frozenset({"host", "content-length"})
 
 
 def _protocol_shown(start: bytes, data: bytes) -> bytes | None:
