@@ -334,3 +334,13 @@ def test_a_format_key_the_line_cannot_fill_leaves_the_line_to_the_logger(monkeyp
     lines = [json.loads(text) for text in stream.getvalue().splitlines()]
     assert len(lines) == 1 and lines[0]["generation_id"] == "gen-1"
     assert lines[0]["location"].startswith("observability:") and lines[0]["pid"] == "%(process)d"
+
+
+def test_the_request_lines_timestamp_is_the_formatters_at_every_millisecond(monkeypatch):
+    """Each second's text is worked out once; every instant still reads as Powertools writes it."""
+    observer, _ = _observer(monkeypatch, "kiln-line-time")
+    line = observer._line  # noqa: SLF001 - the line's own timestamp, against the formatter's
+    formatter = observer.logger.registered_formatter
+    for now in (1764600000.0, 1764600000.0004, 1764600000.9996, 1764600001.5, 1764600001.001, 1764686399.999,
+                1764686400.0):
+        assert line._timestamp(formatter, now) == formatter.formatTime(observability._Created(now)), now  # noqa: SLF001

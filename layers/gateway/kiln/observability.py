@@ -14,6 +14,7 @@ API's access log and to Lambda's own REPORT line.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import time
 from contextvars import ContextVar
 from typing import Any, TextIO
 
-from .jsonio import loads_strict
+from .jsonio import compact_encoder, compact_text, loads_strict
 from .store.keys import KEY_PREFIX
 from .store.usage import UsageEvent
 from .telemetry import telemetry_settings
@@ -46,12 +47,13 @@ def request_ids(scope: dict) -> dict[str, str]:
         ids["lambda_request_id"] = getattr(context, "aws_request_id", None)
         event = scope.get("aws.event") or {}
         ids["api_request_id"] = (event.get("requestContext") or {}).get("requestId")
-    else:  # the Web Adapter (streaming mode)
-        for name, value in scope.get("headers") or ():
-            if name == _LAMBDA_CONTEXT:
-                ids["lambda_request_id"] = _json_field(value, "request_id")
-            elif name == _REQUEST_CONTEXT:
-                ids["api_request_id"] = _json_field(value, "requestId")
+    else:  # the Web Adapter (streaming mode); a header sent twice counts as its last
+        headers = dict(scope.get("headers") or ())
+        lambda_context, request_context = headers.get(_LAMBDA_CONTEXT), headers.get(_REQUEST_CONTEXT)
+        if lambda_context is not None:
+            ids["lambda_request_id"] = _json_field(lambda_context, "request_id")
+        if request_context is not None:
+            ids["api_request_id"] = _json_field(request_context, "requestId")
     return {key: value for key, value in ids.items() if isinstance(value, str) and value}
 
 
@@ -229,7 +231,7 @@ class Observer:
         # {"_aws":{...}, then the dimensions' and the metrics' members}: the latter are written
         # as one object, whose opening brace gives way to the _aws member
         return (f'{{"_aws":{{"Timestamp":{int(time.time() * 1000)},"CloudWatchMetrics":{declaration}}},'
-                f'{json.dumps(members, separators=(",", ":"))[1:]}\n')
+                f'{compact_text(members, ascii_only=True)[1:]}\n')
 
     def _declaration(self, kind: str, values: dict[str, float], dimensions: dict[str, str]) -> list[Any]:
         metrics = self._metric_set(kind)
@@ -252,7 +254,11 @@ class _LogLine:
     message, timestamp, service, and any key appended to the Logger since), then the entry's,
     then the X-Ray trace id; keys whose value is None are left out, and the line is serialized
     by the formatter's own serializer, its timestamp by its own `formatTime`. A format key this
-    cannot fill (another format over a LogRecord's attributes) leaves the line to the Logger."""
+    cannot fill (another format over a LogRecord's attributes) leaves the line to the Logger.
+
+    Two of the formatter's steps are done here as it does them, for less: with its default
+    serializer (json.dumps, str for anything else, compact, UTF-8), the same encoder made once;
+    with its default time format, each second's text worked out once."""
 
     _LEVEL, _LOCATION, _TIME = "%(levelname)s", "%(funcName)s:%(lineno)d", "%(asctime)s"
 
@@ -264,9 +270,15 @@ class _LogLine:
         from aws_lambda_powertools.logging.formatter import RESERVED_LOG_ATTRS
 
         self._reserved = frozenset(RESERVED_LOG_ATTRS)  # the keys whose values it fills from a LogRecord
+        serializer = getattr(formatter, "json_serializer", None)
+        # the serializer's own settings, when they are Powertools' defaults: an encoder made once does the same
+        self._default_serializer = serializer if _is_default_serializer(serializer) else None
+        self._encode = compact_encoder(ascii_only=False, default=str)
+        self._second: tuple[int, str, str] | None = None  # (second, its text before and after the milliseconds)
 
     def render(self, level: int, message: str, entry: dict[str, Any]) -> str | None:
-        """The line for `entry`, logged by the caller at `level`; None when only the Logger can write it."""
+        """The line for `entry` (no value of it None), logged by the caller at `level`; None when
+        only the Logger can write it."""
         formatter = self._formatter
         if formatter is None:
             return None
@@ -274,6 +286,10 @@ class _LogLine:
         for key, value in formatter.log_format.items():
             if key == "message":
                 value = message
+            elif value is None:
+                if key in entry:
+                    line[key] = None  # its place in the formatter's order: the entry's value takes it
+                continue
             elif value and key in self._reserved:  # a format over the LogRecord's attributes
                 if value == self._LEVEL:
                     value = logging.getLevelName(level)
@@ -281,7 +297,7 @@ class _LogLine:
                     caller = sys._getframe(1)
                     value = f"{caller.f_code.co_name}:{caller.f_lineno}"
                 elif value == self._TIME:
-                    value = formatter.formatTime(_Created(time.time()))
+                    value = self._timestamp(formatter, time.time())
                 else:
                     return None
             line[key] = value
@@ -289,7 +305,34 @@ class _LogLine:
         trace = os.environ.get("_X_AMZN_TRACE_ID") if formatter.log_format.get("xray_trace_id", "") is not None else None
         if trace:
             line["xray_trace_id"] = trace.split(";")[0].replace("Root=", "")
-        return formatter.json_serializer({key: value for key, value in line.items() if value is not None}) + "\n"
+        serializer = formatter.json_serializer
+        return (self._encode(line) if serializer is self._default_serializer else serializer(line)) + "\n"
+
+    def _timestamp(self, formatter: Any, now: float) -> str:
+        """`formatter.formatTime` of a record made at `now`."""
+        if (formatter.datefmt or formatter.use_rfc3339_iso8601 or formatter.converter is not time.localtime
+                or formatter.default_time_format != _DEFAULT_TIME_FORMAT):
+            return formatter.formatTime(_Created(now))
+        created = _Created(now)
+        second = int(now)
+        cached = self._second
+        if cached is None or cached[0] != second:
+            moment = time.localtime(now)
+            before, after = _DEFAULT_TIME_FORMAT.split("%F")
+            cached = self._second = (second, time.strftime(before, moment), time.strftime(after, moment))
+        return f"{cached[1]}{int(created.msecs):03d}{cached[2]}"
+
+
+# Powertools' default: '2021-04-17 18:19:57,656+0200' (%F: the milliseconds)
+_DEFAULT_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%F%z"
+
+
+def _is_default_serializer(serializer: Any) -> bool:
+    """The formatter's serializer is Powertools' default: json.dumps, str for what it cannot
+    write, compact, non-ASCII as it is."""
+    return (isinstance(serializer, functools.partial) and serializer.func is json.dumps and not serializer.args
+            and serializer.keywords == {"default": str, "separators": (",", ":"), "indent": None,
+                                        "ensure_ascii": False})
 
 
 class _Created:
