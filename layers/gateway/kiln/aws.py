@@ -23,6 +23,7 @@ from typing import Any, Callable
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from .http1 import HttpClient, HttpError, Response, canonical_host
+from .jsonio import compact_text
 from .tls import client_context
 
 __all__ = ["AwsClient", "AwsError", "Credentials", "canonical_query", "canonical_uri", "resolve_credentials", "sign",
@@ -94,12 +95,7 @@ def resolve_credentials(endpoint_url: str | None) -> Callable[[], Credentials]:
 
 
 def _hmac(key: bytes, text: str) -> bytes:
-    return hmac.new(key, text.encode(), hashlib.sha256).digest()
-
-
-def _trimall(value: str) -> str:
-    """A header value as SigV4 signs it: trimmed, inner runs of whitespace made one space."""
-    return " ".join(value.split())
+    return hmac.digest(key, text.encode(), "sha256")
 
 
 def _without_dot_segments(path: str) -> str:
@@ -130,6 +126,13 @@ def canonical_query(query: str) -> str:
     return "&".join(f"{key}={value}" for key, value in pairs)
 
 
+@lru_cache(maxsize=256)
+def _canonical_header(name: str, value: str) -> str:
+    """A header as SigV4 signs it: the value trimmed, inner runs of whitespace made one space
+    (worked out once per header and value: a client sends the same few over and over)."""
+    return f"{name}:{' '.join(value.split())}\n"
+
+
 @lru_cache(maxsize=64)
 def _signed_url(url: str) -> tuple[str, str, str]:
     """A URL's Host, canonical URI and canonical query string, worked out once per URL."""
@@ -158,18 +161,11 @@ def sign(
     if credentials.token:
         sent["x-amz-security-token"] = credentials.token  # sent as given, signed trimmed
     names = sorted(sent)
-    canonical = "\n".join(
-        [
-            "POST",
-            uri,
-            query,
-            "".join(f"{name}:{_trimall(sent[name])}\n" for name in names),
-            ";".join(names),
-            hashlib.sha256(body).hexdigest(),
-        ]
-    )
+    signed_names = ";".join(names)
+    canonical_headers = "".join([_canonical_header(name, sent[name]) for name in names])
+    canonical = f"POST\n{uri}\n{query}\n{canonical_headers}\n{signed_names}\n{hashlib.sha256(body).hexdigest()}"
     scope = f"{date}/{region}/{service}/aws4_request"
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
     cache_key = (credentials.secret_key, date, region, service)
     key = signing_keys.get(cache_key) if signing_keys is not None else None
     if key is None:
@@ -177,10 +173,10 @@ def sign(
         if signing_keys is not None:
             signing_keys.clear()  # one day's keys at a time
             signing_keys[cache_key] = key
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    signature = hmac.digest(key, to_sign.encode(), "sha256").hex()
     sent["authorization"] = (
         f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
-        f"SignedHeaders={';'.join(names)}, Signature={signature}"
+        f"SignedHeaders={signed_names}, Signature={signature}"
     )
     return sent
 
@@ -212,9 +208,9 @@ class AwsClient:
         self._signing_keys: dict = {}
 
     async def call(self, service: str, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
-        prefix, content_type = _SERVICES[service]
-        body = json.dumps(payload, separators=(",", ":")).encode()
+        body = compact_text(payload, ascii_only=True).encode()
         url = self._urls[service]
+        headers_of = _headers_of(service, operation)
         delay = 0.025
         for attempt in range(1, self._max_attempts + 1):
             headers = sign(
@@ -222,7 +218,7 @@ class AwsClient:
                 region=self._region,
                 service=service,
                 url=url,
-                headers={"content-type": content_type, "x-amz-target": f"{prefix}.{operation}"},
+                headers=headers_of,
                 body=body,
                 now=self._clock(),
                 signing_keys=self._signing_keys,
@@ -237,7 +233,7 @@ class AwsClient:
                     raise AwsError("ConnectionError", f"{type(exc).__name__}: {exc}", status=0) from exc
             else:
                 if response.status == 200:
-                    return json.loads(content) if content else {}
+                    return json.loads(content.decode()) if content else {}  # UTF-8, as AWS answers
                 error = _error_of(response, content)
                 if (error.code not in _RETRYABLE and response.status < 500) or attempt == self._max_attempts:
                     raise error
@@ -264,6 +260,13 @@ class AwsClient:
     async def aclose(self) -> None:
         if self._owns_http:
             await self._http.aclose()
+
+
+@lru_cache(maxsize=64)
+def _headers_of(service: str, operation: str) -> dict[str, str]:
+    """The headers of an operation's calls, before signing (made once per operation; never changed)."""
+    prefix, content_type = _SERVICES[service]
+    return {"content-type": content_type, "x-amz-target": f"{prefix}.{operation}"}
 
 
 def tried_once(aws: Any) -> Any:
