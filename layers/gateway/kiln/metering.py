@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import Context, Decimal
-from functools import cache
 from typing import Any, Callable, Iterable, Iterator
 
 from .catalog import PER_MILLION, Pricing
@@ -154,9 +153,12 @@ def billable_usage(
     count is replaced by the gateway's own, capped at the bound (`capped`). Cached tokens
     count only when plausible.
     """
-    @cache
-    def least_prompt() -> int:  # the prompt's floor, worked out at most once
-        return min(prompt_floor(), bounds.prompt) if prompt_floor is not None else 0
+    floor: list[int] = []  # the prompt's floor, once worked out
+
+    def least_prompt() -> int:  # worked out at most once, and only when a count needs it
+        if not floor:
+            floor.append(min(prompt_floor(), bounds.prompt) if prompt_floor is not None else 0)
+        return floor[0]
 
     def own_prompt() -> int:  # the estimate, never below the floor: no count is no way under it
         return min(max(prompt_estimate(), least_prompt()), bounds.prompt)
