@@ -402,7 +402,7 @@ def profile_first_request(procs: Procs, stack: Stack, built: dict, app: str = "c
                              PYTHONDONTWRITEBYTECODE="1")
     argv = [built["python"], "-m", "pyinstrument", "--interval", "0.0005", "-r", "text", "--show", "*kiln*", "-o", str(out),
             "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning",
-            "--timeout-keep-alive", "75", "app:app"]
+            "--timeout-keep-alive", "75", "--no-proxy-headers", "app:app"]
     child = procs.start(f"cold-{app}-pyinstrument", argv, env=env, cwd=task_root)
     try:
         url = f"http://127.0.0.1:{port}"
