@@ -4,6 +4,8 @@ import json
 from decimal import Decimal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.metering import TokenUsage, UsageBounds, billable_usage
 from kiln.sse import EventTooLarge, SseRelay, error_event, usage_event
@@ -341,3 +343,59 @@ def test_a_name_of_one_of_the_requests_tools_is_not_the_models_to_count():
     for chunk in chunks:
         unoffered.feed(chunk)
     assert unoffered.fewest_tokens == len(pieces) + 1
+
+
+# -- content chunks taken as sent ------------------------------------------------------------------
+
+_TEXTS = ["Hel", "lo", "", " ", "a" * 40, 'q\\"uote', "line\\nend", "é", "\\u0041", "[DONE]", "usage", "name"]
+_EVENT_PARTS = [
+    ROLE, HELLO, THINK, STOP, USAGE, DONE, COMMENT, b"data: not json\n\n", b"\n", b"event: x\ndata: {}\n\n",
+    b'data: {"choices":[{"delta":{"content":"unterminated\n\n', b'data: x"}]}\n\n',
+    b'data: {"choices":[{"delta":{},"finish_reason":"len\n\n', b'data: gth"}]}\n\n',
+    b'data: {"error":{"message":"boom"}}\n\n', b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"name":"f"}}]}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n', b"data:{\"choices\":[]}\n\n",
+]
+
+
+def _content(text: str, finish: str | None = None) -> bytes:
+    reason = "null" if finish is None else f'"{finish}"'
+    return b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"' + text.encode() + b'"},"finish_reason":' + \
+        reason.encode() + b"}]}\n\n"
+
+
+_ALL_EVENTS = st.one_of(
+    st.sampled_from(_EVENT_PARTS),
+    st.builds(_content, st.sampled_from(_TEXTS), st.one_of(st.none(), st.sampled_from(["stop", "length", "a\nb"]))),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(_ALL_EVENTS, max_size=12), wants_usage=st.booleans(), cuts=st.lists(st.integers(0, 2000)))
+def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(events, wants_usage, cuts):
+    """The relay takes most content chunks as sent, without reading their JSON: whatever the
+    stream (hostile events included) and however it is cut into reads, that relays and counts
+    what reading every event in full does."""
+    import re
+
+    import kiln.sse
+
+    stream = b"".join(events)
+
+    def run(chunks):
+        relay = SseRelay(client_wants_usage=wants_usage, max_event_bytes=4096)
+        try:
+            out = b"".join(relay.feed(chunk) for chunk in chunks)
+        except EventTooLarge as exc:
+            out = b"too large:" + exc.relayed
+        return out, (state(relay), relay.relayed_texts, relay.relayed_bytes, relay.text_fewest, relay.failure,
+                     relay.first_chunk)
+
+    taken_as_sent = kiln.sse._READ_FURTHER  # noqa: SLF001
+    kiln.sse._READ_FURTHER = re.compile(b"")  # every event read in full  # noqa: SLF001
+    try:
+        reference = run([stream])
+    finally:
+        kiln.sse._READ_FURTHER = taken_as_sent  # noqa: SLF001
+    assert run([stream]) == reference
+    points = sorted({min(cut, len(stream)) for cut in cuts} | {0, len(stream)})
+    assert run([stream[a:b] for a, b in zip(points, points[1:], strict=False)]) == reference

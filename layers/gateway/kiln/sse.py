@@ -14,7 +14,7 @@ from typing import Any, Collection
 
 from .echo import Echoes
 from .jsonio import dumps, loads_strict
-from .metering import TokenUsage, estimate_text_tokens, fewest_tokens
+from .metering import CHARS_PER_TOKEN, LONGEST_TOKEN, TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
@@ -48,6 +48,9 @@ _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 # servers: {"object": "error", ...}; the OpenAI SDKs raise on any "error" that is not null or
 # false); an escape can spell it too
 _IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*[^\sn]|"object"\s*:\s*"error"|\\u')
+# what makes a content chunk one `_event` reads further: [DONE], an escape, a tool call's name,
+# what may be an error, usage
+_READ_FURTHER = re.compile(rb"\[DONE\]|\\u|\"name\"|" + _IN_BAND_ERROR.pattern + rb"|" + _USAGE_PRESENT.pattern)
 # an event's JSON not read yet (parse_json's None is JSON it could not read)
 UNREAD: Any = object()
 
@@ -154,14 +157,29 @@ class SseRelay:
             complete = data[:end]
         self.bytes_scanned += 2 * len(complete)  # joined, then split
         out: list[bytes] = []
+        # a content chunk after the first, in one `data:` line read as sent, with nothing in it
+        # that `_event` reads further (nearly every chunk): relayed and counted here, as
+        # `_event` relays and counts it
+        plain = not self.done and self.first_chunk is not None and self._echoes is None
         for event in complete.split(b"\n\n"):
             if len(event) > self._max_event_bytes:
                 self._oversize(out)
-            if event.strip(b"\n"):
-                forwarded = self._event(event.strip(b"\n"))
-                if forwarded:
-                    out.append(forwarded)
-                    out.append(b"\n\n")
+            event = event.strip(b"\n")
+            if not event:
+                continue
+            if plain and event.startswith(b"data:") and b"\n" not in event and not _READ_FURTHER.search(event):
+                self._count_found(_TEXT_DELTA.findall(event))
+                finish = _FINISH_REASON.findall(event)
+                if finish:
+                    self.finish_reason = finish[-1].decode(errors="replace")
+                out.append(event)
+                out.append(b"\n\n")
+                continue
+            forwarded = self._event(event)
+            if forwarded:
+                out.append(forwarded)
+                out.append(b"\n\n")
+            plain = not self.done and self.first_chunk is not None and self._echoes is None
         rest = data[end:] if not self.done else b""  # after the stream's end nothing counts
         self._pending_size = len(rest)
         if rest:
@@ -237,11 +255,22 @@ class SseRelay:
                 data = parse_json(payload)
             if data is not None:
                 payload = dumps(data)
-        for text in texts.findall(payload):  # as _add_text, without a call a text
-            self.relayed_texts += 1
-            self.relayed_bytes += len(text)
-            self.text_fewest += fewest_tokens(text)
-            self.text_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
+        self._count_found(texts.findall(payload))
+
+    def _count_found(self, found: list[bytes]) -> None:
+        """Count texts as `_add_text` does each, without a call a text."""
+        if not found:
+            return
+        size = tokens = fewest = 0
+        for text in found:
+            length = len(text)
+            size += length
+            fewest += -(-length // LONGEST_TOKEN)  # fewest_tokens
+            tokens += 1 if length <= TOKEN_BYTES else -(-length // CHARS_PER_TOKEN)  # estimate_text_tokens
+        self.relayed_texts += len(found)
+        self.relayed_bytes += size
+        self.text_fewest += fewest
+        self.text_tokens += tokens
 
     def _add_text(self, text: bytes) -> None:
         self.relayed_texts += 1
@@ -270,8 +299,11 @@ class SseRelay:
         """
         if self.done:
             return None  # nothing after the stream's end ([DONE]) is relayed
-        if event.startswith(b":") and b"\n" not in event:
-            return event  # an upstream comment (its own keepalive): harmless, pass it on
+        if b"\n" not in event:  # one line (nearly every event): data, or a comment
+            if event.startswith(b"data:"):
+                return self._payload(event, event[5:].lstrip(b" "))
+            if event.startswith(b":"):
+                return event  # an upstream comment (its own keepalive): harmless, pass it on
         payload = data_of(event)
         if payload is None:
             return event
@@ -295,7 +327,12 @@ class SseRelay:
         if _USAGE_PRESENT.search(payload) or (data is not UNREAD and isinstance(data, dict)
                                               and data.get("usage") is not None):
             return self._usage(event, payload, data)
-        self._count_reply(payload, data)
+        if self._echoes is None and b"\\u" not in payload:  # nearly every chunk: counted as sent
+            self._count(_TEXT_DELTA, payload, data)
+            if b'"name"' in payload:
+                self._count_names(payload, data)
+        else:
+            self._count_reply(payload, data)
         finish = _FINISH_REASON.findall(payload)
         if finish:
             self.finish_reason = finish[-1].decode(errors="replace")
