@@ -145,3 +145,53 @@ def test_the_server_cancelling_the_request_still_closes_the_body():
 
     asyncio.run(main())
     assert seen == ["closed", "cancelled"]
+
+
+def test_after_a_client_leaves_the_request_goes_on_uncancelled():
+    """The stream is cut, not the request: what follows the response in the request's task (its
+    telemetry) runs, awaits included, whether the client left mid-stream or as the stream ended."""
+    seen: list[str] = []
+
+    async def body(finish_at_once: bool):
+        yield b"data: a\n\n"
+        if not finish_at_once:
+            await asyncio.sleep(30)
+        yield LastPiece(b"data: [DONE]\n\n")
+
+    async def main(finish_at_once: bool) -> None:
+        async def receive():
+            await asyncio.sleep(0 if finish_at_once else 0.05)
+            return {"type": "http.disconnect"}
+
+        await RelayResponse(body(finish_at_once), "gen-1")({"type": "http"}, receive, _ignore)
+        await asyncio.sleep(0.01)
+        seen.append("went on")
+
+    for finish_at_once in (False, True):
+        asyncio.run(main(finish_at_once))
+    assert seen == ["went on", "went on"]
+
+
+def test_a_client_that_stops_reading_is_cut_at_the_deadline():
+    import time
+
+    seen: list[str] = []
+
+    async def body():
+        try:
+            yield b"data: a\n\n"
+            yield b"data: b\n\n"
+        finally:
+            seen.append("closed")
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(30)  # the client reads nothing: the write waits
+
+    async def main():
+        started = time.monotonic()
+        await RelayResponse(body(), "gen-1", deadline=time.monotonic() + 0.1)({"type": "http"}, _client_stays, send)
+        seen.append(f"over in {time.monotonic() - started < 1}")
+
+    asyncio.run(main())
+    assert seen == ["closed", "over in True"]

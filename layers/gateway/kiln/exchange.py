@@ -15,7 +15,6 @@ import time
 from decimal import Decimal
 from typing import Any, AsyncGenerator, Callable
 
-import anyio
 from starlette.responses import Response
 
 from .apis import ModelApi
@@ -184,11 +183,9 @@ class Exchange:
             error=error[:500] if error else None,
         )
         self.record.usage = event
-        # A settle must finish even when this task is cancelled: by the client's disconnect (an
-        # anyio cancellation, which the shield holds off) or by a server that stops (a native
-        # one, which only a task of its own escapes).
-        with anyio.CancelScope(shield=True):
-            await to_the_end(self._stop_keeper_and_settle(event))
+        # A settle must finish even when this task is cancelled (the client left, or a server
+        # that stops): it runs in a task of its own, which this one waits for whatever it is told.
+        await to_the_end(self._stop_keeper_and_settle(event))
 
     async def _stop_keeper_and_settle(self, event: UsageEvent) -> None:
         await self._keeper.stop()  # no renewal may race the settle
@@ -316,8 +313,7 @@ class Exchange:
         the last bytes fail, the request still settles (as `gateway_error`), billed for what
         the gateway could establish: a failure writing the tail never loses the usage.
         """
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()
+        await upstream.aclose()  # no wait: it only closes or keeps the connection
         try:
             usage = self._billable(relay.reported_usage, lambda: relay.relayed_tokens, relay.fewest_tokens)
         except Exception as exc:  # noqa: BLE001 - a bug here must not skip the settle

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import AsyncGenerator, Awaitable, Callable, Mapping
 
-import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -40,8 +38,8 @@ class RelayResponse(Response):
     """An SSE response whose body generator is always closed, and told when the client leaves.
 
     While it streams, it also listens for `http.disconnect`: a client that goes away while
-    the upstream is silent is noticed at once (the generator is cancelled, so it can close
-    the upstream request and settle). A failed write closes the generator the same way.
+    the upstream is silent is noticed at once (the stream is cancelled, so the generator can
+    close the upstream request and settle). A failed write closes the generator the same way.
     `on_close` runs last, whatever happened: a generator that never started (the client
     left before the first byte) never ran its own clean-up, and this is its owner's chance.
     A `deadline` ends the stream the same way when the client reads too slowly to finish by then.
@@ -72,14 +70,22 @@ class RelayResponse(Response):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The stream runs in the request's own task; a second task only listens for the
-        # client's leaving and, when it does, cancels the stream's scope (an anyio scope, so
-        # that the settle's shielded scopes hold against it). Stopping the listener when the
-        # stream ends is a plain cancel: no task group to build and tear down per request.
-        # A client that stops reading holds every write: past the deadline the stream is
-        # cancelled as if the client had left (its request settles; its lease never outlives it).
-        streaming = anyio.CancelScope(
-            deadline=math.inf if self.deadline is None else anyio.current_time() + self.deadline - time.monotonic())
+        # The stream runs in a task of its own, which a second task, listening for the client's
+        # leaving, cancels when it does (as does the deadline: a client that stops reading holds
+        # every write, and past the deadline the stream is cut as if the client had left). A
+        # task cancelled once is told once: the body's clean-up (its settle) runs undisturbed,
+        # and a stream that ended meanwhile is not cancelled at all. The request's own task
+        # only waits for it; a cancellation of that task (a server that stops) reaches the
+        # stream through the wait, as it would reach the stream itself.
+        loop = asyncio.get_running_loop()
+        streamer = loop.create_task(self._send_body(send))
+        cut = False
+
+        def end() -> None:
+            nonlocal cut
+            if not streamer.done():
+                cut = True
+                streamer.cancel()
 
         async def listen() -> None:
             try:
@@ -87,18 +93,23 @@ class RelayResponse(Response):
                     pass
             except Exception:  # noqa: BLE001 - without a listener a failed write still ends the stream
                 return
-            streaming.cancel()
+            end()
 
-        listener = asyncio.get_running_loop().create_task(listen())
+        listener = loop.create_task(listen())
+        timer = None if self.deadline is None else loop.call_later(max(0.0, self.deadline - time.monotonic()), end)
         try:
-            with streaming:
-                await self._send_body(send)
+            await streamer
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not (cut and streamer.cancelled()) or (current is not None and current.cancelling()):
+                raise  # not the stream's own end: the request itself was cancelled
         finally:
+            if timer is not None:
+                timer.cancel()
             listener.cancel()
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                if self.on_close is not None:
-                    await self.on_close()
+            await self.body_iterator.aclose()
+            if self.on_close is not None:
+                await self.on_close()
 
     async def _send_body(self, send: Send) -> None:
         try:
