@@ -103,15 +103,20 @@ def test_requests_messages_before_the_disconnect_do_not_end_the_stream():
     assert sent == [b"data: [DONE]\n\n"]
 
 
-def test_a_failed_write_closes_the_body_and_runs_on_close():
-    seen: list[str] = []
-
+def _two_events(seen: list[str]):
+    """A body of two events that notes when it is closed."""
     async def body():
         try:
             yield b"data: a\n\n"
             yield b"data: b\n\n"
         finally:
             seen.append("closed")
+
+    return body()
+
+
+def test_a_failed_write_closes_the_body_and_runs_on_close():
+    seen: list[str] = []
 
     async def send(message):
         if message["type"] == "http.response.body":
@@ -120,7 +125,7 @@ def test_a_failed_write_closes_the_body_and_runs_on_close():
     async def closed():
         seen.append("on_close")
 
-    _relay(body(), receive=_client_stays, send=send, on_close=closed)
+    _relay(_two_events(seen), receive=_client_stays, send=send, on_close=closed)
     assert seen == ["closed", "on_close"]
 
 
@@ -177,20 +182,14 @@ def test_a_client_that_stops_reading_is_cut_at_the_deadline():
 
     seen: list[str] = []
 
-    async def body():
-        try:
-            yield b"data: a\n\n"
-            yield b"data: b\n\n"
-        finally:
-            seen.append("closed")
-
     async def send(message):
         if message["type"] == "http.response.body":
             await asyncio.sleep(30)  # the client reads nothing: the write waits
 
     async def main():
         started = time.monotonic()
-        await RelayResponse(body(), "gen-1", deadline=time.monotonic() + 0.1)({"type": "http"}, _client_stays, send)
+        await RelayResponse(_two_events(seen), "gen-1", deadline=time.monotonic() + 0.1)({"type": "http"}, _client_stays,
+                                                                                        send)
         seen.append(f"over in {time.monotonic() - started < 1}")
 
     asyncio.run(main())
