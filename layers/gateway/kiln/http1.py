@@ -2,8 +2,8 @@
 
 Both of the gateway's outgoing conversations are plain HTTP/1.1 POSTs: to DynamoDB and
 SSM (small JSON answers) and to model servers (JSON answers or SSE streams). This does
-exactly that on asyncio streams, parsing responses with httptools (llhttp, which uvicorn
-already loads to serve the function). A general-purpose client (httpx, with httpcore, h11
+exactly that with one asyncio protocol per connection, parsing responses with httptools
+(llhttp, which uvicorn already loads to serve the function). A general-purpose client (httpx, with httpcore, h11
 and anyio's socket layer) adds its imports to every cold start and more CPU per call
 (docs/performance.md compares the two on one storage call).
 
