@@ -19,5 +19,5 @@ def combined_app(gateway: Any = None, observer: Any = None):
     routes = [route for endpoint in ENDPOINTS for route in import_module(f"kiln_functions.{endpoint.function}.app").routes]
     app = create_app(routes, gateway, observer)
     # the local stack only: its gateway's backend health, for `kiln admin backends`
-    app.add_route(STATE_PATH, state_endpoint, methods=["GET"], include_in_schema=False)
+    app.add_route(STATE_PATH, state_endpoint, methods=["GET"])  # not one of the functions' routes: no schema
     return app

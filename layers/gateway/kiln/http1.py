@@ -3,9 +3,9 @@
 Both of the gateway's outgoing conversations are plain HTTP/1.1 POSTs: to DynamoDB and
 SSM (small JSON answers) and to model servers (JSON answers or SSE streams). This does
 exactly that with one asyncio protocol per connection, parsing responses with httptools
-(llhttp, which uvicorn already loads to serve the function). A general-purpose client (httpx, with httpcore, h11
-and anyio's socket layer) adds its imports to every cold start and more CPU per call
-(docs/performance.md compares the two on one storage call).
+(llhttp, which uvicorn already loads to serve the function). A general-purpose client
+(httpx, with httpcore, h11 and anyio's socket layer) adds its imports to every cold start
+and more CPU per call (docs/performance.md compares the two on one storage call).
 
 A connection goes back to its pool only when its response was read to the end and the
 server allows keep-alive; anything else (an error, a timeout, a cancellation, a body left
@@ -204,18 +204,13 @@ class _Connection(asyncio.Protocol):
         if self.lost:
             raise ConnectionResetError("Connection lost")
         writable = self._writable
-        if writable is None:
-            if not self.transport.is_closing():  # type: ignore[union-attr]
-                return
-            await asyncio.sleep(0)  # a closing transport: let connection_lost come, as asyncio's writer does
-            if self.lost:
-                raise ConnectionResetError("Connection lost")
-            return
-        if timeout is None:
-            await writable
-        else:
+        if writable is not None:
             async with asyncio.timeout(timeout):
                 await writable
+        elif self.transport.is_closing():  # type: ignore[union-attr]
+            await asyncio.sleep(0)  # let connection_lost come, as asyncio's writer does
+        else:
+            return
         if self.lost:
             raise ConnectionResetError("Connection lost")
 

@@ -14,7 +14,7 @@ from typing import Any, Collection
 
 from .echo import Echoes
 from .jsonio import dumps, loads_strict
-from .metering import CHARS_PER_TOKEN, LONGEST_TOKEN, TokenUsage, estimate_text_tokens, fewest_tokens
+from .metering import TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
@@ -160,7 +160,7 @@ class SseRelay:
         # a content chunk after the first, in one `data:` line read as sent, with nothing in it
         # that `_event` reads further (nearly every chunk): relayed and counted here, as
         # `_event` relays and counts it
-        plain = not self.done and self.first_chunk is not None and self._echoes is None
+        plain = self._takes_as_sent
         for event in complete.split(b"\n\n"):
             if len(event) > self._max_event_bytes:
                 self._oversize(out)
@@ -179,7 +179,7 @@ class SseRelay:
             if forwarded:
                 out.append(forwarded)
                 out.append(b"\n\n")
-            plain = not self.done and self.first_chunk is not None and self._echoes is None
+            plain = self._takes_as_sent
         rest = data[end:] if not self.done else b""  # after the stream's end nothing counts
         self._pending_size = len(rest)
         if rest:
@@ -187,6 +187,12 @@ class SseRelay:
             if self._pending_size > self._max_event_bytes:
                 self._oversize(out)
         return b"".join(out)
+
+    @property
+    def _takes_as_sent(self) -> bool:
+        """Content chunks may be relayed and counted as sent: the stream's first chunk was read,
+        it has not ended, and no echo is to be taken off the replies."""
+        return not self.done and self.first_chunk is not None and self._echoes is None
 
     def _start(self, data: bytes) -> bytes:
         """The stream's first bytes without the BOM that may start it (held while they could be one)."""
@@ -258,25 +264,22 @@ class SseRelay:
         self._count_found(texts.findall(payload))
 
     def _count_found(self, found: list[bytes]) -> None:
-        """Count texts as `_add_text` does each, without a call a text."""
+        """Count texts relayed: each is at least a token, and at least its fewest tokens; one no
+        longer than a token counts one, a longer one as text is estimated."""
         if not found:
             return
         size = tokens = fewest = 0
         for text in found:
-            length = len(text)
-            size += length
-            fewest += -(-length // LONGEST_TOKEN)  # fewest_tokens
-            tokens += 1 if length <= TOKEN_BYTES else -(-length // CHARS_PER_TOKEN)  # estimate_text_tokens
+            size += len(text)
+            fewest += fewest_tokens(text)
+            tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
         self.relayed_texts += len(found)
         self.relayed_bytes += size
         self.text_fewest += fewest
         self.text_tokens += tokens
 
     def _add_text(self, text: bytes) -> None:
-        self.relayed_texts += 1
-        self.relayed_bytes += len(text)
-        self.text_fewest += fewest_tokens(text)
-        self.text_tokens += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
+        self._count_found([text])
 
     def _failed(self, reason: str) -> None:
         """The stream cannot end as the upstream ended it: nothing more is relayed, and the
@@ -327,12 +330,7 @@ class SseRelay:
         if _USAGE_PRESENT.search(payload) or (data is not UNREAD and isinstance(data, dict)
                                               and data.get("usage") is not None):
             return self._usage(event, payload, data)
-        if self._echoes is None and b"\\u" not in payload:  # nearly every chunk: counted as sent
-            self._count(_TEXT_DELTA, payload, data)
-            if b'"name"' in payload:
-                self._count_names(payload, data)
-        else:
-            self._count_reply(payload, data)
+        self._count_reply(payload, data)
         finish = _FINISH_REASON.findall(payload)
         if finish:
             self.finish_reason = finish[-1].decode(errors="replace")

@@ -122,7 +122,7 @@ class App:
         for path, endpoint, methods in routes:
             self.add_route(path, endpoint, methods=methods)
 
-    def add_route(self, path: str, endpoint: Handler, methods: Sequence[str], include_in_schema: bool = True) -> None:
+    def add_route(self, path: str, endpoint: Handler, methods: Sequence[str]) -> None:
         """Serve `path` (API Gateway's syntax: `{name}` is one segment, `{name+}` any of them)
         with `endpoint` for these methods, exactly (a GET route answers no HEAD)."""
         by_method = dict.fromkeys(methods, endpoint)
@@ -197,16 +197,12 @@ class App:
 def _route_pattern(path: str) -> re.Pattern[str]:
     """A path with parameters as a pattern: `{name}` one segment, `{name+}` one or more (no
     empty value, none that starts or ends with a slash, as API Gateway matches it)."""
-    parts = re.split(r"(\{\w+\+?\})", path)
-    pattern = ""
-    for part in parts:
-        named = re.fullmatch(r"\{(\w+)(\+?)\}", part)
-        if named is None:
-            pattern += re.escape(part)
-        else:
-            name, greedy = named.groups()
-            pattern += f"(?P<{name}>{_GREEDY_VALUE if greedy else '[^/]+'})"
-    return re.compile(pattern)
+    pattern, last = "", 0
+    for parameter in _PARAMETER.finditer(path):
+        name, greedy = parameter.groups()
+        pattern += re.escape(path[last:parameter.start()]) + f"(?P<{name}>{_GREEDY_VALUE if greedy else '[^/]+'})"
+        last = parameter.end()
+    return re.compile(pattern + re.escape(path[last:]))
 
 
 def _openapi(routes: Sequence[RouteSpec]) -> Handler:
@@ -247,6 +243,7 @@ def openapi_path(path: str) -> str:
 
 
 _GREEDY = re.compile(r"\{(\w+)\+\}")
+_PARAMETER = re.compile(r"\{(\w+)(\+?)\}")  # a route's parameter, greedy or not
 _GREEDY_VALUE = r"[^/](?:.*[^/])?"
 
 
