@@ -415,6 +415,8 @@ class Response:
         if self._closed:
             return
         self._closed = True
+        # the whole message is in: its callbacks need no parser, and the two let go of each other
+        self._message.parser = None
         if self._connection is not None and self._client is not None:
             self._client._release(self._connection, self._message.complete and self._message.keep_alive)
 

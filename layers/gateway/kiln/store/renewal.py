@@ -71,6 +71,7 @@ class LeaseKeeper:
     async def stop(self) -> None:
         """Stop renewing (idempotent). A renewal in flight is cancelled: harmless, since a
         renewal never brings back a lease that is gone."""
+        self._progress = None  # read by no renewal after this; it holds the request that made it
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
