@@ -175,6 +175,22 @@ def test_a_call_posts_the_payload_to_the_regional_endpoint_with_its_target():
     assert request.headers["authorization"].startswith("AWS4-HMAC-SHA256 Credential=a/")
 
 
+def test_a_payload_is_sent_as_utf8_json_and_one_utf8_cannot_hold_with_escapes():
+    """Non-ASCII text goes as UTF-8 (what DynamoDB reads); a lone surrogate, which UTF-8 cannot
+    hold, still goes, escaped, rather than failing the call inside the gateway."""
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        return 200, {}
+
+    for text in ("clé ☃", "\ud800 lone"):
+        asyncio.run(_client(handler).dynamodb("PutItem", {"Item": {"k": {"S": text}}, "N": 10**30}))
+        assert json.loads(seen[-1].content) == {"Item": {"k": {"S": text}}, "N": 10**30}
+    assert "clé ☃".encode() in seen[0].content
+    assert seen[1].content.isascii()
+
+
 def test_errors_come_back_by_code_with_their_body():
     def handler(request):
         return 400, {"__type": "com.amazonaws.dynamodb.v20120810#ConditionalCheckFailedException",

@@ -2,10 +2,13 @@
 
 import json
 from decimal import Decimal
+from enum import Enum, IntEnum
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kiln.jsonio import MAX_DEPTH, compact, compact_text, decimal_text, dumps, loads_strict
+from kiln.jsonio import MAX_DEPTH, compact, compact_text, decimal_text, dumps, loads_strict, loads_trusted
 
 
 def test_accepts_rfc8259_json_with_surrounding_whitespace():
@@ -99,12 +102,59 @@ def test_long_decimal_written_exactly():
     ["\ud800 lone surrogate"], "text", 10**40, 1e308, {"": ""},
 ])
 def test_compact_writes_what_json_dumps_writes(value):
-    """The gateway's compact encoder is json.dumps' own, made once: byte for byte its output."""
+    """compact_text is json.dumps' own encoder, made once: byte for byte its output. compact
+    (orjson, the standard encoder where orjson writes nothing) writes the same JSON values."""
     for ascii_only in (False, True):
         assert compact_text(value, ascii_only=ascii_only) == json.dumps(
             value, ensure_ascii=ascii_only, separators=(",", ":"))
+    written = compact(value)
+    assert json.loads(written) == json.loads(json.dumps(value))
     if "\ud800" not in json.dumps(value, ensure_ascii=False):  # a lone surrogate is no UTF-8
-        assert compact(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+        assert written.decode() == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    else:
+        assert written.isascii()  # written with \\u escapes, as UTF-8 cannot hold it
+
+
+class Level(IntEnum):
+    HIGH = 3
+
+
+class Word(str, Enum):
+    STOP = "stop"
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20))
+def test_compact_and_dumps_write_the_values_json_dumps_writes(value):
+    """Any plain value, long integers and lone surrogates included: the same JSON value."""
+    expected = json.loads(json.dumps(value))
+    assert json.loads(compact(value)) == expected
+    assert json.loads(dumps(value)) == expected
+
+
+def test_subclasses_of_json_types_are_written_as_json_dumps_writes_them():
+    value = {"level": Level.HIGH, "word": Word.STOP, "flag": True, "cost": Decimal("0.5")}
+    assert dumps(value) == b'{"level":3,"word":"stop","flag":true,"cost":0.5}'
+    del value["cost"]
+    assert compact(value) == json.dumps(value, separators=(",", ":")).encode()
+
+
+def test_dumps_writes_decimals_exactly_beside_what_only_the_standard_encoder_writes():
+    """A long integer or a lone surrogate leaves the value to the standard encoder: its
+    Decimals are still written exactly."""
+    value = {"big": 10**40, "cost": Decimal("0.000000665"), "text": "\ud800"}
+    out = dumps(value)
+    assert out.isascii() and b"0.000000665" in out
+    assert exact(out) == value
+
+
+def test_loads_trusted_reads_what_json_loads_reads():
+    raw = '{"Attributes":{"n":{"N":"0.000001155"},"s":{"S":"é \\u2028"},"b":{"BOOL":true},"l":{"L":[]}},"C":1.5}'
+    assert loads_trusted(raw.encode()) == json.loads(raw)
+    with pytest.raises(ValueError):
+        loads_trusted(b"{")
 
 
 def test_compact_refuses_what_json_dumps_refuses():
@@ -112,3 +162,17 @@ def test_compact_refuses_what_json_dumps_refuses():
         compact_text({"a": object()})
     with pytest.raises(TypeError):
         compact({"cost": Decimal("1")})
+
+
+def test_what_is_written_holds_no_more_memory_than_its_bytes():
+    """A relay keeps some written JSON (item ids) for a whole stream: each is its bytes, not the
+    buffer it was written in (orjson's own bytes hold several times their size)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        kept = [dumps(f"m{index}") for index in range(1000)] + [compact({"id": f"m{index}"}) for index in range(1000)]
+        retained, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(kept) == 2000 and retained / 2000 < 200

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from .http1 import HttpClient, HttpError, Response, canonical_host
-from .jsonio import compact_text
+from .jsonio import compact, loads_trusted
 from .tls import client_context
 
 __all__ = ["AwsClient", "AwsError", "Credentials", "canonical_query", "canonical_uri", "resolve_credentials", "sign",
@@ -208,7 +208,7 @@ class AwsClient:
         self._signing_keys: dict = {}
 
     async def call(self, service: str, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
-        body = compact_text(payload, ascii_only=True).encode()
+        body = compact(payload)
         url = self._urls[service]
         headers_of = _headers_of(service, operation)
         delay = 0.025
@@ -233,7 +233,7 @@ class AwsClient:
                     raise AwsError("ConnectionError", f"{type(exc).__name__}: {exc}", status=0) from exc
             else:
                 if response.status == 200:
-                    return json.loads(content.decode()) if content else {}  # UTF-8, as AWS answers
+                    return loads_trusted(content) if content else {}  # UTF-8, as AWS answers
                 error = _error_of(response, content)
                 if (error.code not in _RETRYABLE and response.status < 500) or attempt == self._max_attempts:
                     raise error

@@ -1,4 +1,12 @@
-"""JSON in and out: strict parsing of client bodies, exact Decimal numbers on the way out."""
+"""JSON in and out: strict parsing of client bodies, exact Decimal numbers on the way out.
+
+What the gateway writes, orjson writes: the same JSON values as `json.dumps` (floats in their
+shortest exact form, so `1e-07` may read `1e-7`) for a tenth of the time. Where orjson would
+write something else or nothing (an integer past 64 bits, a string with a lone surrogate, a
+subclass of a JSON type), the standard library's encoder writes it instead, as before.
+What the gateway reads from clients and model servers, the standard library reads (orjson
+reads a long integer as a float): see `loads_strict`.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +19,14 @@ from decimal import Decimal
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Any, Callable
 
+import orjson
+
 try:
     from _json import make_encoder as c_make_encoder
 except ImportError:  # pragma: no cover - CPython always has it
     c_make_encoder = None
 
-__all__ = ["MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_text", "dumps", "loads_strict"]
+__all__ = ["MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_text", "dumps", "loads_strict", "loads_trusted"]
 
 # Deeper than this is no request anyone means to send, and everything the gateway does with
 # a body afterwards (copying, encoding, estimating) must stay far from the recursion limit.
@@ -131,9 +141,40 @@ def compact_text(value: Any, *, ascii_only: bool = False) -> str:
     return _COMPACT_ASCII(value) if ascii_only else _COMPACT(value)
 
 
+# Types json.dumps does not write (dataclasses, datetimes) or writes as their base type
+# (subclasses of str, int, dict, list) go to `default`, which leaves them to json.dumps' rules.
+_ONLY_JSON_TYPES = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+
+
+def _orjson(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
+    """orjson's bytes, copied: its own hold the buffer it wrote them in, several times their size
+    (4 KB for a short string), for as long as they are kept (a relay keeps some a whole stream)."""
+    return bytes(memoryview(orjson.dumps(value, default=default, option=_ONLY_JSON_TYPES)))
+
+
 def compact(value: Any) -> bytes:
-    """Compact JSON bytes of plain values (no Decimals: see `dumps`), non-ASCII kept as UTF-8."""
-    return _COMPACT(value).encode()
+    """Compact JSON bytes of plain values (no Decimals: see `dumps`), non-ASCII kept as UTF-8;
+    a value with a lone surrogate, which UTF-8 cannot hold, is written with \\u escapes."""
+    try:
+        return _orjson(value)
+    except TypeError:  # orjson.JSONEncodeError: the standard encoder writes it, or says why not
+        pass
+    try:
+        return _COMPACT(value).encode()
+    except UnicodeEncodeError:
+        return _COMPACT_ASCII(value).encode()
+
+
+def loads_trusted(raw: bytes) -> Any:
+    """JSON from a service whose answers are well-formed by contract (AWS): parsed by orjson.
+    Not for what a client or a model server sends (its long integers become floats there)."""
+    return orjson.loads(raw)
+
+
+def _fragment(obj: Any) -> Any:
+    if isinstance(obj, Decimal):
+        return orjson.Fragment(decimal_text(obj))
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def dumps(value: Any) -> bytes:
@@ -142,6 +183,10 @@ def dumps(value: Any) -> bytes:
     Non-ASCII text stays UTF-8; a string holding a lone surrogate (which a model server may
     send as an escape) cannot be UTF-8, so then the whole value is written with \\u escapes.
     """
+    try:
+        return _orjson(value, _fragment)
+    except TypeError:  # orjson.JSONEncodeError: the standard encoder writes it, or says why not
+        pass
     decimals: list[str] = []
     # A fresh marker per call, so no string in the payload can pass for a placeholder.
     mark = f"\u0000{secrets.token_hex(8)}:"
