@@ -126,10 +126,8 @@ def canonical_query(query: str) -> str:
     return "&".join(f"{key}={value}" for key, value in pairs)
 
 
-@lru_cache(maxsize=256)
 def _canonical_header(name: str, value: str) -> str:
-    """A header as SigV4 signs it: the value trimmed, inner runs of whitespace made one space
-    (worked out once per header and value: a client sends the same few over and over)."""
+    """A header as SigV4 signs it: the value trimmed, inner runs of whitespace made one space."""
     return f"{name}:{' '.join(value.split())}\n"
 
 
@@ -138,6 +136,29 @@ def _signed_url(url: str) -> tuple[str, str, str]:
     """A URL's Host, canonical URI and canonical query string, worked out once per URL."""
     parts = urlsplit(url)
     return canonical_host(parts), canonical_uri(parts.path), canonical_query(parts.query)
+
+
+@lru_cache(maxsize=64)
+def _undated(headers: tuple[tuple[str, str], ...], host: str, token: str | None) -> tuple[dict[str, str], str, str, str]:
+    """Everything a request's signed headers are but its date, worked out once per set of
+    headers (a client sends the same few over and over): the headers sent, by lower-case name,
+    X-Amz-Date aside; the canonical headers before its line and after it; the signed names."""
+    sent = {name.lower(): value for name, value in headers}
+    sent.pop("x-amz-date", None)  # the signature's own date, whatever was given
+    sent["host"] = host
+    if token:
+        sent["x-amz-security-token"] = token  # sent as given, signed trimmed
+    names = sorted([*sent, "x-amz-date"])
+    at = names.index("x-amz-date")
+    before = "".join([_canonical_header(name, sent[name]) for name in names[:at]])
+    after = "".join([_canonical_header(name, sent[name]) for name in names[at + 1:]])
+    return sent, before, after, ";".join(names)
+
+
+@lru_cache(maxsize=4)
+def _amz_date(second: datetime) -> str:
+    """X-Amz-Date's text of a moment, worked out once a second."""
+    return second.strftime("%Y%m%dT%H%M%SZ")
 
 
 def sign(
@@ -152,18 +173,14 @@ def sign(
     signing_keys: dict[tuple[str, str, str, str], bytes] | None = None,
 ) -> dict[str, str]:
     """SigV4 headers (Host included: send it as it is) for a POST of `body` to `url`."""
-    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
+    amz_date = _amz_date(now.replace(microsecond=0))
     date = amz_date[:8]
     host, uri, query = _signed_url(url)
-    sent = {name.lower(): value for name, value in headers.items()}
-    sent["host"] = host
+    undated, before, after, signed_names = _undated(tuple(headers.items()), host, credentials.token)
+    sent = dict(undated)
     sent["x-amz-date"] = amz_date
-    if credentials.token:
-        sent["x-amz-security-token"] = credentials.token  # sent as given, signed trimmed
-    names = sorted(sent)
-    signed_names = ";".join(names)
-    canonical_headers = "".join([_canonical_header(name, sent[name]) for name in names])
-    canonical = f"POST\n{uri}\n{query}\n{canonical_headers}\n{signed_names}\n{hashlib.sha256(body).hexdigest()}"
+    canonical = (f"POST\n{uri}\n{query}\n{before}x-amz-date:{amz_date}\n{after}\n{signed_names}\n"
+                 f"{hashlib.sha256(body).hexdigest()}")
     scope = f"{date}/{region}/{service}/aws4_request"
     to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
     cache_key = (credentials.secret_key, date, region, service)
