@@ -29,7 +29,7 @@ FULL = dict(count=400, time_limit=60.0, warmup=16, concurrencies=(1, 8, 16), bre
             profile_count=400, gap_requests=10, sse_repeats=5, cold_repeats=5, memory_buffered=1750, memory_streamed=250,
             memory_concurrency=8, ab_count=300, ab_rounds=2, client_calls=1000, standin_service_ms=4.0,
             cpu_rounds=5, cpu_count=300, cpu_warmup=50,
-            sizes_mb=(128, 256, 512, 768, 1024, 1536, 2048), sizes_buffered=50, sizes_streams=30, long_tokens=300)
+            sizes_mb=(128, 256, 512, 768, 1024, 1536, 2048), sizes_buffered=200, sizes_streams=200, long_tokens=300)
 QUICK = dict(count=20, time_limit=10.0, warmup=2, concurrencies=(1, 8, 16), breakdown_count=30, steady_seconds=3.0,
              profile_count=60, gap_requests=1, sse_repeats=1, cold_repeats=1, memory_buffered=150, memory_streamed=50,
              memory_concurrency=8, ab_count=30, ab_rounds=1, client_calls=100, standin_service_ms=4.0,

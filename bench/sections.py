@@ -271,7 +271,9 @@ def lambda_sizes(results: dict, template_memory_mb: int | None) -> str:
              "memory limit = the size. A busy loop checks each quota first (measured share of one CPU). Storage is the "
              "stand-in. One request at a time, as one execution environment serves them: buffered requests, short "
              f"streams (12 tokens, no delay), then one long stream per size, all sizes at once ({long.get('tokens')} "
-             f"tokens 100 ms apart, {fmt(long.get('seconds'), 0)} s). CPU per request from the cgroup's own counter.", "",
+             f"tokens 100 ms apart, {fmt(long.get('seconds'), 0)} s). CPU per request from the cgroup's own counter. "
+             "p99 is the nearest rank of each size's requests (sizes_buffered and sizes_streams under *Sizes*): "
+             "of fewer than 100 it would be the slowest one.", "",
              "| size MB | vCPU | quota µs/period | measured share | ready ms | buffered TTFB p50 / p99 ms | buffered CPU "
              "ms/req | short stream TTFB p50 / p99 ms | short stream total p50 ms | short stream CPU ms/req | long stream "
              "s | long stream CPU ms | peak RSS MB | throttled periods |",
