@@ -157,6 +157,16 @@ def test_loads_trusted_reads_what_json_loads_reads():
         loads_trusted(b"{")
 
 
+def test_loads_trusted_reads_back_what_compact_writes_with_a_lone_surrogate():
+    """`compact` writes a lone surrogate (a model server's escape) as an escape; orjson refuses
+    to read one back. What the gateway sends AWS, it reads again from AWS's answer."""
+    value = {"Item": {"error": {"S": "bad \ud800 text"}}, "Count": 1}
+    written = compact(value)
+    assert b"\\ud800" in written
+    assert loads_trusted(written) == value
+    assert loads_trusted(b'{"a":"\\udc00","b":[1,2.5,null]}') == {"a": "\udc00", "b": [1, 2.5, None]}
+
+
 def test_compact_refuses_what_json_dumps_refuses():
     with pytest.raises(TypeError, match="not JSON serializable"):
         compact_text({"a": object()})

@@ -167,8 +167,14 @@ def compact(value: Any) -> bytes:
 
 def loads_trusted(raw: bytes) -> Any:
     """JSON from a service whose answers are well-formed by contract (AWS): parsed by orjson.
-    Not for what a client or a model server sends (its long integers become floats there)."""
-    return orjson.loads(raw)
+    Not for what a client or a model server sends (its long integers become floats there).
+
+    What orjson refuses to read goes to the standard library, which says whether it is JSON:
+    a lone surrogate's escape, which `compact` writes for a text that holds one, is."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 def _fragment(obj: Any) -> Any:
