@@ -3,7 +3,10 @@
 What the gateway writes, orjson writes: the same JSON values as `json.dumps` (floats in their
 shortest exact form, so `1e-07` may read `1e-7`) for a tenth of the time. Where orjson would
 write something else or nothing (an integer past 64 bits, a string with a lone surrogate, a
-subclass of a JSON type), the standard library's encoder writes it instead, as before.
+subclass of a JSON type), the standard library's encoder writes it instead, as before. The one
+value written otherwise is a float that is no number (NaN, an infinity): orjson writes null,
+where json.dumps wrote `NaN`, which is no JSON. Nothing the gateway writes holds one: what it
+reads is parsed by `loads_strict`, which refuses them, and its own figures are Decimals.
 What the gateway reads from clients and model servers, the standard library reads (orjson
 reads a long integer as a float): see `loads_strict`.
 """
