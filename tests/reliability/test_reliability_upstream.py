@@ -376,6 +376,37 @@ def test_a_5xx_whose_body_never_comes_does_not_hold_the_request_past_the_models_
         upstream.close()
 
 
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_buffered_answer_whose_body_goes_silent_is_a_502_never_a_success(stack_factory, mock, framing):
+    """§5: a 200 whose body stops coming (its Content-Length not reached, or no last chunk) is a
+    failed answer once the model's idle time passes, however the event loop's timers round:
+    the client gets 502, the event records the failure, nothing is billed as a success."""
+    answer = json.dumps({"id": "x", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+    head = (f"Content-Length: {len(answer) + 10}\r\n\r\n".encode() + answer if framing == "content-length"
+            else b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(answer):x}\r\n".encode() + answer + b"\r\n")
+
+    def stalls(conn: socket.socket, body: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + head)
+        time.sleep(2)
+
+    upstream = RawUpstream(stalls)
+    try:
+        quiet = model("quiet-model", [{"name": "quiet", "url": upstream.url}],
+                      timeouts={"connect": 1, "first_byte": 5, "idle": 0.2, "total": 5})
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [quiet]})
+        org_id, key = stack.org()
+        ledger = LedgerCheck(stack, org_id)
+        statuses = [ledger.saw(stack.post(CHAT, {"model": "quiet-model", "messages": MESSAGES}, key)).status_code
+                    for _ in range(5)]
+        assert statuses == [502] * 5
+        events = ledger.check()
+        assert [event.status for event in events] == ["upstream_error"] * 5
+    finally:
+        upstream.close()
+
+
 def test_one_orgs_long_buffered_generations_do_not_take_a_healthy_backend_out_of_service(stack_factory, mock):
     """§5: one client cannot take a model away from the others. A buffered answer's headers come
     when its generation is done, so running out of the total waiting for them is the request's

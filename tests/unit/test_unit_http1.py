@@ -150,6 +150,39 @@ def test_silence_beyond_the_read_timeout_is_a_timeout():
     run(main())
 
 
+def timers_that_wake_early(by: float = 0.005) -> None:
+    """Make the running loop's timers fire `by` seconds before they are due, as uvloop's may:
+    it counts time in whole milliseconds, so a wait can end a little before `time.monotonic()`
+    reaches its deadline."""
+    loop = asyncio.get_running_loop()
+    due = loop.call_later
+    loop.call_later = lambda delay, callback, *args, **kwargs: due(max(0.0, delay - by), callback, *args, **kwargs)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n",  # no last chunk
+    b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{}",  # ten bytes short
+], ids=["chunked", "content-length"])
+@pytest.mark.parametrize("how", ["read", "chunks"])
+def test_a_body_that_goes_silent_is_a_timeout_even_when_the_timer_wakes_early(answer, how):
+    """A wait that ends a little before the read timeout is no end of the body: the client
+    waits out the rest and then fails, never hands over the bytes so far as the whole body."""
+    async def main():
+        timers_that_wake_early()
+        http = client()
+        async with server(answering(answer, then_wait=2)) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=0.2)
+            with pytest.raises(Timeout):
+                if how == "read":
+                    await response.read()
+                else:
+                    [piece async for piece in response.chunks()]
+            assert http.open_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
 def test_refused_and_unanswered_connections():
     async def main():
         http = client()

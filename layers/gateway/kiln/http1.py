@@ -365,9 +365,14 @@ class Response:
                 try:
                     data = await connection.read(None if wake is None else wake - time.monotonic())
                 except TimeoutError:
-                    if limit is not None and time.monotonic() >= limit:
+                    now = time.monotonic()
+                    if limit is not None and now >= limit:
                         raise Timeout("the server sent nothing in time") from None
-                    return None
+                    if until is not None and now >= until:
+                        return None
+                    # the timer woke before either instant (uvloop counts whole milliseconds):
+                    # the rest is waited out, never taken for the caller's quiet or the body's end
+                    continue
                 except OSError as exc:
                     raise ProtocolFailure(f"connection lost: {exc}") from exc
                 self._silent_since = None
