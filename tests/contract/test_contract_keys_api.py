@@ -902,6 +902,35 @@ def test_removing_figures_is_tried_again_over_settle_conflicts(stack):
     assert len(hits) == 5 and figures_of_key(stack, org_id, key["id"]) == {}
 
 
+@pytest.mark.parametrize("change", ["label", "models", "revoke"])
+def test_a_keys_own_write_is_tried_again_over_transaction_conflicts(stack, change):
+    """§10, §2 step 5: a key item inside another change's transaction (a spend limit set on the
+    same key at that moment) refuses a plain write with TransactionConflictException, unapplied.
+    That is contention, not a failure: the change is made, never answered 503."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "before"}).json()
+    hits = stack.faults.fail("UpdateItem", code="TransactionConflictException", times=3,
+                             when=lambda payload: payload["TableName"] == stack.settings.keys_table)
+    try:
+        if change == "revoke":
+            answer = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)
+        else:
+            answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin,
+                          {"label": "after"} if change == "label" else {"models": ["qwen3-32b"]})
+    finally:
+        stack.faults.clear()
+    assert answer.status_code == 200, answer.text
+    assert len(hits) == 4
+    shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+    if change == "revoke":
+        assert shown["status"] == "revoked"
+        assert stack.post(CHAT, BODY, key["secret"]).status_code == 401
+    elif change == "label":
+        assert shown["label"] == "after"
+    else:
+        assert shown["models"] == ["qwen3-32b"]
+
+
 def test_a_failure_to_remove_the_figures_does_not_undo_the_revocation(stack, caplog):
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()

@@ -87,9 +87,10 @@ ROLES = ("inference", "management")
 EDITABLE = ("label", "role", "models", "concurrency", "spend_limit", "spend_period")
 # what an attribute cleared (null) goes back to; the others to None
 _DEFAULTS = {"role": "inference", "spend_period": "total"}
-# A key-management write to an org item meets the settle transactions of its requests:
-# DynamoDB refuses it with TransactionConflictException, unapplied, so it is tried again
-# (as kiln.store.orgs does). Both writes made here are safe to apply twice.
+# A key-management write to an org item meets the settle transactions of its requests, and
+# one to a key item another change's transaction of that key: DynamoDB refuses it with
+# TransactionConflictException, unapplied, so it is tried again (as kiln.store.orgs does).
+# Every such write made here is safe to apply twice.
 _CONFLICT_ATTEMPTS = 20
 MAX_LABEL = 100
 # what a label may not hold: control characters, line and paragraph separators, and the
@@ -436,13 +437,23 @@ class Keyring:
         }
         if values:
             payload["ExpressionAttributeValues"] = values
+        try:
+            await self._update(payload)
+        except Exception as exc:
+            if isinstance(condition_failure(exc), ConditionFailed):
+                return False
+            raise
+        return True
+
+    async def _update(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """One UpdateItem, tried again while its item is inside a transaction in flight (an
+        org item in its requests' settles, a key item in a change of its spend limit):
+        DynamoDB refuses it then with TransactionConflictException, unapplied. Any other
+        failure, a failed condition included, is raised at once."""
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             try:
-                await self._aws.dynamodb("UpdateItem", payload)
-                return True
+                return await self._aws.dynamodb("UpdateItem", payload)
             except Exception as exc:
-                if isinstance(condition_failure(exc), ConditionFailed):
-                    return False
                 if getattr(exc, "code", None) != "TransactionConflictException" or attempt == _CONFLICT_ATTEMPTS:
                     raise
             await _backoff(attempt)
@@ -803,8 +814,7 @@ class Keyring:
                      extra_condition: str = "") -> dict[str, Any]:
         key_id = item[KEY.key_id]["S"]
         try:
-            answer = await self._aws.dynamodb(
-                "UpdateItem",
+            answer = await self._update(
                 {
                     "TableName": self._keys_table,
                     "Key": {KEY.hash_key: item[KEY.hash_key]},
