@@ -202,9 +202,15 @@ def test_buffered_tool_calls_pass_through(stack, org):
     assert output[0]["name"] == "weather" and json.loads(output[1]["arguments"]) == {"city": "Paris", "n": 1}
 
 
-def test_a_malformed_answer_is_502_and_settled(stack, org):
+@pytest.mark.parametrize("answer", [
+    {"id": "r", "object": "response", "output": 5},
+    # an error where the response should be (a failed response is a response: status "failed")
+    {"error": {"message": "model overloaded", "type": "server_error", "code": "overloaded"}},
+    {"object": "error", "message": "model overloaded"},
+], ids=["output-int", "error-object", "object-error"])
+def test_a_malformed_answer_is_502_and_settled(stack, org, answer):
     ledger = LedgerCheck(stack, org[0])
-    raw = json.dumps({"id": "r", "object": "response", "output": 5})
+    raw = json.dumps(answer)
     response = ledger.saw(stack.post(RESPONSES, {**BODY, "mock": {"raw_body": raw}}, org[1]))
     assert response.status_code == 502
     (event,) = ledger.check()

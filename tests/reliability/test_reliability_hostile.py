@@ -118,9 +118,14 @@ GOOD_CHOICE = {"index": 0, "message": {"role": "assistant", "content": "one two 
         '"a string"',
         "{not json",
         "",
+        # an error where the completion should be (the SDK would hand the client a completion
+        # with no choices): a failure, as the same object in a stream is
+        json.dumps({"error": {"message": "model overloaded", "type": "server_error", "code": 503}}),
+        json.dumps({"object": "error", "message": "model overloaded", "code": 503}),
+        _answer(choices=[GOOD_CHOICE], error={"message": "cut short"}),
     ],
     ids=["tool_calls-int", "tool_calls-items", "choices-int", "choices-items", "message-str", "array", "string",
-         "invalid", "empty"],
+         "invalid", "empty", "error-object", "object-error", "choices-and-error"],
 )
 def test_a_malformed_buffered_answer_is_502_and_settled(stack, ledger, raw):
     body = {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": raw}}

@@ -217,7 +217,7 @@ def test_deltas_in_one_place_and_a_whole_text_in_another_are_both_billed(stack, 
 def test_a_chat_chunk_with_choices_and_an_error_ends_the_stream_with_the_one_error_event(stack, ledger):
     """`{"choices": [...], "error": {...}}`: the OpenAI SDK raises on any truthy `error`
     (openai/_streaming.py: `if is_mapping(data) and data.get("error")`), choices or not. The
-    gateway's `_is_error` needs no choices: it relays the upstream's error (its message), goes
+    gateway's `is_error_object` needs no choices: it relays the upstream's error (its message), goes
     on, and ends with [DONE] as a success."""
     content = json.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
                           "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]})

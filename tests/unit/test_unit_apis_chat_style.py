@@ -197,6 +197,10 @@ def test_empty_messages_are_refused_before_anything_else():
         ({"choices": [{"message": {"content": "x", "tool_calls": None}}]}, None),
         ({"choices": [{"message": None}, {"message": "x"}]}, "a message is not an object"),
         ({}, None),
+        ({"error": {"message": "overloaded"}}, "an error object, not a completion"),
+        ({"object": "error", "message": "overloaded"}, "an error object, not a completion"),
+        ({"choices": [{"message": {"content": "x"}}], "error": "cut"}, "an error object, not a completion"),
+        ({"choices": [{"message": {"content": "x"}}], "error": None}, None),  # null: no error, as the SDKs read it
     ],
 )
 def test_a_chat_answer_is_readable_or_its_problem_named(answer, problem):

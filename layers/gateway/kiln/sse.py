@@ -19,7 +19,7 @@ from .upstream import UpstreamStreamError
 
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "data_of", "error_event", "is_done",
-    "parse_json", "usage_event",
+    "is_error_object", "parse_json", "usage_event",
 ]
 
 # the catalog's default (kiln.catalog.Limits.event_bytes); each model may set its own
@@ -319,7 +319,7 @@ class SseRelay:
             return None
         # what may be an error is read (any escape may spell one), once for every use below
         data = parse_json(payload) if _IN_BAND_ERROR.search(payload) else UNREAD
-        if data is not UNREAD and _is_error(data):
+        if data is not UNREAD and is_error_object(data):
             # the upstream failed mid-stream: the stream ends with the gateway's one error event (§5)
             return self._failed("the model server sent an error in the stream")
         if self.first_chunk is None:
@@ -382,9 +382,10 @@ def is_done(payload: bytes) -> bool:
     return payload.startswith(b"[DONE]")
 
 
-def _is_error(data: Any) -> bool:
-    """An upstream's error event: an object that is an error, or whose `error` is anything but
-    null, false, 0 or empty (the OpenAI SDKs raise on it, choices or not)."""
+def is_error_object(data: Any) -> bool:
+    """An upstream's error, in an event or as a buffered body: an object that is an error, or
+    whose `error` is anything but null, false, 0 or empty (the OpenAI SDKs raise on such an
+    event, choices or not)."""
     return isinstance(data, dict) and (bool(data.get("error")) or data.get("object") == "error")
 
 

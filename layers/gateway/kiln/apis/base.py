@@ -13,7 +13,7 @@ from ..echo import Echoes
 from ..errors import InvalidType, UnsupportedParameter
 from ..lax import server_bool
 from ..metering import TokenUsage, estimate_text_tokens, fewest_tokens
-from ..sse import DONE, SseRelay, error_event, usage_event
+from ..sse import DONE, SseRelay, error_event, is_error_object, usage_event
 
 __all__ = ["ChatStyleApi", "ModelApi", "stream_flag"]
 
@@ -160,6 +160,10 @@ class ChatStyleApi(ModelApi):
         return forwarded, server_bool(options.get("include_usage")) is True
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
+        if is_error_object(answer):
+            # what ends a stream with the error event (§5) is no completion either: the SDK
+            # would hand the client one with no choices
+            return "an error object, not a completion"
         choices = answer.get("choices", [])
         if not isinstance(choices, list):
             return "choices is not an array"

@@ -33,7 +33,7 @@ from ..metering import (
     fewest_prompt_text_tokens,
     fewest_tokens,
 )
-from ..sse import _IN_BAND_ERROR, SseRelay, _is_error, is_done, parse_json
+from ..sse import _IN_BAND_ERROR, SseRelay, is_done, is_error_object, parse_json
 from .base import ModelApi, capability_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -123,6 +123,8 @@ class ResponsesApi(ModelApi):
         return sum(fewest_prompt_text_tokens(text) for text in texts if isinstance(text, str))
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
+        if answer.get("object") != "response" and is_error_object(answer):
+            return "an error object, not a response"  # a failed response is one: its status says so
         output = answer.get("output", [])
         if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
             return "output is not an array of objects"
@@ -514,7 +516,7 @@ class ResponsesRelay(SseRelay):
                 if not isinstance(data.get("response"), dict):
                     return self._failed(f"its final event ({kind}) has no response object")
                 return self._final(event, data)
-            if kind == "error" or _is_error(data):
+            if kind == "error" or is_error_object(data):
                 # the stream ends with the gateway's one error event (§9), whether the server
                 # wrote the Responses API's error event or chat's (`{"error": {...}}`)
                 return self._failed("the model server sent an error event")
