@@ -145,7 +145,8 @@ def test_a_malformed_buffered_answer_is_502_and_settled(stack, ledger, raw):
     ids=["str", "list", "int", "str-count", "negative", "float", "bool", "details-str", "cached-str"],
 )
 def test_unusable_upstream_usage_is_replaced_by_the_estimate(stack, ledger, usage):
-    """No usage object: estimated. A count that is not a non-negative integer: that count is ours, capped."""
+    """No usage object: estimated. A count that is not a non-negative integer (cached tokens
+    included): that count is ours, capped, and the client is shown the usage billed."""
     raw = _answer(choices=[GOOD_CHOICE], usage=usage)
     response = post(stack, ledger, CHAT, {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": raw}})
     assert response.status_code == 200, response.text
@@ -154,9 +155,10 @@ def test_unusable_upstream_usage_is_replaced_by_the_estimate(stack, ledger, usag
     if not isinstance(usage, dict):
         # 18 characters of reply, ~4 per token
         assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("estimated", ESTIMATED_PROMPT, 5)
-    elif usage["prompt_tokens"] == 3:
-        assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 3, 4)
+    elif usage["prompt_tokens"] == 3:  # what is wrong is the cached tokens: none are believed
+        assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("capped", 3, 4)
         assert event.cached_tokens is None
+        assert "prompt_tokens_details" not in json.loads(response.text)["usage"]
     else:
         assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("capped", ESTIMATED_PROMPT, 4)
     assert json.loads(response.text, parse_float=Decimal)["usage"]["cost"] == event.cost
@@ -266,8 +268,10 @@ def test_malformed_stream_events_never_cut_the_stream(stack, ledger, events, inc
     "usage,expected",
     # the relayed count (one text delta) or the prompt's estimate replaces what cannot be
     [({"prompt_tokens": 3, "completion_tokens": 10**15}, (3, 1)),
-     ({"prompt_tokens": 10**200, "completion_tokens": 2}, (ESTIMATED_PROMPT, 2))],
-    ids=["completion-1e15", "prompt-1e200"],
+     ({"prompt_tokens": 10**200, "completion_tokens": 2}, (ESTIMATED_PROMPT, 2)),
+     # more cached than the prompt: none is believed cached, and the chunk shows none
+     ({"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 10**9}}, (3, 1))],
+    ids=["completion-1e15", "prompt-1e200", "cached-1e9"],
 )
 def test_absurd_streamed_usage_is_capped(stack, ledger, usage, expected):
     events = [CONTENT, FINISH, _chunk(choices=[], usage=usage)]
@@ -279,6 +283,7 @@ def test_absurd_streamed_usage_is_capped(stack, ledger, usage, expected):
     assert event.usage_source == "capped" and (event.prompt_tokens, event.completion_tokens) == expected
     answered = data_events(response.text)[-2]["usage"]
     assert (answered["prompt_tokens"], answered["completion_tokens"]) == expected
+    assert event.cached_tokens is None and "prompt_tokens_details" not in answered
 
 
 def test_a_stream_cut_after_odd_events_ends_with_the_error_event(stack, ledger):

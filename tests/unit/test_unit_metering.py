@@ -227,9 +227,26 @@ def test_implausible_counts_are_replaced_by_our_own_and_marked_capped(reported, 
     assert problems and all(len(problem) < 80 for problem in problems)  # the log never holds a 200-digit number
 
 
-def test_cached_tokens_above_the_prompt_are_dropped():
-    usage, _ = bill({"prompt_tokens": 3, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 4}})
-    assert usage == TokenUsage(3, 4, None, "upstream")
+@pytest.mark.parametrize("details, problem", [
+    ({"cached_tokens": 4}, "cached_tokens above the bound of 3"),
+    ({"cached_tokens": 1_000_000_000}, "cached_tokens above the bound of 3"),
+    ({"cached_tokens": -1}, "cached_tokens not a count (int)"),
+    ({"cached_tokens": "2"}, "cached_tokens not a count (str)"),
+    ("x", "prompt_tokens_details not an object (str)"),
+])
+def test_cached_tokens_the_prompt_cannot_hold_are_none_and_the_usage_capped(details, problem):
+    """§4: usage the model cannot have produced is not believed: no token is billed as cached,
+    and the event (and what the client is shown) is the gateway's, `capped`."""
+    usage, problems = bill({"prompt_tokens": 3, "completion_tokens": 4, "prompt_tokens_details": details})
+    assert usage == TokenUsage(3, 4, None, "capped")
+    assert problems == [problem]
+
+
+@pytest.mark.parametrize("details", [None, {}, {"cached_tokens": None}, {"cached_tokens": 0}, {"cached_tokens": 3}])
+def test_cached_tokens_within_the_prompt_or_none_are_believed(details):
+    usage, problems = bill({"prompt_tokens": 3, "completion_tokens": 4, "prompt_tokens_details": details})
+    cached = details.get("cached_tokens") if details else None
+    assert usage == TokenUsage(3, 4, cached, "upstream") and problems == []
 
 
 def test_cost_is_exact_beyond_the_default_decimal_precision():

@@ -151,7 +151,7 @@ def billable_usage(
     tokens the texts can be: `completion_floor` of those relayed or answered, `prompt_floor()`
     of the prompt's), or (prompt tokens) is 0 for a prompt the gateway counts tokens in: that
     count is replaced by the gateway's own, capped at the bound (`capped`). Cached tokens
-    count only when plausible.
+    that are no count or more than the prompt tokens billed are none (`capped` too).
     """
     floor: list[int] = []  # the prompt's floor, once worked out
 
@@ -186,7 +186,12 @@ def billable_usage(
         completion = min(max(completion_count(), floor), bounds.completion)
     details = reported.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if not (_count(cached) and cached <= prompt):
+    if details is not None and not isinstance(details, dict):
+        problems.append(f"prompt_tokens_details not an object ({type(details).__name__})")
+    elif cached is not None and not (_count(cached) and cached <= prompt):
+        # more cached than the prompt holds, or no count: none is believed cached (the
+        # whole prompt at the input price), and the client is shown what was billed
+        problems.append(f"cached_tokens {_implausible(cached, prompt)}")
         cached = None
     return TokenUsage(prompt, completion, cached, "capped" if problems else "upstream"), problems
 
