@@ -113,6 +113,12 @@ class StorageFaults:
         """Hold matching `operation` calls for `seconds` before they are sent (a slow answer)."""
         return self._rule("slow", operation, when, times, delay=seconds)
 
+    def reply(self, operation: str, answer: dict, *, when: Callable[[dict], bool] = lambda payload: True,
+              times: int | None = None) -> list[int]:
+        """Answer matching `operation` calls with `answer` without sending them: what an eventually
+        consistent read (a global secondary index) may answer, a write not in it yet, or an old one."""
+        return self._rule("reply", operation, when, times, answer=answer)
+
     def _rule(self, kind: str, operation: str, when: Callable[[dict], bool], times: int | None, **extra: Any) -> list[int]:
         rule = {"kind": kind, "operation": operation, "when": when, "times": times, "hits": [], **extra}
         self._rules.append(rule)
@@ -137,6 +143,9 @@ class StorageFaults:
     def answer(self, operation: str, payload: dict) -> Response | None:
         """The injected failure answering this call, if a rule fails it (every call is recorded)."""
         self.calls.append((operation, payload))
+        replied = self._firing("reply", operation, payload)
+        if replied is not None:
+            return Response.complete(200, json.dumps(replied["answer"]).encode())
         rule = self._firing("fail", operation, payload)
         if rule is None:
             return None

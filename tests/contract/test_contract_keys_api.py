@@ -931,6 +931,67 @@ def test_a_keys_own_write_is_tried_again_over_transaction_conflicts(stack, chang
         assert shown["models"] == ["qwen3-32b"]
 
 
+def by_key_id(payload: dict) -> bool:
+    return payload.get("IndexName") == "by_key_id"
+
+
+@pytest.mark.parametrize("change", ["get", "label", "revoke"])
+def test_a_key_just_made_is_found_though_the_index_has_not_seen_it_yet(stack, change):
+    """A key is found by its id through a global secondary index, which DynamoDB brings up to
+    date within about a second of a write: a key created a moment ago may not be in it yet.
+    Managing it at once is still answered for it, never 404 `key_not_found`."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "new"}).json()
+    behind = stack.faults.reply("Query", {"Items": [], "Count": 0, "ScannedCount": 0}, when=by_key_id, times=2)
+    try:
+        if change == "get":
+            answer = call(stack, "GET", f"/v1/keys/{key['id']}", admin)
+        elif change == "label":
+            answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"label": "renamed"})
+        else:
+            answer = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)
+    finally:
+        stack.faults.clear()
+    assert answer.status_code == 200, answer.text
+    assert len(behind) == 3  # twice not found, then found
+    assert answer.json()["id"] == key["id"]
+
+
+def test_a_key_is_answered_as_it_is_not_as_an_index_that_is_behind_has_it(stack):
+    """What the index holds of a key may be older than the key (a change made a moment ago):
+    the key itself is read, consistently, before it is shown or changed."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "before"}).json()
+    old = stack.dynamodb.query(TableName=stack.settings.keys_table, IndexName="by_key_id",
+                               KeyConditionExpression="key_id = :id",
+                               ExpressionAttributeValues={":id": {"S": key["id"]}})
+    assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"label": "after"}).status_code == 200
+    assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
+    stack.faults.reply("Query", {"Items": old["Items"], "Count": 1, "ScannedCount": 1}, when=by_key_id)
+    try:
+        shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
+        again = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"label": "once more"})
+    finally:
+        stack.faults.clear()
+    assert (shown["label"], shown["status"]) == ("after", "revoked")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "key_revoked"
+
+
+def test_a_key_id_no_key_has_is_404_after_the_index_had_time_to_catch_up(stack):
+    org_id, admin = management_org(stack)
+    other_org, other_admin = management_org(stack)
+    elsewhere = call(stack, "POST", "/v1/keys", other_admin, {"label": "theirs"}).json()
+    looked = stack.faults.count("Query", by_key_id)
+    answer = call(stack, "GET", "/v1/keys/key_0123456789abcdef", admin)
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "key_not_found"
+    # looked for again: a key made a moment ago may not be in the index yet
+    assert stack.faults.count("Query", by_key_id) - looked == 5
+    looked = stack.faults.count("Query", by_key_id)
+    answer = call(stack, "GET", f"/v1/keys/{elsewhere['id']}", admin)
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "key_not_found"
+    assert stack.faults.count("Query", by_key_id) - looked == 1  # another org's key: nothing to wait for
+
+
 def test_a_failure_to_remove_the_figures_does_not_undo_the_revocation(stack, caplog):
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()

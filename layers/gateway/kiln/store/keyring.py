@@ -92,6 +92,10 @@ _DEFAULTS = {"role": "inference", "spend_period": "total"}
 # TransactionConflictException, unapplied, so it is tried again (as kiln.store.orgs does).
 # Every such write made here is safe to apply twice.
 _CONFLICT_ATTEMPTS = 20
+# A write reaches a global secondary index within about a second (AWS's figure): a key id not
+# found in the index is looked for again after each of these pauses before it is no key's
+_INDEX_WAITS = (0.1, 0.2, 0.4, 0.8)
+INDEX_CATCH_UP = sum(_INDEX_WAITS)
 MAX_LABEL = 100
 # what a label may not hold: control characters, line and paragraph separators, and the
 # invisible format characters (bidirectional overrides, which reorder the text shown around
@@ -332,15 +336,20 @@ class Keyring:
     # -- reading ---------------------------------------------------------------------------
 
     async def by_hash(self, key_hash: str) -> KeyInfo | None:
-        found = await self._aws.dynamodb(
-            "GetItem", {"TableName": self._keys_table, "Key": {KEY.hash_key: {"S": key_hash}}, "ConsistentRead": True}
-        )
-        item = found.get("Item")
+        item = await self._current(key_hash)
         return _info(item) if item else None
 
     async def _item(self, key_id: str, org_id: str | None) -> dict[str, Any]:
-        """The key item with this id (of `org_id`, when given), or RecordNotFound."""
-        if KEY_ID.fullmatch(key_id):
+        """The key item with this id (of `org_id`, when given), as it is now, or RecordNotFound.
+
+        The id is looked up in a global secondary index, which DynamoDB brings up to date
+        within about a second of a write, never at once: a key made a moment ago may not be
+        in it yet (it is looked for again, for up to INDEX_CATCH_UP seconds, before the id is
+        taken for no key's), and what it holds of a key may be older than the key (the key
+        item itself is read, consistently)."""
+        if not KEY_ID.fullmatch(key_id):
+            raise RecordNotFound("key", key_id)
+        for wait in (*_INDEX_WAITS, None):
             found = await self._aws.dynamodb(
                 "Query",
                 {
@@ -351,10 +360,22 @@ class Keyring:
                     "ExpressionAttributeValues": {":id": {"S": key_id}},
                 },
             )
-            for item in found.get("Items", []):
-                if org_id is None or item.get(KEY.org_id, {}).get("S") == org_id:
-                    return item
+            listed = found.get("Items", [])
+            for entry in listed:
+                if org_id is None or entry.get(KEY.org_id, {}).get("S") == org_id:
+                    item = await self._current(entry[KEY.hash_key]["S"])
+                    if item is not None and item.get(KEY.key_id, {}).get("S") == key_id:
+                        return item
+            if listed or wait is None:  # the id is another org's key, or no key's
+                break
+            await asyncio.sleep(wait)
         raise RecordNotFound("key", key_id)
+
+    async def _current(self, key_hash: str) -> dict[str, Any] | None:
+        found = await self._aws.dynamodb(
+            "GetItem", {"TableName": self._keys_table, "Key": {KEY.hash_key: {"S": key_hash}}, "ConsistentRead": True}
+        )
+        return found.get("Item")
 
     async def get(self, key_id: str, *, org_id: str | None = None) -> KeyInfo:
         return _info(await self._item(key_id, org_id))
