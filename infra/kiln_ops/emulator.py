@@ -316,6 +316,10 @@ class Faults:
     lost      a write is applied, then its answer is cut off (the connection closes mid-answer)
     txn_ms    how long a transaction holds its items (always, also at rate 0): a plain write to
               one of them meanwhile conflicts, and so does another transaction
+    index_ms  how long a write takes to reach the tables' global secondary indexes (DynamoDB:
+              within about a second): a Query of an index meanwhile leaves out the items it
+              wrote (an item created is not found yet; one changed is missing, where DynamoDB
+              would show its old version)
     seed      the random draws' seed (runs under concurrency still interleave differently)
     scope     `all` calls, or only the `gateway`'s (not botocore's: operators' tools and set-up)
     """
@@ -324,16 +328,17 @@ class Faults:
     throttle: float = 0.0
     lost: float = 0.0
     txn_ms: float = 0.0
+    index_ms: float = 0.0
     seed: int | None = None
     scope: str = "all"
 
     @property
     def enabled(self) -> bool:
-        return bool(self.conflict or self.throttle or self.lost or self.txn_ms)
+        return bool(self.conflict or self.throttle or self.lost or self.txn_ms or self.index_ms)
 
     @classmethod
     def parse(cls, text: str | None) -> "Faults":
-        """`conflict=0.5,throttle=0.05,lost=0.05,txn_ms=5,seed=7,scope=gateway` (any subset;
+        """`conflict=0.5,throttle=0.05,lost=0.05,txn_ms=5,index_ms=500,seed=7,scope=gateway` (any subset;
         an empty text turns nothing on). ValueError names what is wrong."""
         values: dict[str, Any] = {}
         known = {field.name for field in fields(cls)}
@@ -354,8 +359,8 @@ class Faults:
                 raise ValueError(f"{name} needs a number, got {raw!r}") from None
             if name in ("conflict", "throttle", "lost") and not 0.0 <= number <= 1.0:
                 raise ValueError(f"{name} is a rate between 0 and 1, got {raw}")
-            if name == "txn_ms" and not 0.0 <= number <= 60_000:
-                raise ValueError(f"txn_ms is between 0 and 60000, got {raw}")
+            if name in ("txn_ms", "index_ms") and not 0.0 <= number <= 60_000:
+                raise ValueError(f"{name} is between 0 and 60000, got {raw}")
             values[name] = number
         return cls(**values)
 
@@ -367,7 +372,7 @@ class Faults:
         if not self.enabled:
             return "off"
         parts = [f"conflict={self.conflict:g}", f"throttle={self.throttle:g}", f"lost={self.lost:g}",
-                 f"txn_ms={self.txn_ms:g}", f"scope={self.scope}"]
+                 f"txn_ms={self.txn_ms:g}", f"index_ms={self.index_ms:g}", f"scope={self.scope}"]
         return ",".join(parts + ([f"seed={self.seed}"] if self.seed is not None else []))
 
 
@@ -393,6 +398,7 @@ class FaultyDynamoDB:
         self._transactional: set[tuple[str, str]] = set()  # items some transaction has written
         self._tokens: dict[str, tuple[str, float, tuple[int, list, bytes] | None]] = {}
         self._key_names: dict[str, list[str]] = {}
+        self._written: dict[tuple[str, str], float] = {}  # item → when a write last reached it (index_ms)
         if faults.lost:
             logging.getLogger("uvicorn.error").addFilter(_LostAnswers())
 
@@ -419,6 +425,9 @@ class FaultyDynamoDB:
             if item in self._held or (item in self._transactional and self._draw(self.faults.conflict)):
                 return await _error(send, "TransactionConflictException",
                                     "Transaction is ongoing for the item")
+            self._wrote([item])
+        if faulty and operation == "Query" and payload.get("IndexName") and self.faults.index_ms:
+            return await self._lagging_index(scope, body, payload, send)
         await self._forward(scope, body, send, lose=faulty and operation in _WRITES and self._draw(self.faults.lost))
 
     async def _transaction(self, scope: dict, body: bytes, payload: dict, send: Any, faulty: bool) -> None:
@@ -454,6 +463,8 @@ class FaultyDynamoDB:
         for item in items:
             self._held[item] = self._held.get(item, 0) + 1
             self._transactional.add(item)
+        if faulty:
+            self._wrote(items)
         try:
             if self.faults.txn_ms:
                 await asyncio.sleep(self.faults.txn_ms / 1000)
@@ -469,6 +480,33 @@ class FaultyDynamoDB:
             else:
                 del self._tokens[token]  # a refused transaction leaves its token free
         await _answer(send, *answer, lose=faulty and self._draw(self.faults.lost))
+
+    def _wrote(self, items: list[tuple[str, str]]) -> None:
+        """Note the items a write reaches (for index_ms), forgetting those whose index caught up."""
+        if not self.faults.index_ms:
+            return
+        now = time.monotonic()
+        caught_up = now - self.faults.index_ms / 1000
+        if len(self._written) > 10_000:
+            self._written = {item: when for item, when in self._written.items() if when > caught_up}
+        for item in items:
+            self._written[item] = now
+
+    async def _lagging_index(self, scope: dict, body: bytes, payload: dict, send: Any) -> None:
+        """A Query of an index, without the items written less than index_ms ago."""
+        status, headers, answer = await _capture(self._app, scope, body)
+        if status == 200:
+            table = payload.get("TableName", "")
+            caught_up = time.monotonic() - self.faults.index_ms / 1000
+            result = json.loads(answer)
+            items = [item for item in result.get("Items", [])
+                     if self._written.get(self._item(table, item), caught_up) <= caught_up]
+            if len(items) != len(result.get("Items", [])):
+                result["Items"], result["Count"] = items, len(items)
+                answer = json.dumps(result).encode()
+                headers = [(name, value) for name, value in headers if name.lower() != b"content-length"]
+                headers.append((b"content-length", str(len(answer)).encode()))
+        await _answer(send, status, headers, answer)
 
     def _transact_item(self, entry: dict) -> tuple[str, str]:
         (kind, op), = entry.items()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import secrets
 import threading
+import time
 from decimal import Decimal
 
 import pytest
@@ -405,3 +406,42 @@ def test_an_update_dynamodb_refuses_writes_none_of_its_actions(stack, refused):
     _validation_error(lambda: client.update_item(TableName=table, Key=key, UpdateExpression=update,
                                                  ExpressionAttributeValues=values))
     assert client.get_item(TableName=table, Key=key, ConsistentRead=True)["Item"] == before
+
+
+def test_a_write_reaches_an_index_only_after_index_ms_as_in_dynamodb(faulty):
+    """A global secondary index is eventually consistent: a Query of it a moment after a write
+    does not find the item yet, the table does (consistently) at once, and after index_ms the
+    index does too. Operators' tools (scope=gateway) see it at once."""
+    layer, call, client = faulty("index_ms=400,scope=gateway")
+    indexed = f"{TABLE}-indexed"
+    if indexed not in client.list_tables()["TableNames"]:
+        client.create_table(
+            TableName=indexed, KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
+            AttributeDefinitions=[{"AttributeName": "id", "AttributeType": "S"},
+                                  {"AttributeName": "g", "AttributeType": "S"}],
+            GlobalSecondaryIndexes=[{"IndexName": "by_g", "KeySchema": [{"AttributeName": "g", "KeyType": "HASH"}],
+                                     "Projection": {"ProjectionType": "ALL"}}],
+            BillingMode="PAY_PER_REQUEST",
+        )
+    group = secrets.token_hex(4)
+    query = {"TableName": indexed, "IndexName": "by_g", "KeyConditionExpression": "g = :g",
+             "ExpressionAttributeValues": {":g": {"S": group}}}
+    assert call("Query", query)["Items"] == []
+    written = time.monotonic()
+    call("PutItem", {"TableName": indexed, "Item": {"id": {"S": "a"}, "g": {"S": group}}})
+    behind = call("Query", query)
+    table = call("GetItem", {"TableName": indexed, "Key": {"id": {"S": "a"}}, "ConsistentRead": True})
+    tools = client.query(**query)
+    assert time.monotonic() - written < 0.4  # all of it within the index's lag
+    assert (behind["Items"], behind["Count"]) == ([], 0)
+    assert table["Item"]["g"]["S"] == group and tools["Count"] == 1
+    time.sleep(0.45)
+    caught_up = call("Query", query)
+    assert caught_up["Count"] == 1 and caught_up["Items"][0]["id"]["S"] == "a"
+
+
+def test_index_ms_is_parsed_and_bounded():
+    assert emulator.Faults.parse("index_ms=500").index_ms == 500 and emulator.Faults.parse("index_ms=500").enabled
+    assert "index_ms=500" in emulator.Faults.parse("index_ms=500").describe()
+    with pytest.raises(ValueError, match="index_ms is between 0 and 60000"):
+        emulator.Faults.parse("index_ms=-1")

@@ -19,7 +19,7 @@ import pytest
 
 from kiln.store.keys import create_key, list_keys
 from kiln.store.keyspend import KeyLimits
-from support import LedgerCheck, make_stack
+from support import EmulatorProcess, LedgerCheck, make_stack
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x y z"}]}
@@ -432,3 +432,30 @@ def test_keys_with_limits_and_their_reads_under_conflicting_writes_add_up(faulty
         ledger.check(timeout=20)
     finally:
         stack.close()
+
+
+def test_keys_are_managed_at_once_on_an_index_that_lags_as_dynamodbs_does(mock):
+    """On the emulator's fault mode with its indexes a second behind the table (DynamoDB's
+    figure), a key made through /v1/keys is shown, renamed and revoked at once, and the new
+    key reads itself through /v1/key at once: never 404 `key_not_found`."""
+    lagging = EmulatorProcess(faults="index_ms=1000,scope=gateway")
+    try:
+        stack = make_stack(lagging.url, mock)
+        try:
+            org_id, _ = stack.org()
+            admin = {"Authorization": f"Bearer {stack.key(org_id, role='management')}"}
+            for _ in range(3):
+                made = stack.http.post("/v1/keys", json={"label": "new"}, headers=admin)
+                assert made.status_code == 201, made.text
+                key_id, secret = made.json()["id"], made.json()["secret"]
+                own = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"})
+                shown = stack.http.get(f"/v1/keys/{key_id}", headers=admin)
+                renamed = stack.http.patch(f"/v1/keys/{key_id}", json={"label": "renamed"}, headers=admin)
+                revoked = stack.http.delete(f"/v1/keys/{key_id}", headers=admin)
+                assert [own.status_code, shown.status_code, renamed.status_code, revoked.status_code] == [200] * 4, [
+                    own.text, shown.text, renamed.text, revoked.text]
+                assert renamed.json()["label"] == "renamed" and revoked.json()["status"] == "revoked"
+        finally:
+            stack.close()
+    finally:
+        lagging.stop()
