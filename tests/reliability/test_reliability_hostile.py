@@ -414,11 +414,16 @@ def test_a_responses_stream_the_upstream_ends_badly_ends_with_one_error_event(st
     assert (event.status, event.completion_tokens, event.usage_source) == ("stream_interrupted", 2, "estimated")
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["object-response", "no-object"])
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
-def test_a_failed_response_is_billed_as_reported_and_settled_as_an_upstream_error(stack, ledger, stream):
+def test_a_failed_response_is_billed_as_reported_and_settled_as_an_upstream_error(stack, ledger, stream, named):
+    """A failed response is a response, its error its own, whether or not the server names
+    its `object` (it is one by its status and output, as an error object is not)."""
     answer = {"id": "r", "object": "response", "status": "failed", "output": [],
               "error": {"code": "server_error", "message": "the model crashed"},
               "usage": {"input_tokens": 100, "output_tokens": 20}}
+    if not named:
+        del answer["object"]
     body = {"model": MODEL, "input": "hi", "stream": stream,
             "mock": {"raw_events": [json.dumps({"type": "response.failed", "response": answer})], "no_done": True}
             if stream else {"raw_body": json.dumps(answer)}}

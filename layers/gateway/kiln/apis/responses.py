@@ -123,8 +123,8 @@ class ResponsesApi(ModelApi):
         return sum(fewest_prompt_text_tokens(text) for text in texts if isinstance(text, str))
 
     def shape_problem(self, answer: dict[str, Any]) -> str | None:
-        if answer.get("object") != "response" and is_error_object(answer):
-            return "an error object, not a response"  # a failed response is one: its status says so
+        if is_error_object(answer) and not _a_response(answer):
+            return "an error object, not a response"
         output = answer.get("output", [])
         if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
             return "output is not an array of objects"
@@ -160,6 +160,12 @@ class ResponsesApi(ModelApi):
 
     def stream_error(self, message: str) -> bytes:
         return b"event: error\ndata: " + dumps({"type": "error", "code": "upstream_error", "message": message}) + b"\n\n"
+
+
+def _a_response(answer: dict[str, Any]) -> bool:
+    """Whether an answer is a response object, failed ones included (their `error` is theirs):
+    named one, or with a response's status or output, which an error object has not."""
+    return answer.get("object") == "response" or "status" in answer or "output" in answer
 
 
 def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:

@@ -345,8 +345,8 @@ class Keyring:
         The id is looked up in a global secondary index, which DynamoDB brings up to date
         within about a second of a write, never at once: a key made a moment ago may not be
         in it yet (it is looked for again, for up to INDEX_CATCH_UP seconds, before the id is
-        taken for no key's), and what it holds of a key may be older than the key (the key
-        item itself is read, consistently)."""
+        taken for no key of the org's), and what it holds of a key may be older than the key
+        (the key item itself is read, consistently)."""
         if not KEY_ID.fullmatch(key_id):
             raise RecordNotFound("key", key_id)
         for wait in (*_INDEX_WAITS, None):
@@ -366,8 +366,10 @@ class Keyring:
                     item = await self._current(entry[KEY.hash_key]["S"])
                     if item is not None and item.get(KEY.key_id, {}).get("S") == key_id:
                         return item
-            if listed or wait is None:  # the id is another org's key, or no key's
+            if wait is None:
                 break
+            # an id the index holds for another org is waited for as long as one it does not
+            # hold: how long the 404 took must not tell whether the id is a key somewhere
             await asyncio.sleep(wait)
         raise RecordNotFound("key", key_id)
 
