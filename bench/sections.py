@@ -103,7 +103,9 @@ def overhead(results: dict) -> str:
         "what it holds beyond the wait is the gateway's own time around its calls (signing, JSON, its event loop "
         "busy with other requests). Kiln's added latency is the unprobed function's (`kiln-standin-bare`, same "
         "stand-in) where the run measured it; its storage calls per request are the probed cell's. Added = target − "
-        "direct, same mode and concurrency, same run.",
+        "direct, same mode and concurrency, same run. The two p99s are of different requests: an added p99 below "
+        "zero says the direct path's own slowest requests were slower (the mock's outliers), not that a gateway "
+        "took time away.",
         "",
         "| mode | conc. | Kiln added p50 | storage calls/req × service ms | storage wait | **net p50** | Portkey added "
         "p50 | LiteLLM added p50 | Kiln added p99 | net p99 | Portkey added p99 | probe storage wall p50 | net p50 ≤ "
