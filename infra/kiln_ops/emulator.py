@@ -319,7 +319,8 @@ class Faults:
     index_ms  how long a write takes to reach the tables' global secondary indexes (DynamoDB:
               within about a second): a Query of an index meanwhile leaves out the items it
               wrote (an item created is not found yet; one changed is missing, where DynamoDB
-              would show its old version)
+              would show its old version; a write its condition refused counts too: the
+              emulator errs towards more lag, not less)
     seed      the random draws' seed (runs under concurrency still interleave differently)
     scope     `all` calls, or only the `gateway`'s (not botocore's: operators' tools and set-up)
     """
@@ -463,8 +464,9 @@ class FaultyDynamoDB:
         for item in items:
             self._held[item] = self._held.get(item, 0) + 1
             self._transactional.add(item)
-        if faulty:
-            self._wrote(items)
+        if faulty:  # a condition check writes nothing
+            self._wrote([item for item, entry in zip(items, payload.get("TransactItems") or [], strict=True)
+                         if "ConditionCheck" not in entry])
         try:
             if self.faults.txn_ms:
                 await asyncio.sleep(self.faults.txn_ms / 1000)

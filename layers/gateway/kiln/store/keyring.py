@@ -95,7 +95,6 @@ _CONFLICT_ATTEMPTS = 20
 # A write reaches a global secondary index within about a second (AWS's figure): a key id not
 # found in the index is looked for again after each of these pauses before it is no key's
 _INDEX_WAITS = (0.1, 0.2, 0.4, 0.8)
-INDEX_CATCH_UP = sum(_INDEX_WAITS)
 MAX_LABEL = 100
 # what a label may not hold: control characters, line and paragraph separators, and the
 # invisible format characters (bidirectional overrides, which reorder the text shown around
@@ -344,7 +343,7 @@ class Keyring:
 
         The id is looked up in a global secondary index, which DynamoDB brings up to date
         within about a second of a write, never at once: a key made a moment ago may not be
-        in it yet (it is looked for again, for up to INDEX_CATCH_UP seconds, before the id is
+        in it yet (it is looked for again, for 1.5 s in all (_INDEX_WAITS), before the id is
         taken for no key of the org's), and what it holds of a key may be older than the key
         (the key item itself is read, consistently)."""
         if not KEY_ID.fullmatch(key_id):
