@@ -202,6 +202,37 @@ def test_the_retry_budget_ends_in_a_storage_error(stack_factory, code):
     assert stack.org_info(org_id).in_flight == 0
 
 
+def test_an_admission_whose_answers_were_all_lost_is_taken_back_not_left_to_expire(stack_factory):
+    """§1: a request refused with 503 (`storage_unavailable`) writes no usage event. When every
+    answer to its admission was lost, the write may have been applied all the same: its lease
+    is taken back as soon as storage answers again, not left to be reclaimed as the `abandoned`
+    event of a request its client was told was refused, holding a slot until then."""
+    stack = stack_factory(storage_retry_attempts=3)
+    org_id, _ = stack.org(concurrency=1)
+    faults = StorageFaults()
+    faults.lose("UpdateItem", times=3)  # applied, answer lost: every attempt of the admission
+    with pytest.raises(StorageError):
+        _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    info = stack.org_info(org_id)
+    assert info.in_flight == 0, info.leases
+    assert not any(name.startswith("key_leases:") for name in stack.key_figures(org_id))
+    assert stack.events(org_id) == []
+    assert _admit(stack, org_id) is not None  # the org's one slot is free at once
+
+
+def test_taking_back_an_admission_that_was_never_applied_changes_nothing(stack_factory):
+    stack = stack_factory(storage_retry_attempts=2)
+    org_id, _ = stack.org(concurrency=2)
+    running = _admit(stack, org_id)
+    faults = StorageFaults()
+    faults.fail("UpdateItem", code="ThrottlingException", times=2)
+    with pytest.raises(StorageError):
+        _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    assert stack.org_info(org_id).in_flight == 1  # the other request's lease is left as it was
+    assert stack.ledger.settle(running, _event(running)) == "settled"
+
+
+# -- leases that follow their request ---------------------------------------------------------
 # -- leases that follow their request ---------------------------------------------------------
 
 

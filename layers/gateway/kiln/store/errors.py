@@ -29,6 +29,7 @@ __all__ = [
     "UnstorableValue",
     "condition_failure",
     "is_transient",
+    "may_have_been_applied",
     "translate_storage_error",
 ]
 
@@ -46,6 +47,9 @@ TRANSIENT_CODES = frozenset(
         "ConnectionError",  # kiln.aws: the answer never came (refused, reset, timed out)
     }
 )
+# Of those, the failures after which the call may have been applied all the same: its answer
+# never came, or DynamoDB's own fault (a 5xx "may or may not have succeeded").
+MAYBE_APPLIED_CODES = frozenset({"ConnectionError", "InternalServerError", "InternalFailure", "ServiceUnavailable"})
 # Cancellation reasons of a transaction that another try may cure.
 TRANSIENT_REASONS = frozenset({"TransactionConflict", "ThrottlingError", "ProvisionedThroughputExceeded"})
 
@@ -121,6 +125,11 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, TransactionCancelled):
         return exc.transient
     return isinstance(exc, TransientStorageError)
+
+
+def may_have_been_applied(exc: BaseException) -> bool:
+    """Whether a write that failed so may have been applied (its answer lost, or a 5xx)."""
+    return isinstance(exc, TransientStorageError) and exc.code in MAYBE_APPLIED_CODES
 
 
 def condition_failure(exc: BaseException) -> BaseException | None:

@@ -66,7 +66,7 @@ from ..errors import (
 from ..jsonio import decimal_text
 from .clock import iso_ms, to_the_ms
 from .codec import exact_sum, number, to_item, within_digits
-from .errors import ConditionFailed, StorageError, TransactionCancelled, translate_storage_error
+from .errors import ConditionFailed, StorageError, TransactionCancelled, may_have_been_applied, translate_storage_error
 from .keyspend import (
     KeyLimits,
     counted_in,
@@ -288,9 +288,25 @@ class Ledger:
             "ReturnValues": "ALL_OLD",
             "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
         }
+        applied_maybe = []  # a try whose answer was lost (or a 5xx) may have taken the slot
+
+        async def admission() -> Any:
+            try:
+                return await self._call("UpdateItem", payload)
+            except StorageError as exc:
+                if may_have_been_applied(exc):
+                    applied_maybe.append(exc)
+                raise
+
         for attempt in range(2):
             try:
-                answer = await self._retried("admission", "UpdateItem", payload)
+                answer = await self._retry.run(admission, what="admission")
+            except StorageError:
+                # answered 503, it writes no event (§1): a lease one of its tries may have written
+                # is taken back, not left to be reclaimed as an abandoned request
+                if applied_maybe:
+                    self._in_background(self._take_back(lease))
+                raise
             except ConditionFailed as refused:
                 old = refused.old_item
                 refusal = self._refusal(old, key_id, limits, now)
@@ -330,6 +346,29 @@ class Ledger:
         return RateLimitExceeded(
             f"This key already has {limits.concurrency} requests in flight, its limit. Retry with exponential backoff."
         )
+
+    async def _take_back(self, lease: Lease) -> None:
+        """Remove a lease whose admission failed as far as its caller knows (a write that is
+        not there removes nothing); retried within the policy, the next reclaim's if it fails."""
+        try:
+            await self._retried(
+                "take back",
+                "UpdateItem",
+                {
+                    "TableName": self._orgs_table,
+                    "Key": {ORG.hash_key: {"S": lease.org_id}},
+                    "UpdateExpression": "REMOVE #leases.#gen DELETE #key_leases :gen_ids",
+                    "ConditionExpression": LEASE_HELD,
+                    "ExpressionAttributeNames": {"#leases": ORG.leases, "#gen": lease.gen_id,
+                                                 "#key_leases": leases_attribute(lease.key_id)},
+                    "ExpressionAttributeValues": {":gen_ids": {"SS": [lease.gen_id]}},
+                },
+            )
+        except ConditionFailed:
+            pass  # the admission was never applied
+        except Exception as exc:  # noqa: BLE001 - the lease expires and is reclaimed instead
+            log.warning(json.dumps({"event": "take_back_failed", "org_id": lease.org_id, "generation_id": lease.gen_id,
+                                    "detail": type(exc).__name__}))
 
     # -- renewal ---------------------------------------------------------------------------
 
