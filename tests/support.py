@@ -17,7 +17,7 @@ import httpx
 
 from kiln.aws import AwsClient
 from kiln.gateway import Gateway
-from kiln.http1 import HttpClient, ProtocolFailure, Response
+from kiln.http1 import ConnectFailed, HttpClient, ProtocolFailure, Response
 from kiln.observability import Observer
 from kiln.settings import Settings
 from kiln.store import Tables, UsageEvent, bind, with_ledger
@@ -104,9 +104,15 @@ class StorageFaults:
         return self._rule("fail", operation, when, times, code=code, reasons=reasons)
 
     def lose(self, operation: str, *, when: Callable[[dict], bool] = lambda payload: True,
-             times: int | None = None) -> list[int]:
-        """Apply matching `operation` calls, then lose their answers (a reset after the write)."""
-        return self._rule("lose", operation, when, times)
+             times: int | None = None, answer: tuple[int, bytes] | None = None) -> list[int]:
+        """Apply matching `operation` calls, then lose their answers (a reset after the write);
+        `answer`: (status, body) answered instead, as a proxy in front of DynamoDB would (a 504)."""
+        return self._rule("lose", operation, when, times, answer=answer)
+
+    def unreachable(self, operation: str, *, when: Callable[[dict], bool] = lambda payload: True,
+                    times: int | None = None) -> list[int]:
+        """Refuse the connection for matching `operation` calls: nothing is sent."""
+        return self._rule("unreachable", operation, when, times)
 
     def slow(self, operation: str, seconds: float, *, when: Callable[[dict], bool] = lambda payload: True,
              times: int | None = None) -> list[int]:
@@ -159,9 +165,13 @@ class StorageFaults:
         rule = self._firing("slow", operation, payload)
         return rule["delay"] if rule is not None else 0.0
 
-    def lost(self, operation: str, payload: dict) -> bool:
-        """Is the answer to this call, already applied, to be lost?"""
-        return self._firing("lose", operation, payload) is not None
+    def lost(self, operation: str, payload: dict) -> dict[str, Any] | None:
+        """The rule losing the answer to this call, already applied, if one does."""
+        return self._firing("lose", operation, payload)
+
+    def refused(self, operation: str, payload: dict) -> bool:
+        """Is the connection for this call to be refused (nothing sent)?"""
+        return self._firing("unreachable", operation, payload) is not None
 
 
 class FaultInjectingHttp(HttpClient):
@@ -177,12 +187,17 @@ class FaultInjectingHttp(HttpClient):
         injected = self._faults.answer(operation, payload)
         if injected is not None:
             return injected
+        if self._faults.refused(operation, payload):
+            raise ConnectFailed("could not connect: connection refused (injected by the test)")
         delay = self._faults.delay(operation, payload)
         if delay:
             await asyncio.sleep(delay)
         response = await super().request(method, url, headers=headers, body=body, **options)
-        if self._faults.lost(operation, payload):
-            await response.read()  # applied by DynamoDB; the answer never reaches the gateway
+        lost = self._faults.lost(operation, payload)
+        if lost is not None:
+            await response.read()  # applied by DynamoDB; its answer never reaches the gateway
+            if lost["answer"] is not None:
+                return Response.complete(*lost["answer"])
             raise ProtocolFailure("connection reset after the request was sent (injected by the test)")
         return response
 

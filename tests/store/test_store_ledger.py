@@ -202,7 +202,8 @@ def test_the_retry_budget_ends_in_a_storage_error(stack_factory, code):
     assert stack.org_info(org_id).in_flight == 0
 
 
-def test_an_admission_whose_answers_were_all_lost_is_taken_back_not_left_to_expire(stack_factory):
+@pytest.mark.parametrize("lost", ["reset", "proxy 504"])
+def test_an_admission_whose_answers_were_all_lost_is_taken_back_not_left_to_expire(stack_factory, lost):
     """§1: a request refused with 503 (`storage_unavailable`) writes no usage event. When every
     answer to its admission was lost, the write may have been applied all the same: its lease
     is taken back as soon as storage answers again, not left to be reclaimed as the `abandoned`
@@ -210,7 +211,9 @@ def test_an_admission_whose_answers_were_all_lost_is_taken_back_not_left_to_expi
     stack = stack_factory(storage_retry_attempts=3)
     org_id, _ = stack.org(concurrency=1)
     faults = StorageFaults()
-    faults.lose("UpdateItem", times=3)  # applied, answer lost: every attempt of the admission
+    # applied, and its answer lost on every attempt: cut, or replaced by a proxy's 504 (no AWS error code)
+    answer = (504, b"<html><body>504 Gateway Time-out</body></html>") if lost == "proxy 504" else None
+    faults.lose("UpdateItem", times=3, answer=answer)
     with pytest.raises(StorageError):
         _admit(stack, org_id, SyncLedger(stack.settings, faults))
     info = stack.org_info(org_id)
@@ -220,19 +223,25 @@ def test_an_admission_whose_answers_were_all_lost_is_taken_back_not_left_to_expi
     assert _admit(stack, org_id) is not None  # the org's one slot is free at once
 
 
-def test_taking_back_an_admission_that_was_never_applied_changes_nothing(stack_factory):
+@pytest.mark.parametrize("refusal", ["throttled", "unreachable"])
+def test_an_admission_that_cannot_have_been_applied_is_not_taken_back(stack_factory, refusal):
+    """Refused (throttling) or never sent (no connection): nothing to take back, and storage
+    that is already failing is not sent a write more per refused request."""
     stack = stack_factory(storage_retry_attempts=2)
     org_id, _ = stack.org(concurrency=2)
     running = _admit(stack, org_id)
     faults = StorageFaults()
-    faults.fail("UpdateItem", code="ThrottlingException", times=2)
+    if refusal == "throttled":
+        faults.fail("UpdateItem", code="ThrottlingException", times=2)
+    else:
+        faults.unreachable("UpdateItem", times=2)
     with pytest.raises(StorageError):
         _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    assert faults.count("UpdateItem") == 2  # the two tries, no take-back
     assert stack.org_info(org_id).in_flight == 1  # the other request's lease is left as it was
     assert stack.ledger.settle(running, _event(running)) == "settled"
 
 
-# -- leases that follow their request ---------------------------------------------------------
 # -- leases that follow their request ---------------------------------------------------------
 
 

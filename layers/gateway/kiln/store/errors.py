@@ -47,9 +47,9 @@ TRANSIENT_CODES = frozenset(
         "ConnectionError",  # kiln.aws: the answer never came (refused, reset, timed out)
     }
 )
-# Of those, the failures after which the call may have been applied all the same: its answer
-# never came, or DynamoDB's own fault (a 5xx "may or may not have succeeded").
-MAYBE_APPLIED_CODES = frozenset({"ConnectionError", "InternalServerError", "InternalFailure", "ServiceUnavailable"})
+# Of those, the ones that say the call went unanswered (it may have been applied), and those
+# of DynamoDB's own faults (a 5xx, whatever status it came with)
+_UNANSWERED_CODES = frozenset({"ConnectionError", "InternalServerError", "InternalFailure", "ServiceUnavailable"})
 # Cancellation reasons of a transaction that another try may cure.
 TRANSIENT_REASONS = frozenset({"TransactionConflict", "ThrottlingError", "ProvisionedThroughputExceeded"})
 
@@ -66,7 +66,13 @@ class StorageError(Exception):
 
 
 class TransientStorageError(StorageError):
-    """A refusal worth another try (conflict, throttling, 5xx, lost answer)."""
+    """A refusal worth another try (conflict, throttling, 5xx, lost answer). `maybe_applied`:
+    the call may have been applied all the same (its answer lost, or a 5xx, which "may or
+    may not have succeeded"), where a refusal (conflict, throttling) says it was not."""
+
+    def __init__(self, message: str, code: str | None = None, *, maybe_applied: bool = False) -> None:
+        super().__init__(message, code)
+        self.maybe_applied = maybe_applied
 
 
 class UnstorableValue(StorageError):
@@ -129,7 +135,7 @@ def is_transient(exc: BaseException) -> bool:
 
 def may_have_been_applied(exc: BaseException) -> bool:
     """Whether a write that failed so may have been applied (its answer lost, or a 5xx)."""
-    return isinstance(exc, TransientStorageError) and exc.code in MAYBE_APPLIED_CODES
+    return isinstance(exc, TransientStorageError) and exc.maybe_applied
 
 
 def condition_failure(exc: BaseException) -> BaseException | None:
@@ -162,8 +168,12 @@ def translate_storage_error(exc: BaseException) -> BaseException:
         return exc
     code, status = _code_and_status(exc)
     detail = f"{type(exc).__name__}: {code or exc}"
-    if code in TRANSIENT_CODES or (status is not None and status >= 500) or _lost_answer(exc):
-        return TransientStorageError(detail, code)
+    server_fault = status is not None and status >= 500
+    if code in TRANSIENT_CODES or server_fault or _lost_answer(exc):
+        # sent and not answered, or answered by a fault of the server's: perhaps applied; a
+        # connection that was never made carried no call
+        maybe = (server_fault or code in _UNANSWERED_CODES or _lost_answer(exc)) and not _never_sent(exc)
+        return TransientStorageError(detail, code, maybe_applied=maybe)
     return StorageError(detail, code)
 
 
@@ -179,6 +189,22 @@ def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
     response = getattr(error, "response", {}) or {}
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return response.get("Error", {}).get("Code"), status if isinstance(status, int) else None
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """A connection that could not be made: the call never left."""
+    from ..http1 import ConnectFailed, ConnectTimeout
+
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 5:
+        if isinstance(current, (ConnectFailed, ConnectTimeout)):
+            return True
+        if type(current).__name__ in ("EndpointConnectionError", "ConnectTimeoutError"):  # botocore's
+            return True
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return False
 
 
 def _lost_answer(exc: BaseException) -> bool:
