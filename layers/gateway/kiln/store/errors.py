@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import StorageUnavailable
 
@@ -169,10 +169,11 @@ def translate_storage_error(exc: BaseException) -> BaseException:
     code, status = _code_and_status(exc)
     detail = f"{type(exc).__name__}: {code or exc}"
     server_fault = status is not None and status >= 500
-    if code in TRANSIENT_CODES or server_fault or _lost_answer(exc):
+    transport = _lost_answer(exc)
+    if code in TRANSIENT_CODES or server_fault or transport:
         # sent and not answered, or answered by a fault of the server's: perhaps applied; a
         # connection that was never made carried no call
-        maybe = (server_fault or code in _UNANSWERED_CODES or _lost_answer(exc)) and not _never_sent(exc)
+        maybe = (server_fault or transport or code in _UNANSWERED_CODES) and not _never_sent(exc)
         return TransientStorageError(detail, code, maybe_applied=maybe)
     return StorageError(detail, code)
 
@@ -191,37 +192,34 @@ def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
     return response.get("Error", {}).get("Code"), status if isinstance(status, int) else None
 
 
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception and those it was raised from or while handling, five deep at most."""
+    current: BaseException | None = exc
+    for _ in range(5):
+        if current is None:
+            return
+        yield current
+        current = current.__cause__ or current.__context__
+
+
 def _never_sent(exc: BaseException) -> bool:
     """A connection that could not be made: the call never left."""
     from ..http1 import ConnectFailed, ConnectTimeout
 
-    seen = 0
-    current: BaseException | None = exc
-    while current is not None and seen < 5:
-        if isinstance(current, (ConnectFailed, ConnectTimeout)):
-            return True
-        if type(current).__name__ in ("EndpointConnectionError", "ConnectTimeoutError"):  # botocore's
-            return True
-        current = current.__cause__ or current.__context__
-        seen += 1
-    return False
+    return any(isinstance(cause, (ConnectFailed, ConnectTimeout))
+               or type(cause).__name__ in ("EndpointConnectionError", "ConnectTimeoutError")  # botocore's
+               for cause in _causes(exc))
 
 
 def _lost_answer(exc: BaseException) -> bool:
     """A transport failure: the call may or may not have been applied, its answer is lost."""
     from ..http1 import HttpError
 
-    seen = 0
-    current: BaseException | None = exc
-    while current is not None and seen < 5:
-        if isinstance(current, (HttpError, ConnectionError, TimeoutError, asyncio.TimeoutError)):
-            return True
-        name = type(current).__name__  # botocore's, without importing botocore on the request path
-        if name in ("ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError", "ConnectionClosedError"):
-            return True
-        current = current.__cause__ or current.__context__
-        seen += 1
-    return False
+    # botocore's by name, without importing botocore on the request path
+    return any(isinstance(cause, (HttpError, ConnectionError, TimeoutError, asyncio.TimeoutError))
+               or type(cause).__name__ in ("ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError",
+                                           "ConnectionClosedError")
+               for cause in _causes(exc))
 
 
 def _client_error(exc: BaseException) -> BaseException | None:
