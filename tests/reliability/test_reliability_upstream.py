@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -350,6 +351,20 @@ class RawUpstream:
         self.listener.close()
 
 
+@contextlib.contextmanager
+def served_by(answer: Callable[[socket.socket, bytes], None], stack_factory, mock, timeouts: dict):
+    """A stack whose `raw-model` has one backend, a RawUpstream answering with `answer`, and
+    these timeouts: (stack, a key of a new org, that org's LedgerCheck)."""
+    upstream = RawUpstream(answer)
+    try:
+        raw = model("raw-model", [{"name": "raw", "url": upstream.url}], timeouts=timeouts)
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [raw]})
+        org_id, key = stack.org()
+        yield stack, key, LedgerCheck(stack, org_id)
+    finally:
+        upstream.close()
+
+
 def test_a_5xx_whose_body_never_comes_does_not_hold_the_request_past_the_models_total_time(stack_factory, mock):
     """A backend answers `503` with `Content-Length: 1000` and then sends nothing more: the
     model's `total` bounds the whole request, every backend tried included, error bodies too
@@ -359,21 +374,14 @@ def test_a_5xx_whose_body_never_comes_does_not_hold_the_request_past_the_models_
                      b"Content-Length: 1000\r\n\r\n{\"error\":")
         time.sleep(3)
 
-    upstream = RawUpstream(sick)
-    try:
-        tight = model("tight-model", [{"name": "sick", "url": upstream.url}],
-                      timeouts={"connect": 1, "first_byte": 0.5, "idle": 30, "total": 0.5})
-        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [tight]})
-        org_id, key = stack.org()
-        ledger = LedgerCheck(stack, org_id)
+    with served_by(sick, stack_factory, mock, {"connect": 1, "first_byte": 0.5, "idle": 30, "total": 0.5}) as (
+            stack, key, ledger):
         started = time.monotonic()
-        response = ledger.saw(stack.post(CHAT, {"model": "tight-model", "messages": MESSAGES}, key))
+        response = ledger.saw(stack.post(CHAT, {"model": "raw-model", "messages": MESSAGES}, key))
         elapsed = time.monotonic() - started
         assert response.status_code == 502
         ledger.check()
         assert elapsed < 2.0, f"a model with a total of 0.5 s answered after {elapsed:.1f} s"
-    finally:
-        upstream.close()
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
@@ -391,20 +399,13 @@ def test_a_buffered_answer_whose_body_goes_silent_is_a_502_never_a_success(stack
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + head)
         time.sleep(2)
 
-    upstream = RawUpstream(stalls)
-    try:
-        quiet = model("quiet-model", [{"name": "quiet", "url": upstream.url}],
-                      timeouts={"connect": 1, "first_byte": 5, "idle": 0.2, "total": 5})
-        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [quiet]})
-        org_id, key = stack.org()
-        ledger = LedgerCheck(stack, org_id)
-        statuses = [ledger.saw(stack.post(CHAT, {"model": "quiet-model", "messages": MESSAGES}, key)).status_code
+    with served_by(stalls, stack_factory, mock, {"connect": 1, "first_byte": 5, "idle": 0.2, "total": 5}) as (
+            stack, key, ledger):
+        statuses = [ledger.saw(stack.post(CHAT, {"model": "raw-model", "messages": MESSAGES}, key)).status_code
                     for _ in range(5)]
         assert statuses == [502] * 5
         events = ledger.check()
         assert [event.status for event in events] == ["upstream_error"] * 5
-    finally:
-        upstream.close()
 
 
 def test_one_orgs_long_buffered_generations_do_not_take_a_healthy_backend_out_of_service(stack_factory, mock):
