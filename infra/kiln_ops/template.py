@@ -124,7 +124,8 @@ _NO_VALUE = object()
 
 
 def _parameter_values(template: dict[str, Any], parameters: dict[str, Any] | None) -> dict[str, Any]:
-    values: dict[str, Any] = dict(PSEUDO_PARAMETERS)
+    values: dict[str, Any] = {**PSEUDO_PARAMETERS, **{name: value for name, value in (parameters or {}).items()
+                                                     if name in PSEUDO_PARAMETERS}}
     for name, spec in template.get("Parameters", {}).items():
         raw = (parameters or {}).get(name, spec.get("Default"))
         if spec["Type"] == "Number":

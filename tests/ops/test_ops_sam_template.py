@@ -189,6 +189,24 @@ def test_one_stage_named_prod_and_no_extra_stage(cfn):
     assert cfn["Outputs"]["ApiUrl"]["Value"]["Fn::Sub"].endswith("/prod/v1")
 
 
+def test_a_deploy_that_changes_only_a_parameter_puts_the_new_integrations_on_the_stage(monkeypatch):
+    """A stage serves the deployment it points at, a snapshot of the API: a deploy that switches
+    InvokeMode changes the integrations (and the functions' handlers) only in intrinsic
+    functions, which leave the API's text alone. Unless that deploy makes a new deployment,
+    the stage keeps sending requests to the old integrations of the new functions."""
+    import samtranslator.model.apigateway as apigateway
+
+    def stage_deployment(mode: dict[str, Any], now: float) -> str:
+        monkeypatch.setattr(apigateway.time, "time", lambda: now)
+        cfn = translate(mode)
+        (stage,) = of_type(cfn, "AWS::ApiGateway::Stage").values()
+        return stage["Properties"]["DeploymentId"]["Ref"]
+
+    first = stage_deployment({"InvokeMode": "streaming"}, 1_800_000_000)
+    second = stage_deployment({"InvokeMode": "buffered"}, 1_800_000_600)
+    assert first != second
+
+
 # -- the front door ---------------------------------------------------------------------------
 
 
@@ -489,7 +507,7 @@ def test_logs_alarms_dashboard_and_outputs(cfn):
         assert resources[group]["Properties"]["RetentionInDays"] == 30
     alarms = set(of_type(cfn, "AWS::CloudWatch::Alarm"))
     assert alarms == {"Gateway5xxRateAlarm", "UpstreamErrorsAlarm", "LambdaThrottlesAlarm", "DurationNearTimeoutAlarm",
-                      "RateLimitSurgeAlarm"}
+                      "RateLimitSurgeAlarm", "ApiGateway5xxRateAlarm", "FunctionErrorsAlarm"}
     assert "Dashboard" in resources
 
     def watched(alarm: str, metric: str) -> set:
@@ -498,6 +516,7 @@ def test_logs_alarms_dashboard_and_outputs(cfn):
                 if "MetricStat" in query and query["MetricStat"]["Metric"]["MetricName"] == metric}
 
     assert watched("LambdaThrottlesAlarm", "Throttles") == set(FUNCTIONS)
+    assert watched("FunctionErrorsAlarm", "Errors") == set(FUNCTIONS)
     assert watched("DurationNearTimeoutAlarm", "Duration") == set(STREAMING_FUNCTIONS)
     for name in ("ApiUrl", "KeysTableName", "OrgsTableName", "UsageTableName", "MaintenanceParameterName",
                  "CatalogParameterName", "UpstreamApiKeyParameterName", "ApiAccessLogGroupName", "Region"):
@@ -512,7 +531,7 @@ def test_usage_events_expire_through_ttl(cfn):
         assert env(cfn, "ModelsFunction")[f"KILN_{table.upper()}_TABLE"] == {"Ref": f"{table}Table"}
 
 
-def test_alarms_watch_metrics_the_gateway_emits(cfn):
+def test_alarms_watch_metrics_the_gateway_emits(cfn, request):
     """The custom alarms read metric names that kiln.observability really publishes: the EMF
     documents of a failed request (5xx, 429, an upstream failure) name every one of them."""
     import io
@@ -520,6 +539,12 @@ def test_alarms_watch_metrics_the_gateway_emits(cfn):
 
     from kiln import observability
 
+    # an Observer takes over its service's logger, which the tests' stacks log through: give it back
+    import logging
+
+    logger = logging.getLogger("kiln")
+    state = {name: list(value) if isinstance(value, list) else value for name, value in vars(logger).items()}
+    request.addfinalizer(lambda: (vars(logger).clear(), vars(logger).update(state)))
     stream = io.StringIO()
     observer = observability.Observer(stream=stream, metrics_enabled=True)
     for status, code in ((502, "upstream_error"), (429, "rate_limited")):
@@ -534,6 +559,69 @@ def test_alarms_watch_metrics_the_gateway_emits(cfn):
         if "MetricStat" in query:
             names.append(query["MetricStat"]["Metric"]["MetricName"])
     assert names and set(names) <= emitted, set(names) - emitted
+
+
+def custom_metrics(cfn) -> set[tuple]:
+    """(namespace, metric, dimensions) of every metric an alarm or the dashboard reads that the
+    gateway itself publishes, and what its functions publish under."""
+    watched = set()
+    for alarm in of_type(cfn, "AWS::CloudWatch::Alarm").values():
+        props = alarm["Properties"]
+        metrics = [query["MetricStat"]["Metric"] for query in props.get("Metrics", []) if "MetricStat" in query]
+        if "MetricName" in props:
+            metrics.append(props)
+        for metric in metrics:
+            if metric["Namespace"] not in ("AWS/Lambda", "AWS/ApiGateway"):
+                dims = tuple(sorted((d["Name"], d["Value"]) for d in metric["Dimensions"]))
+                watched.add((metric["Namespace"], metric["MetricName"], dims))
+    body = json.loads(cfn["Resources"]["Dashboard"]["Properties"]["DashboardBody"])
+    for widget in body["widgets"]:
+        first = widget["properties"]["metrics"][0]
+        watched.add((first[0], first[1], ((first[2], first[3]),)))
+    return watched
+
+
+def test_two_stacks_in_one_account_alarm_on_their_own_traffic():
+    """CloudWatch adds up every data point of a namespace, metric and dimensions, whichever
+    stack wrote it: a staging stack beside production must not page production, nor dilute its
+    error rate. Each stack's functions publish under its own name, and its alarms and dashboard
+    read that name and no other, the REST API's metrics included."""
+    seen = {}
+    for stack in ("kiln-prod", "kiln-staging"):
+        cfn = translate({"AWS::StackName": stack})
+        services = {env(cfn, function)["POWERTOOLS_SERVICE_NAME"] for function in FUNCTIONS}
+        assert services == {stack}
+        watched = custom_metrics(cfn)
+        assert watched and {dict(dims)["service"] for _, _, dims in watched} == {stack}
+        (api,) = of_type(cfn, "AWS::ApiGateway::RestApi").values()
+        assert api["Properties"]["Name"] == api["Properties"]["Body"]["info"]["title"] == stack
+        seen[stack] = watched
+    assert not seen["kiln-prod"] & seen["kiln-staging"]
+
+
+def test_failures_no_request_of_the_gateway_sees_have_alarms(cfn):
+    """A function that fails to start, runs out of memory or time, or is throttled never reaches
+    the gateway's own code, so it publishes no `Errors5xx`: API Gateway's 5xx rate and Lambda's
+    own error count are watched too."""
+    resources = cfn["Resources"]
+    (api,) = of_type(cfn, "AWS::ApiGateway::RestApi").values()
+    api_alarm = resources["ApiGateway5xxRateAlarm"]["Properties"]
+    assert (api_alarm["Namespace"], api_alarm["MetricName"], api_alarm["Statistic"]) == ("AWS/ApiGateway", "5XXError",
+                                                                                         "Average")
+    assert {d["Name"]: d["Value"] for d in api_alarm["Dimensions"]} == {"ApiName": api["Properties"]["Name"],
+                                                                          "Stage": "prod"}
+    assert 0 < api_alarm["Threshold"] < 1  # the average of 0s and 1s: a share of the requests
+    errors = resources["FunctionErrorsAlarm"]["Properties"]
+    assert errors["Threshold"] == 1 and errors["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    (total,) = [query for query in errors["Metrics"] if query.get("ReturnData")]
+    assert total["Expression"].startswith("SUM(")
+
+
+def test_the_5xx_rate_is_a_documented_expression_that_divides_by_no_zero(cfn):
+    """A metric-math expression CloudWatch would refuse fails the deploy: the rate uses IF, not
+    a scalar inside a time-series array."""
+    (rate,) = [q for q in cfn["Resources"]["Gateway5xxRateAlarm"]["Properties"]["Metrics"] if q.get("ReturnData")]
+    assert rate["Expression"] == "IF(requests > 0, 100 * errors / requests, 0)"
 
 
 def test_sam_deploy_guided_deploys_when_every_prompt_is_answered_with_enter():
