@@ -129,6 +129,30 @@ def test_bad_document_raises_catalog_error(document, message):
         ({"backends": ["http://x"]}, r"backends\[0\] must be an object"),
         ({"backends": [{"name": "n"}]}, "'url' is required"),
         ({"backends": [{"url": "ftp://x"}]}, "http:// or https://"),
+        # what no request can be billed or sent for, refused where it is written (kiln admin
+        # catalog set) and where it is read (an SSM value written by other means)
+        ({"pricing": {"input": "1e200", "output": "1"}}, "pricing.input"),
+        ({"pricing": {"input": "1", "output": "1e-200"}}, "pricing.output"),
+        ({"pricing": {"input": "1", "output": "1", "cached_input": "2e6"}}, "pricing.cached_input"),
+        ({"context_length": -5}, "context_length"),
+        ({"context_length": 0}, "context_length"),
+        ({"context_length": 10**12}, "context_length"),
+        ({"owned_by": 5}, "owned_by"),
+        ({"timeouts": {"total": 0}}, "timeouts.total"),
+        ({"timeouts": {"connect": 0}}, "timeouts.connect"),
+        ({"timeouts": {"total": 3600}}, "timeouts.total"),
+        ({"timeouts": {"idle": 1e300}}, "timeouts.idle"),
+        ({"timeout": {"total": 30}}, "'timeout'"),  # a typo is no silent default
+        ({"backends": [{"url": "http://[::1/v1"}]}, "url"),
+        ({"backends": [{"url": "http://exa mple/v1"}]}, "url"),
+        ({"backends": [{"url": "http:///v1"}]}, "url"),
+        ({"backends": [{"url": "http://x:99999/v1"}]}, "url"),
+        ({"backends": [{"url": "http://x/v1?key=1"}]}, "url"),
+        ({"backends": [{"url": "http://x/v1", "api_key_env": ["KILN_X"]}]}, "api_key_env"),
+        ({"backends": [{"url": "http://x/v1", "name": {"a": 1}}]}, "name"),
+        ({"backends": [{"url": "http://x/v1", "model": 123}]}, "model"),
+        ({"backends": [{"url": "http://x/v1", "enabled": "false"}]}, "enabled"),
+        ({"backends": [{"url": "http://x/v1", "enable": False}]}, "'enable'"),
     ],
 )
 def test_bad_model_raises_catalog_error_naming_the_field(changes, message):
@@ -177,3 +201,20 @@ def test_the_repository_catalogs_timeouts_fit_in_the_function_timeout():
         timeouts = model.timeouts
         assert timeouts.connect < timeouts.first_byte < timeouts.total < 900
         assert timeouts.idle < timeouts.total
+
+
+def test_every_bill_the_catalog_allows_is_a_number_dynamodb_stores():
+    """Contract §4: a bill is always a finite number DynamoDB can store. Prices and context
+    lengths are bounded where the catalog is read, so the dearest and the cheapest requests
+    the usage bounds allow are both stored as billed."""
+    from kiln.metering import MAX_CHOICES, TokenUsage, cost_of
+    from kiln.store.codec import storage_problem
+
+    dearest = Catalog.from_document(one(context_length=1_000_000_000, pricing={
+        "input": "1000000", "output": "1000000"})).get("m")
+    cheapest = Catalog.from_document(one(context_length=1, pricing={"input": "0.000000001", "output": "0"})).get("m")
+    prompts = 6 * 1024 * 1024  # more prompts than a body within the size limit can hold
+    most = dearest.context_length * MAX_CHOICES * prompts
+    for usage, model in ((TokenUsage(most, most, None, "capped"), dearest), (TokenUsage(1, 0, None, "upstream"), cheapest)):
+        cost = cost_of(usage, model.pricing)
+        assert cost > 0 and storage_problem(cost) is None, cost

@@ -10,12 +10,27 @@ import os
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Iterable, Mapping
+from urllib.parse import urlsplit
 
 from .jsonio import decimal_text, loads_strict
 
 __all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "Limits", "ModelEntry", "Pricing", "Timeouts"]
 
 PER_MILLION = Decimal(1_000_000)
+
+# Bounds that keep every bill a number DynamoDB stores (contract §4) with room to spare: the
+# usage bounds (context length × choices × prompts) times the dearest price stay far below
+# DynamoDB's 1E+126, the cheapest token at the cheapest price far above its 1E-130. Real
+# prices (USD per 1M tokens) and context lengths sit many orders of magnitude inside them.
+MAX_PRICE = Decimal(1_000_000)  # $1 a token
+MIN_PRICE = Decimal("1e-9")  # other than 0 (free)
+MAX_CONTEXT_LENGTH = 1_000_000_000
+# The longest any upstream timeout may be: the streaming functions' own timeout (contract §8).
+FUNCTION_TIMEOUT_SECONDS = 900.0
+
+_MODEL_KEYS = frozenset(("id", "owned_by", "created", "context_length", "pricing", "capabilities", "timeouts",
+                         "limits", "backends"))
+_BACKEND_KEYS = frozenset(("name", "url", "model", "api_key_env", "enabled"))
 
 
 class CatalogError(ValueError):
@@ -170,6 +185,7 @@ def _parse_model(entry: Any, index: int) -> ModelEntry:
         raise CatalogError(f"{where} must be an object")
     model_id = _require(entry, "id", str, where)
     where = f"model {model_id!r}"
+    _known_keys(entry, _MODEL_KEYS, where)
     pricing = _require(entry, "pricing", Mapping, where)
     capabilities = entry.get("capabilities", {})
     timeouts = entry.get("timeouts", {})
@@ -188,16 +204,16 @@ def _parse_model(entry: Any, index: int) -> ModelEntry:
     try:
         return ModelEntry(
             id=model_id,
-            owned_by=str(entry.get("owned_by", "kiln")),
+            owned_by=_optional(entry, "owned_by", str, where) or "kiln",
             created=int(_number(entry.get("created", 0), "created", where)),
-            context_length=int(_require(entry, "context_length", int, where)),
+            context_length=_context_length(entry, where),
             pricing=Pricing(
                 input=_price(pricing, "input", where),
                 output=_price(pricing, "output", where),
                 cached_input=_price(pricing, "cached_input", where) if "cached_input" in pricing else None,
             ),
             capabilities=Capabilities(**capabilities),
-            timeouts=Timeouts(**{k: _number(v, f"timeouts.{k}", where) for k, v in timeouts.items()}),
+            timeouts=Timeouts(**{k: _timeout(v, f"timeouts.{k}", where) for k, v in timeouts.items()}),
             limits=Limits(**{k: _size(v, f"limits.{k}", where) for k, v in limits.items()}),
             backends=tuple(_parse_backend(backend, i, where) for i, backend in enumerate(backends)),
         )
@@ -211,6 +227,27 @@ def _number(value: Any, name: str, where: str) -> float:
     return float(value)
 
 
+def _timeout(value: Any, name: str, where: str) -> float:
+    seconds = _number(value, name, where)
+    if not 0 < seconds <= FUNCTION_TIMEOUT_SECONDS:
+        raise CatalogError(f"{where}: {name} must be above 0 and at most {FUNCTION_TIMEOUT_SECONDS:g} seconds "
+                           "(the function's own timeout)")
+    return seconds
+
+
+def _context_length(entry: Mapping, where: str) -> int:
+    value = _require(entry, "context_length", int, where)
+    if not 1 <= value <= MAX_CONTEXT_LENGTH:
+        raise CatalogError(f"{where}: context_length must be from 1 to {MAX_CONTEXT_LENGTH:,} tokens")
+    return value
+
+
+def _known_keys(entry: Mapping, known: frozenset[str], where: str) -> None:
+    unknown = sorted(str(key) for key in entry if key not in known)
+    if unknown:
+        raise CatalogError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+
+
 def _size(value: Any, name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CatalogError(f"{where}: {name} must be a positive whole number of bytes")
@@ -221,16 +258,49 @@ def _parse_backend(entry: Any, index: int, where: str) -> Backend:
     where = f"{where} backends[{index}]"
     if not isinstance(entry, Mapping):
         raise CatalogError(f"{where} must be an object")
-    url = _require(entry, "url", str, where).rstrip("/")
+    _known_keys(entry, _BACKEND_KEYS, where)
+    url = _backend_url(_require(entry, "url", str, where).rstrip("/"), where)
+    enabled = entry.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise CatalogError(f"{where}: enabled must be true or false")
+    return Backend(
+        name=_optional(entry, "name", str, where) or f"backend-{index}",
+        url=url,
+        upstream_model=_optional(entry, "model", str, where),
+        api_key_env=_optional(entry, "api_key_env", str, where),
+        enabled=enabled,
+    )
+
+
+def _backend_url(url: str, where: str) -> str:
+    """An http(s) URL the HTTP client can call as it is written: a host, a port if any in range,
+    no query or fragment (the endpoint's path is appended), nothing that needs escaping."""
     if not url.startswith(("http://", "https://")):
         raise CatalogError(f"{where}: url must start with http:// or https://")
-    return Backend(
-        name=str(entry.get("name", f"backend-{index}")),
-        url=url,
-        upstream_model=entry.get("model"),
-        api_key_env=entry.get("api_key_env"),
-        enabled=bool(entry.get("enabled", True)),
-    )
+    problem = None
+    if any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in url):
+        problem = "has a space, a control character or a character outside ASCII"
+    else:
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError when out of range
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            if not parts.hostname:
+                problem = "has no host"
+            elif parts.query or parts.fragment or url.endswith(("?", "#")):
+                problem = "has a query or a fragment"
+    if problem:
+        raise CatalogError(f"{where}: url {url!r} {problem}")
+    return url
+
+
+def _optional(entry: Mapping, key: str, kind: type, where: str) -> Any:
+    value = entry.get(key)  # null: not set
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise CatalogError(f"{where}: {key!r} must be a {kind.__name__}")
+    return value
 
 
 def _require(entry: Mapping, key: str, kind: type, where: str) -> Any:
@@ -249,4 +319,6 @@ def _price(pricing: Mapping, key: str, where: str) -> Decimal:
         value = None
     if value is None or not value.is_finite() or value < 0:
         raise CatalogError(f"{where}: pricing.{key} must be a non-negative decimal string (USD per 1M tokens)")
+    if value > MAX_PRICE or 0 < value < MIN_PRICE:
+        raise CatalogError(f"{where}: pricing.{key} must be 0 or from {MIN_PRICE} to {MAX_PRICE} (USD per 1M tokens)")
     return value
