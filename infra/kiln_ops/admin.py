@@ -717,8 +717,8 @@ def _maintenance_on(ctx: Context, args: argparse.Namespace, out) -> None:
     if args.until:
         try:
             until = parse_until(args.until)
-        except ValueError:
-            raise AdminError(f"--until is not an ISO 8601 time: {args.until!r}") from None
+        except ValueError as exc:
+            raise AdminError(f"--until is not an ISO 8601 time with a date in UTC: {args.until!r} ({exc})") from None
     flag = MaintenanceFlag(enabled=True, until=until, message=args.message)
     _write_flag(ctx, flag)
     out(f"maintenance on: {flag.to_json()}")

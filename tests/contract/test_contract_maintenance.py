@@ -120,3 +120,19 @@ def test_a_throttled_read_of_the_switch_neither_serves_a_request_nor_keeps_the_s
     assert other.post("/v1/chat/completions", chat, secret).status_code == 200  # unreadable: off
     second = other.post("/v1/chat/completions", chat, secret)  # SSM answers again
     assert (second.status_code, second.json()["error"]["code"]) == (503, "maintenance")
+
+
+@pytest.mark.parametrize("flag", [{"enabled": True, "until": "9999-12-31T23:59:59-05:00"}, {"enabled": "true"}])
+def test_a_switch_written_by_hand_that_cannot_be_read_is_never_a_500(stack_factory, flag):
+    """An until with no date in UTC (after 9999-12-31 there) once made every endpoint a 500; a
+    switch whose "enabled" is not true or false is as unreadable. Either is a malformed switch:
+    the gateway answers as it does for one (docs/operations.md), in the contract's shape."""
+    stack = stack_factory()
+    _, key = stack.org()
+    stack.set_maintenance(flag)
+    for method, path in ENDPOINTS:
+        response = stack.http.request(method, path, json={"model": "qwen3-32b", "prompt": "x"},
+                                      headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code != 500, (path, response.text)
+        if response.status_code >= 400:
+            assert response.json()["error"]["code"] in ("maintenance", "storage_unavailable", "empty_array")

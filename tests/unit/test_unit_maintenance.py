@@ -17,7 +17,12 @@ def test_missing_parameter_means_no_maintenance(raw):
 
 
 @pytest.mark.parametrize(
-    "raw", ["{not json", "[1, 2]", '"enabled"', '{"enabled": true, "until": "tomorrow"}']
+    "raw", ["{not json", "[1, 2]", '"enabled"', '{"enabled": true, "until": "tomorrow"}',
+            # a switch written by hand that the gateway would read otherwise than meant: no silent "off"
+            '{"enabled": "true"}', '{"enabled": 1}', '{"enabled": null}',
+            # an until with no time in UTC (past year 9999 or before year 1 there)
+            '{"enabled": true, "until": "9999-12-31T23:59:59-05:00"}',
+            '{"enabled": true, "until": "0001-01-01T00:00:00+01:00"}']
 )
 def test_malformed_flag_is_an_error(raw):
     with pytest.raises(ValueError):
@@ -68,3 +73,9 @@ def test_error_uses_the_current_time_by_default():
     assert parsedate_to_datetime(far.headers["Retry-After"]).year == 2999
     past = MaintenanceFlag(True, datetime(2000, 1, 1, tzinfo=timezone.utc)).error(30)
     assert past.headers["Retry-After"] == "30"
+
+
+def test_an_until_is_held_in_utc_so_every_answer_can_be_written():
+    flag = parse_flag('{"enabled": true, "until": "9999-12-31T18:59:59-05:00"}')
+    assert flag.until == datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)
+    assert flag.error(60, now=NOW).retry_after == "Fri, 31 Dec 9999 23:59:59 GMT"

@@ -43,9 +43,15 @@ class MaintenanceFlag:
 
 
 def parse_until(text: str) -> datetime:
-    """ISO 8601; a time without a zone is taken as UTC."""
+    """ISO 8601, held in UTC (the zone of every answer that names it); a time without a zone
+    is taken as UTC. ValueError for a time with no UTC date (past year 9999 or before year 1)."""
     moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=timezone.utc)
+    try:
+        return moment.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValueError(f"{text!r} has no date in UTC (years 1 to 9999)") from None
 
 
 def parse_flag(raw: str | None) -> MaintenanceFlag:
@@ -55,10 +61,13 @@ def parse_flag(raw: str | None) -> MaintenanceFlag:
     document = json.loads(raw)
     if not isinstance(document, dict):
         raise ValueError("the maintenance parameter must be a JSON object")
+    enabled = document.get("enabled", False)
+    if not isinstance(enabled, bool):  # "true" or 1 read as off would be the switch ignored
+        raise ValueError('the maintenance parameter\'s "enabled" must be true or false')
     until = document.get("until")
     message = document.get("message")
     return MaintenanceFlag(
-        enabled=document.get("enabled") is True,
+        enabled=enabled,
         until=parse_until(until) if isinstance(until, str) and until else None,
         message=message if isinstance(message, str) and message else None,
     )
