@@ -10,7 +10,6 @@ on stderr (argument errors: exit 2).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from dataclasses import dataclass
 from decimal import Decimal
@@ -59,8 +58,8 @@ _positive = bounded_int("a whole number", 1)
 def _time(text: str) -> str:
     try:
         return parse_time(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {text!r}") from None
+    except (ValueError, OverflowError):  # OverflowError: a time with no date in UTC (years 1-9999)
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time of the years 1 to 9999 in UTC: {text!r}") from None
 
 
 def add_admin_parser(subparsers: Any) -> None:
@@ -205,16 +204,6 @@ def _models_flag(text: str) -> list[str]:
     return models
 
 
-_AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
-
-
-def _spend_limit_flag(text: str) -> Decimal:
-    """An amount of USD in ASCII digits: Decimal() alone takes "1_000" and digits of any script."""
-    if not _AMOUNT.fullmatch(text.strip()):
-        raise argparse.ArgumentTypeError(f"not an amount of USD: {text!r}")
-    return usd(text.strip())
-
-
 def _choice(*choices: str) -> Callable[[str], str]:
     def value(text: str) -> str:
         if text not in choices:
@@ -233,7 +222,7 @@ def _key_attribute_flags(parser: argparse.ArgumentParser, clears: str) -> None:
                         help=f"comma-separated catalog ids the key may call (default: every model){clears}")
     parser.add_argument("--concurrency", type=_or_none(_positive),
                         help=f"its own limit of requests in flight, at most the org's (default: the org's){clears}")
-    parser.add_argument("--spend-limit", type=_or_none(_spend_limit_flag), dest="spend_limit",
+    parser.add_argument("--spend-limit", type=_or_none(usd), dest="spend_limit",
                         help=f"USD the key may spend per --spend-period (default: no limit){clears}")
     parser.add_argument("--spend-period", type=_or_none(_choice("day", "week", "month", "total")),
                         dest="spend_period", help=f"day, week, month (UTC) or total (default){clears}")
@@ -514,6 +503,8 @@ def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store.usage import query_events
 
     get_org(ctx.tables, args.org)
+    if args.since and args.until and args.since >= args.until:
+        raise AdminError(f"--since ({args.since}) must be before --until ({args.until})")
     show_progress = args.progress or sys.stderr.isatty()
 
     def progress(count: int) -> None:

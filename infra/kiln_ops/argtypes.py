@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
@@ -34,9 +35,14 @@ def non_negative(text: str) -> float:
     return value
 
 
+# ASCII digits, as written: Decimal() alone takes "1_000" and digits of any script
+_AMOUNT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
 def usd(text: str) -> Decimal:
+    text = text.strip()
     try:
-        value = Decimal(text)
+        value = Decimal(text) if _AMOUNT.fullmatch(text) else None
     except InvalidOperation:
         value = None
     if value is None or not value.is_finite():

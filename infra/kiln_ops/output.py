@@ -25,6 +25,21 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+# What a spreadsheet opening a CSV file runs as a formula when a cell starts with it.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value: Any) -> str:
+    """A cell as text; a text (a key's label, say: the customer's) that a spreadsheet would run
+    as a formula gets a leading ' so that it opens as the text it is. Numbers are left as they are."""
+    if value is None:
+        return ""
+    text = _text(value)
+    if isinstance(value, str) and text.startswith(_FORMULA_STARTS):
+        return "'" + text
+    return text
+
+
 def _json_value(value: Any) -> Any:
     return decimal_text(value) if isinstance(value, Decimal) else value
 
@@ -38,7 +53,7 @@ def render(rows: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str, out
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(columns)
         for row in rows:
-            writer.writerow(["" if row.get(c) is None else _text(row.get(c)) for c in columns])
+            writer.writerow([_csv_cell(row.get(c)) for c in columns])
         for line in buffer.getvalue().splitlines():
             out(line)
     else:

@@ -7,6 +7,7 @@ checks that the gateway sees what it did.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -1051,3 +1052,50 @@ def test_an_unknown_stack_fails_with_one_line(capsys, stack):
     elsewhere = replace(Settings(), aws_endpoint_url=stack.settings.aws_endpoint_url)
     result = _run_elsewhere(capsys, elsewhere, "--stack", "no-such-stack", "orgs", "list")
     assert_fails(result, "kiln admin: stack 'no-such-stack' not found in us-east-1")
+
+
+# -- what an operator types by mistake: one line, exit 2, nothing changed ------------------------
+
+
+@pytest.mark.parametrize("amount", ["١٠", "1_000", "٠.٥"])
+def test_credits_are_ascii_digits_as_spend_limits_are(admin, amount):
+    """Decimal() alone reads "1_000" as 1000 and digits of any script: an amount pasted from
+    elsewhere is refused rather than read as something else."""
+    org_id = new_org_id()
+    created = admin("orgs", "create", org_id, "--credits", amount)
+    assert created.code == 2 and "not an amount of USD" in created.err, created
+    assert admin("orgs", "create", org_id, "--credits", "10").code == 0
+    added = admin("credits", "add", org_id, amount)
+    assert added.code == 2 and "not an amount of USD" in added.err, added
+    assert "$10" in " ".join(admin("orgs", "show", org_id).lines)  # unchanged
+
+
+@pytest.mark.parametrize("flag, value", [("--since", "0001-01-01T00:00:00+01:00"),
+                                         ("--until", "9999-12-31T23:59:59-01:00")])
+def test_a_time_with_no_date_in_utc_is_one_line_not_a_traceback(admin, flag, value):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    result = admin("usage", org_id, flag, value)
+    assert result.code == 2 and "Traceback" not in result.err and value in result.err, result
+
+
+def test_since_after_until_is_refused_not_an_empty_report(admin):
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    result = admin("usage", org_id, "--since", "2026-12-01", "--until", "2026-11-01")
+    assert result.code == 1 and "--since" in result.err and not result.lines, result
+
+
+def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_quoted_as_text(admin, stack):
+    """Labels are the customer's (POST /v1/keys): a label that a spreadsheet reads as a formula
+    (= + - @) is written with a leading ' so that it opens as the text it is. Numbers, negative
+    ones included, are written as they are."""
+    org_id, key_id, _ = org_with_key(admin, credits="10")
+    label = '=HYPERLINK("http://example.invalid","x")'
+    assert admin("keys", "update", key_id, "--label", label).code == 0
+    listed = admin("keys", "list", org_id, "--format", "csv")
+    assert listed.code == 0, listed.err
+    rows = list(csv.DictReader(listed.lines))
+    assert [row["label"] for row in rows] == ["'" + label]
+    assert admin("keys", "list", org_id, "--format", "json").lines  # JSON is data, unchanged:
+    assert json.loads("\n".join(admin("keys", "list", org_id, "--format", "json").lines))[0]["label"] == label

@@ -537,11 +537,11 @@ def test_alarms_watch_metrics_the_gateway_emits(cfn, request):
     import io
     import json
 
+    import logging
+
     from kiln import observability
 
     # an Observer takes over its service's logger, which the tests' stacks log through: give it back
-    import logging
-
     logger = logging.getLogger("kiln")
     state = {name: list(value) if isinstance(value, list) else value for name, value in vars(logger).items()}
     request.addfinalizer(lambda: (vars(logger).clear(), vars(logger).update(state)))
