@@ -4,7 +4,7 @@ llama.cpp's OpenAI-style server (llama-cpp-python[server]) serves a real Gemma 3
 on loopback; the local stack points every catalog model at it (`kiln dev --upstream-url`);
 then tests/e2e_real runs against that stack. Everything lives in a cache outside the
 repository (KILN_E2E_HOME, default ~/.cache/kiln-e2e): the server's own virtual
-environment, the llama-cpp-python wheel (built from source once, about 30 minutes on 2
+environment, the llama-cpp-python wheel (built from source once, about 5 minutes on 2
 cores; seconds afterwards) and the assembled model file (253 MB).
 """
 
@@ -45,7 +45,7 @@ def _server_environment(home: Path) -> Path:
         _run([sys.executable, "-m", "venv", str(venv)])
         _run([str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
     if not list(wheels.glob("llama_cpp_python-*.whl")):
-        _say("building llama-cpp-python from source (about 30 minutes on 2 cores; cached for next time)…")
+        _say("building llama-cpp-python from source (about 5 minutes on 2 cores; cached for next time)…")
         started = time.monotonic()
         env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=OFF", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
         _run([str(python), "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(wheels),
