@@ -581,6 +581,24 @@ def _read_catalog_file(path: str) -> tuple[str, Any]:
         raise AdminError(f"{path}: {exc}") from None
 
 
+# What an advanced SSM parameter holds (the catalog is one).
+CATALOG_PARAMETER_LIMIT = 8192
+
+
+def _catalog_value(raw: str, path: str) -> tuple[str, str | None]:
+    """The text to store for a checked catalog file, and a note when it is not the file's own:
+    the file as written if SSM can hold it, else the same JSON without its spaces."""
+    if len(raw) <= CATALOG_PARAMETER_LIMIT:
+        return raw, None
+    import json
+
+    compact = json.dumps(json.loads(raw), separators=(",", ":"), ensure_ascii=False)
+    if len(compact) > CATALOG_PARAMETER_LIMIT:
+        raise AdminError(f"{path}: {len(compact)} characters even without spaces; an SSM parameter holds "
+                         f"{CATALOG_PARAMETER_LIMIT}: fewer models or backends per catalog")
+    return compact, f"stored compact: {len(compact)} of {CATALOG_PARAMETER_LIMIT} characters ({len(raw)} as written)"
+
+
 def _stored_catalog(ctx: Context) -> str | None:
     try:
         return ctx.ssm.get_parameter(Name=ctx.settings.catalog_parameter)["Parameter"]["Value"]
@@ -619,16 +637,19 @@ def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.catalog import Catalog, CatalogError
 
     raw, catalog = _read_catalog_file(args.file)
+    value, note = _catalog_value(raw, args.file)
     stored = _stored_catalog(ctx)
     try:
         before = Catalog.from_json(stored) if stored is not None else None
     except CatalogError:
         before = None  # a broken stored catalog is what this replaces
     ctx.ssm.put_parameter(
-        Name=ctx.settings.catalog_parameter, Value=raw, Type="String", Overwrite=True, Tier="Advanced"
+        Name=ctx.settings.catalog_parameter, Value=value, Type="String", Overwrite=True, Tier="Advanced"
     )
     models = ", ".join(model.id for model in catalog)
     out(f"catalog set: {len(catalog)} models ({models}); functions pick it up within their catalog cache time")
+    if note:
+        out(f"  {note}")
     out(f"  {_changes(before, catalog)}")
     for line in _model_lines(catalog):
         out(line)
@@ -641,14 +662,15 @@ def _catalog_seed(ctx: Context, args: argparse.Namespace, out) -> None:
 
     path = args.file or str(repo_root() / "infra" / "catalog.json")
     raw, catalog = _read_catalog_file(path)
+    value, note = _catalog_value(raw, path)
     name = ctx.settings.catalog_parameter
     try:
-        ctx.ssm.put_parameter(Name=name, Value=raw, Type="String", Overwrite=False, Tier="Advanced")
+        ctx.ssm.put_parameter(Name=name, Value=value, Type="String", Overwrite=False, Tier="Advanced")
     except ctx.ssm.exceptions.ParameterAlreadyExists:
         existing = Catalog.from_json(_stored_catalog(ctx) or '{"models": []}')
         out(f"catalog {name} already exists ({len(existing)} models): left as it is; change it with catalog set")
         return
-    out(f"catalog seeded in {name} from {path}: {len(catalog)} models")
+    out(f"catalog seeded in {name} from {path}: {len(catalog)} models" + (f"; {note}" if note else ""))
     for line in _model_lines(catalog):
         out(line)
 

@@ -122,6 +122,7 @@ def patch_moto() -> None:
             context.prec = 38
             return DynamoType({DDBType.NUMBER: _number_text(_number(self.value) - _number(other.value))})
 
+    _limit_parameter_sizes()
     _original_add, _original_sub, _original_init = DynamoType.__add__, DynamoType.__sub__, DynamoType.__init__
     _original_validate = Table._validate_number_type
     Table._validate_number_type = validate_number_type  # type: ignore[method-assign]
@@ -136,6 +137,32 @@ def patch_moto() -> None:
 
 
 _plain_update_item: Any = None  # moto's own, for transactions (which back up what they write)
+
+# What SSM Parameter Store holds in one value, by tier: a catalog that fits locally fits in AWS.
+PARAMETER_VALUE_LIMITS = {"Standard": 4096, "Advanced": 8192}
+
+
+def _limit_parameter_sizes() -> None:
+    """moto's PutParameter takes a value of any length; SSM refuses one beyond its tier's."""
+    from moto.ssm.exceptions import ValidationException
+    from moto.ssm.models import SimpleSystemManagerBackend
+
+    original = SimpleSystemManagerBackend.put_parameter
+
+    def put_parameter(self: Any, name: str, description: str, value: str, *args: Any, **kwargs: Any) -> Any:
+        tier = kwargs.get("tier") or (args[6] if len(args) > 6 else None) or "Standard"
+        existing = self._parameters.get(name) if name in self._parameters else None
+        if existing and getattr(existing[-1], "tier", None) == "Advanced":
+            tier = "Advanced"  # SSM never turns an advanced parameter back into a standard one
+        limit = PARAMETER_VALUE_LIMITS.get(tier, PARAMETER_VALUE_LIMITS["Advanced"])  # Intelligent-Tiering: up to 8 KB
+        if value and len(value) > limit:
+            advice = (" To create a larger parameter value, upgrade the parameter to use the advanced-parameter tier."
+                      if tier == "Standard" else "")
+            raise ValidationException(f"{tier} tier parameters support a maximum parameter value of {limit} "
+                                      f"characters.{advice}")
+        return original(self, name, description, value, *args, **kwargs)
+
+    SimpleSystemManagerBackend.put_parameter = put_parameter  # type: ignore[method-assign]
 
 
 def _atomic(update_item: Any) -> Any:

@@ -190,3 +190,40 @@ def test_stack_option_finds_the_catalog_and_the_upstream_key_in_the_outputs(admi
         assert "SecureString" in admin(elsewhere, "--stack", name, "upstream-key", "status").lines[0]
     finally:
         client.delete_stack(StackName=name)
+
+
+def catalog_of(count: int) -> dict:
+    """The repository's first model, `count` times under ids of its own."""
+    model = json.loads(DEFAULT_CATALOG.read_text())["models"][0]
+    return {"models": [{**model, "id": f"model-{i:03d}"} for i in range(count)]}
+
+
+def count_for(size: int, **written) -> int:
+    """How many models make a catalog of just over `size` characters, written so."""
+    count = 1
+    while len(json.dumps(catalog_of(count), **written)) <= size:
+        count += 1
+    return count
+
+
+def test_a_catalog_ssm_cannot_hold_is_refused_before_anything_is_written(admin, stack, fresh, tmp_path):
+    """An advanced parameter holds 8 192 characters: AWS would refuse a larger catalog after the
+    file was read and checked. Refused up front, naming the sizes, the stored one unchanged."""
+    assert admin(fresh, "catalog", "seed").code == 0
+    before = stored(stack, fresh.catalog_parameter)
+    big = catalog_of(count_for(8192, separators=(",", ":")))
+    result = admin(fresh, "catalog", "set", write(tmp_path, "big.json", big))
+    assert result.code == 1 and result.lines == [] and "8192" in result.err and result.err.count("\n") == 1
+    assert stored(stack, fresh.catalog_parameter) == before
+
+
+def test_a_catalog_that_fits_only_without_its_indentation_is_stored_compact(admin, stack, fresh, tmp_path):
+    count = count_for(8192, indent=2)
+    document = catalog_of(count)
+    assert len(json.dumps(document, separators=(",", ":"))) <= 8192  # without spaces it fits
+    path = tmp_path / "pretty.json"
+    path.write_text(json.dumps(document, indent=2))
+    result = admin(fresh, "catalog", "set", str(path))
+    assert result.code == 0, result.err
+    assert any("compact" in line for line in result.lines), result.lines
+    assert json.loads(stored(stack, fresh.catalog_parameter)) == document

@@ -445,3 +445,19 @@ def test_index_ms_is_parsed_and_bounded():
     assert "index_ms=500" in emulator.Faults.parse("index_ms=500").describe()
     with pytest.raises(ValueError, match="index_ms is between 0 and 60000"):
         emulator.Faults.parse("index_ms=-1")
+
+
+@pytest.mark.parametrize("tier, limit", [(None, 4096), ("Standard", 4096), ("Advanced", 8192)])
+def test_a_parameter_value_beyond_its_tiers_size_is_refused_as_ssm_refuses_it(stack, tier, limit):
+    """moto stores a value of any length; SSM holds 4 KB in a standard parameter and 8 KB in an
+    advanced one. A catalog or a switch that fits locally must fit in AWS."""
+    import botocore.exceptions
+
+    name = f"/t{secrets.token_hex(5)}/size"
+    extra = {"Tier": tier} if tier else {}
+    stack.ssm.put_parameter(Name=name, Value="x" * limit, Type="String", **extra)
+    with pytest.raises(botocore.exceptions.ClientError) as refused:
+        stack.ssm.put_parameter(Name=name, Value="x" * (limit + 1), Type="String", Overwrite=True, **extra)
+    assert refused.value.response["Error"]["Code"] == "ValidationException"
+    assert f"{limit} characters" in refused.value.response["Error"]["Message"]
+    assert stack.ssm.get_parameter(Name=name)["Parameter"]["Value"] == "x" * limit
