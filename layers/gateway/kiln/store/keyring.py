@@ -95,6 +95,10 @@ _CONFLICT_ATTEMPTS = 20
 # A write reaches a global secondary index within about a second (AWS's figure): a key id not
 # found in the index is looked for again after each of these pauses before it is no key's
 _INDEX_WAITS = (0.1, 0.2, 0.4, 0.8)
+# The keys this process made, changed or revoked lately, by (keys table, org): the by_org index
+# may not hold them yet, or hold them as they were, so the org's list reads them from the table.
+_RECENT_WRITE_SECONDS = 10.0
+_recent_writes: dict[tuple[str, str], dict[str, float]] = {}
 MAX_LABEL = 100
 # what a label may not hold: control characters, line and paragraph separators, and the
 # invisible format characters (bidirectional overrides, which reorder the text shown around
@@ -399,8 +403,39 @@ class Keyring:
             page = await self._aws.dynamodb("Query", payload)
             items += page.get("Items", [])
             if not page.get("LastEvaluatedKey"):
-                return items
+                return await self._as_now(org_id, items)
             payload["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+    async def _as_now(self, org_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The index's items of the org with the keys this process wrote lately read from the
+        table (consistently): a key just made is in, one just changed or revoked as it is now."""
+        recent = self._recent(org_id)
+        if not recent:
+            return items
+        by_hash = {item[KEY.hash_key]["S"]: item for item in items}
+        for key_hash in recent:
+            current = await self._current(key_hash)
+            if current is not None and current.get(KEY.org_id, {}).get("S") == org_id:
+                by_hash[key_hash] = current
+        return sorted(by_hash.values(), key=lambda item: item.get(KEY.created_at, {}).get("S", ""))
+
+    def _recent(self, org_id: str) -> list[str]:
+        """Hashes of the org's keys this process wrote in the last _RECENT_WRITE_SECONDS."""
+        place = (self._keys_table, org_id)
+        writes = _recent_writes.get(place)
+        if not writes:
+            return []
+        now = time.monotonic()
+        for key_hash in [key_hash for key_hash, until in writes.items() if until <= now]:
+            del writes[key_hash]
+        if not writes:
+            del _recent_writes[place]
+        return list(writes)
+
+    def _wrote(self, org_id: str, key_hash: str) -> None:
+        """Note a write of a key item, before it is sent (an answer may be lost, the write not)."""
+        self._recent(org_id)  # and forget what is old
+        _recent_writes.setdefault((self._keys_table, org_id), {})[key_hash] = time.monotonic() + _RECENT_WRITE_SECONDS
 
     # -- spend -----------------------------------------------------------------------------
 
@@ -655,6 +690,7 @@ class Keyring:
         for name, value in changes.items():
             if value is not None:
                 item[name] = _wire(name, value)
+        self._wrote(org_id, item[KEY.key_hash]["S"])
         try:
             await self._aws.dynamodb(
                 "PutItem",
@@ -731,6 +767,7 @@ class Keyring:
         are in the tally, those after it in the figure."""
         key_hash, owner = item[KEY.hash_key]["S"], item[KEY.org_id]["S"]
         key_id = item[KEY.key_id]["S"]
+        self._wrote(owner, key_hash)
         # each change its own token: the same items sent by a later change (a key blocked again
         # after it was unblocked) are a new transaction, not a resend DynamoDB would answer as
         # done; a resend of one attempt after a lost answer keeps its token
@@ -835,6 +872,7 @@ class Keyring:
     async def _write(self, item: dict[str, Any], expression: str, names: dict[str, str], values: dict[str, Any], *,
                      extra_condition: str = "") -> dict[str, Any]:
         key_id = item[KEY.key_id]["S"]
+        self._wrote(item[KEY.org_id]["S"], item[KEY.hash_key]["S"])
         try:
             answer = await self._update(
                 {
