@@ -84,6 +84,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._arm(self.header_timeout, "headers")
 
     def on_headers_complete(self) -> None:
+        codings = [coding.strip().lower() for name, value in self.headers if name == b"transfer-encoding"
+                   for coding in value.split(b",")]
+        if codings and codings != [b"chunked"]:
+            # a body in a coding not decoded here (RFC 9112 §6.1) would be read as another body
+            # than the one sent: raised, it is the parser's error, answered as invalid framing
+            raise ValueError("a transfer coding other than chunked")
         super().on_headers_complete()
         self._arm(self.body_timeout, "body")
 

@@ -73,6 +73,10 @@ def test_a_connection_that_never_sends_anything_is_closed(server):
     b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # a bad chunk size
     b"HELLO\r\n\r\n",  # not HTTP at all
     b"POST / HTTP/1.1\r\nBad Header\r\n\r\n",
+    # a body in a transfer coding the server does not decode (RFC 9112 §6.1), read as plain it
+    # would be a different body from the one a proxy in front decoded
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
 ])
 def test_malformed_requests_get_a_json_400(server, request_bytes):
     status, error = json_error(exchange(server, request_bytes))
@@ -87,3 +91,9 @@ def test_a_kept_alive_connection_may_wait_between_requests_longer_than_the_heade
             answer = raw.recv(65536)
             assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
             time.sleep(0.5)  # idle between requests: uvicorn's keep-alive timeout applies, not ours
+
+
+def test_a_chunked_body_in_no_other_coding_is_read(server):
+    answer = exchange(server, b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\nConnection: close\r\n\r\n"
+                              b"2\r\n{}\r\n0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n{}")
