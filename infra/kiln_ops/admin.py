@@ -350,7 +350,8 @@ def _known_models(ctx: Context, attributes: dict[str, Any]) -> set[str] | None:
     if raw is None:
         raise AdminError(f"no catalog parameter {ctx.settings.catalog_parameter} to check --models against: "
                          "create it with catalog seed")
-    return {model.id for model in Catalog.from_json(raw)}
+    return {model.id for model in (Catalog.from_json(raw) if ctx.settings.catalog_file
+                                   else _stored_catalog_parsed(ctx, raw))}
 
 
 def _key_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -575,8 +576,10 @@ def _read_catalog_file(path: str) -> tuple[str, Any]:
         raw = open(path, encoding="utf-8").read()
     except OSError as exc:
         raise AdminError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise AdminError(f"{path} is not UTF-8 text (byte {exc.start})") from None
     try:
-        return raw, Catalog.from_json(raw)
+        return raw, Catalog.from_json(raw, known_fields_only=True)
     except CatalogError as exc:
         raise AdminError(f"{path}: {exc}") from None
 
@@ -597,6 +600,17 @@ def _catalog_value(raw: str, path: str) -> tuple[str, str | None]:
         raise AdminError(f"{path}: {len(compact)} characters even without spaces; an SSM parameter holds "
                          f"{CATALOG_PARAMETER_LIMIT}: fewer models or backends per catalog")
     return compact, f"stored compact: {len(compact)} of {CATALOG_PARAMETER_LIMIT} characters ({len(raw)} as written)"
+
+
+def _stored_catalog_parsed(ctx: Context, raw: str) -> Any:
+    """The stored catalog's models; one the gateway could not read either is said to be the stored one."""
+    from kiln.catalog import Catalog, CatalogError
+
+    try:
+        return Catalog.from_json(raw)
+    except CatalogError as exc:
+        raise AdminError(f"the stored catalog {ctx.settings.catalog_parameter} is malformed ({exc}): "
+                         "replace it with catalog set FILE") from None
 
 
 def _stored_catalog(ctx: Context) -> str | None:
@@ -656,7 +670,6 @@ def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:
 
 
 def _catalog_seed(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.catalog import Catalog
 
     from .template import repo_root
 
@@ -667,7 +680,7 @@ def _catalog_seed(ctx: Context, args: argparse.Namespace, out) -> None:
     try:
         ctx.ssm.put_parameter(Name=name, Value=value, Type="String", Overwrite=False, Tier="Advanced")
     except ctx.ssm.exceptions.ParameterAlreadyExists:
-        existing = Catalog.from_json(_stored_catalog(ctx) or '{"models": []}')
+        existing = _stored_catalog_parsed(ctx, _stored_catalog(ctx) or '{"models": []}')
         out(f"catalog {name} already exists ({len(existing)} models): left as it is; change it with catalog set")
         return
     out(f"catalog seeded in {name} from {path}: {len(catalog)} models" + (f"; {note}" if note else ""))
@@ -676,7 +689,6 @@ def _catalog_seed(ctx: Context, args: argparse.Namespace, out) -> None:
 
 
 def _catalog_show(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.catalog import Catalog
 
     raw = _stored_catalog(ctx)
     if raw is None:
@@ -685,7 +697,7 @@ def _catalog_show(ctx: Context, args: argparse.Namespace, out) -> None:
         )
     if not args.summary:
         return out(raw)
-    catalog = Catalog.from_json(raw)
+    catalog = _stored_catalog_parsed(ctx, raw)
     out(f"catalog {ctx.settings.catalog_parameter}: {len(catalog)} models")
     for line in _model_lines(catalog):
         out(line)

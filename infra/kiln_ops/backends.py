@@ -31,15 +31,14 @@ def add_backends_parser(groups: Any, formatted: argparse.ArgumentParser) -> None
 
 
 def _backends(ctx: Any, args: argparse.Namespace, out: Any) -> None:
-    from kiln.catalog import Catalog
 
-    from .admin import AdminError, _stored_catalog
+    from .admin import AdminError, _stored_catalog, _stored_catalog_parsed
     from .output import render
 
     raw = _stored_catalog(ctx)
     if raw is None:
         raise AdminError(f"no catalog parameter {ctx.settings.catalog_parameter}")
-    catalog = Catalog.from_json(raw)
+    catalog = _stored_catalog_parsed(ctx, raw)
     gateway = args.gateway or (None if getattr(args, "stack", None) else os.environ.get("KILN_BASE_URL"))
     states, note = _gateway_states(gateway)
     rows = []

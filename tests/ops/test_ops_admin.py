@@ -1000,6 +1000,7 @@ def test_generation_shows_the_full_usage_event(admin, stack):
     # the key's tally beside the events is not a generation (kiln.store.tally)
     tally = f"tally:{event['key_id']}:{event['created_at'][:7]}"
     assert_fails(admin("generation", tally), f"generation '{tally}' not found")
+    assert_fails(admin("generation", ""), "generation '' not found")  # no key DynamoDB takes, not its error
 
 
 def test_keys_list_shows_when_a_key_was_last_used(admin, stack):

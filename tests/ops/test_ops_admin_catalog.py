@@ -227,3 +227,27 @@ def test_a_catalog_that_fits_only_without_its_indentation_is_stored_compact(admi
     assert result.code == 0, result.err
     assert any("compact" in line for line in result.lines), result.lines
     assert json.loads(stored(stack, fresh.catalog_parameter)) == document
+
+
+def test_a_stored_catalog_no_one_can_read_is_named_as_the_stored_one(admin, stack, fresh, tmp_path):
+    """A deploy script runs catalog seed every time: when the stored catalog was broken by
+    hand, its error says which catalog is broken and how to mend it, not just "not valid JSON"."""
+    stack.ssm.put_parameter(Name=fresh.catalog_parameter, Value="{not json", Type="String", Tier="Advanced")
+    for argv in (("catalog", "seed"), ("catalog", "show", "--summary"), ("backends",)):
+        result = admin(fresh, *argv)
+        assert result.code == 1 and result.err.count("\n") == 1, (argv, result)
+        assert f"the stored catalog {fresh.catalog_parameter} is malformed" in result.err and "catalog set" in result.err
+
+
+def test_a_catalog_file_that_is_not_utf8_is_named(admin, fresh, tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes('{"models": [{"id": "café"}]}'.encode("latin-1"))
+    result = admin(fresh, "catalog", "set", str(path))
+    assert result.code == 1 and f"{path} is not UTF-8 text" in result.err
+
+
+def test_a_catalog_file_with_a_misspelt_field_is_refused(admin, fresh, tmp_path):
+    document = json.loads(DEFAULT_CATALOG.read_text())
+    document["models"][0]["timeout"] = {"total": 30}
+    result = admin(fresh, "catalog", "set", write(tmp_path, "typo.json", document))
+    assert result.code == 1 and "'timeout'" in result.err

@@ -536,7 +536,6 @@ def test_alarms_watch_metrics_the_gateway_emits(cfn, request):
     documents of a failed request (5xx, 429, an upstream failure) name every one of them."""
     import io
     import json
-
     import logging
 
     from kiln import observability

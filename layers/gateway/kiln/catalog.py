@@ -159,18 +159,22 @@ class Catalog:
         return len(self._models)
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> "Catalog":
+    def from_json(cls, raw: bytes | str, *, known_fields_only: bool = False) -> "Catalog":
         try:
             document = loads_strict(raw.encode() if isinstance(raw, str) else raw)
         except ValueError as exc:
             raise CatalogError(f"catalog is not valid JSON: {exc}") from None
-        return cls.from_document(document)
+        return cls.from_document(document, known_fields_only=known_fields_only)
 
     @classmethod
-    def from_document(cls, document: Any) -> "Catalog":
+    def from_document(cls, document: Any, *, known_fields_only: bool = False) -> "Catalog":
+        """The catalog in `document`. A field it does not know is refused with
+        `known_fields_only` (a catalog being written: a misspelt "timeout" is no silent
+        default), else left alone (a catalog being read, which an older or newer writer made:
+        the gateway keeps serving it)."""
         if not isinstance(document, Mapping) or not isinstance(document.get("models"), list):
             raise CatalogError('catalog must be an object with a "models" array')
-        return cls(_parse_model(entry, index) for index, entry in enumerate(document["models"]))
+        return cls(_parse_model(entry, index, known_fields_only) for index, entry in enumerate(document["models"]))
 
     def with_backend_url(self, url: str) -> "Catalog":
         """Every model served by one OpenAI-compatible server (the local stack's --upstream-url)."""
@@ -179,13 +183,14 @@ class Catalog:
         return Catalog(replace(model, backends=(Backend(name="local", url=url),)) for model in self)
 
 
-def _parse_model(entry: Any, index: int) -> ModelEntry:
+def _parse_model(entry: Any, index: int, known_fields_only: bool) -> ModelEntry:
     where = f"models[{index}]"
     if not isinstance(entry, Mapping):
         raise CatalogError(f"{where} must be an object")
     model_id = _require(entry, "id", str, where)
     where = f"model {model_id!r}"
-    _known_keys(entry, _MODEL_KEYS, where)
+    if known_fields_only:
+        _known_keys(entry, _MODEL_KEYS, where)
     pricing = _require(entry, "pricing", Mapping, where)
     capabilities = entry.get("capabilities", {})
     timeouts = entry.get("timeouts", {})
@@ -215,7 +220,7 @@ def _parse_model(entry: Any, index: int) -> ModelEntry:
             capabilities=Capabilities(**capabilities),
             timeouts=Timeouts(**{k: _timeout(v, f"timeouts.{k}", where) for k, v in timeouts.items()}),
             limits=Limits(**{k: _size(v, f"limits.{k}", where) for k, v in limits.items()}),
-            backends=tuple(_parse_backend(backend, i, where) for i, backend in enumerate(backends)),
+            backends=tuple(_parse_backend(backend, i, where, known_fields_only) for i, backend in enumerate(backends)),
         )
     except TypeError as exc:  # an unknown capability, timeout or limit name
         raise CatalogError(f"{where}: {exc}") from None
@@ -254,11 +259,12 @@ def _size(value: Any, name: str, where: str) -> int:
     return value
 
 
-def _parse_backend(entry: Any, index: int, where: str) -> Backend:
+def _parse_backend(entry: Any, index: int, where: str, known_fields_only: bool) -> Backend:
     where = f"{where} backends[{index}]"
     if not isinstance(entry, Mapping):
         raise CatalogError(f"{where} must be an object")
-    _known_keys(entry, _BACKEND_KEYS, where)
+    if known_fields_only:
+        _known_keys(entry, _BACKEND_KEYS, where)
     url = _backend_url(_require(entry, "url", str, where).rstrip("/"), where)
     enabled = entry.get("enabled", True)
     if not isinstance(enabled, bool):

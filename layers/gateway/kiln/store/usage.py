@@ -81,7 +81,7 @@ class UsageEvent:
 def get_event(tables: Tables, gen_id: str) -> UsageEvent:
     from pynamodb.exceptions import DoesNotExist
 
-    if is_tally(gen_id):  # a key's tally, beside the events: no generation
+    if not gen_id or is_tally(gen_id):  # no key DynamoDB takes, or a key's tally beside the events
         raise RecordNotFound("generation", gen_id)
     try:
         return UsageEvent.from_record(tables.usage.get(gen_id, consistent_read=True))
