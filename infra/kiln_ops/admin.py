@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any, Callable
 
@@ -747,6 +748,10 @@ def _maintenance_on(ctx: Context, args: argparse.Namespace, out) -> None:
     flag = MaintenanceFlag(enabled=True, until=until, message=args.message)
     _write_flag(ctx, flag)
     out(f"maintenance on: {flag.to_json()}")
+    if until is not None and until <= datetime.now(timezone.utc):
+        seconds = ctx.settings.maintenance_retry_after_seconds
+        out(f"note: --until {until.strftime('%Y-%m-%dT%H:%M:%SZ')} has passed: clients are told "
+            f"Retry-After: {seconds} (seconds) instead")
 
 
 def _maintenance_off(ctx: Context, args: argparse.Namespace, out) -> None:

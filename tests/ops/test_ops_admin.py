@@ -606,6 +606,18 @@ def test_maintenance_until_with_an_offset_is_stored_and_sent_in_utc(admin, stack
     assert parsedate_to_datetime(response.headers["Retry-After"]).isoformat() == "2099-06-01T03:30:00+00:00"
 
 
+def test_an_until_already_past_switches_on_and_says_clients_get_seconds(admin, stack):
+    """A past --until (a day or a zone typed wrong) is no time for clients to come back: the
+    switch goes on, and the operator is told clients are sent the default seconds instead."""
+    result = admin("maintenance", "on", "--until", "2020-01-01T00:00:00Z")
+    assert result.code == 0
+    seconds = stack.settings.maintenance_retry_after_seconds
+    assert result.lines[-1] == (f"note: --until 2020-01-01T00:00:00Z has passed: clients are told "
+                                f"Retry-After: {seconds} (seconds) instead")
+    _, secret = stack.org()
+    assert stack.post("/v1/chat/completions", CHAT, secret).headers["Retry-After"] == str(seconds)
+
+
 def test_maintenance_status_without_a_parameter_is_off(admin, stack):
     stack.ssm.delete_parameter(Name=stack.settings.maintenance_parameter)
     stack.maintenance_changed = True  # put it back afterwards
