@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -92,6 +93,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             raise ValueError("a transfer coding other than chunked")
         super().on_headers_complete()
         self._arm(self.body_timeout, "body")
+        if self.scope.get("http_version") == "1.0" and self.cycle is not None:
+            _close_delimited(self.cycle)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -122,6 +125,26 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.transport.write(_error_response(
             400, "Bad Request", "The request is not valid HTTP/1.1 (framing or headers).", "invalid_http_request"))
         self.transport.close()
+
+
+def _close_delimited(cycle: Any) -> None:
+    """An answer to an HTTP/1.0 request without a Content-Length of its own (a stream) ends
+    where the connection closes: uvicorn would send it chunked, which HTTP/1.0 has not (RFC 9112
+    section 6.1), and its client would read the chunk sizes as the body."""
+    send = cycle.send
+
+    async def close_delimited_send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            framed = any(name.lower() in (b"content-length", b"transfer-encoding")
+                         for name, _ in message.get("headers", []))
+            if not framed and cycle.scope["method"] != "HEAD" and message["status"] not in (204, 304):
+                cycle.chunked_encoding = False  # the body as it comes; keep-alive is off for 1.0
+                cycle.expected_content_length = sys.maxsize
+        elif cycle.expected_content_length == sys.maxsize and not message.get("more_body", False):
+            cycle.expected_content_length = len(message.get("body", b""))  # its last piece: done
+        await send(message)
+
+    cycle.send = close_delimited_send
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -97,3 +97,34 @@ def test_a_chunked_body_in_no_other_coding_is_read(server):
     answer = exchange(server, b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\nConnection: close\r\n\r\n"
                               b"2\r\n{}\r\n0\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n{}")
+
+
+async def stream(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for piece in (b"data: 1\n\n", b"data: 2\n\n"):
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+@pytest.fixture(scope="module")
+def streaming_server():
+    running = ServerThread(stream).start()
+    yield running
+    running.stop()
+
+
+def test_a_stream_to_an_http_1_0_client_ends_where_the_connection_closes(streaming_server):
+    """HTTP/1.0 has no chunked coding (RFC 9112 section 6.1): the stream is sent as it comes and
+    ended by closing the connection, so the client reads the events and nothing else."""
+    answer = exchange(streaming_server, b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
+    assert body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+
+
+def test_a_stream_to_an_http_1_1_client_is_still_chunked(streaming_server):
+    answer = exchange(streaming_server, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower() and body.endswith(b"0\r\n\r\n")
