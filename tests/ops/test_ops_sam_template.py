@@ -570,7 +570,7 @@ def custom_metrics(cfn) -> set[tuple]:
         if "MetricName" in props:
             metrics.append(props)
         for metric in metrics:
-            if metric["Namespace"] not in ("AWS/Lambda", "AWS/ApiGateway"):
+            if not metric["Namespace"].startswith("AWS/"):
                 dims = tuple(sorted((d["Name"], d["Value"]) for d in metric["Dimensions"]))
                 watched.add((metric["Namespace"], metric["MetricName"], dims))
     body = json.loads(cfn["Resources"]["Dashboard"]["Properties"]["DashboardBody"])
@@ -588,10 +588,13 @@ def test_two_stacks_in_one_account_alarm_on_their_own_traffic():
     seen = {}
     for stack in ("kiln-prod", "kiln-staging"):
         cfn = translate({"AWS::StackName": stack})
-        services = {env(cfn, function)["POWERTOOLS_SERVICE_NAME"] for function in FUNCTIONS}
-        assert services == {stack}
+        namespaces = {env(cfn, function)["POWERTOOLS_METRICS_NAMESPACE"] for function in FUNCTIONS}
+        assert namespaces == {f"Kiln/{stack}"}
+        # the service stays the one the gateway's module loggers (kiln.*) are children of
+        assert {env(cfn, function)["POWERTOOLS_SERVICE_NAME"] for function in FUNCTIONS} == {"kiln"}
         watched = custom_metrics(cfn)
-        assert watched and {dict(dims)["service"] for _, _, dims in watched} == {stack}
+        assert watched and {namespace for namespace, _, _ in watched} == namespaces
+        assert {dict(dims)["service"] for _, _, dims in watched} == {"kiln"}
         (api,) = of_type(cfn, "AWS::ApiGateway::RestApi").values()
         assert api["Properties"]["Name"] == api["Properties"]["Body"]["info"]["title"] == stack
         seen[stack] = watched
