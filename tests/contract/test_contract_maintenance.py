@@ -122,11 +122,11 @@ def test_a_throttled_read_of_the_switch_neither_serves_a_request_nor_keeps_the_s
     assert (second.status_code, second.json()["error"]["code"]) == (503, "maintenance")
 
 
-@pytest.mark.parametrize("flag", [{"enabled": True, "until": "9999-12-31T23:59:59-05:00"}, {"enabled": "true"}])
+@pytest.mark.parametrize("flag", [{"enabled": True, "until": "9999-12-31T23:59:59-05:00"}, {"enabled": "yes please"}])
 def test_a_switch_written_by_hand_that_cannot_be_read_is_never_a_500(stack_factory, flag):
-    """An until with no date in UTC (after 9999-12-31 there) once made every endpoint a 500; a
-    switch whose "enabled" is not true or false is as unreadable. Either is a malformed switch:
-    the gateway answers as it does for one (docs/operations.md), in the contract's shape."""
+    """An until with no date in UTC (after 9999-12-31 there) once made every endpoint a 500; an
+    "enabled" that says neither on nor off is as unreadable. Either is a malformed switch: the
+    gateway keeps its last value (here none: off) and answers in the contract's shape."""
     stack = stack_factory()
     _, key = stack.org()
     stack.set_maintenance(flag)
@@ -136,3 +136,12 @@ def test_a_switch_written_by_hand_that_cannot_be_read_is_never_a_500(stack_facto
         assert response.status_code != 500, (path, response.text)
         if response.status_code >= 400:
             assert response.json()["error"]["code"] in ("maintenance", "storage_unavailable", "empty_array")
+
+
+def test_a_switch_turned_on_with_a_string_is_on(stack_factory):
+    """{"enabled": "true"}, written with aws ssm put-parameter, was read as off."""
+    stack = stack_factory()
+    _, key = stack.org()
+    stack.set_maintenance({"enabled": "true"})
+    response = stack.post("/v1/chat/completions", {"model": "qwen3-32b", "messages": []}, key)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "maintenance"

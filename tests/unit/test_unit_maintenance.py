@@ -18,8 +18,8 @@ def test_missing_parameter_means_no_maintenance(raw):
 
 @pytest.mark.parametrize(
     "raw", ["{not json", "[1, 2]", '"enabled"', '{"enabled": true, "until": "tomorrow"}',
-            # a switch written by hand that the gateway would read otherwise than meant: no silent "off"
-            '{"enabled": "true"}', '{"enabled": 1}', '{"enabled": null}',
+            # a switch written by hand that says neither on nor off
+            '{"enabled": "yes please"}', '{"enabled": 2}', '{"enabled": [true]}',
             # an until with no time in UTC (past year 9999 or before year 1 there)
             '{"enabled": true, "until": "9999-12-31T23:59:59-05:00"}',
             '{"enabled": true, "until": "0001-01-01T00:00:00+01:00"}']
@@ -79,3 +79,12 @@ def test_an_until_is_held_in_utc_so_every_answer_can_be_written():
     flag = parse_flag('{"enabled": true, "until": "9999-12-31T18:59:59-05:00"}')
     assert flag.until == datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)
     assert flag.error(60, now=NOW).retry_after == "Fri, 31 Dec 9999 23:59:59 GMT"
+
+
+@pytest.mark.parametrize("written, meant", [
+    ("true", True), ("false", False), ('"true"', True), ('"False"', False), ('" on "', True), ('"off"', False),
+    ("1", True), ("0", False), ('"1"', True), ("null", False)])
+def test_a_switch_written_by_hand_means_what_it_says(written, meant):
+    """Read as off, "true" would be the switch ignored; read as malformed, "false" would keep
+    every warm environment on its last value (on) after the operator turned it off."""
+    assert parse_flag('{"enabled": %s}' % written).enabled is meant

@@ -54,6 +54,20 @@ def parse_until(text: str) -> datetime:
         raise ValueError(f"{text!r} has no date in UTC (years 1 to 9999)") from None
 
 
+# How a switch written by hand may say on or off, beside JSON's true and false: each as meant
+# (read as off, "true" would be the switch ignored; read as malformed, "false" would keep a warm
+# environment on its last value, on)
+_SPELLINGS = {"true": True, "false": False, "1": True, "0": False, "on": True, "off": False}
+
+
+def _switch(value: object) -> bool:
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, (str, int)) and str(value).strip().lower() in _SPELLINGS:
+        return _SPELLINGS[str(value).strip().lower()]
+    raise ValueError(f'the maintenance parameter\'s "enabled" must be true or false, not {value!r}'[:200])
+
+
 def parse_flag(raw: str | None) -> MaintenanceFlag:
     """A missing parameter means no maintenance; a malformed one is an error (keeps the last value)."""
     if raw is None or not raw.strip():
@@ -61,9 +75,7 @@ def parse_flag(raw: str | None) -> MaintenanceFlag:
     document = json.loads(raw)
     if not isinstance(document, dict):
         raise ValueError("the maintenance parameter must be a JSON object")
-    enabled = document.get("enabled", False)
-    if not isinstance(enabled, bool):  # "true" or 1 read as off would be the switch ignored
-        raise ValueError('the maintenance parameter\'s "enabled" must be true or false')
+    enabled = _switch(document.get("enabled"))
     until = document.get("until")
     message = document.get("message")
     return MaintenanceFlag(
