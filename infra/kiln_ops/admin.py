@@ -580,7 +580,7 @@ def _read_catalog_file(path: str) -> tuple[str, Any]:
     except UnicodeDecodeError as exc:
         raise AdminError(f"{path} is not UTF-8 text (byte {exc.start})") from None
     try:
-        return raw, Catalog.from_json(raw, known_fields_only=True)
+        return raw, Catalog.from_json(raw, written=True)
     except CatalogError as exc:
         raise AdminError(f"{path}: {exc}") from None
 

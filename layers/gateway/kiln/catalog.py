@@ -7,7 +7,7 @@ handling asks it about capabilities and never tests model names itself.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 from typing import Any, Iterable, Mapping
 from urllib.parse import urlsplit
@@ -31,6 +31,8 @@ FUNCTION_TIMEOUT_SECONDS = 900.0
 _MODEL_KEYS = frozenset(("id", "owned_by", "created", "context_length", "pricing", "capabilities", "timeouts",
                          "limits", "backends"))
 _BACKEND_KEYS = frozenset(("name", "url", "model", "api_key_env", "enabled"))
+_PRICING_KEYS = frozenset(("input", "output", "cached_input"))
+_DOCUMENT_KEYS = frozenset(("models",))
 
 
 class CatalogError(ValueError):
@@ -159,22 +161,30 @@ class Catalog:
         return len(self._models)
 
     @classmethod
-    def from_json(cls, raw: bytes | str, *, known_fields_only: bool = False) -> "Catalog":
+    def from_json(cls, raw: bytes | str, *, written: bool = False) -> "Catalog":
         try:
             document = loads_strict(raw.encode() if isinstance(raw, str) else raw)
         except ValueError as exc:
             raise CatalogError(f"catalog is not valid JSON: {exc}") from None
-        return cls.from_document(document, known_fields_only=known_fields_only)
+        return cls.from_document(document, written=written)
 
     @classmethod
-    def from_document(cls, document: Any, *, known_fields_only: bool = False) -> "Catalog":
-        """The catalog in `document`. A field it does not know is refused with
-        `known_fields_only` (a catalog being written: a misspelt "timeout" is no silent
-        default), else left alone (a catalog being read, which an older or newer writer made:
-        the gateway keeps serving it)."""
+    def from_document(cls, document: Any, *, written: bool = False) -> "Catalog":
+        """The catalog in `document`.
+
+        What no request could be billed or sent for is refused either way: a price or context
+        length outside the bounds that keep every bill a number DynamoDB stores, a timeout of
+        0, a backend URL the HTTP client cannot call, a value of a type that means nothing.
+        A catalog being `written` (kiln admin) is held to everything the docs say: a field the
+        catalog does not know (a misspelt "timeout" would be a silent default), timeouts above
+        the function's 900 s, a URL with a query or outside ASCII, values that are not of their
+        type. A catalog being read (the gateway) is served as an older or newer writer made it:
+        those are left alone, read as they always were."""
         if not isinstance(document, Mapping) or not isinstance(document.get("models"), list):
             raise CatalogError('catalog must be an object with a "models" array')
-        return cls(_parse_model(entry, index, known_fields_only) for index, entry in enumerate(document["models"]))
+        if written:
+            _known_keys(document, _DOCUMENT_KEYS, "catalog")
+        return cls(_parse_model(entry, index, written) for index, entry in enumerate(document["models"]))
 
     def with_backend_url(self, url: str) -> "Catalog":
         """Every model served by one OpenAI-compatible server (the local stack's --upstream-url)."""
@@ -183,14 +193,12 @@ class Catalog:
         return Catalog(replace(model, backends=(Backend(name="local", url=url),)) for model in self)
 
 
-def _parse_model(entry: Any, index: int, known_fields_only: bool) -> ModelEntry:
+def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
     where = f"models[{index}]"
     if not isinstance(entry, Mapping):
         raise CatalogError(f"{where} must be an object")
     model_id = _require(entry, "id", str, where)
     where = f"model {model_id!r}"
-    if known_fields_only:
-        _known_keys(entry, _MODEL_KEYS, where)
     pricing = _require(entry, "pricing", Mapping, where)
     capabilities = entry.get("capabilities", {})
     timeouts = entry.get("timeouts", {})
@@ -203,27 +211,36 @@ def _parse_model(entry: Any, index: int, known_fields_only: bool) -> ModelEntry:
         or not isinstance(backends, list)
     ):
         raise CatalogError(f"{where}: capabilities, timeouts and limits must be objects, backends an array")
+    if written:
+        _known_keys(entry, _MODEL_KEYS, where)
+        _known_keys(pricing, _PRICING_KEYS, f"{where}: pricing")
+        for part, kind in ((capabilities, Capabilities), (timeouts, Timeouts), (limits, Limits)):
+            _known_keys(part, frozenset(f.name for f in fields(kind)), f"{where}: {kind.__name__.lower()}")
     for name, value in capabilities.items():
         if not isinstance(value, bool):
             raise CatalogError(f"{where}: capabilities.{name} must be true or false")
-    try:
-        return ModelEntry(
-            id=model_id,
-            owned_by=_optional(entry, "owned_by", str, where) or "kiln",
-            created=int(_number(entry.get("created", 0), "created", where)),
-            context_length=_context_length(entry, where),
-            pricing=Pricing(
-                input=_price(pricing, "input", where),
-                output=_price(pricing, "output", where),
-                cached_input=_price(pricing, "cached_input", where) if "cached_input" in pricing else None,
-            ),
-            capabilities=Capabilities(**capabilities),
-            timeouts=Timeouts(**{k: _timeout(v, f"timeouts.{k}", where) for k, v in timeouts.items()}),
-            limits=Limits(**{k: _size(v, f"limits.{k}", where) for k, v in limits.items()}),
-            backends=tuple(_parse_backend(backend, i, where, known_fields_only) for i, backend in enumerate(backends)),
-        )
-    except TypeError as exc:  # an unknown capability, timeout or limit name
-        raise CatalogError(f"{where}: {exc}") from None
+    return ModelEntry(
+        id=model_id,
+        owned_by=_text(entry, "owned_by", where, written) or "kiln",
+        created=int(_number(entry.get("created", 0), "created", where)),
+        context_length=_context_length(entry, where),
+        pricing=Pricing(
+            input=_price(pricing, "input", where),
+            output=_price(pricing, "output", where),
+            cached_input=_price(pricing, "cached_input", where) if "cached_input" in pricing else None,
+        ),
+        capabilities=Capabilities(**_known_only(capabilities, Capabilities)),
+        timeouts=Timeouts(**{k: _timeout(v, f"timeouts.{k}", where, written)
+                             for k, v in _known_only(timeouts, Timeouts).items()}),
+        limits=Limits(**{k: _size(v, f"limits.{k}", where) for k, v in _known_only(limits, Limits).items()}),
+        backends=tuple(_parse_backend(backend, i, where, written) for i, backend in enumerate(backends)),
+    )
+
+
+def _known_only(values: Mapping[str, Any], kind: type) -> dict[str, Any]:
+    """The names `kind` has (a written catalog has no other: refused before this)."""
+    names = {f.name for f in fields(kind)}
+    return {name: value for name, value in values.items() if name in names}
 
 
 def _number(value: Any, name: str, where: str) -> float:
@@ -232,10 +249,12 @@ def _number(value: Any, name: str, where: str) -> float:
     return float(value)
 
 
-def _timeout(value: Any, name: str, where: str) -> float:
+def _timeout(value: Any, name: str, where: str, written: bool) -> float:
     seconds = _number(value, name, where)
-    if not 0 < seconds <= FUNCTION_TIMEOUT_SECONDS:
-        raise CatalogError(f"{where}: {name} must be above 0 and at most {FUNCTION_TIMEOUT_SECONDS:g} seconds "
+    if not 0 < seconds < float("inf"):
+        raise CatalogError(f"{where}: {name} must be above 0 seconds")
+    if written and seconds > FUNCTION_TIMEOUT_SECONDS:
+        raise CatalogError(f"{where}: {name} must be at most {FUNCTION_TIMEOUT_SECONDS:g} seconds "
                            "(the function's own timeout)")
     return seconds
 
@@ -259,32 +278,49 @@ def _size(value: Any, name: str, where: str) -> int:
     return value
 
 
-def _parse_backend(entry: Any, index: int, where: str, known_fields_only: bool) -> Backend:
+# How a catalog may say a backend is on or off, beside JSON's true and false (a catalog read is
+# served as it was written; one written says true or false)
+_SPELLINGS = {"true": True, "false": False, "1": True, "0": False}
+
+
+def _enabled(entry: Mapping, where: str, written: bool) -> bool:
+    value = entry.get("enabled", True)
+    if isinstance(value, bool):
+        return value
+    if not written:
+        if value is None:
+            return False  # as it was always read
+        if isinstance(value, (str, int)) and str(value).strip().lower() in _SPELLINGS:
+            return _SPELLINGS[str(value).strip().lower()]
+    raise CatalogError(f"{where}: enabled must be true or false")
+
+
+def _parse_backend(entry: Any, index: int, where: str, written: bool) -> Backend:
     where = f"{where} backends[{index}]"
     if not isinstance(entry, Mapping):
         raise CatalogError(f"{where} must be an object")
-    if known_fields_only:
+    if written:
         _known_keys(entry, _BACKEND_KEYS, where)
-    url = _backend_url(_require(entry, "url", str, where).rstrip("/"), where)
-    enabled = entry.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise CatalogError(f"{where}: enabled must be true or false")
+    api_key_env = entry.get("api_key_env")
+    if api_key_env is not None and not isinstance(api_key_env, str):
+        raise CatalogError(f"{where}: 'api_key_env' must be the name of an environment variable")
     return Backend(
-        name=_optional(entry, "name", str, where) or f"backend-{index}",
-        url=url,
-        upstream_model=_optional(entry, "model", str, where),
-        api_key_env=_optional(entry, "api_key_env", str, where),
-        enabled=enabled,
+        name=_text(entry, "name", where, written) or f"backend-{index}",
+        url=_backend_url(_require(entry, "url", str, where).rstrip("/"), where, written),
+        upstream_model=_text(entry, "model", where, written),
+        api_key_env=api_key_env,
+        enabled=_enabled(entry, where, written),
     )
 
 
-def _backend_url(url: str, where: str) -> str:
-    """An http(s) URL the HTTP client can call as it is written: a host, a port if any in range,
-    no query or fragment (the endpoint's path is appended), nothing that needs escaping."""
+def _backend_url(url: str, where: str, written: bool) -> str:
+    """An http(s) URL the HTTP client can call: a host, a port if any in range. One written is
+    also one it calls as written: no query or fragment (the endpoint's path is appended),
+    nothing that needs escaping."""
     if not url.startswith(("http://", "https://")):
         raise CatalogError(f"{where}: url must start with http:// or https://")
     problem = None
-    if any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in url):
+    if written and any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in url):
         problem = "has a space, a control character or a character outside ASCII"
     else:
         try:
@@ -295,18 +331,21 @@ def _backend_url(url: str, where: str) -> str:
         else:
             if not parts.hostname:
                 problem = "has no host"
-            elif parts.query or parts.fragment or url.endswith(("?", "#")):
+            elif written and (parts.query or parts.fragment or url.endswith(("?", "#"))):
                 problem = "has a query or a fragment"
     if problem:
         raise CatalogError(f"{where}: url {url!r} {problem}")
     return url
 
 
-def _optional(entry: Mapping, key: str, kind: type, where: str) -> Any:
-    value = entry.get(key)  # null: not set
-    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise CatalogError(f"{where}: {key!r} must be a {kind.__name__}")
-    return value
+def _text(entry: Mapping, key: str, where: str, written: bool) -> str | None:
+    """An optional text field (null: not set); one read that is not text is read as its text."""
+    value = entry.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    if written or isinstance(value, (dict, list)):
+        raise CatalogError(f"{where}: {key!r} must be a string")
+    return str(value)
 
 
 def _require(entry: Mapping, key: str, kind: type, where: str) -> Any:
