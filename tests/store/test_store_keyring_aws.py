@@ -258,3 +258,61 @@ def test_a_revocation_whose_answer_was_lost_still_takes_the_keys_figures_off(sta
                                    ConsistentRead=True)["Item"]
     left = sorted(name for name in item if key["id"] in name)
     assert left == [], left
+
+
+class _IndexAndTable:
+    """The keys table of one org, its by_org index holding only what `indexed` names; counts
+    the consistent reads of items and how many were in flight at once."""
+
+    def __init__(self, org_id: str, items: dict[str, dict], indexed: set[str]) -> None:
+        self.org_id, self.items, self.indexed = org_id, items, indexed
+        self.reads, self.in_flight, self.most_at_once = 0, 0, 0
+
+    async def dynamodb(self, operation: str, payload: dict) -> dict:
+        import asyncio
+
+        if operation == "Query":
+            return {"Items": [self.items[h] for h in sorted(self.indexed)]}
+        assert operation == "GetItem" and payload["ConsistentRead"] is True
+        self.reads += 1
+        self.in_flight += 1
+        self.most_at_once = max(self.most_at_once, self.in_flight)
+        await asyncio.sleep(0.01)
+        self.in_flight -= 1
+        return {"Item": self.items.get(payload["Key"]["key_hash"]["S"])}
+
+
+def _item(org_id: str, index: int) -> dict:
+    return {"key_hash": {"S": f"hash-{index}"}, "key_id": {"S": f"key_{index:016x}"}, "org_id": {"S": org_id},
+            "status": {"S": "active"}, "prefix": {"S": "sk-kiln-x"}, "created_at": {"S": f"2026-12-06T00:00:{index:02d}.000Z"}}
+
+
+def test_a_list_reads_at_once_only_the_keys_the_index_may_show_otherwise(monkeypatch):
+    """Of the keys this process wrote lately, a list reads from the table those the index may
+    show otherwise (changed ones, and new ones it does not hold yet), all at once: a burst of
+    keys made costs no read once the index has them."""
+    import asyncio
+
+    monkeypatch.setattr(keyring_module, "_recent_writes", {})
+    org_id = "org-list"
+    items = {f"hash-{i}": _item(org_id, i) for i in range(30)}
+    table = _IndexAndTable(org_id, items, indexed={f"hash-{i}" for i in range(20)})
+    ring = keyring_module.Keyring(table, keys_table="keys-list", orgs_table="orgs-list")
+    for i in range(30):
+        ring._wrote(org_id, f"hash-{i}", changed=False)  # made: 20 in the index already, 10 not yet
+    ring._wrote(org_id, "hash-3")  # and one of those changed since
+    listed = asyncio.run(ring.list(org_id))
+    assert [key.key_id for key in listed] == [f"key_{i:016x}" for i in range(30)]  # oldest first
+    assert table.reads == 11 and table.most_at_once == 11
+
+
+def test_the_writes_of_an_org_never_listed_again_are_forgotten(monkeypatch):
+    recent: dict = {}
+    monkeypatch.setattr(keyring_module, "_recent_writes", recent)
+    ring = keyring_module.Keyring(None, keys_table="keys-forget", orgs_table="orgs-forget")
+    for i in range(1000):
+        ring._wrote(f"org-{i}", f"hash-{i}")
+    later = time.monotonic() + keyring_module._RECENT_WRITE_SECONDS + 1
+    monkeypatch.setattr(keyring_module.time, "monotonic", lambda: later)
+    ring._wrote("org-last", "hash-last")
+    assert list(recent) == [("keys-forget", "org-last")]

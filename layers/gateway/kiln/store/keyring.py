@@ -98,7 +98,7 @@ _INDEX_WAITS = (0.1, 0.2, 0.4, 0.8)
 # The keys this process made, changed or revoked lately, by (keys table, org): the by_org index
 # may not hold them yet, or hold them as they were, so the org's list reads them from the table.
 _RECENT_WRITE_SECONDS = 10.0
-_recent_writes: dict[tuple[str, str], dict[str, float]] = {}
+_recent_writes: dict[tuple[str, str], dict[str, tuple[float, bool]]] = {}  # hash -> (until, changed)
 MAX_LABEL = 100
 # what a label may not hold: control characters, line and paragraph separators, and the
 # invisible format characters (bidirectional overrides, which reorder the text shown around
@@ -307,6 +307,17 @@ class OrgView:
     item: dict[str, Any]
 
 
+def _forget_old_writes() -> None:
+    """Drop what _recent_writes holds longer than _RECENT_WRITE_SECONDS, of every org."""
+    now = time.monotonic()
+    for place in list(_recent_writes):
+        writes = _recent_writes[place]
+        for key_hash in [key_hash for key_hash, (until, _) in writes.items() if until <= now]:
+            del writes[key_hash]
+        if not writes:
+            del _recent_writes[place]
+
+
 class Keyring:
     """Key management over the lean client; raises RecordNotFound, AlreadyRevoked, InvalidKeyAttribute."""
 
@@ -408,34 +419,25 @@ class Keyring:
 
     async def _as_now(self, org_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The index's items of the org with the keys this process wrote lately read from the
-        table (consistently): a key just made is in, one just changed or revoked as it is now."""
-        recent = self._recent(org_id)
-        if not recent:
-            return items
+        table (consistently, all at once): a key just made that the index has not got is in,
+        one just changed or revoked is as it is now."""
+        _forget_old_writes()
+        recent = _recent_writes.get((self._keys_table, org_id), {})
         by_hash = {item[KEY.hash_key]["S"]: item for item in items}
-        for key_hash in recent:
-            current = await self._current(key_hash)
+        stale = [key_hash for key_hash, (_, changed) in recent.items() if changed or key_hash not in by_hash]
+        if not stale:
+            return items
+        for key_hash, current in zip(stale, await asyncio.gather(*(self._current(h) for h in stale)), strict=True):
             if current is not None and current.get(KEY.org_id, {}).get("S") == org_id:
                 by_hash[key_hash] = current
         return sorted(by_hash.values(), key=lambda item: item.get(KEY.created_at, {}).get("S", ""))
 
-    def _recent(self, org_id: str) -> list[str]:
-        """Hashes of the org's keys this process wrote in the last _RECENT_WRITE_SECONDS."""
-        place = (self._keys_table, org_id)
-        writes = _recent_writes.get(place)
-        if not writes:
-            return []
-        now = time.monotonic()
-        for key_hash in [key_hash for key_hash, until in writes.items() if until <= now]:
-            del writes[key_hash]
-        if not writes:
-            del _recent_writes[place]
-        return list(writes)
-
-    def _wrote(self, org_id: str, key_hash: str) -> None:
-        """Note a write of a key item, before it is sent (an answer may be lost, the write not)."""
-        self._recent(org_id)  # and forget what is old
-        _recent_writes.setdefault((self._keys_table, org_id), {})[key_hash] = time.monotonic() + _RECENT_WRITE_SECONDS
+    def _wrote(self, org_id: str, key_hash: str, *, changed: bool = True) -> None:
+        """Note a write of a key item (`changed`: of one that was there), before it is sent: an
+        answer may be lost, the write not."""
+        _forget_old_writes()
+        writes = _recent_writes.setdefault((self._keys_table, org_id), {})
+        writes[key_hash] = (time.monotonic() + _RECENT_WRITE_SECONDS, changed or writes.get(key_hash, (0, False))[1])
 
     # -- spend -----------------------------------------------------------------------------
 
@@ -690,7 +692,7 @@ class Keyring:
         for name, value in changes.items():
             if value is not None:
                 item[name] = _wire(name, value)
-        self._wrote(org_id, item[KEY.key_hash]["S"])
+        self._wrote(org_id, item[KEY.key_hash]["S"], changed=False)
         try:
             await self._aws.dynamodb(
                 "PutItem",
