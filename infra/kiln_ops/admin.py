@@ -17,6 +17,7 @@ from decimal import Decimal
 from typing import Any, Callable
 
 from kiln.jsonio import decimal_text
+from kiln.store.orgs import MAX_CONCURRENCY
 
 from .argtypes import bounded_int, usd
 from .backends import add_backends_parser
@@ -54,6 +55,7 @@ class Context:
 
 
 _positive = bounded_int("a whole number", 1)
+_org_limit = bounded_int("a concurrency limit", 1, MAX_CONCURRENCY)
 
 
 def _time(text: str) -> str:
@@ -76,7 +78,8 @@ def add_admin_parser(subparsers: Any) -> None:
     orgs = groups.add_parser("orgs", help="organisations").add_subparsers(dest="action", required=True)
     create = orgs.add_parser("create", help="create an org")
     create.add_argument("org")
-    create.add_argument("--concurrency", type=_positive, default=None, help="requests in flight at most (default 8)")
+    create.add_argument("--concurrency", type=_org_limit, default=None,
+                        help=f"requests in flight at most, 1-{MAX_CONCURRENCY} (default 8)")
     create.add_argument("--credits", type=usd, default=Decimal(0), help="initial prepaid credits, USD (default 0)")
     create.set_defaults(run=_orgs_create)
     orgs.add_parser("list", help="every org", parents=[formatted]).set_defaults(run=_orgs_list)
@@ -89,7 +92,7 @@ def add_admin_parser(subparsers: Any) -> None:
         toggle.set_defaults(run=lambda ctx, args, out, status=status: _orgs_status(ctx, args, out, status))
     limit = orgs.add_parser("set-limit", help="change an org's concurrency limit")
     limit.add_argument("org")
-    limit.add_argument("concurrency", type=_positive)
+    limit.add_argument("concurrency", type=_org_limit, help=f"1-{MAX_CONCURRENCY}")
     limit.set_defaults(run=_orgs_set_limit)
 
     keys = groups.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)

@@ -1112,3 +1112,16 @@ def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_quoted_as_text(admin,
     assert [row["label"] for row in rows] == ["'" + label]
     assert admin("keys", "list", org_id, "--format", "json").lines  # JSON is data, unchanged:
     assert json.loads("\n".join(admin("keys", "list", org_id, "--format", "json").lines))[0]["label"] == label
+
+
+def test_an_org_limit_its_item_could_not_hold_leases_for_is_refused(admin, stack):
+    """Each request in flight holds a lease on the org's item (DynamoDB: 400 KB at most); after a
+    crash the expired leases stay beside new ones until reclaimed. A limit above 500 would let
+    that item pass 400 KB on AWS, and every admission of the org fail."""
+    org_id = new_org_id()
+    refused = admin("orgs", "create", org_id, "--concurrency", "501")
+    assert refused.code == 2 and "1-500" in refused.err, refused
+    assert admin("orgs", "create", org_id, "--concurrency", "500").code == 0
+    too_many = admin("orgs", "set-limit", org_id, "1000")
+    assert too_many.code == 2 and "1-500" in too_many.err
+    assert "500" in " ".join(admin("orgs", "show", org_id).lines)

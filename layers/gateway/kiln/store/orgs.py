@@ -58,11 +58,22 @@ def _info(record) -> OrgInfo:
     return OrgInfo(record.org_id, record.status, int(record.concurrency_limit), record.credits, record.created_at, leases)
 
 
+# The most requests an org may have in flight. Each holds a lease of about 250 bytes on the org's
+# item, whose DynamoDB limit is 400 KB; after a crash the expired leases stay until reclaimed
+# while new ones are taken, so the item must hold twice the limit: 1 000 leases, about 250 KB.
+# (The functions' reserved concurrency, 440 in all by default, is lower still.)
+MAX_CONCURRENCY = 500
+
+
+def _check_limit(concurrency: int) -> None:
+    if not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise ValueError(f"the concurrency limit must be from 1 to {MAX_CONCURRENCY}")
+
+
 def create_org(tables: Tables, org_id: str, *, concurrency: int, credits: Decimal) -> OrgInfo:
     if not valid_org_id(org_id):
         raise ValueError("org ids are 1-63 characters: lower-case letters, digits, '-' and '_'")
-    if concurrency < 1:
-        raise ValueError("the concurrency limit must be at least 1")
+    _check_limit(concurrency)
     if not credits.is_finite() or credits < 0:
         raise ValueError("credits must be a non-negative amount of USD")
     record = tables.orgs(
@@ -119,8 +130,7 @@ def set_status(tables: Tables, org_id: str, status: str) -> OrgInfo:
 
 
 def set_limit(tables: Tables, org_id: str, concurrency: int) -> OrgInfo:
-    if concurrency < 1:
-        raise ValueError("the concurrency limit must be at least 1")
+    _check_limit(concurrency)
     return _update(tables, org_id, [tables.orgs.concurrency_limit.set(concurrency)])
 
 
