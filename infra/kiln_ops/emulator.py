@@ -202,8 +202,8 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
         raise TooManyTransactionsException()
     seen: set[tuple[str, str]] = set()
     errors: list[tuple[Any, Any, Any]] = []
-    writes: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = []
-    for entry in transact_items:
+    writes: list[tuple[int, str, dict[str, Any], str, dict[str, Any]]] = []
+    for index, entry in enumerate(transact_items):
         if len(entry) > 1:
             raise TransactWriteSingleOpException
         op_type, op = next(iter(entry.items()))
@@ -238,16 +238,17 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
                 continue
         errors.append((None, None, None))
         if op_type != "ConditionCheck":
-            writes.append((op_type, op, table_name, key))
+            writes.append((index, op_type, op, table_name, key))
     if any(code is not None for code, _, _ in errors):
         raise TransactionCanceledException(errors)
 
     backups = []
-    for _, _, table_name, key in writes:
+    for _, _, _, table_name, key in writes:
         current = self.get_item(table_name, key)
         backups.append((table_name, key, copy.deepcopy(current.to_json()["Attributes"]) if current else None))
+    applying = None
     try:
-        for op_type, op, table_name, key in writes:
+        for applying, op_type, op, table_name, key in writes:  # noqa: B007 - read when one fails
             if op_type == "Put":
                 self.put_item(table_name, op["Item"])
             elif op_type == "Delete":
@@ -261,13 +262,20 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
                     expression_attribute_names=op.get("ExpressionAttributeNames"),
                     expression_attribute_values=op.get("ExpressionAttributeValues"),
                 )
-    except Exception:
+    except Exception as exc:
         for table_name, key, attributes in reversed(backups):
             if attributes is None:
                 self.delete_item(table_name, key)
             else:
                 self.put_item(table_name, attributes)
-        raise
+        if not isinstance(exc, MockValidationException) or applying is None:
+            raise
+        # DynamoDB reports a write its item refuses (a number out of range, an item over 400 KB,
+        # a path the item does not have) as the transaction's cancellation, with a reason for
+        # that item: ValidationError and its message
+        reasons: list[tuple[Any, Any, Any]] = [(None, None, None)] * len(transact_items)
+        reasons[applying] = ("ValidationError", exc.message, None)
+        raise TransactionCanceledException(reasons) from None
 
 
 class _Serialized:

@@ -12,7 +12,13 @@ import pytest
 
 from kiln.store import UsageEvent
 from kiln.store.codec import to_item
-from kiln.store.errors import StorageError, TransactionCancelled, TransientStorageError, translate_storage_error
+from kiln.store.errors import (
+    StorageError,
+    TransactionCancelled,
+    TransientStorageError,
+    is_transient,
+    translate_storage_error,
+)
 from kiln_ops import emulator
 
 
@@ -211,10 +217,18 @@ def test_a_write_that_fails_half_way_is_rolled_back(stack):
             "ExpressionAttributeValues": {":one": {"N": "1"}},
         }
     }
-    with pytest.raises(client.exceptions.ClientError):
+    with pytest.raises(client.exceptions.ClientError) as caught:
         client.transact_write_items(TransactItems=[put, bad_update])
     assert "Item" not in client.get_item(TableName=stack.settings.usage_table, Key={"gen_id": {"S": "gen-y"}})
     assert stack.org_info(org_id).status == "active"
+    # as DynamoDB answers a write its item refuses inside a transaction: a cancellation whose
+    # reason for that item is ValidationError, which is no failed condition and no conflict
+    error = caught.value.response
+    assert error["Error"]["Code"] == "TransactionCanceledException"
+    assert [reason["Code"] for reason in error["CancellationReasons"]] == ["None", "ValidationError"]
+    mapped = translate_storage_error(caught.value)
+    assert isinstance(mapped, StorageError) and not is_transient(mapped)
+    assert "ValidationError" in str(mapped)
 
 
 # -- the fault mode: DynamoDB under contention ----------------------------------------------------

@@ -155,8 +155,18 @@ def _from_code(code: str | None, body: dict[str, Any]) -> BaseException | None:
         return ConditionFailed(body.get("Item"))
     if code == "TransactionCanceledException":
         codes = [(reason or {}).get("Code") for reason in body.get("CancellationReasons") or []]
-        return TransactionCancelled([None if code in (None, "None") else code for code in codes])
+        reasons = [None if code in (None, "None") else code for code in codes]
+        if any(reason not in _OUTCOMES for reason in reasons):
+            # an item refused the write itself (ValidationError: a number out of range, an item
+            # over 400 KB; ItemCollectionSizeLimitExceeded): no condition's answer and no race,
+            # a failure of the call, as the same write outside a transaction would be
+            return None
+        return TransactionCancelled(reasons)
     return None
+
+
+# What a transaction's cancellation may say of an item as a condition's answer or a race.
+_OUTCOMES = frozenset({None, "ConditionalCheckFailed"}) | TRANSIENT_REASONS
 
 
 def translate_storage_error(exc: BaseException) -> BaseException:
@@ -167,7 +177,7 @@ def translate_storage_error(exc: BaseException) -> BaseException:
     if isinstance(exc, StorageError):
         return exc
     code, status = _code_and_status(exc)
-    detail = f"{type(exc).__name__}: {code or exc}"
+    detail = f"{type(exc).__name__}: {code or exc}{_reasons_of(exc) if code == 'TransactionCanceledException' else ''}"
     server_fault = status is not None and status >= 500
     transport = _lost_answer(exc)
     if code in TRANSIENT_CODES or server_fault or transport:
@@ -176,6 +186,17 @@ def translate_storage_error(exc: BaseException) -> BaseException:
         maybe = (server_fault or transport or code in _UNANSWERED_CODES) and not _never_sent(exc)
         return TransientStorageError(detail, code, maybe_applied=maybe)
     return StorageError(detail, code)
+
+
+def _reasons_of(exc: BaseException) -> str:
+    """A cancellation's reasons that are not condition answers, with their messages, for the log."""
+    body = getattr(exc, "body", None)
+    if not isinstance(body, dict):
+        error = _client_error(exc)
+        body = (getattr(error, "response", {}) or {}) if error is not None else {}
+    reasons = [reason for reason in body.get("CancellationReasons") or [] if isinstance(reason, dict)
+               and reason.get("Code") not in (None, "None") and reason.get("Code") not in _OUTCOMES]
+    return "".join(f" ({reason.get('Code')}: {str(reason.get('Message', ''))[:200]})" for reason in reasons)
 
 
 def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
