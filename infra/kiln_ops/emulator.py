@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -187,6 +188,23 @@ def _atomic(update_item: Any) -> Any:
     return atomic_update_item
 
 
+_VALUE_PLACEHOLDER = re.compile(r":[A-Za-z0-9_]+")
+
+
+def _refuse_unused_values(op: dict[str, Any]) -> None:
+    """DynamoDB refuses a value placeholder that no expression of the item uses (moto checks the
+    names of a transaction's items, not their values)."""
+    from moto.dynamodb.exceptions import MockValidationException
+
+    used = set()
+    for expression in (op.get("ConditionExpression"), op.get("UpdateExpression")):
+        used.update(_VALUE_PLACEHOLDER.findall(expression or ""))
+    unused = sorted(set(op.get("ExpressionAttributeValues") or {}) - used)
+    if unused:
+        raise MockValidationException(f"Value provided in ExpressionAttributeValues unused in expressions: "
+                                      f"keys: {{{', '.join(unused)}}}")
+
+
 def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> None:
     """TransactWriteItems: every condition checked first, then the writes; only written items backed up."""
     from moto.dynamodb.comparisons import get_filter_expression
@@ -209,6 +227,7 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
         op_type, op = next(iter(entry.items()))
         if op_type not in {"ConditionCheck", "Put", "Delete", "Update"}:
             raise ValueError("Unsupported transaction operation")
+        _refuse_unused_values(op)
         table_name = op["TableName"]
         table = self.get_table(table_name)
         if op_type == "Put":

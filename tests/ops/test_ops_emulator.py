@@ -475,3 +475,18 @@ def test_a_parameter_value_beyond_its_tiers_size_is_refused_as_ssm_refuses_it(st
     assert refused.value.response["Error"]["Code"] == "ValidationException"
     assert f"{limit} characters" in refused.value.response["Error"]["Message"]
     assert stack.ssm.get_parameter(Name=name)["Parameter"]["Value"] == "x" * limit
+
+
+def test_a_transaction_with_a_value_no_expression_uses_is_refused_as_dynamodb_refuses_it(stack):
+    """moto checks a transaction's attribute names, not its values: a write the gateway sent with
+    a value left over would pass locally and be refused by DynamoDB."""
+    org_id, _ = stack.org(credits="1")
+    client = stack.tables.client
+    update = {"Update": {"TableName": stack.settings.orgs_table, "Key": {"org_id": {"S": org_id}},
+                         "UpdateExpression": "SET credits = :two",
+                         "ExpressionAttributeValues": {":two": {"N": "2"}, ":unused": {"N": "3"}}}}
+    with pytest.raises(client.exceptions.ClientError) as refused:
+        client.transact_write_items(TransactItems=[update])
+    assert refused.value.response["Error"]["Code"] == "ValidationException"
+    assert ":unused" in refused.value.response["Error"]["Message"]
+    assert stack.org_info(org_id).credits == 1
