@@ -19,7 +19,9 @@ FAULTS_HELP = (
     "(TransactionConflictException, or a cancellation with reason TransactionConflict); throttle = rate of "
     "ProvisionedThroughputExceededException; lost = rate of writes applied whose answer is cut off; txn_ms = how "
     "long a transaction holds its items (writes meeting them conflict); index_ms = how long a write takes to reach "
-    "the global secondary indexes (a Query of one leaves out items written since); seed = the draws' seed; scope = all calls "
+    "the global secondary indexes (a Query of one leaves out items written since); ssm_tps = the most SSM "
+    "GetParameter calls answered in a second, ThrottlingException beyond (Parameter Store: 40); seed = the draws' "
+    "seed; scope = all calls "
     "or only the gateway's (not botocore's: operators' tools). Default: the KILN_EMULATOR_FAULTS environment "
     "variable, else off"
 )

@@ -43,6 +43,7 @@ import random
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation, localcontext
 from typing import Any
@@ -375,6 +376,8 @@ class Faults:
               wrote (an item created is not found yet; one changed is missing, where DynamoDB
               would show its old version; a write its condition refused counts too: the
               emulator errs towards more lag, not less)
+    ssm_tps   the most SSM GetParameter calls answered in any one second (Parameter Store's
+              default: 40 per account and Region); the others get ThrottlingException
     seed      the random draws' seed (runs under concurrency still interleave differently)
     scope     `all` calls, or only the `gateway`'s (not botocore's: operators' tools and set-up)
     """
@@ -384,12 +387,13 @@ class Faults:
     lost: float = 0.0
     txn_ms: float = 0.0
     index_ms: float = 0.0
+    ssm_tps: float = 0.0
     seed: int | None = None
     scope: str = "all"
 
     @property
     def enabled(self) -> bool:
-        return bool(self.conflict or self.throttle or self.lost or self.txn_ms or self.index_ms)
+        return bool(self.conflict or self.throttle or self.lost or self.txn_ms or self.index_ms or self.ssm_tps)
 
     @classmethod
     def parse(cls, text: str | None) -> "Faults":
@@ -414,7 +418,7 @@ class Faults:
                 raise ValueError(f"{name} needs a number, got {raw!r}") from None
             if name in ("conflict", "throttle", "lost") and not 0.0 <= number <= 1.0:
                 raise ValueError(f"{name} is a rate between 0 and 1, got {raw}")
-            if name in ("txn_ms", "index_ms") and not 0.0 <= number <= 60_000:
+            if name in ("txn_ms", "index_ms", "ssm_tps") and not 0.0 <= number <= 60_000:
                 raise ValueError(f"{name} is between 0 and 60000, got {raw}")
             values[name] = number
         return cls(**values)
@@ -427,7 +431,8 @@ class Faults:
         if not self.enabled:
             return "off"
         parts = [f"conflict={self.conflict:g}", f"throttle={self.throttle:g}", f"lost={self.lost:g}",
-                 f"txn_ms={self.txn_ms:g}", f"index_ms={self.index_ms:g}", f"scope={self.scope}"]
+                 f"txn_ms={self.txn_ms:g}", f"index_ms={self.index_ms:g}", f"ssm_tps={self.ssm_tps:g}",
+                 f"scope={self.scope}"]
         return ",".join(parts + ([f"seed={self.seed}"] if self.seed is not None else []))
 
 
@@ -454,6 +459,7 @@ class FaultyDynamoDB:
         self._tokens: dict[str, tuple[str, float, tuple[int, list, bytes] | None]] = {}
         self._key_names: dict[str, list[str]] = {}
         self._written: dict[tuple[str, str], float] = {}  # item → when a write last reached it (index_ms)
+        self._parameter_reads: deque[float] = deque()  # when the GetParameter calls of the last second came
         if faults.lost:
             logging.getLogger("uvicorn.error").addFilter(_LostAnswers())
 
@@ -463,13 +469,16 @@ class FaultyDynamoDB:
         body = await read_body(receive)
         headers = {name.decode().lower(): value.decode() for name, value in scope.get("headers", [])}
         service, _, operation = headers.get("x-amz-target", "").partition(".")
+        faulty = self.faults.enabled and (self.faults.scope == "all" or "botocore" not in headers.get("user-agent", "").lower())
+        if service == "AmazonSSM" and operation == "GetParameter" and faulty and self.faults.ssm_tps:
+            if self._over_parameter_rate():
+                return await _error(send, "ThrottlingException", "Rate exceeded", prefix="", json_version="1.1")
         if not service.startswith("DynamoDB"):
             return await self._forward(scope, body, send)
         try:
             payload = json.loads(body or b"{}")
         except ValueError:
             return await self._forward(scope, body, send)
-        faulty = self.faults.enabled and (self.faults.scope == "all" or "botocore" not in headers.get("user-agent", "").lower())
         if faulty and operation in _DATA_CALLS and self._draw(self.faults.throttle):
             return await _error(send, "ProvisionedThroughputExceededException",
                                 "The level of configured provisioned throughput for the table was exceeded.")
@@ -484,6 +493,17 @@ class FaultyDynamoDB:
         if faulty and operation == "Query" and payload.get("IndexName") and self.faults.index_ms:
             return await self._lagging_index(scope, body, payload, send)
         await self._forward(scope, body, send, lose=faulty and operation in _WRITES and self._draw(self.faults.lost))
+
+    def _over_parameter_rate(self) -> bool:
+        """Whether a GetParameter now is one more than ssm_tps in the last second (else counted)."""
+        now = time.monotonic()
+        reads = self._parameter_reads
+        while reads and reads[0] <= now - 1.0:
+            reads.popleft()
+        if len(reads) >= self.faults.ssm_tps:
+            return True
+        reads.append(now)
+        return False
 
     async def _transaction(self, scope: dict, body: bytes, payload: dict, send: Any, faulty: bool) -> None:
         token = payload.get("ClientRequestToken")
@@ -642,8 +662,10 @@ async def _answer(send: Any, status: int, headers: list, body: bytes, *, lose: b
     await send({"type": "http.response.body", "body": body})
 
 
-async def _error(send: Any, code: str, message: str, **extra: Any) -> None:
-    body = json.dumps({"__type": _ERROR_PREFIX + code, "message": message, **extra}).encode()
-    headers = [(b"content-type", b"application/x-amz-json-1.0"), (b"content-length", str(len(body)).encode()),
+async def _error(send: Any, code: str, message: str, *, prefix: str = _ERROR_PREFIX, json_version: str = "1.0",
+                 **extra: Any) -> None:
+    body = json.dumps({"__type": prefix + code, "message": message, **extra}).encode()
+    headers = [(b"content-type", f"application/x-amz-json-{json_version}".encode()),
+               (b"content-length", str(len(body)).encode()),
                (b"x-amzn-errortype", code.encode())]
     await _answer(send, 400, headers, body)

@@ -490,3 +490,41 @@ def test_a_transaction_with_a_value_no_expression_uses_is_refused_as_dynamodb_re
     assert refused.value.response["Error"]["Code"] == "ValidationException"
     assert ":unused" in refused.value.response["Error"]["Message"]
     assert stack.org_info(org_id).credits == 1
+
+
+def test_parameter_reads_beyond_ssm_tps_in_a_second_are_throttled_as_parameter_store_throttles_them():
+    """Parameter Store answers GetParameter at 40 per second per account and Region by default,
+    and ThrottlingException ("Rate exceeded") beyond: `ssm_tps` makes the local SSM do the same,
+    so that what the gateway does when throttled can be tried on the local stack."""
+    import asyncio
+
+    from kiln.aws import AwsClient, AwsError
+
+    aws = emulator.EmbeddedAws(faults=emulator.Faults.parse("ssm_tps=5,scope=gateway")).start()
+    try:
+        import boto3
+
+        boto3.client("ssm", region_name="us-east-1", endpoint_url=aws.url, aws_access_key_id="testing",
+                     aws_secret_access_key="testing").put_parameter(Name="/tps/flag", Value="{}", Type="String",
+                                                                    Overwrite=True)
+
+        async def burst() -> list[str]:
+            client = AwsClient(region="us-east-1", endpoint_url=aws.url, max_attempts=1)
+            outcomes = []
+            try:
+                for _ in range(12):
+                    try:
+                        await client.ssm("GetParameter", {"Name": "/tps/flag"})
+                        outcomes.append("ok")
+                    except AwsError as exc:
+                        outcomes.append(exc.code)
+            finally:
+                await client.aclose()
+            return outcomes
+
+        outcomes = asyncio.run(burst())
+        assert outcomes.count("ok") == 5 and set(outcomes) == {"ok", "ThrottlingException"}, outcomes
+        time.sleep(1.1)
+        assert asyncio.run(burst())[:5] == ["ok"] * 5  # a second later, 5 more
+    finally:
+        aws.stop()
