@@ -246,3 +246,10 @@ def test_every_bill_the_catalog_allows_is_a_number_dynamodb_stores():
     for usage, model in ((TokenUsage(most, most, None, "capped"), dearest), (TokenUsage(1, 0, None, "upstream"), cheapest)):
         cost = cost_of(usage, model.pricing)
         assert cost > 0 and storage_problem(cost) is None, cost
+
+
+def test_a_name_given_twice_in_an_object_is_refused_only_where_written():
+    raw = json.dumps(one()).replace('"input": "1.5"', '"input": "0.01", "input": "1.5"')
+    with pytest.raises(CatalogError, match="'input' twice"):
+        Catalog.from_json(raw, written=True)
+    assert Catalog.from_json(raw).get("m").pricing.input == Decimal("1.5")

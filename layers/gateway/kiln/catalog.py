@@ -166,6 +166,8 @@ class Catalog:
             document = loads_strict(raw.encode() if isinstance(raw, str) else raw)
         except ValueError as exc:
             raise CatalogError(f"catalog is not valid JSON: {exc}") from None
+        if written:
+            _refuse_repeated_names(raw)
         return cls.from_document(document, written=written)
 
     @classmethod
@@ -191,6 +193,21 @@ class Catalog:
         from dataclasses import replace
 
         return Catalog(replace(model, backends=(Backend(name="local", url=url),)) for model in self)
+
+
+def _refuse_repeated_names(raw: bytes | str) -> None:
+    """A name given twice in one object of a catalog being written: JSON keeps the last, so the
+    first (a price, say) would silently not be the one served."""
+    import json
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        names = [name for name, _ in items]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise CatalogError(f"catalog names {repeated[0]!r} twice in one object (JSON keeps only the last)")
+        return dict(items)
+
+    json.loads(raw, object_pairs_hook=pairs)
 
 
 def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
