@@ -132,15 +132,18 @@ def _close_delimited(cycle: Any) -> None:
     where the connection closes: uvicorn would send it chunked, which HTTP/1.0 has not (RFC 9112
     section 6.1), and its client would read the chunk sizes as the body."""
     send = cycle.send
+    delimited = False
 
     async def close_delimited_send(message: dict) -> None:
+        nonlocal delimited
         if message["type"] == "http.response.start":
             framed = any(name.lower() in (b"content-length", b"transfer-encoding")
                          for name, _ in message.get("headers", []))
             if not framed and cycle.scope["method"] != "HEAD" and message["status"] not in (204, 304):
+                delimited = True
                 cycle.chunked_encoding = False  # the body as it comes; keep-alive is off for 1.0
-                cycle.expected_content_length = sys.maxsize
-        elif cycle.expected_content_length == sys.maxsize and not message.get("more_body", False):
+                cycle.expected_content_length = sys.maxsize  # uvicorn counts each piece off it
+        elif delimited and not message.get("more_body", False):
             cycle.expected_content_length = len(message.get("body", b""))  # its last piece: done
         await send(message)
 

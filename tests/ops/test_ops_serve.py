@@ -115,13 +115,19 @@ def streaming_server():
     running.stop()
 
 
-def test_a_stream_to_an_http_1_0_client_ends_where_the_connection_closes(streaming_server):
+def test_a_stream_to_an_http_1_0_client_ends_where_the_connection_closes(streaming_server, caplog):
     """HTTP/1.0 has no chunked coding (RFC 9112 section 6.1): the stream is sent as it comes and
-    ended by closing the connection, so the client reads the events and nothing else."""
-    answer = exchange(streaming_server, b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+    ended by closing the connection, so the client reads the events and nothing else, and the
+    app's last piece ends its answer without an error."""
+    import logging
+
+    with caplog.at_level(logging.ERROR, logger="uvicorn.error"):
+        answer = exchange(streaming_server, b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
     assert body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR], caplog.text
 
 
 def test_a_stream_to_an_http_1_1_client_is_still_chunked(streaming_server):
