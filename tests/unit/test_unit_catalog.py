@@ -141,8 +141,6 @@ def test_bad_document_raises_catalog_error(document, message):
         ({"backends": [{"url": "http:///v1"}]}, "url"),
         ({"backends": [{"url": "http://x:99999/v1"}]}, "url"),
         ({"backends": [{"url": "http://x/v1", "api_key_env": ["KILN_X"]}]}, "api_key_env"),
-        ({"backends": [{"url": "http://x/v1", "name": {"a": 1}}]}, "name"),
-        ({"backends": [{"url": "http://x/v1", "enabled": "perhaps"}]}, "enabled"),
     ],
 )
 def test_bad_model_raises_catalog_error_naming_the_field(changes, message):
@@ -169,8 +167,17 @@ WRITTEN_ONLY = [
     ({"backends": [{"url": "http://x/v1", "enabled": 0}]}, "enabled", lambda m: not m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "enabled": None}]}, "enabled", lambda m: not m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "model": 123}]}, "model", lambda m: m.backends[0].upstream_model == "123"),
-    ({"backends": [{"url": "http://exa mple/v1"}]}, "url", lambda m: m.backends[0].url == "http://exa mple/v1"),
-    ({"backends": [{"url": "http://gpü.internal/v1"}]}, "url", lambda m: m.backends[0].url == "http://gpü.internal/v1"),
+    ({"backends": [{"url": "http://x/v1", "name": {"a": 1}}]}, "name", lambda m: m.backends[0].name == "{'a': 1}"),
+    ({"backends": [{"url": "http://x/v1", "enabled": "off"}]}, "enabled", lambda m: not m.backends[0].enabled),
+    ({"backends": [{"url": "http://x/v1", "enabled": "perhaps"}]}, "enabled", lambda m: m.backends[0].enabled),
+    ({"backends": [{"url": "http://x/v1", "enabled": []}]}, "enabled", lambda m: not m.backends[0].enabled),
+    ({"backends": [{"url": "http://x/v1", "api_key_env": "NOT A NAME"}]}, "api_key_env",
+     lambda m: m.backends[0].api_key_env == "NOT A NAME"),
+    # a URL outside ASCII is called as a browser calls it: host in IDNA, the rest escaped
+    ({"backends": [{"url": "http://x/v1 beta"}]}, "url", lambda m: m.backends[0].url == "http://x/v1%20beta"),
+    ({"backends": [{"url": "http://h:8000/モデル"}]}, "url",
+     lambda m: m.backends[0].url == "http://h:8000/%E3%83%A2%E3%83%87%E3%83%AB"),
+    ({"backends": [{"url": "http://gpü.internal/v1"}]}, "url", lambda m: m.backends[0].url == "http://xn--gp-yka.internal/v1"),
     ({"backends": [{"url": "http://x/v1?key=1"}]}, "url", lambda m: m.backends[0].url == "http://x/v1?key=1"),
 ]
 

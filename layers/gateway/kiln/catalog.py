@@ -7,6 +7,7 @@ handling asks it about capabilities and never tests model names itself.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 from typing import Any, Iterable, Mapping
@@ -32,6 +33,7 @@ _MODEL_KEYS = frozenset(("id", "owned_by", "created", "context_length", "pricing
                          "limits", "backends"))
 _BACKEND_KEYS = frozenset(("name", "url", "model", "api_key_env", "enabled"))
 _PRICING_KEYS = frozenset(("input", "output", "cached_input"))
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOCUMENT_KEYS = frozenset(("models",))
 
 
@@ -295,21 +297,20 @@ def _size(value: Any, name: str, where: str) -> int:
     return value
 
 
-# How a catalog may say a backend is on or off, beside JSON's true and false (a catalog read is
-# served as it was written; one written says true or false)
-_SPELLINGS = {"true": True, "false": False, "1": True, "0": False}
+# How a stored catalog may say a backend is on or off beside JSON's true and false: each as meant
+# (they were read as Python's bool() reads them, which made "false", "off" and "no" on)
+_SPELLINGS = {"true": True, "false": False, "1": True, "0": False, "on": True, "off": False, "yes": True, "no": False}
 
 
 def _enabled(entry: Mapping, where: str, written: bool) -> bool:
     value = entry.get("enabled", True)
     if isinstance(value, bool):
         return value
-    if not written:
-        if value is None:
-            return False  # as it was always read
-        if isinstance(value, (str, int)) and str(value).strip().lower() in _SPELLINGS:
-            return _SPELLINGS[str(value).strip().lower()]
-    raise CatalogError(f"{where}: enabled must be true or false")
+    if written:
+        raise CatalogError(f"{where}: enabled must be true or false")
+    if isinstance(value, str) and value.strip().lower() in _SPELLINGS:
+        return _SPELLINGS[value.strip().lower()]
+    return bool(value)  # anything else as it was always read
 
 
 def _parse_backend(entry: Any, index: int, where: str, written: bool) -> Backend:
@@ -319,7 +320,7 @@ def _parse_backend(entry: Any, index: int, where: str, written: bool) -> Backend
     if written:
         _known_keys(entry, _BACKEND_KEYS, where)
     api_key_env = entry.get("api_key_env")
-    if api_key_env is not None and not isinstance(api_key_env, str):
+    if api_key_env is not None and not (isinstance(api_key_env, str) and (not written or _ENV_NAME.fullmatch(api_key_env))):
         raise CatalogError(f"{where}: 'api_key_env' must be the name of an environment variable")
     return Backend(
         name=_text(entry, "name", where, written) or f"backend-{index}",
@@ -333,7 +334,8 @@ def _parse_backend(entry: Any, index: int, where: str, written: bool) -> Backend
 def _backend_url(url: str, where: str, written: bool) -> str:
     """An http(s) URL the HTTP client can call: a host, a port if any in range. One written is
     also one it calls as written: no query or fragment (the endpoint's path is appended),
-    nothing that needs escaping."""
+    nothing that needs escaping. One read is called as a browser would call it: its host in
+    IDNA, anything else outside ASCII (or a space) percent-escaped."""
     if not url.startswith(("http://", "https://")):
         raise CatalogError(f"{where}: url must start with http:// or https://")
     problem = None
@@ -343,24 +345,40 @@ def _backend_url(url: str, where: str, written: bool) -> str:
         try:
             parts = urlsplit(url)
             parts.port  # noqa: B018 - raises ValueError when out of range
-        except ValueError as exc:
-            problem = str(exc)
-        else:
             if not parts.hostname:
                 problem = "has no host"
             elif written and (parts.query or parts.fragment or url.endswith(("?", "#"))):
                 problem = "has a query or a fragment"
+            elif not url.isascii() or any(ord(c) <= 0x20 for c in url):
+                url = _escaped(parts)
+        except (ValueError, UnicodeError) as exc:
+            problem = str(exc) or type(exc).__name__
     if problem:
         raise CatalogError(f"{where}: url {url!r} {problem}")
     return url
 
 
+def _escaped(parts: Any) -> str:
+    """A URL outside ASCII as the HTTP client can send it (ValueError/UnicodeError if it cannot)."""
+    from urllib.parse import quote
+
+    host = parts.hostname.encode("idna").decode("ascii")
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host + (f":{parts.port}" if parts.port is not None else "")
+    keep = "/%:@!$&'()*+,;=-._~"
+    path = quote(parts.path, safe=keep)
+    query = f"?{quote(parts.query, safe=keep + '?')}" if parts.query else ""
+    return f"{parts.scheme}://{netloc}{path}{query}"
+
+
 def _text(entry: Mapping, key: str, where: str, written: bool) -> str | None:
-    """An optional text field (null: not set); one read that is not text is read as its text."""
+    """An optional text field (null: not set); one read that is not text is read as its text,
+    as it always was."""
     value = entry.get(key)
     if value is None or isinstance(value, str):
         return value
-    if written or isinstance(value, (dict, list)):
+    if written:
         raise CatalogError(f"{where}: {key!r} must be a string")
     return str(value)
 
