@@ -57,6 +57,7 @@ def test_region_and_endpoint_precedence():
         ("KILN_DEFAULT_CONCURRENCY", "0"),
         ("KILN_DEFAULT_CONCURRENCY", "eight"),
         ("KILN_DEFAULT_CONCURRENCY", "8.5"),
+        ("KILN_DEFAULT_CONCURRENCY", "501"),  # more than an org's item holds leases for
         ("KILN_MAX_BODY_BYTES", "-1"),
         ("KILN_STORAGE_RETRY_ATTEMPTS", "0"),
         ("KILN_LEASE_RENEW_SECONDS", "60"),  # not below the default lease TTL

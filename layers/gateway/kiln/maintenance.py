@@ -63,8 +63,10 @@ _SPELLINGS = {"true": True, "false": False, "1": True, "0": False, "on": True, "
 def _switch(value: object) -> bool:
     if value is None or isinstance(value, bool):
         return bool(value)
-    if isinstance(value, (str, int)) and str(value).strip().lower() in _SPELLINGS:
-        return _SPELLINGS[str(value).strip().lower()]
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _SPELLINGS:
+        return _SPELLINGS[value.strip().lower()]
     raise ValueError(f'the maintenance parameter\'s "enabled" must be true or false, not {value!r}'[:200])
 
 

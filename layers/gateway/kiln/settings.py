@@ -28,12 +28,14 @@ def setting(
     env: str | None = None,
     also: tuple[str, ...] = (),
     minimum: float | None = None,
+    maximum: float | None = None,
     share: bool = False,
     shown: str | None = None,
 ) -> Any:
     """One setting: `env` overrides the variable's name, `also` names fallbacks read in order,
-    `minimum` bounds a number, `share` asks for 0 < value <= 1, `shown` is the README's default."""
-    metadata = {"doc": doc, "env": env, "also": also, "minimum": minimum, "share": share, "shown": shown}
+    `minimum` and `maximum` bound a number, `share` asks for 0 < value <= 1, `shown` is the README's default."""
+    metadata = {"doc": doc, "env": env, "also": also, "minimum": minimum, "maximum": maximum, "share": share,
+                "shown": shown}
     return field(default=default, metadata=metadata)
 
 
@@ -98,7 +100,8 @@ class Settings:
         "…and the time they may take in all; then 503 `storage_unavailable` (admission) or the event "
         "logged for replay (settle)",
     )
-    default_concurrency: int = setting(8, "limit given to new orgs", minimum=1)
+    default_concurrency: int = setting(8, "limit given to new orgs (at most 500: what an org's item holds leases for)",
+                                       minimum=1, maximum=500)
     usage_retention_days: int = setting(
         0, "usage events expire (DynamoDB TTL) after this many days; 0 keeps them"
     )
@@ -191,6 +194,9 @@ def _read(env: Mapping[str, str], declared: Field) -> Any:
     minimum = declared.metadata["minimum"]
     if not math.isfinite(value) or not value >= (minimum if minimum is not None else 0):
         raise SettingsError(f"{name} must be >= {minimum if minimum is not None else 0}, got {raw!r}")
+    maximum = declared.metadata["maximum"]
+    if maximum is not None and value > maximum:
+        raise SettingsError(f"{name} must be <= {maximum}, got {raw!r}")
     if declared.metadata["share"] and not 0.0 < value <= 1.0:
         raise SettingsError(f"{name} must be a share above 0 and at most 1, got {raw!r}")
     return value

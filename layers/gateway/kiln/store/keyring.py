@@ -28,6 +28,7 @@ import logging
 import random
 import re
 import secrets
+import threading
 import time
 import unicodedata
 from dataclasses import dataclass, replace
@@ -99,6 +100,7 @@ _INDEX_WAITS = (0.1, 0.2, 0.4, 0.8)
 # may not hold them yet, or hold them as they were, so the org's list reads them from the table.
 _RECENT_WRITE_SECONDS = 10.0
 _recent_writes: dict[tuple[str, str], dict[str, tuple[float, bool]]] = {}  # hash -> (until, changed)
+_recent_lock = threading.Lock()  # kiln admin and a test's stack may share a process, not a loop
 MAX_LABEL = 100
 # what a label may not hold: control characters, line and paragraph separators, and the
 # invisible format characters (bidirectional overrides, which reorder the text shown around
@@ -308,7 +310,8 @@ class OrgView:
 
 
 def _forget_old_writes() -> None:
-    """Drop what _recent_writes holds longer than _RECENT_WRITE_SECONDS, of every org."""
+    """Drop what _recent_writes holds longer than _RECENT_WRITE_SECONDS, of every org (the
+    caller holds _recent_lock)."""
     now = time.monotonic()
     for place in list(_recent_writes):
         writes = _recent_writes[place]
@@ -421,8 +424,9 @@ class Keyring:
         """The index's items of the org with the keys this process wrote lately read from the
         table (consistently, all at once): a key just made that the index has not got is in,
         one just changed or revoked is as it is now."""
-        _forget_old_writes()
-        recent = _recent_writes.get((self._keys_table, org_id), {})
+        with _recent_lock:
+            _forget_old_writes()
+            recent = dict(_recent_writes.get((self._keys_table, org_id), {}))
         by_hash = {item[KEY.hash_key]["S"]: item for item in items}
         stale = [key_hash for key_hash, (_, changed) in recent.items() if changed or key_hash not in by_hash]
         if not stale:
@@ -435,9 +439,11 @@ class Keyring:
     def _wrote(self, org_id: str, key_hash: str, *, changed: bool = True) -> None:
         """Note a write of a key item (`changed`: of one that was there), before it is sent: an
         answer may be lost, the write not."""
-        _forget_old_writes()
-        writes = _recent_writes.setdefault((self._keys_table, org_id), {})
-        writes[key_hash] = (time.monotonic() + _RECENT_WRITE_SECONDS, changed or writes.get(key_hash, (0, False))[1])
+        with _recent_lock:
+            _forget_old_writes()
+            writes = _recent_writes.setdefault((self._keys_table, org_id), {})
+            writes[key_hash] = (time.monotonic() + _RECENT_WRITE_SECONDS,
+                                changed or writes.get(key_hash, (0, False))[1])
 
     # -- spend -----------------------------------------------------------------------------
 
