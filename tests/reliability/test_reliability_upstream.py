@@ -460,3 +460,22 @@ def test_a_shared_backend_taken_out_as_unreachable_leaves_the_model_it_is_the_la
     response = ledger.saw(stack.post(CHAT, {"model": "solo-model", "messages": MESSAGES}, key))
     assert (response.status_code, response.json()["error"]["code"]) == (503, "no_backend_available")
     ledger.check()
+
+
+@pytest.mark.parametrize("bad_url", ["http://a..b.example.com/v1", "http://ex\u0000ample.com/v1",
+                                     "http://127.0.0.1:9/\u30e2\u30c7\u30eb"])
+def test_a_backend_url_no_request_can_be_sent_to_fails_over_not_500(stack_factory, mock, bad_url):
+    """A stored catalog's backend whose URL no resolver or request line takes (an empty DNS
+    label, a NUL in the host, a path outside latin-1) made every request of its model a 500,
+    the next backend never tried: it is a backend that cannot be reached."""
+    catalog = catalog_for_tests(mock.url)
+    model = next(entry for entry in catalog["models"] if entry["id"] == "qwen3-32b")
+    model["backends"] = [{"name": "bad", "url": bad_url}, *model["backends"]]
+    stack = stack_factory(catalog=catalog)
+    org_id, key = stack.org()
+    ledger = LedgerCheck(stack, org_id)
+    for stream in (False, True):
+        response = ledger.saw(stack.post("/v1/chat/completions", {"model": "qwen3-32b", "stream": stream,
+                                                                   "messages": [{"role": "user", "content": "hi"}]}, key))
+        assert response.status_code == 200, response.text
+    ledger.check()

@@ -183,6 +183,24 @@ def test_a_body_that_goes_silent_is_a_timeout_even_when_the_timer_wakes_early(an
     run(main())
 
 
+@pytest.mark.parametrize("url", [
+    "http://a..b.example.com/v1",          # an empty label: the resolver's IDNA step refuses it
+    "http://" + "a" * 64 + ".example.com/v1",  # a label over 63 characters
+    "http://ex\x00ample.com/v1",           # a NUL in the host
+    "http://127.0.0.1:9/\u30e2\u30c7\u30eb",   # a path no request line can carry
+])
+def test_a_url_no_request_can_be_sent_to_is_a_failed_connection_not_a_crash(url):
+    """The caller (failover, backend health) knows what to do with a connection that failed; a
+    UnicodeError or ValueError from the resolver or the request line's encoding made a 500."""
+    async def main():
+        http = client()
+        with pytest.raises(ConnectFailed):
+            await http.request("POST", url, headers={}, body=b"", connect_timeout=2)
+        await http.aclose()
+
+    run(main())
+
+
 def test_refused_and_unanswered_connections():
     async def main():
         http = client()

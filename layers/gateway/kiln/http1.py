@@ -483,12 +483,15 @@ class HttpClient:
         None when the caller bounds the whole wait itself), each read of the body by
         `read_timeout`."""
         head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
-        origin, target, host = _addressed(url)
-        lines = [f"{name}: {value}\r\n" for name, value in headers.items() if name.lower() not in _FRAMING]
-        if len(lines) != len(headers):  # a Host or a Content-Length was given: the first Host is sent
-            host = next((value for name, value in headers.items() if name.lower() == "host"), None) or host
-        wire = (f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n{''.join(lines)}"
-                "\r\n").encode("latin-1") + body
+        try:
+            origin, target, host = _addressed(url)
+            lines = [f"{name}: {value}\r\n" for name, value in headers.items() if name.lower() not in _FRAMING]
+            if len(lines) != len(headers):  # a Host or a Content-Length was given: the first Host is sent
+                host = next((value for name, value in headers.items() if name.lower() == "host"), None) or host
+            wire = (f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n{''.join(lines)}"
+                    "\r\n").encode("latin-1") + body
+        except ValueError as exc:  # UnicodeError too: a URL or header no request line can carry
+            raise ConnectFailed(f"no request can be sent to {url[:200]!r}: {exc}") from None
         for attempt in range(2):
             connection = await self._connection(origin, connect_timeout)
             try:
@@ -593,7 +596,9 @@ class HttpClient:
                     _, connection = await loop.create_connection(lambda: _Connection(origin), origin.host, origin.port)
         except TimeoutError:
             raise ConnectTimeout(f"could not connect to {origin.host}:{origin.port} in time") from None
-        except (OSError, ssl.SSLError) as exc:
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            # ValueError (UnicodeError among them): a host no resolver takes (an empty or
+            # 64-character label, a NUL), as unreachable as one that refuses
             raise ConnectFailed(f"could not connect to {origin.host}:{origin.port}: {exc}") from exc
         self._open.add(connection)
         return connection
