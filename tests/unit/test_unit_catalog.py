@@ -169,15 +169,21 @@ WRITTEN_ONLY = [
     ({"backends": [{"url": "http://x/v1", "model": 123}]}, "model", lambda m: m.backends[0].upstream_model == "123"),
     ({"backends": [{"url": "http://x/v1", "name": {"a": 1}}]}, "name", lambda m: m.backends[0].name == "{'a': 1}"),
     ({"backends": [{"url": "http://x/v1", "enabled": "off"}]}, "enabled", lambda m: not m.backends[0].enabled),
+    ({"backends": [{"url": "http://x/v1", "enabled": "Disabled"}]}, "enabled", lambda m: not m.backends[0].enabled),
+    ({"backends": [{"url": "http://x/v1", "enabled": "0.0"}]}, "enabled", lambda m: not m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "enabled": "perhaps"}]}, "enabled", lambda m: m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "enabled": []}]}, "enabled", lambda m: not m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "api_key_env": "NOT A NAME"}]}, "api_key_env",
      lambda m: m.backends[0].api_key_env == "NOT A NAME"),
-    # a URL outside ASCII is called as a browser calls it: host in IDNA, the rest escaped
+    # a path outside ASCII is called as a browser calls it, escaped; a host outside it is left
+    # as written (not guessed at: the HTTP client fails it as a connection it cannot make)
     ({"backends": [{"url": "http://x/v1 beta"}]}, "url", lambda m: m.backends[0].url == "http://x/v1%20beta"),
     ({"backends": [{"url": "http://h:8000/モデル"}]}, "url",
      lambda m: m.backends[0].url == "http://h:8000/%E3%83%A2%E3%83%87%E3%83%AB"),
-    ({"backends": [{"url": "http://gpü.internal/v1"}]}, "url", lambda m: m.backends[0].url == "http://xn--gp-yka.internal/v1"),
+    ({"backends": [{"url": "http://gpü.internal/v1"}]}, "url", lambda m: m.backends[0].url == "http://gpü.internal/v1"),
+    ({"backends": [{"url": "http://x/v1\x7fbeta"}]}, "url", lambda m: m.backends[0].url == "http://x/v1%7Fbeta"),
+    ({"backends": [{"url": "http://a..b.example.com/v1"}]}, "url", lambda m: m.backends[0].url == "http://a..b.example.com/v1"),
+    ({"backends": [{"url": "http://user:pass@x/v1"}]}, "user info", lambda m: m.backends[0].url == "http://user:pass@x/v1"),
     ({"backends": [{"url": "http://x/v1?key=1"}]}, "url", lambda m: m.backends[0].url == "http://x/v1?key=1"),
 ]
 

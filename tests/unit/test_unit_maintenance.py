@@ -83,7 +83,8 @@ def test_an_until_is_held_in_utc_so_every_answer_can_be_written():
 
 @pytest.mark.parametrize("written, meant", [
     ("true", True), ("false", False), ('"true"', True), ('"False"', False), ('" on "', True), ('"off"', False),
-    ("1", True), ("0", False), ("1.0", True), ('"1"', True), ("null", False)])
+    ("1", True), ("0", False), ("1.0", True), ('"1"', True), ('"1.0"', True), ('"yes"', True), ('"No"', False),
+    ("null", False)])
 def test_a_switch_written_by_hand_means_what_it_says(written, meant):
     """Read as off, "true" would be the switch ignored; read as malformed, "false" would keep
     every warm environment on its last value (on) after the operator turned it off."""

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from .jsonio import decimal_text, loads_strict
+from .truth import spelled
 
 __all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "Limits", "ModelEntry", "Pricing", "Timeouts"]
 
@@ -297,20 +298,14 @@ def _size(value: Any, name: str, where: str) -> int:
     return value
 
 
-# How a stored catalog may say a backend is on or off beside JSON's true and false: each as meant
-# (they were read as Python's bool() reads them, which made "false", "off" and "no" on)
-_SPELLINGS = {"true": True, "false": False, "1": True, "0": False, "on": True, "off": False, "yes": True, "no": False}
-
-
 def _enabled(entry: Mapping, where: str, written: bool) -> bool:
     value = entry.get("enabled", True)
     if isinstance(value, bool):
         return value
     if written:
         raise CatalogError(f"{where}: enabled must be true or false")
-    if isinstance(value, str) and value.strip().lower() in _SPELLINGS:
-        return _SPELLINGS[value.strip().lower()]
-    return bool(value)  # anything else as it was always read
+    meant = spelled(value)  # "false", "off", "disabled" (bool() made each of them on)
+    return meant if meant is not None else bool(value)  # anything else as it was always read
 
 
 def _parse_backend(entry: Any, index: int, where: str, written: bool) -> Backend:
@@ -349,7 +344,11 @@ def _backend_url(url: str, where: str, written: bool) -> str:
                 problem = "has no host"
             elif written and (parts.query or parts.fragment or url.endswith(("?", "#"))):
                 problem = "has a query or a fragment"
-            elif not url.isascii() or any(ord(c) <= 0x20 for c in url):
+            elif written and ("@" in parts.netloc):
+                problem = "has user info, which is never sent (the key goes in api_key_env)"
+            elif written:
+                parts.hostname.encode("idna")  # an empty or over-long label: no resolver takes it
+            elif any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in parts.path + parts.query):
                 url = _escaped(parts)
         except (ValueError, UnicodeError) as exc:
             problem = str(exc) or type(exc).__name__
@@ -359,17 +358,16 @@ def _backend_url(url: str, where: str, written: bool) -> str:
 
 
 def _escaped(parts: Any) -> str:
-    """A URL outside ASCII as the HTTP client can send it (ValueError/UnicodeError if it cannot)."""
+    """A URL whose path or query is outside ASCII (or holds a space or a control character) as a
+    browser sends it: those percent-escaped. Its host is left as written: one outside ASCII is
+    not guessed at (IDNA's two standards map some names to different hosts), and the HTTP
+    client fails it as a connection that cannot be made."""
     from urllib.parse import quote
 
-    host = parts.hostname.encode("idna").decode("ascii")
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host + (f":{parts.port}" if parts.port is not None else "")
     keep = "/%:@!$&'()*+,;=-._~"
     path = quote(parts.path, safe=keep)
     query = f"?{quote(parts.query, safe=keep + '?')}" if parts.query else ""
-    return f"{parts.scheme}://{netloc}{path}{query}"
+    return f"{parts.scheme}://{parts.netloc}{path}{query}"
 
 
 def _text(entry: Mapping, key: str, where: str, written: bool) -> str | None:

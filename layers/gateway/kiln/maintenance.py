@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from email.utils import format_datetime
 
 from .errors import Maintenance
+from .truth import spelled
 
 __all__ = ["MaintenanceFlag", "parse_flag"]
 
@@ -54,20 +55,16 @@ def parse_until(text: str) -> datetime:
         raise ValueError(f"{text!r} has no date in UTC (years 1 to 9999)") from None
 
 
-# How a switch written by hand may say on or off, beside JSON's true and false: each as meant
-# (read as off, "true" would be the switch ignored; read as malformed, "false" would keep a warm
-# environment on its last value, on)
-_SPELLINGS = {"true": True, "false": False, "1": True, "0": False, "on": True, "off": False}
-
-
 def _switch(value: object) -> bool:
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _SPELLINGS:
-        return _SPELLINGS[value.strip().lower()]
-    raise ValueError(f'the maintenance parameter\'s "enabled" must be true or false, not {value!r}'[:200])
+    """On or off as written by hand: null (or no enabled) is off; a spelling of neither is a
+    malformed switch (read as off, "true" would be the switch ignored; read as malformed,
+    "false" would keep a warm environment on its last value, on)."""
+    if value is None:
+        return False
+    meant = spelled(value)
+    if meant is None:
+        raise ValueError(f'the maintenance parameter\'s "enabled" must be true or false, not {value!r}'[:200])
+    return meant
 
 
 def parse_flag(raw: str | None) -> MaintenanceFlag:

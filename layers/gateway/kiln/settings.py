@@ -39,6 +39,13 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+# The most requests an org may have in flight. Each holds a lease of about 250 bytes on the org's
+# item, whose DynamoDB limit is 400 KB; after a crash the expired leases stay until reclaimed
+# while new ones are taken, so the item must hold twice the limit: 1 000 leases, about 250 KB.
+# (The functions' reserved concurrency, 440 in all by default, is lower still.)
+MAX_ORG_CONCURRENCY = 500
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything the gateway reads from its environment."""
@@ -101,7 +108,7 @@ class Settings:
         "logged for replay (settle)",
     )
     default_concurrency: int = setting(8, "limit given to new orgs (at most 500: what an org's item holds leases for)",
-                                       minimum=1, maximum=500)
+                                       minimum=1, maximum=MAX_ORG_CONCURRENCY)
     usage_retention_days: int = setting(
         0, "usage events expire (DynamoDB TTL) after this many days; 0 keeps them"
     )

@@ -10,6 +10,7 @@ from decimal import Decimal
 
 from pynamodb.exceptions import DoesNotExist, PutError, UpdateError
 
+from ..settings import MAX_ORG_CONCURRENCY
 from .clock import iso_ms, now
 from .errors import RecordExists, RecordNotFound, condition_failure, translate_storage_error
 from .records import Tables
@@ -58,11 +59,7 @@ def _info(record) -> OrgInfo:
     return OrgInfo(record.org_id, record.status, int(record.concurrency_limit), record.credits, record.created_at, leases)
 
 
-# The most requests an org may have in flight. Each holds a lease of about 250 bytes on the org's
-# item, whose DynamoDB limit is 400 KB; after a crash the expired leases stay until reclaimed
-# while new ones are taken, so the item must hold twice the limit: 1 000 leases, about 250 KB.
-# (The functions' reserved concurrency, 440 in all by default, is lower still.)
-MAX_CONCURRENCY = 500
+MAX_CONCURRENCY = MAX_ORG_CONCURRENCY  # kiln.settings says why
 
 
 def _check_limit(concurrency: int) -> None:
