@@ -9,6 +9,7 @@ generation id, debits and each key's spend equal to the events' costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -434,64 +435,68 @@ def test_keys_with_limits_and_their_reads_under_conflicting_writes_add_up(faulty
         stack.close()
 
 
+@contextlib.contextmanager
+def on_lagging_index(mock):
+    """A stack on the emulator's fault mode with its indexes a second behind the table
+    (DynamoDB's figure)."""
+    emulator = EmulatorProcess(faults="index_ms=1000,scope=gateway")
+    try:
+        stack = make_stack(emulator.url, mock)
+        try:
+            yield stack
+        finally:
+            stack.close()
+    finally:
+        emulator.stop()
+
+
+def _management(stack) -> dict[str, str]:
+    org_id, _ = stack.org()
+    return {"Authorization": f"Bearer {stack.key(org_id, role='management')}"}
+
+
 def test_keys_are_managed_at_once_on_an_index_that_lags_as_dynamodbs_does(mock):
     """On the emulator's fault mode with its indexes a second behind the table (DynamoDB's
     figure), a key made through /v1/keys is shown, renamed and revoked at once, and the new
     key reads itself through /v1/key at once: never 404 `key_not_found`."""
-    lagging = EmulatorProcess(faults="index_ms=1000,scope=gateway")
-    try:
-        stack = make_stack(lagging.url, mock)
-        try:
-            org_id, _ = stack.org()
-            admin = {"Authorization": f"Bearer {stack.key(org_id, role='management')}"}
-            for _ in range(3):
-                made = stack.http.post("/v1/keys", json={"label": "new"}, headers=admin)
-                assert made.status_code == 201, made.text
-                key_id, secret = made.json()["id"], made.json()["secret"]
-                own = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"})
-                shown = stack.http.get(f"/v1/keys/{key_id}", headers=admin)
-                renamed = stack.http.patch(f"/v1/keys/{key_id}", json={"label": "renamed"}, headers=admin)
-                revoked = stack.http.delete(f"/v1/keys/{key_id}", headers=admin)
-                assert [own.status_code, shown.status_code, renamed.status_code, revoked.status_code] == [200] * 4, [
-                    own.text, shown.text, renamed.text, revoked.text]
-                assert renamed.json()["label"] == "renamed" and revoked.json()["status"] == "revoked"
-        finally:
-            stack.close()
-    finally:
-        lagging.stop()
+    with on_lagging_index(mock) as stack:
+        admin = _management(stack)
+        for _ in range(3):
+            made = stack.http.post("/v1/keys", json={"label": "new"}, headers=admin)
+            assert made.status_code == 201, made.text
+            key_id, secret = made.json()["id"], made.json()["secret"]
+            own = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"})
+            shown = stack.http.get(f"/v1/keys/{key_id}", headers=admin)
+            renamed = stack.http.patch(f"/v1/keys/{key_id}", json={"label": "renamed"}, headers=admin)
+            revoked = stack.http.delete(f"/v1/keys/{key_id}", headers=admin)
+            assert [own.status_code, shown.status_code, renamed.status_code, revoked.status_code] == [200] * 4, [
+                own.text, shown.text, renamed.text, revoked.text]
+            assert renamed.json()["label"] == "renamed" and revoked.json()["status"] == "revoked"
 
 
 def test_the_list_of_keys_shows_what_was_just_done_on_an_index_that_lags(mock):
     """GET /v1/keys reads the by_org index, which holds a write a second late (DynamoDB's
     figure): a key made, changed or revoked a moment ago by this environment was left out of
     the list, or listed as it was. The list shows each as it is now."""
-    lagging = EmulatorProcess(faults="index_ms=1000,scope=gateway")
-    try:
-        stack = make_stack(lagging.url, mock)
-        try:
-            org_id, _ = stack.org()
-            admin = {"Authorization": f"Bearer {stack.key(org_id, role='management')}"}
+    with on_lagging_index(mock) as stack:
+        admin = _management(stack)
 
-            def listed() -> dict[str, dict]:
-                answer = stack.http.get("/v1/keys", headers=admin)
-                assert answer.status_code == 200, answer.text
-                return {key["id"]: key for key in answer.json()["data"]}
+        def listed() -> dict[str, dict]:
+            answer = stack.http.get("/v1/keys", headers=admin)
+            assert answer.status_code == 200, answer.text
+            return {key["id"]: key for key in answer.json()["data"]}
 
-            made = stack.http.post("/v1/keys", json={"label": "new"}, headers=admin)
-            assert made.status_code == 201, made.text
-            key_id = made.json()["id"]
-            assert listed()[key_id]["label"] == "new"
-            time.sleep(1.5)  # in the index now, as it was made
-            assert stack.http.patch(f"/v1/keys/{key_id}", json={"label": "renamed", "spend_limit": "3"},
-                                    headers=admin).status_code == 200
-            shown = listed()[key_id]
-            assert (shown["label"], shown["spend_limit"]) == ("renamed", 3)
-            time.sleep(1.5)
-            assert stack.http.delete(f"/v1/keys/{key_id}", headers=admin).json()["status"] == "revoked"
-            assert listed()[key_id]["status"] == "revoked"
-            ids = list(listed())
-            assert ids.index(key_id) == len(ids) - 1  # oldest first: the newest key last
-        finally:
-            stack.close()
-    finally:
-        lagging.stop()
+        made = stack.http.post("/v1/keys", json={"label": "new"}, headers=admin)
+        assert made.status_code == 201, made.text
+        key_id = made.json()["id"]
+        assert listed()[key_id]["label"] == "new"
+        time.sleep(1.5)  # in the index now, as it was made
+        assert stack.http.patch(f"/v1/keys/{key_id}", json={"label": "renamed", "spend_limit": "3"},
+                                headers=admin).status_code == 200
+        shown = listed()[key_id]
+        assert (shown["label"], shown["spend_limit"]) == ("renamed", 3)
+        time.sleep(1.5)
+        assert stack.http.delete(f"/v1/keys/{key_id}", headers=admin).json()["status"] == "revoked"
+        assert listed()[key_id]["status"] == "revoked"
+        ids = list(listed())
+        assert ids.index(key_id) == len(ids) - 1  # oldest first: the newest key last
