@@ -565,11 +565,20 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
             lines = open(args.file, encoding="utf-8")
         except OSError as exc:
             raise AdminError(f"cannot read {args.file}: {exc.strerror}") from None
-    records = list(unsettled_records(lines))
-    outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, records))
+    unreadable: list[str] = []
+    failures: list[str] = []
+    records = list(unsettled_records(lines, unreadable))
+    outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, records, failures))
+    for problem in unreadable:
+        print(f"kiln admin: {args.file}, {problem}: a usage_unsettled record that is no usage event", file=sys.stderr)
+    for problem in failures:
+        print(f"kiln admin: not settled: {problem}", file=sys.stderr)
     total = sum(outcomes.values())
     details = ", ".join(f"{count} {outcome.replace('_', ' ')}" for outcome, count in sorted(outcomes.items()))
     out(f"replayed {total} unsettled usage events" + (f": {details}" if total else ""))
+    if failures or unreadable:
+        raise AdminError(f"{len(failures)} not settled, {len(unreadable)} unreadable: the others are settled; "
+                         "replaying the same lines again settles what it can and changes nothing else")
 
 
 def _read_catalog_file(path: str) -> tuple[str, Any]:

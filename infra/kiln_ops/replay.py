@@ -51,14 +51,22 @@ def _records(line: str) -> Iterator[dict[str, Any]]:
             yield inner
 
 
-def unsettled_records(lines: Iterable[str]) -> Iterator[tuple[UsageEvent, str | None]]:
+def unsettled_records(lines: Iterable[str], unreadable: list[str] | None = None
+                      ) -> Iterator[tuple[UsageEvent, str | None]]:
     """Each logged event, with the key's spend figure its lease named (None: none, or a line
-    logged before the gateway wrote it)."""
-    for line in lines:
+    logged before the gateway wrote it). A logged event that cannot be read as one is left out,
+    and said in `unreadable` (its line's number and why) when given."""
+    for number, line in enumerate(lines, start=1):
         for record in _records(line):
             if record.get("event") == UNSETTLED and isinstance(record.get("usage"), dict):
                 figure = record.get("spend_figure")
-                yield UsageEvent.from_dict(record["usage"]), figure if isinstance(figure, str) else None
+                try:
+                    event = UsageEvent.from_dict(record["usage"])
+                except (ArithmeticError, TypeError, ValueError) as exc:  # a cost that is no number, say
+                    if unreadable is not None:
+                        unreadable.append(f"line {number}: {type(exc).__name__}")
+                    continue
+                yield event, figure if isinstance(figure, str) else None
 
 
 def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:
@@ -77,14 +85,22 @@ def lease_of(event: UsageEvent, spend_figure: str | None = None) -> Lease:
                  started, started, spend_figure=spend_figure)
 
 
-async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent, str | None]]) -> Counter:
+async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent, str | None]],
+                 failures: list[str] | None = None) -> Counter:
     """Settle each event (alone, or with the spend figure its lease named); counts of the
-    outcomes ("settled", "replaced_abandoned", "already_settled")."""
+    outcomes ("settled", "replaced_abandoned", "already_settled", "not_settled"). An event
+    that cannot be settled (storage still failing, a cost DynamoDB cannot store) does not stop
+    the others: it is counted, and said in `failures` (its generation id and why) when given."""
     outcomes: Counter = Counter()
     for record in records:
         event, figure = record if isinstance(record, tuple) else (record, None)
-        lease = lease_of(event, figure)
-        # no ClientRequestToken: DynamoDB would repeat an earlier success silently, and the
-        # operator is to be told "already settled"
-        outcomes[await ledger.settle(lease, event, request_token=False)] += 1
+        try:
+            lease = lease_of(event, figure)
+            # no ClientRequestToken: DynamoDB would repeat an earlier success silently, and the
+            # operator is to be told "already settled"
+            outcomes[await ledger.settle(lease, event, request_token=False)] += 1
+        except Exception as exc:  # noqa: BLE001 - each event is the operator's to see, the rest go on
+            outcomes["not_settled"] += 1
+            if failures is not None:
+                failures.append(f"{str(event.gen_id)[:80]}: {str(exc)[:300] or type(exc).__name__}")
     return outcomes

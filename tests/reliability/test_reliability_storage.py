@@ -272,3 +272,32 @@ def test_the_unsettled_record_keeps_its_cost_exact_through_the_log_and_the_repla
     (event,) = stack.events(org_id)
     assert event.cost == cost
     assert stack.org_info(org_id).credits == Decimal(1) - cost
+
+
+def test_a_replay_settles_every_event_it_can_and_names_those_it_cannot(stack_factory, tmp_path, capsys):
+    """One logged event that cannot be settled (a cost DynamoDB cannot store) or read (a cost
+    that is no number) once stopped the replay where it stood, the events after it unsettled.
+    Each is now said on its own line, the others are settled, and the exit status is 1."""
+    stack = stack_factory(storage_retry_seconds=0.5)
+    org_id, key = stack.org(credits="1")
+    mark = len(TELEMETRY.text())
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id))
+    first = stack.post(CHAT, BODY, key)
+    second = stack.post(CHAT, BODY, key)
+    stack.faults.clear()
+    good = [line for line in TELEMETRY.text()[mark:].splitlines() if "usage_unsettled" in line]
+    assert len(good) == 2
+    unstorable, unreadable = json.loads(good[0]), json.loads(good[0])
+    unstorable["message"]["usage"].update(gen_id="gen-unstorable", cost="1e200")
+    unreadable["message"]["usage"].update(gen_id="gen-unreadable", cost="lots")
+    exported = tmp_path / "unsettled.log"
+    exported.write_text("\n".join([json.dumps(unstorable), json.dumps(unreadable), *good]) + "\n")
+    lines: list[str] = []
+    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
+    assert run_admin(args, settings=stack.settings, out=lines.append) == 1
+    err = capsys.readouterr().err
+    assert "not settled: gen-unstorable" in err and "line 2" in err, err
+    assert lines == ["replayed 3 unsettled usage events: 1 not settled, 2 settled"]
+    settled = {event.gen_id for event in stack.events(org_id)}
+    assert settled == {first.headers["X-Neocloud-Generation-Id"], second.headers["X-Neocloud-Generation-Id"]}
+    assert stack.org_info(org_id).in_flight == 0
