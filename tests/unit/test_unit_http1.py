@@ -201,6 +201,54 @@ def test_a_url_no_request_can_be_sent_to_is_a_failed_connection_not_a_crash(url)
     run(main())
 
 
+def test_a_host_outside_ascii_is_not_resolved_by_idna_2003():
+    """The resolver and TLS map a str host by IDNA 2003, which sends faß.example to fass.example
+    (a browser, by UTS 46, to xn--fa-hia.example), the upstream key with it: such a host is no
+    host the client calls; written in IDNA it is called as written."""
+    async def main():
+        http = client()
+        with pytest.raises(ConnectFailed, match="outside ASCII"):
+            await http.request("POST", "http://fa\u00df.example/v1", headers={}, body=b"", connect_timeout=2)
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_request_taken_on_a_kept_alive_connection_then_cut_is_no_connection_never_made():
+    """A request sent again because its kept-alive connection closed without a word may have
+    been taken by the server: if the new connection then cannot be made, the caller learns of
+    the cut (a write that may have been applied), not of a connection that never carried it."""
+    async def main():
+        seen: list[bytes] = []
+        server: asyncio.AbstractServer | None = None
+
+        async def handle(reader, writer):
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                seen.append(head.split(b"\r\n", 1)[0])
+                if len(seen) == 1:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                    await writer.drain()
+                else:  # takes the second request, then goes away for good
+                    server.close()
+                    writer.transport.abort()
+                    return
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        http = client()
+        await (await http.request("POST", url, headers={}, body=b"{}", connect_timeout=2, read_timeout=2)).read()
+        with pytest.raises(ProtocolFailure):
+            await http.request("POST", url, headers={}, body=b"{}", connect_timeout=2, read_timeout=2)
+        assert len(seen) == 2
+        await http.aclose()
+
+    run(main())
+
+
 def test_refused_and_unanswered_connections():
     async def main():
         http = client()

@@ -329,8 +329,9 @@ def _parse_backend(entry: Any, index: int, where: str, written: bool) -> Backend
 def _backend_url(url: str, where: str, written: bool) -> str:
     """An http(s) URL the HTTP client can call: a host, a port if any in range. One written is
     also one it calls as written: no query or fragment (the endpoint's path is appended),
-    nothing that needs escaping. One read is called as a browser would call it: its host in
-    IDNA, anything else outside ASCII (or a space) percent-escaped."""
+    nothing that needs escaping. One read has its path and query outside ASCII (or a space or
+    a control character) percent-escaped, as a browser escapes them; its host is left as
+    written (kiln.http1 calls no host outside ASCII)."""
     if not url.startswith(("http://", "https://")):
         raise CatalogError(f"{where}: url must start with http:// or https://")
     problem = None

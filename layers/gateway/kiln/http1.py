@@ -485,6 +485,11 @@ class HttpClient:
         head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
         try:
             origin, target, host = _addressed(url)
+            if not origin.host.isascii():
+                # the resolver and TLS would map it by IDNA 2003, which sends some names to
+                # another host than the one meant (a browser maps by UTS 46): written in IDNA
+                # (xn--…), it is called as written
+                raise ValueError("a host outside ASCII: write it in IDNA (xn--…)")
             lines = [f"{name}: {value}\r\n" for name, value in headers.items() if name.lower() not in _FRAMING]
             if len(lines) != len(headers):  # a Host or a Content-Length was given: the first Host is sent
                 host = next((value for name, value in headers.items() if name.lower() == "host"), None) or host
@@ -492,14 +497,23 @@ class HttpClient:
                     "\r\n").encode("latin-1") + body
         except ValueError as exc:  # UnicodeError too: a URL or header no request line can carry
             raise ConnectFailed(f"no request can be sent to {url[:200]!r}: {exc}") from None
+        unanswered: ProtocolFailure | None = None
         for attempt in range(2):
-            connection = await self._connection(origin, connect_timeout)
+            try:
+                connection = await self._connection(origin, connect_timeout)
+            except HttpError:
+                if unanswered is not None:
+                    # the request went out on the kept-alive connection and may have been
+                    # taken: that, not the new connection's failure, is what the caller learns
+                    raise unanswered from None
+                raise
             try:
                 return await self._exchange(connection, wire, read_timeout, head_wait, max_header_bytes, max_headers)
             except ProtocolFailure as exc:
                 self._drop(connection)
                 # a kept-alive connection the server had already closed: once more on a new one
                 if attempt == 0 and connection.reused and exc.nothing_received:
+                    unanswered = exc
                     continue
                 raise
             except BaseException:
