@@ -575,10 +575,13 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
         print(f"kiln admin: not settled: {problem}", file=sys.stderr)
     total = sum(outcomes.values())
     details = ", ".join(f"{count} {outcome.replace('_', ' ')}" for outcome, count in sorted(outcomes.items()))
-    out(f"replayed {total} unsettled usage events" + (f": {details}" if total else ""))
-    if failures or unreadable:
-        raise AdminError(f"{len(failures)} not settled, {len(unreadable)} unreadable: the others are settled; "
-                         "replaying the same lines again settles what it can and changes nothing else")
+    if unreadable:
+        details += f"{', ' if details else ''}{len(unreadable)} unreadable"
+    out(f"replayed {total} unsettled usage events" + (f": {details}" if details else ""))
+    if failures or unreadable or outcomes.get("not_tried"):
+        stopped = (f"; storage still failing, {outcomes['not_tried']} not tried" if outcomes.get("not_tried") else "")
+        raise AdminError(f"{len(failures)} not settled, {len(unreadable)} unreadable{stopped}: the others are "
+                         "settled; replaying the same lines again settles what it can and changes nothing else")
 
 
 def _read_catalog_file(path: str) -> tuple[str, Any]:

@@ -22,22 +22,37 @@ from typing import Any, Iterable, Iterator
 from kiln.gateway import UNSETTLED
 from kiln.store import Lease, Ledger, UsageEvent
 from kiln.store.clock import epoch_of
+from kiln.store.errors import is_transient, translate_storage_error
 
 __all__ = ["lease_of", "replay", "unsettled_events", "unsettled_records"]
 
 
-def _records(line: str) -> Iterator[dict[str, Any]]:
-    """The JSON objects in a log line: the line itself, and its `message` when that is an
-    object (Powertools' JSON logs) or a JSON string (plain logs)."""
+_DECODER = json.JSONDecoder(parse_float=Decimal)
+
+
+def _objects(line: str) -> Iterator[dict[str, Any]]:
+    """Every JSON object in a line, in order: an export may join several messages on one line
+    (aws logs' text output joins a page of them with tabs)."""
     start = line.find("{")
-    if start < 0:
-        return
-    try:
-        record = json.loads(line[start:], parse_float=Decimal)
-    except ValueError:
-        return
-    if not isinstance(record, dict):
-        return
+    while start >= 0:
+        try:
+            record, end = _DECODER.raw_decode(line, start)
+        except ValueError:
+            start = line.find("{", start + 1)
+            continue
+        if isinstance(record, dict):
+            yield record
+        start = line.find("{", end)
+
+
+def _records(line: str) -> Iterator[dict[str, Any]]:
+    """The JSON objects in a log line: each object in it, and its `message` when that is an
+    object (Powertools' JSON logs) or a JSON string (plain logs)."""
+    for record in _objects(line):
+        yield from _with_message(record)
+
+
+def _with_message(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield record
     message = record.get("message")
     if isinstance(message, dict):
@@ -57,8 +72,10 @@ def unsettled_records(lines: Iterable[str], unreadable: list[str] | None = None
     logged before the gateway wrote it). A logged event that cannot be read as one is left out,
     and said in `unreadable` (its line's number and why) when given."""
     for number, line in enumerate(lines, start=1):
+        found = 0
         for record in _records(line):
             if record.get("event") == UNSETTLED and isinstance(record.get("usage"), dict):
+                found += 1
                 figure = record.get("spend_figure")
                 try:
                     event = UsageEvent.from_dict(record["usage"])
@@ -67,6 +84,8 @@ def unsettled_records(lines: Iterable[str], unreadable: list[str] | None = None
                         unreadable.append(f"line {number}: {type(exc).__name__}")
                     continue
                 yield event, figure if isinstance(figure, str) else None
+        if not found and UNSETTLED in line and unreadable is not None:  # cut short, say
+            unreadable.append(f"line {number}: it names {UNSETTLED} but holds no whole record of one")
 
 
 def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:
@@ -92,15 +111,26 @@ async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent
     that cannot be settled (storage still failing, a cost DynamoDB cannot store) does not stop
     the others: it is counted, and said in `failures` (its generation id and why) when given."""
     outcomes: Counter = Counter()
-    for record in records:
+    records = list(records)
+    storage_down = 0  # events in a row refused because storage still fails
+    for index, record in enumerate(records):
         event, figure = record if isinstance(record, tuple) else (record, None)
+        if storage_down >= _STORAGE_DOWN_STOP:
+            outcomes["not_tried"] = len(records) - index  # each would wait out its retries in turn
+            break
         try:
             lease = lease_of(event, figure)
             # no ClientRequestToken: DynamoDB would repeat an earlier success silently, and the
             # operator is to be told "already settled"
             outcomes[await ledger.settle(lease, event, request_token=False)] += 1
+            storage_down = 0
         except Exception as exc:  # noqa: BLE001 - each event is the operator's to see, the rest go on
             outcomes["not_settled"] += 1
+            storage_down = storage_down + 1 if is_transient(translate_storage_error(exc)) else 0
             if failures is not None:
                 failures.append(f"{str(event.gen_id)[:80]}: {str(exc)[:300] or type(exc).__name__}")
     return outcomes
+
+
+# After this many events in a row refused by storage that still fails, the rest are not tried.
+_STORAGE_DOWN_STOP = 3

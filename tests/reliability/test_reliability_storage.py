@@ -22,6 +22,7 @@ from support import (
     StorageFaults,
     check_key_figures,
     data_events,
+    dead_url,
     make_stack,
     observer,
     wait_for_events,
@@ -291,13 +292,41 @@ def test_a_replay_settles_every_event_it_can_and_names_those_it_cannot(stack_fac
     unstorable["message"]["usage"].update(gen_id="gen-unstorable", cost="1e200")
     unreadable["message"]["usage"].update(gen_id="gen-unreadable", cost="lots")
     exported = tmp_path / "unsettled.log"
-    exported.write_text("\n".join([json.dumps(unstorable), json.dumps(unreadable), *good]) + "\n")
+    # as aws logs' text output may export them: a page's messages joined with tabs on one line,
+    # and a line cut short
+    exported.write_text("\n".join([json.dumps(unstorable), json.dumps(unreadable), good[0][:150],
+                                    "\t".join(good)]) + "\n")
     lines: list[str] = []
     args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
     assert run_admin(args, settings=stack.settings, out=lines.append) == 1
     err = capsys.readouterr().err
-    assert "not settled: gen-unstorable" in err and "line 2" in err, err
-    assert lines == ["replayed 3 unsettled usage events: 1 not settled, 2 settled"]
+    assert "not settled: gen-unstorable" in err and "line 2" in err and "line 3" in err, err
+    assert lines == ["replayed 3 unsettled usage events: 1 not settled, 2 settled, 2 unreadable"]
     settled = {event.gen_id for event in stack.events(org_id)}
     assert settled == {first.headers["X-Neocloud-Generation-Id"], second.headers["X-Neocloud-Generation-Id"]}
+    assert stack.org_info(org_id).in_flight == 0
+
+
+def test_a_replay_while_storage_still_fails_stops_instead_of_waiting_out_every_event(stack_factory, tmp_path, capsys):
+    """Each event waits out the settle's retries before it is given up: with storage still down,
+    a thousand lines took hours in silence. After three events in a row refused so, the rest
+    are not tried, and the operator is told to run it again later."""
+    stack = stack_factory(storage_retry_seconds=0.3)
+    org_id, key = stack.org(credits="1")
+    mark = len(TELEMETRY.text())
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id))
+    for _ in range(5):
+        assert stack.post(CHAT, BODY, key).status_code == 200
+    stack.faults.clear()
+    exported = tmp_path / "unsettled.log"
+    exported.write_text(TELEMETRY.text()[mark:])
+    lines: list[str] = []
+    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
+    down = replace(stack.settings, aws_endpoint_url=dead_url())  # the operator's storage, still unreachable
+    assert run_admin(args, settings=down, out=lines.append) == 1
+    assert lines == ["replayed 5 unsettled usage events: 3 not settled, 2 not tried"]
+    assert "storage still failing, 2 not tried" in capsys.readouterr().err
+    lines.clear()
+    assert run_admin(args, settings=stack.settings, out=lines.append) == 0
+    assert lines == ["replayed 5 unsettled usage events: 5 settled"]
     assert stack.org_info(org_id).in_flight == 0
