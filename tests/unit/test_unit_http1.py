@@ -193,9 +193,14 @@ def test_a_url_no_request_can_be_sent_to_is_a_failed_connection_not_a_crash(url)
     """The caller (failover, backend health) knows what to do with a connection that failed; a
     UnicodeError or ValueError from the resolver or the request line's encoding made a 500."""
     async def main():
+        from kiln.http1 import Unaddressable
+        from kiln.upstream import describe_transport_error
+
         http = client()
-        with pytest.raises(ConnectFailed):
+        with pytest.raises(ConnectFailed) as failed:  # as a failed connection: failover, health
             await http.request("POST", url, headers={}, body=b"", connect_timeout=2)
+        assert isinstance(failed.value, Unaddressable)  # said as the catalog's, in the logs
+        assert describe_transport_error(failed.value) == "backend URL cannot be called as written"
         await http.aclose()
 
     run(main())

@@ -30,7 +30,7 @@ import httptools
 
 __all__ = [
     "BodyTooLarge", "ConnectFailed", "ConnectTimeout", "HttpClient", "HttpError", "ProtocolFailure", "Response",
-    "ResponseTooLarge", "Timeout", "canonical_host", "sooner",
+    "ResponseTooLarge", "Timeout", "Unaddressable", "canonical_host", "sooner",
 ]
 
 # unread bytes beyond which a connection stops reading from its socket (as asyncio's streams do)
@@ -46,6 +46,11 @@ class HttpError(Exception):
 
 class ConnectFailed(HttpError):
     """No connection: refused, unreachable, TLS handshake failed."""
+
+
+class Unaddressable(ConnectFailed):
+    """No connection can be made as the URL is written: no resolver takes its host, or no
+    request line carries its path (a catalog's mistake, never the network's)."""
 
 
 class Timeout(HttpError):
@@ -496,7 +501,7 @@ class HttpClient:
             wire = (f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n{''.join(lines)}"
                     "\r\n").encode("latin-1") + body
         except ValueError as exc:  # UnicodeError too: a URL or header no request line can carry
-            raise ConnectFailed(f"no request can be sent to {url[:200]!r}: {exc}") from None
+            raise Unaddressable(f"no request can be sent to {url[:200]!r}: {exc}") from None
         unanswered: ProtocolFailure | None = None
         for attempt in range(2):
             try:
@@ -610,10 +615,12 @@ class HttpClient:
                     _, connection = await loop.create_connection(lambda: _Connection(origin), origin.host, origin.port)
         except TimeoutError:
             raise ConnectTimeout(f"could not connect to {origin.host}:{origin.port} in time") from None
-        except (OSError, ssl.SSLError, ValueError) as exc:
-            # ValueError (UnicodeError among them): a host no resolver takes (an empty or
-            # 64-character label, a NUL), as unreachable as one that refuses
+        except (OSError, ssl.SSLError) as exc:
             raise ConnectFailed(f"could not connect to {origin.host}:{origin.port}: {exc}") from exc
+        except ValueError as exc:
+            # UnicodeError among them: a host no resolver takes (an empty or 64-character
+            # label, a NUL), as unreachable as one that refuses
+            raise Unaddressable(f"no resolver takes the host {origin.host[:100]!r}: {exc}") from exc
         self._open.add(connection)
         return connection
 

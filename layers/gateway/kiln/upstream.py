@@ -31,6 +31,7 @@ from .http1 import (
     Response,
     ResponseTooLarge,
     Timeout,
+    Unaddressable,
     sooner,
 )
 from .jsonio import compact
@@ -63,6 +64,8 @@ def describe_transport_error(exc: BaseException) -> str:
     """One short, stable description per kind of transport failure (for logs and usage events)."""
     if isinstance(exc, _TotalTimeExceeded):
         return "exceeded the model's total time"
+    if isinstance(exc, Unaddressable):
+        return "backend URL cannot be called as written"
     if isinstance(exc, ConnectFailed):
         return "connection failed"
     if isinstance(exc, (Timeout, TimeoutError, asyncio.TimeoutError)):
