@@ -490,11 +490,6 @@ class HttpClient:
         head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
         try:
             origin, target, host = _addressed(url)
-            if not origin.host.isascii():
-                # the resolver and TLS would map it by IDNA 2003, which sends some names to
-                # another host than the one meant (a browser maps by UTS 46): written in IDNA
-                # (xn--…), it is called as written
-                raise ValueError("a host outside ASCII: write it in IDNA (xn--…)")
             lines = [f"{name}: {value}\r\n" for name, value in headers.items() if name.lower() not in _FRAMING]
             if len(lines) != len(headers):  # a Host or a Content-Length was given: the first Host is sent
                 host = next((value for name, value in headers.items() if name.lower() == "host"), None) or host
@@ -646,9 +641,15 @@ class HttpClient:
 @lru_cache(maxsize=256)
 def _addressed(url: str) -> tuple[_Origin, str, str]:
     """Where a URL's request goes, its request target and its Host, worked out once per URL
-    (a gateway calls the same few URLs over and over)."""
+    (a gateway calls the same few URLs over and over). ValueError for one no request can be
+    sent to as written."""
     parts = urlsplit(url)
     origin = _Origin(parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+    if not origin.host.isascii():
+        # the resolver and TLS would map it by IDNA 2003, which sends some names to another
+        # host than the one meant (a browser maps by UTS 46): written in IDNA (xn--…), it is
+        # called as written
+        raise ValueError("a host outside ASCII: write it in IDNA (xn--…)")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return origin, target, canonical_host(parts)
 
