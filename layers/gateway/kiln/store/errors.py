@@ -140,14 +140,21 @@ def may_have_been_applied(exc: BaseException) -> bool:
 
 def condition_failure(exc: BaseException) -> BaseException | None:
     """The domain exception for a failed condition or cancelled transaction, else None."""
+    answer = _answer(exc)
+    return _from_code(*answer) if answer is not None else None
+
+
+def _answer(exc: BaseException) -> tuple[str | None, dict[str, Any]] | None:
+    """An AWS error answer's code and body, from kiln.aws's AwsError or a botocore ClientError
+    (inside a pynamodb exception or not); None for an exception that carries none."""
     code = getattr(exc, "code", None)
     if isinstance(getattr(exc, "body", None), dict) and isinstance(code, str):  # kiln.aws.AwsError
-        return _from_code(code, exc.body)
+        return code, exc.body
     error = _client_error(exc)
     if error is None:
         return None
     response = getattr(error, "response", {}) or {}
-    return _from_code(response.get("Error", {}).get("Code"), response)
+    return response.get("Error", {}).get("Code"), response
 
 
 def _from_code(code: str | None, body: dict[str, Any]) -> BaseException | None:
@@ -190,10 +197,7 @@ def translate_storage_error(exc: BaseException) -> BaseException:
 
 def _reasons_of(exc: BaseException) -> str:
     """A cancellation's reasons that are not condition answers, with their messages, for the log."""
-    body = getattr(exc, "body", None)
-    if not isinstance(body, dict):
-        error = _client_error(exc)
-        body = (getattr(error, "response", {}) or {}) if error is not None else {}
+    _, body = _answer(exc) or (None, {})
     reasons = [reason for reason in body.get("CancellationReasons") or [] if isinstance(reason, dict)
                and reason.get("Code") not in (None, "None") and reason.get("Code") not in _OUTCOMES]
     return "".join(f" ({reason.get('Code')}: {str(reason.get('Message', ''))[:200]})" for reason in reasons)
