@@ -10,8 +10,9 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation
+from functools import lru_cache
 from typing import Any, Iterable, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from .jsonio import decimal_text, loads_strict
 from .truth import spelled
@@ -235,7 +236,7 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
         _known_keys(entry, _MODEL_KEYS, where)
         _known_keys(pricing, _PRICING_KEYS, f"{where}: pricing")
         for part, kind in ((capabilities, Capabilities), (timeouts, Timeouts), (limits, Limits)):
-            _known_keys(part, frozenset(f.name for f in fields(kind)), f"{where}: {kind.__name__.lower()}")
+            _known_keys(part, _names_of(kind), f"{where}: {kind.__name__.lower()}")
     for name, value in capabilities.items():
         if not isinstance(value, bool):
             raise CatalogError(f"{where}: capabilities.{name} must be true or false")
@@ -259,8 +260,13 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
 
 def _known_only(values: Mapping[str, Any], kind: type) -> dict[str, Any]:
     """The names `kind` has (a written catalog has no other: refused before this)."""
-    names = {f.name for f in fields(kind)}
+    names = _names_of(kind)
     return {name: value for name, value in values.items() if name in names}
+
+
+@lru_cache(maxsize=None)
+def _names_of(kind: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(kind))
 
 
 def _number(value: Any, name: str, where: str) -> float:
@@ -335,7 +341,7 @@ def _backend_url(url: str, where: str, written: bool) -> str:
     if not url.startswith(("http://", "https://")):
         raise CatalogError(f"{where}: url must start with http:// or https://")
     problem = None
-    if written and any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in url):
+    if written and _needs_escaping(url):
         problem = "has a space, a control character or a character outside ASCII"
     else:
         try:
@@ -349,7 +355,7 @@ def _backend_url(url: str, where: str, written: bool) -> str:
                 problem = "has user info, which is never sent (the key goes in api_key_env)"
             elif written:
                 parts.hostname.encode("idna")  # an empty or over-long label: no resolver takes it
-            elif any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in parts.path + parts.query):
+            elif _needs_escaping(parts.path + parts.query):
                 url = _escaped(parts)
         except (ValueError, UnicodeError) as exc:
             problem = str(exc) or type(exc).__name__
@@ -358,13 +364,16 @@ def _backend_url(url: str, where: str, written: bool) -> str:
     return url
 
 
+def _needs_escaping(text: str) -> bool:
+    """A space, a control character (DEL included) or a character outside ASCII."""
+    return any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in text)
+
+
 def _escaped(parts: Any) -> str:
     """A URL whose path or query is outside ASCII (or holds a space or a control character) as a
     browser sends it: those percent-escaped. Its host is left as written: one outside ASCII is
     not guessed at (IDNA's two standards map some names to different hosts), and the HTTP
     client fails it as a connection that cannot be made."""
-    from urllib.parse import quote
-
     keep = "/%:@!$&'()*+,;=-._~"
     path = quote(parts.path, safe=keep)
     query = f"?{quote(parts.query, safe=keep + '?')}" if parts.query else ""
