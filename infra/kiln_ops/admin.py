@@ -584,8 +584,10 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
                          "settled; replaying the same lines again settles what it can and changes nothing else")
 
 
-def _read_catalog_file(path: str) -> tuple[str, Any]:
-    """The file's text and its validated catalog; a bad file is an AdminError and writes nothing."""
+def _read_catalog_file(path: str) -> tuple[str, str | None, Any]:
+    """What to store of the file (_catalog_value: its text, or that text compact), a note when
+    it is not the file as written, and its validated catalog; a bad file is an AdminError and
+    writes nothing."""
     from kiln.catalog import Catalog, CatalogError
 
     try:
@@ -595,27 +597,27 @@ def _read_catalog_file(path: str) -> tuple[str, Any]:
     except UnicodeDecodeError as exc:
         raise AdminError(f"{path} is not UTF-8 text (byte {exc.start})") from None
     try:
-        return raw, Catalog.from_json(raw, written=True)
+        catalog = Catalog.from_json(raw, written=True)
     except CatalogError as exc:
         raise AdminError(f"{path}: {exc}") from None
-
-
-# What an advanced SSM parameter holds (the catalog is one).
-CATALOG_PARAMETER_LIMIT = 8192
+    return (*_catalog_value(raw, path), catalog)
 
 
 def _catalog_value(raw: str, path: str) -> tuple[str, str | None]:
     """The text to store for a checked catalog file, and a note when it is not the file's own:
     the file as written if SSM can hold it, else the same JSON without its spaces."""
-    if len(raw) <= CATALOG_PARAMETER_LIMIT:
+    from .provision import PARAMETER_VALUE_LIMITS
+
+    limit = PARAMETER_VALUE_LIMITS["Advanced"]
+    if len(raw) <= limit:
         return raw, None
     import json
 
     compact = json.dumps(json.loads(raw), separators=(",", ":"), ensure_ascii=False)
-    if len(compact) > CATALOG_PARAMETER_LIMIT:
+    if len(compact) > limit:
         raise AdminError(f"{path}: {len(compact)} characters even without spaces; an SSM parameter holds "
-                         f"{CATALOG_PARAMETER_LIMIT}: fewer models or backends per catalog")
-    return compact, f"stored compact: {len(compact)} of {CATALOG_PARAMETER_LIMIT} characters ({len(raw)} as written)"
+                         f"{limit}: fewer models or backends per catalog")
+    return compact, f"stored compact: {len(compact)} of {limit} characters ({len(raw)} as written)"
 
 
 def _stored_catalog_parsed(ctx: Context, raw: str) -> Any:
@@ -666,8 +668,7 @@ def _changes(before: Any, after: Any) -> str:
 def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.catalog import Catalog, CatalogError
 
-    raw, catalog = _read_catalog_file(args.file)
-    value, note = _catalog_value(raw, args.file)
+    value, note, catalog = _read_catalog_file(args.file)
     stored = _stored_catalog(ctx)
     try:
         before = Catalog.from_json(stored) if stored is not None else None
@@ -686,12 +687,10 @@ def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:
 
 
 def _catalog_seed(ctx: Context, args: argparse.Namespace, out) -> None:
-
     from .template import repo_root
 
     path = args.file or str(repo_root() / "infra" / "catalog.json")
-    raw, catalog = _read_catalog_file(path)
-    value, note = _catalog_value(raw, path)
+    value, note, catalog = _read_catalog_file(path)
     name = ctx.settings.catalog_parameter
     try:
         ctx.ssm.put_parameter(Name=name, Value=value, Type="String", Overwrite=False, Tier="Advanced")

@@ -140,20 +140,19 @@ def patch_moto() -> None:
 
 _plain_update_item: Any = None  # moto's own, for transactions (which back up what they write)
 
-# What SSM Parameter Store holds in one value, by tier: a catalog that fits locally fits in AWS.
-PARAMETER_VALUE_LIMITS = {"Standard": 4096, "Advanced": 8192}
-
-
 def _limit_parameter_sizes() -> None:
-    """moto's PutParameter takes a value of any length; SSM refuses one beyond its tier's."""
+    """moto's PutParameter takes a value of any length; SSM refuses one beyond its tier's, so a
+    catalog that fits locally fits in AWS."""
     from moto.ssm.exceptions import ValidationException
     from moto.ssm.models import SimpleSystemManagerBackend
+
+    from .provision import PARAMETER_VALUE_LIMITS
 
     original = SimpleSystemManagerBackend.put_parameter
 
     def put_parameter(self: Any, name: str, description: str, value: str, *args: Any, **kwargs: Any) -> Any:
         tier = kwargs.get("tier") or (args[6] if len(args) > 6 else None) or "Standard"
-        existing = self._parameters.get(name) if name in self._parameters else None
+        existing = self._parameters[name] if name in self._parameters else None  # both read names as moto does
         if existing and getattr(existing[-1], "tier", None) == "Advanced":
             tier = "Advanced"  # SSM never turns an advanced parameter back into a standard one
         limit = PARAMETER_VALUE_LIMITS.get(tier, PARAMETER_VALUE_LIMITS["Advanced"])  # Intelligent-Tiering: up to 8 KB

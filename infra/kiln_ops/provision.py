@@ -13,6 +13,9 @@ from kiln.settings import Settings
 
 from .template import TABLES, create_table_kwargs
 
+# What SSM Parameter Store holds in one value, by tier (the catalog is an advanced parameter).
+PARAMETER_VALUE_LIMITS = {"Standard": 4096, "Advanced": 8192}
+
 __all__ = ["aws_clients", "provision"]
 
 
