@@ -15,6 +15,7 @@ from decimal import Decimal
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseErrorEvent
 
 from support import LedgerCheck, sse_events
 
@@ -161,6 +162,12 @@ def test_a_failure_mid_stream_ends_with_one_error_event(stack, org):
     assert name == "event: error"
     payload = json.loads(data[len("data: "):])
     assert (payload["type"], payload["code"]) == ("error", "upstream_error") and payload["message"]
+    # the OpenAI SDKs' own shape of it: `sequence_number` (the Vercel AI SDK drops an error
+    # event without one, and the error with it) one past the last event relayed, and `param`
+    relayed = [json.loads(block.split("data: ", 1)[1]) for block in list(sse_events(response.text))[:-1]
+               if "data: " in block]
+    assert ResponseErrorEvent.model_validate(payload, strict=True).sequence_number == relayed[-1]["sequence_number"] + 1
+    assert "param" in payload and payload["param"] is None
     (event,) = ledger.check()
     # created, in_progress, the item and its part, one delta: then the cut
     assert event.status == "stream_interrupted" and event.completion_tokens == 1

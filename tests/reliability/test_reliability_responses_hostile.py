@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types.responses import ResponseErrorEvent
 
 from support import LedgerCheck, sse_events
 
@@ -119,6 +120,35 @@ def test_a_chat_style_error_in_a_responses_stream_ends_it_with_the_one_error_eve
     assert len(errors) == 1, events
     assert errors[0]["code"] == "upstream_error" and blocks(response.text)[-1].startswith("event: error")
     assert "boom" not in response.text
+    (record,) = ledger.check()
+    assert record.status == "stream_interrupted"
+
+
+@pytest.mark.parametrize("numbered", [
+    ([], None, 0),  # cut before any event: the gateway's is the first
+    ([7, 8, 9], None, 10),  # one past the last the server gave
+    ([None, None], None, 2),  # a server that numbers none: one for each event relayed
+    ([0, "x", True], None, 3),  # numbers the gateway cannot take: counted
+    ([0, 1], "error", 2),  # the server's own error, not relayed, takes no number
+], ids=["none-relayed", "numbered", "unnumbered", "odd-numbers", "server-error"])
+def test_the_gateways_error_event_is_numbered_after_the_last_event_relayed(stack, ledger, numbered):
+    """The gateway's `event: error` ends a cut stream (§9) in the shape the OpenAI SDKs read:
+    the Vercel AI SDK's schema requires `sequence_number` (without it the app's onError got a
+    type validation error, not the gateway's code and message), openai-python types it as an int."""
+    numbers, server_error, expected = numbered
+    events = []
+    for number in numbers:
+        delta = json.loads(DELTA)
+        if number is not None:
+            delta["sequence_number"] = number
+        events.append(json.dumps(delta))
+    if server_error:
+        events.append(json.dumps({"type": "error", "code": "boom", "message": "boom", "sequence_number": 2}))
+    body = {"model": MODEL, "input": "hi", "stream": True, "mock": {"raw_events": events, "no_done": True}}
+    response = post(stack, ledger, body)
+    error = payload_of(blocks(response.text)[-1])
+    assert ResponseErrorEvent.model_validate(error, strict=True).sequence_number == expected, error
+    assert error["param"] is None and error["code"] == "upstream_error"
     (record,) = ledger.check()
     assert record.status == "stream_interrupted"
 

@@ -275,9 +275,28 @@ def test_the_final_event_goes_out_last_with_the_cost_in_its_usage():
 
 
 def test_a_failed_stream_ends_with_an_error_event_of_the_responses_shape():
-    tail = RESPONSES.stream_error('cut "short"')
+    relay = RESPONSES.relay(client_wants_usage=True, max_event_bytes=1 << 20)
+    tail = RESPONSES.stream_error('cut "short"', relay)
     assert tail.startswith(b"event: error\ndata: ") and tail.endswith(b"\n\n") and tail.count(b"\n") == 3
-    assert json.loads(tail.split(b"data: ", 1)[1]) == {"type": "error", "code": "upstream_error", "message": 'cut "short"'}
+    assert json.loads(tail.split(b"data: ", 1)[1]) == {
+        "type": "error", "code": "upstream_error", "message": 'cut "short"', "param": None, "sequence_number": 0}
+
+
+@pytest.mark.parametrize("events, expected", [
+    ([b'{"type":"response.created","sequence_number":0,"response":{"metadata":{"sequence_number":99}}}'], 1),
+    ([b'{"type":"response.output_text.delta","item_id":"m","delta":"\\"sequence_number\\": 50,","sequence_number":4}'], 5),
+    ([b'{"type":"response.output_text.delta","sequence_number":12,"delta":"a"}',
+      b'{"type":"response.output_text.delta","delta":"b"}'], 14),
+    ([b'{"type":"response.output_text.delta","sequence_number":-3,"delta":"a"}'], 1),
+    ([b'{"type":"response.output_text.delta","sequence_number":1e3,"delta":"a"}'], 1),
+])
+def test_the_gateways_error_event_takes_the_number_after_the_last_event_relayed(events, expected):
+    """Read from the event's own field (a number in a text or in the echoed request is not it),
+    else one more than the last; a number that is no count of events is not taken."""
+    relay = RESPONSES.relay(client_wants_usage=True, max_event_bytes=1 << 20)
+    for event in events:
+        relay.feed(b"data: " + event + b"\n\n")
+    assert json.loads(RESPONSES.stream_error("cut", relay).split(b"data: ", 1)[1])["sequence_number"] == expected
 
 
 def test_the_stream_is_held_to_the_models_bound_on_one_event():

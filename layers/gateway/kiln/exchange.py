@@ -336,7 +336,7 @@ class Exchange:
             return tail
         if status == "client_disconnected":
             return b""
-        return self.call.api.stream_error(GATEWAY_CUT if status == "gateway_error" else STREAM_CUT)
+        return self.call.api.stream_error(GATEWAY_CUT if status == "gateway_error" else STREAM_CUT, relay)
 
 
 def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:

@@ -138,8 +138,8 @@ class ModelApi:
         """The last bytes of a stream that ended well (after the settle)."""
         raise NotImplementedError
 
-    def stream_error(self, message: str) -> bytes:
-        """The one event that ends a stream that failed (§5)."""
+    def stream_error(self, message: str, relay: SseRelay) -> bytes:
+        """The one event that ends a stream that failed (§5), after what `relay` relayed."""
         return error_event(message)
 
 

@@ -46,6 +46,7 @@ _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # the request's metadata, whose values may be under a key "delta"
 _DELTA = re.compile(rb'"delta"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
+_SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})[\s,}]')
 _ITEM_ID = re.compile(rb'"item_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
 # added or done, the response so far), and any with an escape, which can spell one
@@ -158,8 +159,12 @@ class ResponsesApi(ModelApi):
         response["usage"] = _with_cost(response.get("usage"), usage, cost)
         return relay.final_name + b"data: " + dumps({**relay.final, "response": response}) + b"\n\n"
 
-    def stream_error(self, message: str) -> bytes:
-        return b"event: error\ndata: " + dumps({"type": "error", "code": "upstream_error", "message": message}) + b"\n\n"
+    def stream_error(self, message: str, relay: SseRelay) -> bytes:
+        # the Responses API's error event, as the SDKs read it: the Vercel AI SDK refuses one
+        # without a sequence number (and so loses the error), openai-python types it as an int
+        event = {"type": "error", "code": "upstream_error", "message": message, "param": None,
+                 "sequence_number": relay.next_sequence if isinstance(relay, ResponsesRelay) else 0}
+        return b"event: error\ndata: " + dumps(event) + b"\n\n"
 
 
 def _a_response(answer: dict[str, Any]) -> bool:
@@ -393,6 +398,9 @@ class ResponsesRelay(SseRelay):
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
         self.final_name = b""  # its `event:` line, as the upstream wrote it
+        # the sequence number an event the gateway adds takes: one past the last relayed
+        # event's, else (an event with none the gateway can read) one more than the last
+        self.next_sequence = 0
 
     def _item(self, key: Any) -> _Item | None:
         """The item of this id (None: no id, or past MAX_ITEMS: its texts count apart)."""
@@ -526,6 +534,8 @@ class ResponsesRelay(SseRelay):
                 # the stream ends with the gateway's one error event (§9), whether the server
                 # wrote the Responses API's error event or chat's (`{"error": {...}}`)
                 return self._failed("the model server sent an error event")
+            number = data.get("sequence_number") if isinstance(data, dict) else None
+            self.next_sequence = number + 1 if type(number) is int and number >= 0 else self.next_sequence + 1
             if isinstance(kind, str) and kind.startswith("response."):
                 kind = kind[len("response."):]
                 if kind in _SNAPSHOTS or kind.endswith((".done", ".added")):
@@ -537,6 +547,8 @@ class ResponsesRelay(SseRelay):
             return event
         if kind_found is not None:  # a delta's text; `"delta"` elsewhere (an echo) is not
             self._delta_of(_raw_item(payload), _DELTA.findall(payload))
+        number = _SEQUENCE.search(payload)
+        self.next_sequence = int(number[1]) + 1 if number else self.next_sequence + 1
         return event
 
     def _final(self, event: bytes, data: dict[str, Any]) -> None:
