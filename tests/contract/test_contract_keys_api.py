@@ -304,6 +304,9 @@ def test_unknown_methods_on_keys_are_405(stack):
     _, admin = management_org(stack)
     response = call(stack, "PUT", "/v1/keys", admin, {})
     assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+    assert response.headers["Allow"] == "GET, POST"  # RFC 9110: a 405 says what the URL takes
+    response = call(stack, "POST", "/v1/keys/key_x", admin, {})
+    assert response.status_code == 405 and response.headers["Allow"] == "DELETE, GET, PATCH"
 
 
 # -- hostile bodies: never a 5xx, always the contract's error shape -------------------------------

@@ -39,7 +39,7 @@ framework's own 404/405/500 by `kiln.web`'s exception handlers.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterable
 
 from .jsonio import compact, loads_strict
 
@@ -218,6 +218,14 @@ class UnknownUrl(GatewayError):
 
 class MethodNotAllowed(GatewayError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+    def __init__(self, message: str, allowed: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.allowed = ", ".join(sorted(allowed))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Allow": self.allowed}  # RFC 9110 §15.5.6: a 405 names the methods the URL has
 
 
 class InsufficientCredits(GatewayError):

@@ -184,7 +184,7 @@ class App:
                 raise UnknownUrl(f"Unknown request URL: {request.method} {request.url.path}.")
             handler = handlers.get(scope["method"])
             if handler is None:
-                raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")
+                raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.", handlers)
             response = await handler(request)
         except GatewayError as error:
             response = _answer(request, error)
