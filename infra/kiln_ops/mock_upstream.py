@@ -18,7 +18,8 @@ or from the server's own defaults:
 
     status=N          answer HTTP N with a vLLM-style JSON error
     plain_text=true   …with a plain-text body instead ("Internal Server Error")
-    headers_delay_ms  wait before answering at all (a backend that never gets to the first byte)
+    headers_delay_ms  wait before answering at all (a backend that never gets to the first byte);
+                      a client that leaves meanwhile ends the request (counted in `disconnects`)
     ttft_ms           wait before the first token (streams: after the 200 and headers)
     token_delay_ms    wait between tokens
     tokens=N          reply with N tokens (cut at max_tokens)
@@ -220,9 +221,22 @@ class MockUpstream:
         finally:
             stats.leave(options.tag)
 
+    async def _headers_delayed(self, options: MockOptions, receive: Any) -> bool:
+        """Wait `headers_delay_ms`; False if the client left meanwhile (counted, as vLLM
+        aborts a request whose client has gone)."""
+        if not options.headers_delay_ms:
+            return True
+        async with _disconnect_watch(receive) as gone:
+            try:
+                await asyncio.wait_for(gone.wait(), options.headers_delay_ms / 1000)
+            except asyncio.TimeoutError:
+                return True
+        self.stats.disconnects += 1
+        return False
+
     async def _answer(self, chat: bool, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
-        if options.headers_delay_ms:
-            await asyncio.sleep(options.headers_delay_ms / 1000)
+        if not await self._headers_delayed(options, receive):
+            return
         if options.header_bytes or options.body_bytes or options.event_bytes or options.endless:
             return await _hostile(options, receive, send)
         if options.status is not None and options.status >= 400:
@@ -277,8 +291,8 @@ class MockUpstream:
 
     async def _respond(self, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
         """POST /v1/responses, as vLLM serves it (kiln_ops.mock_responses)."""
-        if options.headers_delay_ms:
-            await asyncio.sleep(options.headers_delay_ms / 1000)
+        if not await self._headers_delayed(options, receive):
+            return
         if options.status is not None and options.status >= 400:
             if options.plain_text:
                 return await _send_text(send, options.status, options.message or "Internal Server Error")

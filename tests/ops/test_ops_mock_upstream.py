@@ -289,7 +289,8 @@ def test_status_with_message_and_plain_text(api):
 def test_headers_delay_holds_back_even_the_status(api, mock):
     with pytest.raises(httpx.ReadTimeout):  # not even the status line within 0.1 s
         api.post("/chat/completions", json=chat(stream=True, mock={"headers_delay_ms": 300}), timeout=0.1)
-    mock.wait_for(lambda s: s["completed"] == 1 and s["in_flight"] == 0)  # let it finish before the next test
+    # the client gave up: the request ends there, unanswered, as vLLM aborts one whose client left
+    mock.wait_for(lambda s: s["disconnects"] == 1 and s["in_flight"] == 0 and s["completed"] == 0)
     start = time.monotonic()
     response = api.post("/chat/completions", json=chat(mock={"headers_delay_ms": 200}))
     assert response.status_code == 200 and time.monotonic() - start >= 0.2
@@ -506,7 +507,7 @@ def test_stats_count_a_client_that_disconnects_mid_stream(api, mock, root):
 
 def test_reset_while_a_request_is_in_flight_never_counts_below_zero(api, root, mock):
     with pytest.raises(httpx.ReadTimeout):  # the client gives up; the mock keeps the request 300 ms
-        api.post("/chat/completions", json=chat(mock={"headers_delay_ms": 300}), timeout=0.05)
+        api.post("/chat/completions", json=chat(mock={"ttft_ms": 300}), timeout=0.05)
     assert stats(root)["in_flight"] == 1
     httpx.post(f"{root}/mock/reset", timeout=10)
     mock.wait_for(lambda s: s["completed"] == 1, timeout=3)  # the stale request finished…

@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import httpx
+import pytest
 
 from support import wait_for_events
 
@@ -13,7 +14,7 @@ CHAT = "/v1/chat/completions"
 
 
 def test_a_client_leaving_while_the_upstream_is_still_silent(stack):
-    """Gone before the first token: noticed at once (not at the next write), nothing billed."""
+    """Gone before the first token: noticed at once (not at the next write), no completion billed."""
     org_id, key = stack.org()
     body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True, "mock": {"ttft_ms": 3000}}
     with stack.http.stream("POST", CHAT, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
@@ -22,6 +23,47 @@ def test_a_client_leaving_while_the_upstream_is_still_silent(stack):
     (event,) = wait_for_events(stack, org_id, 1)
     assert event.status == "client_disconnected" and event.completion_tokens == 0
     assert stack.org_info(org_id).in_flight == 0
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "word " * 400}]}),
+    ("/v1/responses", {"model": "qwen3-32b", "input": "word " * 400}),
+], ids=["chat", "responses"])
+def test_a_stream_whose_client_leaves_before_the_model_server_answers_frees_its_slot_at_once(stack, path, body):
+    """§7: a client that leaves is noticed and its slot released. Before the model server's
+    headers nothing listened: the slot stayed held until they came (up to the model's first-byte
+    time, for each backend tried), so the same client's next request, its only one open, was
+    a 429 (§4)."""
+    stream = True
+    org_id, key = stack.org(concurrency=1)
+    auth = {"Authorization": f"Bearer {key}"}
+    slow = {**body, "stream": stream, "mock": {"headers_delay_ms": 20_000}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        stack.http.post(path, json=slow, headers=auth, timeout=httpx.Timeout(30, read=0.5))
+    (event,) = wait_for_events(stack, org_id, 1)  # long before the model server answers
+    assert event.status == "client_disconnected" and event.http_status is None
+    # the prompt the model server was sent is billed (as a renewal of its lease records it), no completion
+    assert event.prompt_tokens > 100 and event.completion_tokens == 0 and event.cost > 0
+    assert stack.org_info(org_id).in_flight == 0
+    stack.mock.wait_for(lambda s: s["disconnects"] == 1 and s["in_flight"] == 0)  # its request closed
+    again = stack.http.post(path, json={**body, "stream": stream}, headers=auth)
+    assert again.status_code == 200, again.text
+    events = wait_for_events(stack, org_id, 2)
+    assert sorted(e.status for e in events) == ["client_disconnected", "success"]
+    assert stack.org_info(org_id).credits == 10 - sum(e.cost for e in events)
+
+
+def test_a_buffered_request_whose_client_leaves_runs_to_its_answer_and_is_billed_for_it(stack):
+    """docs/design.md: a buffered answer's usage comes only at its end, so closing its upstream
+    request early would leave what the model generated unbilled; it runs on (within the model's
+    total time) and settles as a success, the model server's request never closed."""
+    org_id, key = stack.org()
+    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "mock": {"headers_delay_ms": 1500}}
+    with pytest.raises(httpx.ReadTimeout):
+        stack.http.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=httpx.Timeout(30, read=0.3))
+    (event,) = wait_for_events(stack, org_id, 1)
+    assert event.status == "success" and event.completion_tokens == 12 and event.usage_source == "upstream"
+    assert stack.mock.stats["disconnects"] == 0 and stack.org_info(org_id).in_flight == 0
 
 
 def test_many_clients_leaving_at_random_points_leave_no_lease_and_no_gap(stack):

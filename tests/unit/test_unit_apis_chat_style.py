@@ -313,7 +313,8 @@ def test_with_no_usage_chunk_the_gateway_writes_one_on_the_first_chunks_header()
 
 
 def test_a_failed_chat_stream_ends_with_the_error_event():
-    assert CHAT.stream_error("the model server went away") == error_event("the model server went away")
+    relay = SseRelay(client_wants_usage=False)
+    assert CHAT.stream_error("the model server went away", relay) == error_event("the model server went away")
 
 
 # -- what a new endpoint inherits -------------------------------------------------------------
@@ -334,7 +335,7 @@ def test_a_new_endpoint_must_say_how_it_is_billed():
     ):
         with pytest.raises(NotImplementedError):
             call()
-    assert api.stream_error("cut") == error_event("cut")
+    assert api.stream_error("cut", SseRelay(client_wants_usage=False)) == error_event("cut")
     riding = b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
     relay = api.relay(client_wants_usage=True, max_event_bytes=200)
     assert relay.feed(riding) == riding  # the client asked: its usage stays on the content

@@ -16,9 +16,11 @@ from decimal import Decimal
 from typing import Any, AsyncGenerator, Callable
 
 from starlette.responses import Response
+from starlette.types import Receive
 
 from .apis import ModelApi
 from .auth import Principal
+from .departure import ClientLeft, unless_the_client_leaves
 from .echo import Echoes
 from .errors import GatewayError, InternalError, NoBackendAvailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
@@ -82,16 +84,22 @@ class Exchange:
     def gen_id(self) -> str:
         return self.lease.gen_id
 
-    async def respond(self) -> Response:
-        """Forward the request and answer; every way out of here settles exactly once."""
+    async def respond(self, receive: Receive | None = None) -> Response:
+        """Forward the request and answer; every way out of here settles exactly once.
+        `receive`: the request's ASGI channel, its body read: a stream's client that leaves
+        while the model server has not answered yet stops the wait (§7), its slot released."""
         self._keeper.start()
         try:
-            upstream = await self.gateway.upstream.open(
+            # a stream's client that leaves is noticed from here on (§7); a buffered request
+            # runs to its answer, which alone says what the model generated (docs/design.md)
+            upstream = await unless_the_client_leaves(self.gateway.upstream.open(
                 self.call.model, self.call.api.upstream_path, self.call.body, stream=self.call.stream,
                 client=self.lease.org_id,
-            )
+            ), receive if self.call.stream else None)
         except GatewayError as error:
             return await self._refused(error)
+        except ClientLeft:
+            return await self._left()
         except BaseException as exc:
             return await self._crashed(exc)
         self._upstream = upstream
@@ -117,7 +125,7 @@ class Exchange:
             return
         if self._upstream is not None:
             await self._upstream.aclose()
-        await self._settle("client_disconnected", http_status=None, error="the client left before the stream began")
+        await self._settle_left("the client left before the stream began")
 
     # -- the ways an exchange ends ---------------------------------------------------------
 
@@ -136,6 +144,18 @@ class Exchange:
             self.record.error_code = error.code
         await self._settle(status, http_status=error.status, error=_stored_error(error))
         return error_response(error, self.gen_id)
+
+    async def _left(self) -> Response:
+        """The client of a stream left before the model server answered; its request to the
+        model server was closed (so generation stops)."""
+        await self._settle_left("the client left before the model server answered")
+        return Response(status_code=499)  # goes nowhere: the connection is closed
+
+    async def _settle_left(self, error: str) -> None:
+        """A client gone before anything was relayed: billed as a stream it left is, for what
+        was relayed (nothing) and the prompt, which the model server was sent."""
+        usage = self._fallback_usage(0)
+        await self._settle("client_disconnected", http_status=None, usage=usage, cost=self._price(usage), error=error)
 
     async def _crashed(self, exc: BaseException) -> Response:
         if isinstance(exc, asyncio.CancelledError):  # the server is stopping, or the client left

@@ -69,7 +69,7 @@ async def complete(request: Request, api: ModelApi) -> Response:
     except GatewayError as error:
         record.error_code = error.code
         return error_response(error)
-    return await Exchange(gateway, principal, call, lease, record).respond()  # 6
+    return await Exchange(gateway, principal, call, lease, record).respond(request.receive)  # 6
 
 
 def _credential(request: Request) -> str | None:
