@@ -959,6 +959,28 @@ def test_an_echoed_prompt_is_not_counted_when_no_usage_is_reported(stack, ledger
     assert event.usage_source == "estimated" and event.completion_tokens <= 5
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "stream"])
+def test_each_choice_of_a_batch_echoes_its_own_prompt_and_that_is_not_billed(stack, ledger, stream):
+    """A batch of prompts with n choices each: vLLM's choice i echoes prompt i // n, then what
+    the model wrote; the honest count (one token a choice) is believed."""
+    prompts = [f"{i} " + "word " * 2000 for i in range(3)]
+    texts = [(index, prompts[index // 2] + " x") for index in range(6)]
+    usage = {"prompt_tokens": 6003, "completion_tokens": 6, "total_tokens": 6009}
+    if stream:
+        events = [_text_chunk("", choices=[{"index": i, "text": t, "logprobs": None, "finish_reason": None}])
+                  for i, t in texts] + [_text_chunk("", choices=[], usage=usage)]
+        mock = {"raw_events": events}
+    else:
+        mock = {"raw_body": json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": MODEL, "usage": usage,
+                                        "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": "length"}
+                                                    for i, t in texts]})}
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "echo": True, "max_tokens": 1, "stream": stream, "mock": mock,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("upstream", 6)
+
+
 def test_an_echo_is_no_way_under_the_floor_of_what_follows_it(stack, ledger):
     """The prompt is taken off the reply's texts once: the text after it still has its floor."""
     answer = _completion(ECHOED + "x" * 80000, {"prompt_tokens": 4001, "completion_tokens": 1, "total_tokens": 4002})

@@ -54,3 +54,41 @@ def test_a_stream_of_new_choice_indexes_is_followed_only_so_far():
         assert echoes.own(index, "The") == ""
     assert echoes.own("another", PROMPT) == PROMPT  # past the bound: all the model's
     assert Echoes([PROMPT]).own([1], PROMPT + "x") == "x"  # an index that is no key: one choice for all such
+
+
+def test_each_choice_of_a_batch_is_matched_against_its_own_prompt():
+    """vLLM's choices of a batch come prompt by prompt, n each (choice i: prompt i // n)."""
+    echoes = Echoes(["first prompt", [1, 2], "third prompt"], per_prompt=2)
+    assert echoes.own(0, "first prompt A") == " A" and echoes.own(1, "first prompt B") == " B"
+    assert echoes.own(2, "first prompt C") == "first prompt C"  # token ids: nothing the gateway can know
+    assert echoes.own(4, "third prompt D") == " D"
+    assert echoes.own(3, "third prompt E") == "third prompt E"  # another prompt's text is the model's
+    assert echoes.own(6, "first prompt F") == "first prompt F"  # past the batch: no prompt of its own
+    assert echoes.own("0", "first prompt G") == "first prompt G"
+
+
+class _Counted(str):
+    """A text that counts the comparisons made with it."""
+
+    compared = 0
+
+    def startswith(self, *args):
+        _Counted.compared += 1
+        return super().startswith(*args)
+
+
+def test_matching_a_large_batch_compares_each_piece_with_a_few_texts_only():
+    """A batch of 10 000 prompts echoed by its 10 000 choices was matched choice by choice
+    against every prompt: 10^8 comparisons, 21 s with the event loop held (and one piece of a
+    stream against 20 000 equal prompts rebuilt its list of them one by one)."""
+    prompts = [_Counted(f"prompt number {i}") for i in range(10_000)]
+    echoes = Echoes(prompts, per_prompt=1)
+    _Counted.compared = 0
+    answer = {"choices": [{"index": i, "text": _Counted(f"prompt number {i} tok")} for i in range(10_000)]}
+    assert all(choice["text"] == " tok" for choice in echoes.answer(answer)["choices"])
+    assert _Counted.compared <= 2 * 10_000
+    same = Echoes([_Counted("same prompt text")] * 20_000, per_prompt=1)
+    _Counted.compared = 0
+    for piece in "same prompt text!":
+        same.own(0, _Counted(piece))
+    assert _Counted.compared <= 2 * len("same prompt text!")

@@ -26,13 +26,28 @@ _OVER = None  # a choice whose echo is over (taken off, or never there)
 class Echoes:
     """The texts a request's replies may start with, and where each choice stands in them."""
 
-    def __init__(self, texts: Sequence[str]) -> None:
-        self._texts = tuple(text for text in texts if isinstance(text, str) and text)
+    def __init__(self, texts: Sequence[Any], *, per_prompt: int | None = None) -> None:
+        """`texts`: what every choice may echo; with `per_prompt` (a batch of prompts, `n`
+        choices each), each prompt is echoed by its own choices only: choice i by prompt
+        i // n, as vLLM orders them. A prompt that is no text (token ids) echoes nothing the
+        gateway can know. Each choice is matched against its own few texts, so the matching
+        costs time linear in the reply, however many prompts a batch holds."""
+        self._texts = tuple(text if isinstance(text, str) else "" for text in texts)
+        self._every = tuple(index for index, text in enumerate(self._texts) if text)
+        self._per_prompt = per_prompt
         # choice index → (the texts it may still be echoing, how far into them), or _OVER
         self._choices: dict[Hashable, tuple[tuple[int, ...], int] | None] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._texts)
+        return bool(self._every)
+
+    def _candidates(self, key: Hashable) -> tuple[int, ...]:
+        if self._per_prompt is None:
+            return self._every
+        if type(key) is not int or key < 0:
+            return ()
+        index = key // self._per_prompt
+        return (index,) if index < len(self._texts) and self._texts[index] else ()
 
     def own(self, choice: Any, text: str) -> str:
         """Of the next piece of this choice's text, what the model wrote (all of it, once the
@@ -45,9 +60,13 @@ class Echoes:
         if state == ():
             if len(self._choices) >= MAX_TRACKED_CHOICES:
                 return text
-            state = (tuple(range(len(self._texts))), 0)
+            state = (self._candidates(key), 0)
+            if not state[0]:
+                self._choices[key] = _OVER
+                return text
         candidates, offset = state
-        ended = going = None
+        ended = None
+        going = []
         for index in candidates:
             echoed = self._texts[index]
             rest = len(echoed) - offset
@@ -55,12 +74,12 @@ class Echoes:
                 if text.startswith(echoed[offset:]) and (ended is None or rest > ended):
                     ended = rest  # the longest echo that ends within this piece
             elif echoed.startswith(text, offset):
-                going = (*(going or ()), index)
+                going.append(index)
         if ended is not None:
             self._choices[key] = _OVER
             return text[ended:]
         if going:
-            self._choices[key] = (going, offset + len(text))
+            self._choices[key] = (tuple(going), offset + len(text))
             return ""
         self._choices[key] = _OVER
         held = self._texts[candidates[0]][:offset]  # matched so far: the model's after all

@@ -32,11 +32,17 @@ class CompletionsApi(ChatStyleApi):
 
     def echoes(self, body: dict[str, Any]) -> Echoes:
         """With `echo`, each reply starts with its prompt (a prompt of token ids comes back as
-        text the gateway cannot know: never taken off)."""
+        text the gateway cannot know: never taken off); a batch's choices are its prompts', `n`
+        each, in order."""
         if not server_bool(body.get("echo")):
             return Echoes(())
         prompt = body.get("prompt")
-        return Echoes([prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else [])
+        if isinstance(prompt, str):
+            return Echoes([prompt])
+        if not isinstance(prompt, list) or not any(isinstance(item, str) for item in prompt):
+            return Echoes(())  # token ids, of one prompt or several
+        n = body.get("n")
+        return Echoes(prompt, per_prompt=n if type(n) is int and n >= 1 else 1)
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
         """Each prompt string's text, and a token per token id; none with vLLM's
