@@ -24,32 +24,37 @@ class ClientLeft(Exception):
 
 
 async def unless_the_client_leaves(work: Awaitable[T], receive: Receive | None) -> T:
-    """`work`'s result; ClientLeft (the work cancelled and waited for) if the client leaves
-    first. With no `receive` (nothing to listen to), the work alone. A cancellation of the
-    caller reaches the work as it would without the listener."""
+    """`work`'s result; ClientLeft if the client leaves first (the work is cancelled where it
+    waits, as a timeout cancels it). With no `receive` (nothing to listen to), the work alone.
+    A cancellation of the caller from elsewhere reaches the work and the caller as before.
+
+    The work runs in the caller's own task; only the listener is a task of its own, and it
+    cancels the caller's task when the client leaves (the cancellation is then taken back,
+    `uncancel`, so that none is left pending)."""
     if receive is None:
         return await work
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(work)
-    listener = loop.create_task(_disconnected(receive))
-    try:
-        await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    async def listen() -> None:
+        nonlocal left
+        await _disconnected(receive)
+        left = True
         task.cancel()
-        listener.cancel()
-        await asyncio.wait((task, listener))
+
+    listener = asyncio.get_running_loop().create_task(listen())
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if left and task.uncancel() == 0:  # ours, and no other
+            raise ClientLeft() from None
         raise
-    if task.done():
+    finally:
         listener.cancel()
-        await asyncio.wait((listener,))
-        return task.result()
-    task.cancel()
-    await asyncio.wait((task,))
-    if not task.cancelled() and task.exception() is None:
-        return task.result()  # it ended as it was told to stop: its answer stands
-    if not task.cancelled() and not isinstance(task.exception(), asyncio.CancelledError):
-        raise task.exception()  # type: ignore[misc]  # it failed on its own first
-    raise ClientLeft()
+    if left:
+        task.uncancel()  # the work ended all the same: its answer stands
+    return result
 
 
 async def _disconnected(receive: Receive) -> None:
