@@ -2,11 +2,12 @@
 body is not valid JSON: "), and the depth bound at its edges."""
 
 import json
+import random
 from decimal import Decimal
 
 import pytest
 
-from kiln.jsonio import MAX_DEPTH, compact, decimal_text, dumps, loads_strict
+from kiln.jsonio import MAX_DEPTH, _depth, compact, decimal_text, dumps, loads_strict
 
 
 def reason(raw: bytes) -> str:
@@ -76,6 +77,43 @@ def test_a_too_deep_value_is_found_behind_any_sibling():
 
 def test_brackets_inside_strings_are_no_depth():
     assert loads_strict(json.dumps("[" * 500).encode()) == "[" * 500
+
+
+def _nesting(value) -> int:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, list):
+        return 0
+    return 1 + max((_nesting(item) for item in value), default=0)
+
+
+def _random_value(rng: random.Random, depth: int):
+    kind = rng.random()
+    if depth <= 0 or kind < 0.3:
+        return rng.choice([1, -2.5, None, True, "", '[{"\\', "]]}}", "\\\"[", "é[ü]", "\u2028{"])
+    items = [_random_value(rng, depth - rng.randint(1, 3)) for _ in range(rng.randint(0, 4))]
+    if kind < 0.65:
+        return items
+    return {rng.choice(['k', '[', '"{', '\\']) + str(index): item for index, item in enumerate(items)}
+
+
+def test_the_depth_of_any_value_is_its_nesting_written_any_way():
+    """The depth is read from the bytes (strings, with brackets, quotes and escapes in them,
+    taken out); checked against the parsed value's nesting, written compact and spaced."""
+    rng = random.Random(11)
+    for _ in range(600):
+        value = _random_value(rng, rng.randint(0, 14))
+        for raw in (json.dumps(value).encode(), json.dumps(value, indent=1, ensure_ascii=False).encode()):
+            assert _depth(raw) == _nesting(value), raw
+
+
+def test_a_wide_and_deep_body_is_measured_in_bytes_time():
+    """Thousands of nests 150 deep side by side (more than the passes that take out innermost
+    pairs): measured from the steps of what the passes left."""
+    raw = b"[" + b",".join([b"[" * 150 + b'"]"' + b"]" * 150] * 2000) + b"]"
+    assert _depth(raw) == 151
+    raw = b"[" + b",".join([b"[" * 150 + b"1" + b"]" * 150] * 10) + b"," + b"[" * 200 + b"]" * 200 + b"]"
+    assert reason(raw) == f"JSON nested deeper than {MAX_DEPTH} levels"
 
 
 def test_decimal_text_keeps_the_integer_digits():

@@ -13,6 +13,7 @@ reads a long integer as a float): see `loads_strict`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -65,7 +66,7 @@ def loads_strict(raw: bytes, *, lone_surrogates: bool = False) -> Any:
         value, end = _decoder.raw_decode(text, _skip_ws(text, 0))
         if _skip_ws(text, end) != len(text):
             raise ValueError("extra data after the JSON value")
-        if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
+        if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(raw) > MAX_DEPTH:
             raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
         if not lone_surrogates and _SURROGATE_ESCAPE.search(raw):
             try:
@@ -81,18 +82,31 @@ def loads_strict(raw: bytes, *, lone_surrogates: bool = False) -> Any:
         raise ValueError(str(exc)) from None
 
 
-def _depth(value: Any) -> int:
-    """How deeply arrays and objects nest in a parsed value (iteratively: no recursion)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict):
-            item = item.values()
-        elif not isinstance(item, list):
-            continue
-        deepest = max(deepest, level)
-        stack.extend((child, level + 1) for child in item)
-    return deepest
+# a JSON string as written (what it holds may be brackets that open nothing)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# every bracket as a square one, and nothing else
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+_NOT_A_BRACKET = bytes(byte for byte in range(256) if byte not in b"[]{}")
+# an opening bracket as +1, a closing one as -1 (a signed byte)
+_STEP = bytes.maketrans(b"[]", b"\x01\xff")
+_PAIR_PASSES = 4
+
+
+def _depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text that parsed, at the speed of bytes'
+    own methods (walking the parsed value took a tuple an element: 16 MB of `{}`, 10 s and
+    400 MB). Strings are taken out and the brackets kept, all made square. A pass takes out
+    every innermost pair, one level (a replace does not see the pairs its own removals make):
+    a few passes leave nothing of most bodies. What is left is read as steps up and down, and
+    its depth is the highest point they reach."""
+    brackets = _STRING.sub(b"", raw).translate(_SQUARE, _NOT_A_BRACKET)
+    for passes in range(_PAIR_PASSES):
+        if not brackets:
+            return passes
+        brackets = brackets.replace(b"[]", b"")
+    if not brackets:
+        return _PAIR_PASSES
+    return _PAIR_PASSES + max(itertools.accumulate(memoryview(brackets.translate(_STEP)).cast("b")))
 
 
 def _skip_ws(text: str, index: int) -> int:
