@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from support import data_events
@@ -59,6 +61,19 @@ def test_an_upstream_4xx_nested_past_any_parser_is_still_passed_on(stack, org, s
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"] == message[:2000]
+    assert_settled(stack, org_id, "upstream_rejected", 400)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_4xx_with_a_long_message_keeps_its_shape_and_its_code(stack, org, stream):
+    """A validation error may quote a long input before its code: the body was cut at 64 KiB
+    and so was no JSON, the client got `{"error": {"message": "mmm…` as the message, code null."""
+    org_id, key = org
+    raw = json.dumps({"error": {"message": "m" * 1_000_000, "type": "BadRequestError", "code": "too_long"}})
+    response = stack.post(CHAT, chat(stream=stream, mock={"status": 400, "plain_text": True, "message": raw}), key)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["message"], error["code"]) == ("m" * 2000, "too_long")
     assert_settled(stack, org_id, "upstream_rejected", 400)
 
 

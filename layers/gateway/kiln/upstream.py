@@ -41,8 +41,6 @@ __all__ = ["UpstreamClient", "UpstreamExchange", "UpstreamStreamError", "describ
 
 log = logging.getLogger("kiln.upstream")
 
-# Error bodies are read up to this size; more is never useful and could be hostile.
-MAX_ERROR_BODY = 64 * 1024
 BAD_GATEWAY = "Bad gateway: the model backend returned an error or could not be reached. Retry with exponential backoff."
 # what ended a request, for the RequestsTimedOut metric's `timeout` dimension
 TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
@@ -314,7 +312,7 @@ class UpstreamClient:
                     model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
                     sent_bytes=len(content),
                 )
-            raw = await _read_error_body(response, deadline)
+            raw = await _read_error_body(response, deadline, limits.body_bytes)
             # any answer below 500 means the backend works: the request was at fault, not the backend
             health.answered(model.id, backend, request, client, failed=status >= 500, models_backends=enabled)
             if 400 <= status < 500:
@@ -331,12 +329,14 @@ class UpstreamClient:
         raise UpstreamFailed(BAD_GATEWAY, detail="; ".join(failures))
 
 
-async def _read_error_body(response: Response, deadline: float) -> bytes:
+async def _read_error_body(response: Response, deadline: float, limit: int) -> bytes:
     """An error answer's body, for its message: what comes within 5 s, and within the
-    request's deadline (a body that trickles must not hold the request past its total)."""
+    request's deadline (a body that trickles must not hold the request past its total), up
+    to the model's bound on a body (§5): a validation error may quote a long input before its
+    code, and a body cut short is no JSON to read them from."""
     try:
         async with asyncio.timeout(max(0.0, min(_ERROR_BODY_SECONDS, deadline - time.monotonic()))):
-            return await response.read(limit=MAX_ERROR_BODY)
+            return await response.read(limit=limit)
     except (HttpError, TimeoutError):
         return b""
     finally:
