@@ -5,14 +5,16 @@ from __future__ import annotations
 import random
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from pynamodb.exceptions import DoesNotExist, PutError, UpdateError
+from pynamodb.exceptions import DoesNotExist, PutError, TransactWriteError, UpdateError
+from pynamodb.transactions import TransactWrite
 
 from ..settings import MAX_ORG_CONCURRENCY
 from .clock import iso_ms, now
-from .errors import RecordExists, RecordNotFound, condition_failure, translate_storage_error
+from .errors import RecordExists, RecordNotFound, TransactionCancelled, condition_failure, translate_storage_error
 from .records import Tables
 from .schema import LEASE
 
@@ -99,8 +101,8 @@ def list_orgs(tables: Tables) -> list[OrgInfo]:
 
 # An operator's write to an org item meets the settle transactions of its requests: DynamoDB
 # refuses it with TransactionConflictException, which botocore does not retry. Such a refusal
-# was not applied, so trying again is safe even for ADD (a lost answer would not be: never
-# retried here).
+# was not applied, so trying again is safe. (The writes here SET; botocore sends one again after
+# a lost answer, which would apply an ADD twice: `add_credits` goes with a token.)
 _CONFLICT_ATTEMPTS = 20
 
 
@@ -132,7 +134,26 @@ def set_limit(tables: Tables, org_id: str, concurrency: int) -> OrgInfo:
 
 
 def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
-    """Atomic top-up (ADD), safe while requests of the org are settling."""
+    """Atomic top-up (ADD), safe while requests of the org are settling, and applied once.
+
+    An ADD sent again is applied again, and the AWS client sends a write again when its
+    answer is lost (a reset connection, a 5xx): a top-up of $1 added $2. So it goes as a
+    transaction with a ClientRequestToken, which DynamoDB applies once however often it is
+    sent within 10 minutes; a new token for each try after a conflict (not applied)."""
     if not amount.is_finite() or amount == 0:
         raise ValueError("the amount must be a non-zero number of USD")
-    return _update(tables, org_id, [tables.orgs.credits.add(amount)])
+    record = tables.orgs(org_id=org_id)
+    connection = tables.orgs._get_connection().connection
+    for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+        try:
+            with TransactWrite(connection=connection, client_request_token=f"credits-{uuid.uuid4().hex}") as write:
+                write.update(record, actions=[tables.orgs.credits.add(amount)], condition=tables.orgs.org_id.exists())
+            return get_org(tables, org_id)
+        except TransactWriteError as exc:
+            reasons = [reason.code if reason is not None else None for reason in exc.cancellation_reasons or []]
+            if reasons[:1] == ["ConditionalCheckFailed"]:
+                raise RecordNotFound("org", org_id) from None
+            if not TransactionCancelled(reasons).transient or attempt == _CONFLICT_ATTEMPTS:
+                raise translate_storage_error(exc) from exc
+            time.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
+    raise AssertionError("unreachable")

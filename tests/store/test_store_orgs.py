@@ -1,0 +1,60 @@
+"""kiln.store.orgs against DynamoDB as the emulator serves it, lost answers included."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import replace
+from decimal import Decimal
+
+import pytest
+
+from kiln.settings import Settings
+from kiln.store import orgs
+from kiln.store.errors import RecordNotFound
+from kiln.store.records import bind
+from kiln_ops import emulator
+from kiln_ops.provision import aws_clients, provision
+
+
+@pytest.fixture
+def tables_on():
+    """start(faults) → the tables of this test, reached through an emulator with those faults
+    (emulators in one process share moto's tables)."""
+    started = []
+    suffix = secrets.token_hex(4)
+
+    def start(faults: str):
+        aws = emulator.EmbeddedAws(faults=emulator.Faults.parse(faults)).start()
+        started.append(aws)
+        settings = replace(Settings.from_env(), aws_endpoint_url=aws.url, orgs_table=f"orgs-{suffix}",
+                           keys_table=f"keys-{suffix}", usage_table=f"usage-{suffix}",
+                           catalog_parameter=f"/kiln-{suffix}/catalog", maintenance_parameter=f"/kiln-{suffix}/maintenance")
+        dynamodb, ssm = aws_clients(settings)
+        provision(settings, catalog_json='{"models": []}', dynamodb=dynamodb, ssm=ssm)
+        return bind(settings)
+
+    yield start
+    for aws in started:
+        aws.stop()
+
+
+def test_a_top_up_whose_answers_are_lost_is_applied_once(tables_on):
+    """Every write's answer lost (applied, the connection cut before its answer): the AWS
+    client sends it again, and an ADD sent again was applied again, $1 added as $4. As a
+    transaction with one token, it is applied once however often it is sent, and the resend
+    is answered as the first would have been."""
+    clean = tables_on("")
+    orgs.create_org(clean, "acme", concurrency=8, credits=Decimal("10"))
+    lossy = tables_on("lost=1,scope=all")
+    assert orgs.add_credits(lossy, "acme", Decimal("1")).credits == Decimal("11")
+    assert orgs.add_credits(lossy, "acme", Decimal("-0.5")).credits == Decimal("10.5")
+    assert orgs.get_org(clean, "acme").credits == Decimal("10.5")
+
+
+def test_a_top_up_is_added_and_an_org_that_is_not_there_is_named(tables_on):
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("10"))
+    assert orgs.add_credits(tables, "acme", Decimal("0.000000665")).credits == Decimal("10.000000665")
+    assert orgs.add_credits(tables, "acme", Decimal("-2.5")).credits == Decimal("7.500000665")
+    with pytest.raises(RecordNotFound):
+        orgs.add_credits(tables, "nobody", Decimal("1"))
