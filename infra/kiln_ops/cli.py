@@ -22,7 +22,7 @@ FAULTS_HELP = (
     "the global secondary indexes (a Query of one leaves out items written since); ssm_tps = the most SSM "
     "GetParameter calls answered in a second, ThrottlingException beyond (Parameter Store: 40); seed = the draws' "
     "seed; scope = all calls "
-    "or only the gateway's (not botocore's: operators' tools). Default: the KILN_EMULATOR_FAULTS environment "
+    "or only the gateway's (not operators' tools: botocore's calls and kiln admin's). Default: the KILN_EMULATOR_FAULTS environment "
     "variable, else off"
 )
 

@@ -49,6 +49,7 @@ from decimal import Decimal, InvalidOperation, localcontext
 from typing import Any
 
 from kiln.store.codec import storage_problem
+from kiln.store.keys import OPERATOR_AGENT
 
 from .serve import read_body
 
@@ -378,7 +379,8 @@ class Faults:
     ssm_tps   the most SSM GetParameter calls answered in any one second (Parameter Store's
               default: 40 per account and Region); the others get ThrottlingException
     seed      the random draws' seed (runs under concurrency still interleave differently)
-    scope     `all` calls, or only the `gateway`'s (not botocore's: operators' tools and set-up)
+    scope     `all` calls, or only the `gateway`'s (not operators' tools and set-up: botocore's
+              calls and kiln admin's own, `user-agent: kiln-admin`)
     """
 
     conflict: float = 0.0
@@ -468,7 +470,7 @@ class FaultyDynamoDB:
         body = await read_body(receive)
         headers = {name.decode().lower(): value.decode() for name, value in scope.get("headers", [])}
         service, _, operation = headers.get("x-amz-target", "").partition(".")
-        faulty = self.faults.enabled and (self.faults.scope == "all" or "botocore" not in headers.get("user-agent", "").lower())
+        faulty = self.faults.enabled and (self.faults.scope == "all" or not _an_operators(headers.get("user-agent", "")))
         if service == "AmazonSSM" and operation == "GetParameter" and faulty and self.faults.ssm_tps:
             if self._over_parameter_rate():
                 return await _error(send, "ThrottlingException", "Rate exceeded", prefix="", json_version="1.1")
@@ -668,3 +670,10 @@ async def _error(send: Any, code: str, message: str, *, prefix: str = _ERROR_PRE
                (b"content-length", str(len(body)).encode()),
                (b"x-amzn-errortype", code.encode())]
     await _answer(send, 400, headers, body)
+
+
+def _an_operators(user_agent: str) -> bool:
+    """Whether a call comes from an operator's tool or set-up (botocore, or kiln admin's own
+    client), which `scope=gateway` spares."""
+    agent = user_agent.lower()
+    return "botocore" in agent or OPERATOR_AGENT in agent

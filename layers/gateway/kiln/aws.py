@@ -211,8 +211,11 @@ class AwsClient:
         timeout: float = 5.0,
         max_attempts: int = 3,
         clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+        user_agent: str | None = None,
     ) -> None:
+        """`user_agent`: who calls, for an operator's tool (the gateway's own calls send none)."""
         self._region = region
+        self._user_agent = user_agent
         # each service's URL, worked out once
         self._urls = {service: endpoint(service, region, endpoint_url) for service in _SERVICES}
         self._clock = clock
@@ -228,6 +231,8 @@ class AwsClient:
         body = compact(payload)
         url = self._urls[service]
         headers_of = _headers_of(service, operation)
+        if self._user_agent:
+            headers_of = {**headers_of, "user-agent": self._user_agent}
         delay = 0.025
         for attempt in range(1, self._max_attempts + 1):
             headers = sign(

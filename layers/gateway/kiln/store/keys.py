@@ -72,6 +72,10 @@ class IssuedKey(KeyInfo):
     secret: str = ""
 
 
+# what an operator's tool (kiln admin, kiln dev's set-up) calls DynamoDB as: not the gateway
+OPERATOR_AGENT = "kiln-admin"
+
+
 def with_keyring(tables: Tables, use: Callable[[Keyring], Awaitable[T]]) -> T:
     """`use(keyring)` on a fresh loop and client, over the tables `tables` names (the usage
     events included: a key's spend without a limit, and a new limit's figure, come from them)."""
@@ -81,7 +85,7 @@ def with_keyring(tables: Tables, use: Callable[[Keyring], Awaitable[T]]) -> T:
     meta = tables.keys.Meta
 
     async def main() -> T:
-        aws = AwsClient(region=meta.region, endpoint_url=meta.host)
+        aws = AwsClient(region=meta.region, endpoint_url=meta.host, user_agent=OPERATOR_AGENT)
         try:
             return await use(Keyring(aws, keys_table=meta.table_name, orgs_table=tables.orgs.Meta.table_name,
                                      usage_table=tables.usage.Meta.table_name))

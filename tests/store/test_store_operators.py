@@ -1,4 +1,5 @@
-"""kiln.store.orgs against DynamoDB as the emulator serves it, lost answers included."""
+"""Operators' writes (kiln.store.orgs, kiln.store.keys) against DynamoDB as the emulator
+serves it, its faults included."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from decimal import Decimal
 import pytest
 
 from kiln.settings import Settings
-from kiln.store import orgs
+from kiln.store import keys, orgs
 from kiln.store.errors import RecordNotFound
 from kiln.store.records import bind
 from kiln_ops import emulator
@@ -58,3 +59,13 @@ def test_a_top_up_is_added_and_an_org_that_is_not_there_is_named(tables_on):
     assert orgs.add_credits(tables, "acme", Decimal("-2.5")).credits == Decimal("7.500000665")
     with pytest.raises(RecordNotFound):
         orgs.add_credits(tables, "nobody", Decimal("1"))
+
+
+def test_an_operators_key_is_made_though_every_call_of_the_gateways_fails(tables_on):
+    """`scope=gateway` spares operators' tools and set-up: kiln admin's key commands (and
+    kiln dev's demo keys) go through the gateway's own client, which the emulator faulted as
+    the gateway's, so `kiln dev --faults …` stopped in its own set-up with a traceback."""
+    tables = tables_on("conflict=1,throttle=1,lost=1,txn_ms=5,seed=7,scope=gateway")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
+    made = keys.create_key(tables, "acme", label="ops")
+    assert [key.key_id for key in keys.list_keys(tables, "acme")] == [made.key_id]
