@@ -24,11 +24,13 @@ from typing import Any, Callable
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["HEADER_TIMEOUT", "BODY_TIMEOUT", "BoundedHttpProtocol", "ServerThread", "free_port", "read_body", "serve"]
+__all__ = ["HEADER_TIMEOUT", "BODY_TIMEOUT", "MAX_HEAD_BYTES", "BoundedHttpProtocol", "ServerThread", "free_port", "read_body", "serve"]
 
 # A client's whole request head must arrive within this, and its body within the next.
 HEADER_TIMEOUT = 10.0
 BODY_TIMEOUT = 30.0
+# The most a request's line and headers may take (API Gateway takes 10 KiB of headers)
+MAX_HEAD_BYTES = 64 * 1024
 
 
 async def read_body(receive: Any) -> bytes:
@@ -63,6 +65,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._read_timer: Any = None
         self._received = False
+        self._head_done, self._head_bytes = False, 0
         self._arm(self.header_timeout, "headers")
 
     def _arm(self, seconds: float, what: str) -> None:
@@ -78,8 +81,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         self._received = True
         super().data_received(data)
+        if not self._head_done and not self.transport.is_closing():
+            # httptools keeps a request's head however long it grows: bounded here, by what
+            # came while it was still unfinished
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.send_400_response("request head too large")
 
     def on_message_begin(self) -> None:
+        self._head_done, self._head_bytes = False, 0
         super().on_message_begin()
         if self._read_timer is None:  # a kept-alive connection's next request
             self._arm(self.header_timeout, "headers")
@@ -91,6 +101,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             # a body in a coding not decoded here (RFC 9112 §6.1) would be read as another body
             # than the one sent: raised, it is the parser's error, answered as invalid framing
             raise ValueError("a transfer coding other than chunked")
+        self._head_done = True
         super().on_headers_complete()
         self._arm(self.body_timeout, "body")
         if self.scope.get("http_version") == "1.0" and self.cycle is not None:

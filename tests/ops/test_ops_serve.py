@@ -4,12 +4,13 @@ what it cannot parse in the contract's error shape (`kiln dev` and the tests' st
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 
 import pytest
 
-from kiln_ops.serve import ServerThread
+from kiln_ops.serve import MAX_HEAD_BYTES, ServerThread
 
 
 async def echo(scope, receive, send):
@@ -81,6 +82,33 @@ def test_a_connection_that_never_sends_anything_is_closed(server):
 def test_malformed_requests_get_a_json_400(server, request_bytes):
     status, error = json_error(exchange(server, request_bytes))
     assert status == 400 and error["code"] == "invalid_http_request"
+
+
+@pytest.mark.parametrize("shape", ["many headers", "one endless header"])
+def test_a_request_head_past_its_bound_is_a_json_400_before_it_ends(server, shape):
+    """httptools keeps a head however long it grows: a client streaming header lines (or one
+    endless value) took 91 MB of the server's memory before the header timeout's 408."""
+    with socket.create_connection((server.host, server.port), timeout=5) as raw:
+        raw.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
+        line = b"X-Pad: " + b"a" * 8000 + b"\r\n" if shape == "many headers" else b"a" * 8000
+        if shape != "many headers":
+            raw.sendall(b"X-Pad: ")
+        received = b""
+        for _ in range(200):  # 1.6 MB, far past the bound, if the server lets it in
+            raw.sendall(line)
+            if select.select([raw], [], [], 0.002)[0]:
+                break  # the server answered: sending on would only reset the connection
+        while chunk := raw.recv(65536):
+            received += chunk
+    status, error = json_error(received)
+    assert status == 400 and error["code"] == "invalid_http_request"
+
+
+def test_a_head_within_its_bound_is_served(server):
+    head = b"".join(b"X-Pad-%d: " % index + b"a" * 1000 + b"\r\n" for index in range(MAX_HEAD_BYTES // 1100))
+    answer = exchange(server, b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head
+                      + b"Content-Length: 2\r\n\r\nok")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
 
 
 def test_a_kept_alive_connection_may_wait_between_requests_longer_than_the_header_timeout(server):
