@@ -30,6 +30,9 @@ from support import (
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "x"}]}
+# A refusal that is no conflict, throttling or outage: the gateway does not go on settling in
+# the background, so the replay is what settles it (as when the process that logged it is gone).
+REFUSED = "ValidationException"
 
 
 def test_admission_failing_is_a_clear_503_and_no_upstream_call(stack_factory):
@@ -87,7 +90,7 @@ def test_a_settle_that_keeps_failing_is_logged_whole_and_replayed_by_the_operato
     storage_faults = stack.faults
     org_id, key = stack.org(credits="1")
     mark = len(TELEMETRY.text())
-    storage_faults.fail("TransactWriteItems", when=involves_org(org_id))
+    storage_faults.fail("TransactWriteItems", when=involves_org(org_id), code=REFUSED)
     buffered = stack.post(CHAT, BODY, key)
     streamed = stack.post(CHAT, {**BODY, "stream": True, "stream_options": {"include_usage": True}}, key)
     # the clients got their answers; nothing was written
@@ -119,6 +122,31 @@ def test_a_settle_that_keeps_failing_is_logged_whole_and_replayed_by_the_operato
     assert stack.org_info(org_id).credits == Decimal(1) - sum(e.cost for e in events.values())
 
 
+def test_a_settle_refused_by_conflicts_past_its_budget_goes_on_in_the_background(stack_factory, tmp_path, capsys):
+    """Conflicts on the org and the key's tally spent a settle's whole retry budget (the
+    emulator's own example fault mode did so 2 times in 5 300): its lease stayed held until it
+    expired, the org's well-behaved clients got 429s meanwhile, and the reclaim billed the
+    request nothing. The settle now goes on in the background: the slot comes back and the
+    request is billed, with no operator; the logged line, replayed, charges nothing more."""
+    stack = stack_factory(storage_retry_seconds=0.3)
+    org_id, key = stack.org(credits="1", concurrency=1)
+    mark = len(TELEMETRY.text())
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code="TransactionConflictException")
+    served = stack.post(CHAT, BODY, key)
+    assert served.status_code == 200 and stack.events(org_id) == []  # the budget is spent: logged
+    (record,) = _unsettled_records(mark)
+    stack.faults.clear()  # the conflicts pass
+    (event,) = wait_for_events(stack, org_id, 1)
+    assert event.gen_id == served.headers["X-Neocloud-Generation-Id"] and event.status == "success"
+    assert event.cost == Decimal(record["usage"]["cost"]) > 0
+    assert stack.org_info(org_id).in_flight == 0
+    assert stack.post(CHAT, BODY, key).status_code == 200  # its one slot is free again
+    assert _replay_logged(stack, mark, tmp_path, capsys) == ["replayed 1 unsettled usage events: 1 already settled"]
+    events = wait_for_events(stack, org_id, 2)
+    assert stack.org_info(org_id).credits == Decimal(1) - sum(e.cost for e in events)
+    assert "usage_settled_late" in TELEMETRY.text()[mark:]
+
+
 def test_a_replayed_settle_counts_in_its_keys_spend_figure_and_tally_for_the_day_it_was_admitted(
         stack_factory, tmp_path, capsys):
     """A key with a daily limit: its request's settle is logged and replayed. The replay once
@@ -128,7 +156,7 @@ def test_a_replayed_settle_counts_in_its_keys_spend_figure_and_tally_for_the_day
     org_id, _ = stack.org(credits="1")
     key = stack.key(org_id, spend_limit=Decimal("5"), spend_period="day")
     mark = len(TELEMETRY.text())
-    stack.faults.fail("TransactWriteItems", when=involves_org(org_id))
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code=REFUSED)
     assert stack.post(CHAT, BODY, key).status_code == 200
     stack.faults.clear()
     (record,) = _unsettled_records(mark)
@@ -145,7 +173,7 @@ def test_replay_after_the_lease_was_reclaimed_replaces_the_abandoned_event(stack
     org_id, key = stack.org(credits="1", concurrency=1)
     faults = stack.faults
     mark = len(TELEMETRY.text())
-    faults.fail("TransactWriteItems", when=involves_org(org_id))
+    faults.fail("TransactWriteItems", when=involves_org(org_id), code=REFUSED)
     lost = stack.post(CHAT, BODY, key).headers["X-Neocloud-Generation-Id"]
     faults.clear()
     import time
@@ -243,7 +271,7 @@ def test_the_unsettled_record_keeps_its_cost_exact_through_the_log_and_the_repla
     org_id, _ = stack.org(credits="1")
     cost = Decimal("0.000001234567890123456789")  # 19 significant digits: beyond a float
     faults = StorageFaults()
-    faults.fail("TransactWriteItems")
+    faults.fail("TransactWriteItems", code=REFUSED)
     settings = replace(stack.settings, storage_retry_attempts=2)
     observer()  # the gateway's log handler and formatter, as in production
     mark = len(TELEMETRY.text())
@@ -282,7 +310,7 @@ def test_a_replay_settles_every_event_it_can_and_names_those_it_cannot(stack_fac
     stack = stack_factory(storage_retry_seconds=0.5)
     org_id, key = stack.org(credits="1")
     mark = len(TELEMETRY.text())
-    stack.faults.fail("TransactWriteItems", when=involves_org(org_id))
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code=REFUSED)
     first = stack.post(CHAT, BODY, key)
     second = stack.post(CHAT, BODY, key)
     stack.faults.clear()
@@ -314,7 +342,7 @@ def test_a_replay_while_storage_still_fails_stops_instead_of_waiting_out_every_e
     stack = stack_factory(storage_retry_seconds=0.3)
     org_id, key = stack.org(credits="1")
     mark = len(TELEMETRY.text())
-    stack.faults.fail("TransactWriteItems", when=involves_org(org_id))
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code=REFUSED)
     for _ in range(5):
         assert stack.post(CHAT, BODY, key).status_code == 200
     stack.faults.clear()

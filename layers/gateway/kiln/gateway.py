@@ -25,7 +25,7 @@ from .maintenance import MaintenanceFlag, parse_flag
 from .parameters import CachedParameter, ParameterUnavailable
 from .settings import Settings
 from .store import Lease, StorageError, UsageEvent, ledger_of
-from .store.errors import translate_storage_error
+from .store.errors import is_transient, translate_storage_error
 from .store.storage import DynamoStorage
 from .tls import client_context
 from .upstream import UpstreamClient
@@ -188,7 +188,8 @@ class Gateway:
     # -- settlement ------------------------------------------------------------------------
 
     async def settle(self, lease: Lease, event: UsageEvent) -> str:
-        """Settle; if storage keeps failing, the full event goes to the log, never lost.
+        """Settle; if storage keeps failing, the full event goes to the log, never lost, and a
+        settle refused only by conflicts, throttling or an outage goes on in the background.
 
         The log record (`"event": "usage_unsettled"`, the whole usage event under `usage`, and
         the key's spend figure its lease named under `spend_figure`) is what `kiln admin
@@ -203,6 +204,8 @@ class Gateway:
             record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": usage,
                       "spend_figure": lease.spend_figure}
             unsettled_log.error(dumps(record).decode())
+            if is_transient(exc):  # refusals that say nothing of it: it goes on in the background
+                self.ledger.settle_later(lease, event)
             return "unsettled"
 
     async def aclose(self) -> None:

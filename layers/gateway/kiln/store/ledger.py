@@ -66,7 +66,15 @@ from ..errors import (
 from ..jsonio import decimal_text
 from .clock import iso_ms, to_the_ms
 from .codec import exact_sum, number, to_item, within_digits
-from .errors import ConditionFailed, StorageError, TransactionCancelled, may_have_been_applied, translate_storage_error
+from .errors import (
+    ConditionFailed,
+    StorageError,
+    TransactionCancelled,
+    TransientStorageError,
+    is_transient,
+    may_have_been_applied,
+    translate_storage_error,
+)
 from .keyspend import (
     KeyLimits,
     counted_in,
@@ -117,6 +125,8 @@ MAX_PRUNE = 100
 # A settle that finds its key's marker changed reads it and tries again, this many times;
 # then it settles adding to the figure last read, without that condition (the bill comes first).
 MAX_FIGURE_READS = 3
+# the pause between a background settle's rounds (each one a whole retry budget)
+SETTLE_LATER_PAUSE = 1.0
 
 ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
 
@@ -232,6 +242,7 @@ class Ledger:
         self._retention_seconds = retention_days * 86400
         self._clock = clock
         self._background: set[asyncio.Task] = set()
+        self._settling_later: set[asyncio.Task] = set()  # settle_later's, stopped when the ledger closes
         self._reclaiming: set[str] = set()  # generation ids a reclaim of this process is working on
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
 
@@ -499,8 +510,41 @@ class Ledger:
         finally:
             self._reclaiming.difference_update(gen_ids)
 
+    def settle_later(self, lease: Lease, event: UsageEvent) -> None:
+        """Go on settling in the background a request whose settle spent its retry budget on
+        refusals that say nothing of it (conflicts, throttling, storage down), round after
+        round, for as long as a reclaim could take its lease and a while after (a late settle
+        then replaces the `abandoned` event and bills the rest). Without it the lease stayed
+        held until it expired, and the request was billed what its last renewal recorded:
+        nothing, for one shorter than the renewal interval. The caller has logged the event
+        already (`usage_unsettled`): a replay of that line after this settled is told
+        `already_settled`."""
+        task = asyncio.get_running_loop().create_task(self._settle_later(lease, event))
+        self._settling_later.add(task)
+        task.add_done_callback(self._settling_later.discard)
+
+    async def _settle_later(self, lease: Lease, event: UsageEvent) -> None:
+        until = time.monotonic() + 2 * self._lease_ttl
+        while time.monotonic() < until:
+            await asyncio.sleep(min(SETTLE_LATER_PAUSE, max(0.0, until - time.monotonic())))
+            try:
+                outcome = await self.settle(lease, event)
+            except Exception as exc:  # noqa: BLE001 - a background task must not raise
+                if is_transient(exc):
+                    continue
+                log.error(json.dumps({"event": "settle_later_failed", "generation_id": lease.gen_id,
+                                      "detail": f"{type(exc).__name__}: {exc}"}))
+                return
+            log.warning(json.dumps({"event": "usage_settled_late", "generation_id": lease.gen_id, "outcome": outcome}))
+            return
+        log.error(json.dumps({"event": "settle_later_gave_up", "generation_id": lease.gen_id}))
+
     async def drain(self) -> None:
-        """Wait for the background reclaims started so far (before a loop or client closes)."""
+        """Wait for the background reclaims started so far (before a loop or client closes);
+        the settles going on in the background stop (their events are in the log)."""
+        for task in list(self._settling_later):
+            task.cancel()
+        await asyncio.gather(*list(self._settling_later), return_exceptions=True)
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
@@ -526,7 +570,9 @@ class Ledger:
                 return "settled"
             except TransactionCancelled as cancelled:
                 if not cancelled.failed_condition(0):
-                    raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
+                    # the budget spent on conflicts or throttling: refusals that say nothing of the settle
+                    error = TransientStorageError if cancelled.transient else StorageError
+                    raise error(f"settle cancelled: {cancelled.reasons}") from None
             except StorageError as exc:
                 if exc.code != "IdempotentParameterMismatchException":
                     raise
