@@ -400,7 +400,8 @@ def test_a_completion_may_echo_its_prompts_and_a_chat_reply_its_last_message():
     assert texts(COMPLETIONS, {"prompt": LONG}) == ()
     assert texts(COMPLETIONS, {"prompt": LONG, "echo": False}) == ()
     assert texts(COMPLETIONS, {"prompt": LONG, "echo": "true"}) == (LONG,)
-    assert texts(COMPLETIONS, {"prompt": [LONG, "ab", [1, 2], 5], "echo": 1}) == (LONG, "ab")
+    # a batch's prompts in their places (choice i echoes prompt i // n): token ids echo no text
+    assert texts(COMPLETIONS, {"prompt": [LONG, "ab", [1, 2], 5], "echo": 1}) == (LONG, "ab", "", "")
     assert texts(COMPLETIONS, {"prompt": [1, 2, 3], "echo": True}) == ()  # token ids: text it cannot know
     assert texts(COMPLETIONS, {"prompt": {"x": 1}, "echo": True}) == ()
     continued = [{"role": "user", "content": "go on"}, {"role": "assistant", "content": [
