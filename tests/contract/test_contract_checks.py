@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+from decimal import Decimal
+
+import pytest
 
 from kiln.store.keys import list_keys, revoke_key
-from kiln.store.orgs import set_status
+from kiln.store.orgs import add_credits, set_status
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "hi"}]}
@@ -105,6 +108,38 @@ def test_validation_comes_before_admission(stack):
     assert response.status_code == 404
     assert stack.post(CHAT, {"model": "gpt-oss-120b", "messages": []}, key).status_code == 400
     assert stack.events(org_id) == []
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "tool_choice": 5,
+            "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "x"}], "tool_choice": ["required"],
+            "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/responses", {"model": "qwen3-32b", "input": "x", "tool_choice": 5,
+                       "text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}}, "text.format"),
+], ids=["chat-response-format", "chat-guided", "responses-text-format"])
+def test_an_unsupported_parameter_is_answered_before_an_invalid_type(stack, path, body, param):
+    """§2 step 4 names unsupported_parameter before invalid_type: a tool_choice of the wrong
+    type was refused first, whatever else the request asked the model for."""
+    _, key = stack.org()
+    response = stack.post(path, body, key)
+    assert response.status_code == 400
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("unsupported_parameter", param)
+
+
+def test_out_of_credits_is_answered_before_the_limit(stack):
+    """§2 step 5: an org out of credits is 402, even when it also has its limit in flight."""
+    org_id, key = stack.org(concurrency=1, credits="1")
+    slow = {**GOOD, "stream": True, "mock": {"ttft_ms": 1500}}
+    first: dict = {}
+    thread = threading.Thread(target=lambda: first.setdefault("r", stack.post(CHAT, slow, key)))
+    thread.start()
+    stack.mock.wait_for(lambda s: s["in_flight"] >= 1)
+    add_credits(stack.tables, org_id, Decimal("-1"))  # the org's one slot held, its credits gone
+    response = stack.post(CHAT, GOOD, key)
+    thread.join()
+    assert first["r"].status_code == 200
+    assert response.status_code == 402 and error_of(response)["code"] == "insufficient_credits"
 
 
 def test_out_of_credits_is_402(stack):

@@ -226,12 +226,16 @@ def forced_tool_choice(tool_choice: Any) -> bool:
     return mode != "auto"
 
 
-def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> None:
-    """Forced tool choice and JSON output, on a model whose catalog entry lacks them (§3, §9).
-    A tool_choice that is neither a string nor an object is refused first: forwarded, it would
-    be whatever the model server makes of it, whatever the model's capabilities."""
+def tool_choice_type_check(tool_choice: Any) -> None:
+    """A tool_choice that is neither a string nor an object is refused (`invalid_type`, after
+    every `unsupported_parameter` check: §2 step 4's order): forwarded, it would be whatever
+    the model server makes of it, whatever the model's capabilities."""
     if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
         raise InvalidType("Invalid type for 'tool_choice': expected a string or an object.", param="tool_choice")
+
+
+def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> None:
+    """Forced tool choice and JSON output, on a model whose catalog entry lacks them (§3, §9)."""
     caps = model.capabilities
     if forced_tool_choice(tool_choice) and not caps.forced_tool_choice:
         raise UnsupportedParameter(

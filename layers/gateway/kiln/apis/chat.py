@@ -9,7 +9,7 @@ from ..echo import Echoes
 from ..errors import EmptyArray, InvalidType, MissingParameter, UnsupportedParameter
 from ..lax import server_bool
 from ..metering import content_texts, estimate_prompt_tokens, fewest_prompt_text_tokens
-from .base import ChatStyleApi, capability_check
+from .base import ChatStyleApi, capability_check, tool_choice_type_check
 
 __all__ = ["API", "ChatApi"]
 
@@ -47,6 +47,7 @@ class ChatApi(ChatStyleApi):
             raise UnsupportedParameter(
                 f"The model `{model.id}` does not support ignore_eos; remove it from the request.", param="ignore_eos"
             )
+        tool_choice_type_check(body.get("tool_choice"))
         if not isinstance(body["messages"], list):
             raise InvalidType("Invalid type for 'messages': expected an array of messages.", param="messages")
         if "tools" in body and body["tools"] is not None and not isinstance(body["tools"], list):

@@ -34,7 +34,7 @@ from ..metering import (
     fewest_tokens,
 )
 from ..sse import _IN_BAND_ERROR, SseRelay, is_done, is_error_object, parse_json
-from .base import ModelApi, capability_check
+from .base import ModelApi, capability_check, tool_choice_type_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
 
@@ -86,6 +86,7 @@ class ResponsesApi(ModelApi):
         text = body.get("text")
         capability_check(model, body.get("tool_choice"), (text.get("format") if isinstance(text, dict) else None,
                                                           "text.format"))
+        tool_choice_type_check(body.get("tool_choice"))
 
     def reported_usage(self, usage: Any) -> Any:
         if not isinstance(usage, dict):
