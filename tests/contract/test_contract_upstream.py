@@ -39,6 +39,7 @@ def test_upstream_400_is_passed_on_in_the_openai_shape_without_retry(stack, org,
     assert response.headers["X-Neocloud-Generation-Id"]
     assert stack.mock.stats["requests"] == 1
     assert_settled(stack, org_id, "upstream_rejected", 400)
+    assert stack.events(org_id)[0].upstream == "local"  # §4: the upstream used, the one that refused
 
 
 @pytest.mark.parametrize("status", [404, 409, 422, 429])

@@ -270,6 +270,7 @@ class UpstreamRejected(GatewayError):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message, param=param, code=code)
         self.status = status
+        self.backend: str | None = None  # the backend that answered so
 
     @classmethod
     def from_upstream(cls, status: int, raw: bytes) -> "UpstreamRejected":

@@ -136,6 +136,7 @@ class Exchange:
             NoBackendAvailable: "no_backend_available",
         }.get(type(error), "gateway_error")
         if isinstance(error, UpstreamRejected):
+            self.upstream_name = error.backend  # the upstream used: it answered, with a refusal
             # its code is the model server's own text: counted under the gateway's word for it,
             # logged beside it only if it is a word
             self.record.error_code = "upstream_rejected"

@@ -316,7 +316,9 @@ class UpstreamClient:
             # any answer below 500 means the backend works: the request was at fault, not the backend
             health.answered(model.id, backend, request, client, failed=status >= 500, models_backends=enabled)
             if 400 <= status < 500:
-                raise UpstreamRejected.from_upstream(status, raw)
+                rejected = UpstreamRejected.from_upstream(status, raw)
+                rejected.backend = backend.name  # the upstream that answered, for the usage event
+                raise rejected
             failures.append(f"{backend.name}: HTTP {status}")
         if not failures:  # every backend was out of service or being probed by another request
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
