@@ -161,6 +161,9 @@ WRITTEN_ONLY = [
     ({"timeouts": {"forever": 1}}, "'forever'", lambda m: m.timeouts.total == 600.0),
     ({"limits": {"everything": 1}}, "'everything'", lambda m: m.limits == type(m.limits)()),
     ({"timeouts": {"total": 3600}}, "timeouts.total", lambda m: m.timeouts.total == 3600.0),
+    # the function's own timeout, with no room left to settle: killed before its usage is written
+    ({"timeouts": {"total": 900}}, "at most 870 seconds", lambda m: m.timeouts.total == 900.0),
+    ({"timeouts": {"idle": 871}}, "timeouts.idle", lambda m: m.timeouts.idle == 871.0),
     ({"owned_by": 5}, "owned_by", lambda m: m.owned_by == "5"),
     ({"backends": [{"url": "http://x/v1", "enable": False}]}, "'enable'", lambda m: m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "enabled": "false"}]}, "enabled", lambda m: not m.backends[0].enabled),

@@ -28,8 +28,12 @@ PER_MILLION = Decimal(1_000_000)
 MAX_PRICE = Decimal(1_000_000)  # $1 a token
 MIN_PRICE = Decimal("1e-9")  # other than 0 (free)
 MAX_CONTEXT_LENGTH = 1_000_000_000
-# The longest any upstream timeout may be: the streaming functions' own timeout (contract §8).
+# The longest any upstream timeout may be: under the streaming functions' own timeout (contract
+# §8), with room left in it for the settle (its retry budget, 10 s by default) and a stream's last
+# keep-alive interval: a `total` of 900 s had the function killed before its request settled.
 FUNCTION_TIMEOUT_SECONDS = 900.0
+SETTLE_ROOM_SECONDS = 30.0
+MAX_TIMEOUT_SECONDS = FUNCTION_TIMEOUT_SECONDS - SETTLE_ROOM_SECONDS
 
 _MODEL_KEYS = frozenset(("id", "owned_by", "created", "context_length", "pricing", "capabilities", "timeouts",
                          "limits", "backends"))
@@ -81,7 +85,8 @@ class Capabilities:
 @dataclass(frozen=True)
 class Timeouts:
     """Seconds. The whole request, failover included, fits in `total`, and `total` stays under
-    the function timeout (900 s): docs/operations.md has the reasoning and the worst cases."""
+    the function timeout (900 s) with room to settle (870 s at most, as written): docs/operations.md
+    has the reasoning and the worst cases."""
 
     # TCP (and TLS) to one backend; past it, the next backend is tried
     connect: float = 5.0
@@ -279,9 +284,9 @@ def _timeout(value: Any, name: str, where: str, written: bool) -> float:
     seconds = _number(value, name, where)
     if not 0 < seconds < float("inf"):
         raise CatalogError(f"{where}: {name} must be above 0 seconds")
-    if written and seconds > FUNCTION_TIMEOUT_SECONDS:
-        raise CatalogError(f"{where}: {name} must be at most {FUNCTION_TIMEOUT_SECONDS:g} seconds "
-                           "(the function's own timeout)")
+    if written and seconds > MAX_TIMEOUT_SECONDS:
+        raise CatalogError(f"{where}: {name} must be at most {MAX_TIMEOUT_SECONDS:g} seconds (the function's own "
+                           f"timeout, {FUNCTION_TIMEOUT_SECONDS:g} s, less {SETTLE_ROOM_SECONDS:g} s to settle)")
     return seconds
 
 
