@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 
-from support import data_events
+from support import TELEMETRY, data_events
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -210,9 +210,14 @@ def test_a_batch_still_caps_what_no_prompt_of_it_can_have_produced(stack, org):
     org_id, key = org
     body = {"model": "gpt-oss-120b", "prompt": ["a", "b"], "max_tokens": 10,
             "mock": {"raw_body": _completion_answer(2, 11, 2)}}  # 11 per prompt: above max_tokens
+    mark = len(TELEMETRY.text())
     assert stack.post(COMPLETIONS, body, key).status_code == 200
     (event,) = stack.events(org_id)
     assert event.usage_source == "capped" and event.completion_tokens <= 20
+    # §4: "… and logs a warning", naming the request and what was not believed
+    (warning,) = [json.loads(line) for line in TELEMETRY.text()[mark:].splitlines() if "usage_capped" in line]
+    logged = warning["message"] if isinstance(warning.get("message"), dict) else json.loads(warning["message"])
+    assert warning["level"] == "WARNING" and logged["generation_id"] == event.gen_id and logged["problems"]
 
 
 def test_a_limit_of_another_endpoint_caps_nothing(stack, org):

@@ -45,6 +45,30 @@ def test_a_stream_longer_than_its_lease_keeps_it_and_records_its_progress(stack_
     assert event.status == "success" and event.cost > Decimal(0)
 
 
+def test_a_lease_is_kept_while_its_request_waits_for_the_model_server(stack_factory):
+    """§4: never reclaimed while its request runs, failover included: the wait for a buffered
+    answer (its whole generation) and a backend that never answers before the next is tried
+    are part of the request. A keeper started only once the model server answered let the
+    lease expire meanwhile, and the next admission took the org past its limit."""
+    stack = stack_factory(lease_ttl_seconds=LEASE_TTL, lease_renew_seconds=RENEW)
+    org_id, key = stack.org(concurrency=1)
+    ledger = LedgerCheck(stack, org_id)
+    slow = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "mock": {"headers_delay_ms": 2500}}
+    answers: list = []
+    waiting = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, slow, key))))
+    waiting.start()
+    refused = []
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        refused.append(ledger.saw(stack.post(CHAT, {**slow, "mock": {}}, key)).status_code)
+    waiting.join(timeout=10)
+    assert answers and answers[0].status_code == 200
+    assert set(refused) == {429}, refused
+    (event,) = ledger.check()
+    assert event.status == "success"
+
+
 def test_a_short_request_costs_no_renewal(stack_factory):
     """A request shorter than the renewal interval writes twice: admission and settle."""
     stack = stack_factory(lease_ttl_seconds=60.0, lease_renew_seconds=20.0)
