@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import replace
 from decimal import Decimal
 
@@ -33,6 +34,7 @@ BODY = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "x"}]}
 # A refusal that is no conflict, throttling or outage: the gateway does not go on settling in
 # the background, so the replay is what settles it (as when the process that logged it is gone).
 REFUSED = "ValidationException"
+CANCELLED, CONFLICT_ON_THE_ORG = "TransactionCanceledException", ["TransactionConflict", "None", "None"]
 
 
 def test_admission_failing_is_a_clear_503_and_no_upstream_call(stack_factory):
@@ -131,7 +133,8 @@ def test_a_settle_refused_by_conflicts_past_its_budget_goes_on_in_the_background
     stack = stack_factory(storage_retry_seconds=0.3)
     org_id, key = stack.org(credits="1", concurrency=1)
     mark = len(TELEMETRY.text())
-    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code="TransactionConflictException")
+    # as DynamoDB says it to a transaction: cancelled, the org item's reason a conflict
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code=CANCELLED, reasons=CONFLICT_ON_THE_ORG)
     served = stack.post(CHAT, BODY, key)
     assert served.status_code == 200 and stack.events(org_id) == []  # the budget is spent: logged
     (record,) = _unsettled_records(mark)
@@ -145,6 +148,34 @@ def test_a_settle_refused_by_conflicts_past_its_budget_goes_on_in_the_background
     events = wait_for_events(stack, org_id, 2)
     assert stack.org_info(org_id).credits == Decimal(1) - sum(e.cost for e in events)
     assert "usage_settled_late" in TELEMETRY.text()[mark:]
+
+
+def test_a_background_settle_replaces_the_abandoned_event_through_conflicts(stack_factory):
+    """The lease expired and was reclaimed (`abandoned`, billed nothing) while the settle went
+    on in the background; the late settle that replaces that event met conflicts too, and the
+    background settle gave up on it at once: the request stayed billed nothing."""
+    stack = stack_factory(lease_ttl_seconds=3.0, storage_retry_seconds=0.3)
+    org_id, key = stack.org(credits="1", concurrency=1)
+    in_org = involves_org(org_id)
+    settles = lambda payload: in_org(payload) and '":cost"' in json.dumps(payload)  # noqa: E731
+    replaces = lambda payload: in_org(payload) and '":difference"' in json.dumps(payload)  # noqa: E731
+    stack.faults.fail("TransactWriteItems", when=settles, code=CANCELLED, reasons=CONFLICT_ON_THE_ORG)
+    served = stack.post(CHAT, BODY, key)
+    gen_id = served.headers["X-Neocloud-Generation-Id"]
+    time.sleep(3.2)  # its lease expires: nothing renews a request that has answered
+    stack.faults.fail("TransactWriteItems", when=replaces, code=CANCELLED, reasons=CONFLICT_ON_THE_ORG)
+    assert stack.post(CHAT, BODY, key).status_code == 200  # reclaims the lease as abandoned
+    assert get_event(stack.tables, gen_id).status == "abandoned"
+    time.sleep(0.5)
+    stack.faults.clear()  # the conflicts pass, within twice the lease time
+    deadline = time.monotonic() + 8
+    while get_event(stack.tables, gen_id).status != "success" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    event = get_event(stack.tables, gen_id)
+    assert event.status == "success" and event.cost > 0
+    events = stack.events(org_id)
+    assert stack.org_info(org_id).credits == Decimal(1) - sum(e.cost for e in events)
+    assert stack.org_info(org_id).in_flight == 0
 
 
 def test_a_replayed_settle_counts_in_its_keys_spend_figure_and_tally_for_the_day_it_was_admitted(

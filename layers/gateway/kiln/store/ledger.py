@@ -125,8 +125,11 @@ MAX_PRUNE = 100
 # A settle that finds its key's marker changed reads it and tries again, this many times;
 # then it settles adding to the figure last read, without that condition (the bill comes first).
 MAX_FIGURE_READS = 3
-# the pause between a background settle's rounds (each one a whole retry budget)
+# the pauses between a background settle's rounds (each one a whole retry budget): the first,
+# then doubling up to the longest; and the most such settles a process keeps going at once
 SETTLE_LATER_PAUSE = 1.0
+SETTLE_LATER_MAX_PAUSE = 16.0
+MAX_SETTLING_LATER = 256
 
 ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
 
@@ -243,6 +246,7 @@ class Ledger:
         self._clock = clock
         self._background: set[asyncio.Task] = set()
         self._settling_later: set[asyncio.Task] = set()  # settle_later's, stopped when the ledger closes
+        self._settle_later_turn = asyncio.Semaphore(1)
         self._reclaiming: set[str] = set()  # generation ids a reclaim of this process is working on
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
 
@@ -519,16 +523,25 @@ class Ledger:
         nothing, for one shorter than the renewal interval. The caller has logged the event
         already (`usage_unsettled`): a replay of that line after this settled is told
         `already_settled`."""
+        if len(self._settling_later) >= MAX_SETTLING_LATER:  # a storm: the log keeps the rest for the replay
+            log.error(json.dumps({"event": "settle_later_full", "generation_id": lease.gen_id}))
+            return
         task = asyncio.get_running_loop().create_task(self._settle_later(lease, event))
         self._settling_later.add(task)
         task.add_done_callback(self._settling_later.discard)
 
     async def _settle_later(self, lease: Lease, event: UsageEvent) -> None:
+        """Rounds of the settle, each a whole retry budget, one such settle of this process at
+        a time (a storage storm is not met with a storm of retries), the pauses between them
+        doubling up to SETTLE_LATER_MAX_PAUSE."""
         until = time.monotonic() + 2 * self._lease_ttl
+        pause = SETTLE_LATER_PAUSE
         while time.monotonic() < until:
-            await asyncio.sleep(min(SETTLE_LATER_PAUSE, max(0.0, until - time.monotonic())))
+            await asyncio.sleep(min(pause, max(0.0, until - time.monotonic())))
+            pause = min(2 * pause, SETTLE_LATER_MAX_PAUSE)
             try:
-                outcome = await self.settle(lease, event)
+                async with self._settle_later_turn:
+                    outcome = await self.settle(lease, event)
             except Exception as exc:  # noqa: BLE001 - a background task must not raise
                 if is_transient(exc):
                     continue
@@ -570,9 +583,7 @@ class Ledger:
                 return "settled"
             except TransactionCancelled as cancelled:
                 if not cancelled.failed_condition(0):
-                    # the budget spent on conflicts or throttling: refusals that say nothing of the settle
-                    error = TransientStorageError if cancelled.transient else StorageError
-                    raise error(f"settle cancelled: {cancelled.reasons}") from None
+                    raise _settle_failed(cancelled) from None
             except StorageError as exc:
                 if exc.code != "IdempotentParameterMismatchException":
                     raise
@@ -679,7 +690,7 @@ class Ledger:
                 if cancelled.failed_condition(1):
                     return None  # replaced by another settle of the same generation, or tallied: read it again
                 if not cancelled.failed_condition(0):
-                    raise StorageError(f"settle cancelled: {cancelled.reasons}") from None
+                    raise _settle_failed(cancelled) from None
             org = None  # the key's marker changed (or the org is gone): read it again
         raise StorageError("settle cancelled: the org item is gone")
 
@@ -742,6 +753,13 @@ class Ledger:
             return await self._aws.dynamodb(operation, payload)
         except Exception as exc:  # noqa: BLE001 - translated into the storage error tree
             raise translate_storage_error(exc) from exc
+
+
+def _settle_failed(cancelled: TransactionCancelled) -> StorageError:
+    """A settle's cancellation past its retry budget: transient when conflicts or throttling
+    spent it (refusals that say nothing of the settle: it may go on in the background)."""
+    error = TransientStorageError if cancelled.transient else StorageError
+    return error(f"settle cancelled: {cancelled.reasons}")
 
 
 def _expiry(lease: dict[str, Any]) -> float:
