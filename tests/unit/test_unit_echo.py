@@ -92,3 +92,13 @@ def test_matching_a_large_batch_compares_each_piece_with_a_few_texts_only():
     for piece in "same prompt text!":
         same.own(0, _Counted(piece))
     assert _Counted.compared <= 2 * len("same prompt text!")
+
+
+def test_a_batch_read_with_n_as_the_model_server_reads_it():
+    """n of "2" or 2.0 is 2 choices a prompt to vLLM: choice 3 echoes the second prompt."""
+    from kiln.apis.completions import API as COMPLETIONS
+
+    for n in (2, "2", 2.0, " 2 "):
+        echoes = COMPLETIONS.echoes({"prompt": ["Hello there", "World wide"], "n": n, "echo": True})
+        assert [echoes.own(i, text) for i, text in enumerate(["Hello there!", "Hello there?", "World wide.",
+                                                               "World wide,"])] == ["!", "?", ".", ","], n

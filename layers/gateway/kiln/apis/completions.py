@@ -6,7 +6,7 @@ from typing import Any
 
 from .. import schemas
 from ..echo import Echoes
-from ..lax import server_bool
+from ..lax import server_bool, server_int
 from ..metering import estimate_prompt_tokens, fewest_prompt_text_tokens
 from .base import ChatStyleApi
 
@@ -41,8 +41,8 @@ class CompletionsApi(ChatStyleApi):
             return Echoes([prompt])
         if not isinstance(prompt, list) or not any(isinstance(item, str) for item in prompt):
             return Echoes(())  # token ids, of one prompt or several
-        n = body.get("n")
-        return Echoes(prompt, per_prompt=n if type(n) is int and n >= 1 else 1)
+        n = server_int(body.get("n"))  # as the model server reads it: "2" and 2.0 are 2 choices
+        return Echoes(prompt, per_prompt=n if n is not None and n >= 1 else 1)
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
         """Each prompt string's text, and a token per token id; none with vLLM's
