@@ -41,6 +41,10 @@ __all__ = ["UpstreamClient", "UpstreamExchange", "UpstreamStreamError", "describ
 
 log = logging.getLogger("kiln.upstream")
 
+# An error answer's body is read up to this (within the model's body bound): a validation error
+# may quote a long input before its code, and one cut short is no JSON; past it, what it holds is
+# not worth the parse (16 MiB of nested arrays took 2.7 s and 485 MB)
+MAX_ERROR_BODY = 1 << 20
 BAD_GATEWAY = "Bad gateway: the model backend returned an error or could not be reached. Retry with exponential backoff."
 # what ended a request, for the RequestsTimedOut metric's `timeout` dimension
 TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
@@ -228,10 +232,13 @@ class UpstreamClient:
             await self.http.aclose()
 
     async def open(
-        self, model: ModelEntry, path: str, body: dict[str, Any], *, stream: bool, client: str = ""
+        self, model: ModelEntry, path: str, body: dict[str, Any], *, stream: bool, client: str = "",
+        sent: list[str] | None = None,
     ) -> UpstreamExchange:
         """The first backend's 2xx, within the model's total time (shared by every backend
-        tried). `client` (the org) tells one client's requests from another's for kiln.health."""
+        tried). `client` (the org) tells one client's requests from another's for kiln.health;
+        `sent` gets the name of each backend as the request goes to it (the caller's record of
+        whether any model server was sent it, should the wait be cut short)."""
         enabled = model.available_backends()
         if not enabled:
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
@@ -266,6 +273,8 @@ class UpstreamClient:
             # only arrives when generation is done, so it may take what is left of the total.
             budget = min(timeouts.first_byte, remaining) if stream else remaining
             sent_at = time.monotonic()
+            if sent is not None:
+                sent.append(backend.name)
             try:
                 try:
                     async with asyncio.timeout(budget):
@@ -312,13 +321,15 @@ class UpstreamClient:
                     model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
                     sent_bytes=len(content),
                 )
-            raw = await _read_error_body(response, deadline, limits.body_bytes)
             # any answer below 500 means the backend works: the request was at fault, not the backend
             health.answered(model.id, backend, request, client, failed=status >= 500, models_backends=enabled)
             if 400 <= status < 500:
+                # its message reaches the client; any other answer's body is nobody's: not read
+                raw = await _read_error_body(response, deadline, min(limits.body_bytes, MAX_ERROR_BODY))
                 rejected = UpstreamRejected.from_upstream(status, raw)
                 rejected.backend = backend.name  # the upstream that answered, for the usage event
                 raise rejected
+            await response.aclose()
             failures.append(f"{backend.name}: HTTP {status}")
         if not failures:  # every backend was out of service or being probed by another request
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
@@ -334,8 +345,7 @@ class UpstreamClient:
 async def _read_error_body(response: Response, deadline: float, limit: int) -> bytes:
     """An error answer's body, for its message: what comes within 5 s, and within the
     request's deadline (a body that trickles must not hold the request past its total), up
-    to the model's bound on a body (§5): a validation error may quote a long input before its
-    code, and a body cut short is no JSON to read them from."""
+    to `limit` (MAX_ERROR_BODY)."""
     try:
         async with asyncio.timeout(max(0.0, min(_ERROR_BODY_SECONDS, deadline - time.monotonic()))):
             return await response.read(limit=limit)
