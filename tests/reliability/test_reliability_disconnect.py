@@ -8,6 +8,7 @@ import random
 import httpx
 import pytest
 
+from conftest import involves_org
 from support import wait_for_events
 
 CHAT = "/v1/chat/completions"
@@ -51,6 +52,22 @@ def test_a_stream_whose_client_leaves_before_the_model_server_answers_frees_its_
     events = wait_for_events(stack, org_id, 2)
     assert sorted(e.status for e in events) == ["client_disconnected", "success"]
     assert stack.org_info(org_id).credits == 10 - sum(e.cost for e in events)
+
+
+def test_a_stream_whose_client_left_before_it_went_upstream_is_billed_nothing(stack):
+    """The client leaves while its admission is slow (a hot org item): the gateway learns of it
+    before any backend is sent the request, which then never goes. The prompt was billed as if
+    a model server had read it."""
+    org_id, key = stack.org()
+    stack.faults.slow("UpdateItem", 1.0, when=involves_org(org_id), times=1)
+    body = {"model": "gpt-oss-120b", "stream": True, "messages": [{"role": "user", "content": "word " * 400}]}
+    with pytest.raises(httpx.ReadTimeout):
+        stack.http.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"},
+                        timeout=httpx.Timeout(30, read=0.3))
+    (event,) = wait_for_events(stack, org_id, 1)
+    assert event.status == "client_disconnected" and event.cost == 0 and event.prompt_tokens is None
+    assert stack.mock.stats["requests"] == 0  # the model server never got it
+    assert stack.org_info(org_id).in_flight == 0 and stack.org_info(org_id).credits == 10
 
 
 def test_a_buffered_request_whose_client_leaves_runs_to_its_answer_and_is_billed_for_it(stack):

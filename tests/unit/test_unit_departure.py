@@ -121,3 +121,18 @@ def test_the_works_own_failure_is_its_own():
         with pytest.raises(ValueError):
             await unless_the_client_leaves(work(), Channel().receive)
     run(main())
+
+
+def test_a_client_gone_already_stops_the_work_before_it_begins(recwarn):
+    async def main():
+        channel, ran = Channel(), []
+        channel.gone.set()
+
+        async def work():
+            ran.append(True)  # would send the request upstream
+
+        with pytest.raises(ClientLeft):
+            await unless_the_client_leaves(work(), channel.receive)
+        assert ran == [] and asyncio.current_task().cancelling() == 0
+    run(main())
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]

@@ -10,6 +10,7 @@ than running on with the org's slot held.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Awaitable, TypeVar
 
 from starlette.types import Receive
@@ -44,7 +45,10 @@ async def unless_the_client_leaves(work: Awaitable[T], receive: Receive | None) 
         task.cancel()
 
     listener = asyncio.get_running_loop().create_task(listen())
+    started = False
     try:
+        await asyncio.sleep(0)  # the listener's first look: a client gone already stops the work before it starts
+        started = True
         result = await work
     except asyncio.CancelledError:
         if left and task.uncancel() == 0:  # ours, and no other
@@ -52,6 +56,8 @@ async def unless_the_client_leaves(work: Awaitable[T], receive: Receive | None) 
         raise
     finally:
         listener.cancel()
+        if not started and inspect.iscoroutine(work):
+            work.close()  # never begun: nothing of it ran
     if left:
         task.uncancel()  # the work ended all the same: its answer stands
     return result

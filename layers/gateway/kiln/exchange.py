@@ -79,6 +79,7 @@ class Exchange:
         self._keeper = LeaseKeeper(gateway.ledger, lease, progress=self._progress,
                                    max_seconds=call.model.timeouts.total + gateway.ledger.lease_ttl)
         self._settled = False
+        self._sent_to: list[str] = []  # the backends the request went to, as it went
 
     @property
     def gen_id(self) -> str:
@@ -94,7 +95,7 @@ class Exchange:
             # runs to its answer, which alone says what the model generated (docs/design.md)
             upstream = await unless_the_client_leaves(self.gateway.upstream.open(
                 self.call.model, self.call.api.upstream_path, self.call.body, stream=self.call.stream,
-                client=self.lease.org_id,
+                client=self.lease.org_id, sent=self._sent_to,
             ), receive if self.call.stream else None)
         except GatewayError as error:
             return await self._refused(error)
@@ -154,7 +155,11 @@ class Exchange:
 
     async def _settle_left(self, error: str) -> None:
         """A client gone before anything was relayed: billed as a stream it left is, for what
-        was relayed (nothing) and the prompt, which the model server was sent."""
+        was relayed (nothing) and the prompt, if a model server was sent it (none was, for a
+        client that left before the request went upstream)."""
+        if not self._sent_to:
+            await self._settle("client_disconnected", http_status=None, error=error + ", before it was sent")
+            return
         usage = self._fallback_usage(0)
         await self._settle("client_disconnected", http_status=None, usage=usage, cost=self._price(usage), error=error)
 
