@@ -65,7 +65,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._read_timer: Any = None
         self._received = False
-        self._head_done, self._head_bytes = False, 0
+        self._head_open, self._head_bytes = False, 0
         self._arm(self.header_timeout, "headers")
 
     def _arm(self, seconds: float, what: str) -> None:
@@ -80,16 +80,17 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
+        unfinished = self._head_open  # a head begun in an earlier read, not finished
         super().data_received(data)
-        if not self._head_done and not self.transport.is_closing():
-            # httptools keeps a request's head however long it grows: bounded here, by what
-            # came while it was still unfinished
+        if unfinished and self._head_open and not self.transport.is_closing():
+            # httptools keeps a request's head however long it grows: bounded here, by the
+            # reads that came wholly within it (the one a head begins in may end a body before)
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.send_400_response("request head too large")
 
     def on_message_begin(self) -> None:
-        self._head_done, self._head_bytes = False, 0
+        self._head_open, self._head_bytes = True, 0
         super().on_message_begin()
         if self._read_timer is None:  # a kept-alive connection's next request
             self._arm(self.header_timeout, "headers")
@@ -101,7 +102,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             # a body in a coding not decoded here (RFC 9112 §6.1) would be read as another body
             # than the one sent: raised, it is the parser's error, answered as invalid framing
             raise ValueError("a transfer coding other than chunked")
-        self._head_done = True
+        self._head_open = False
         super().on_headers_complete()
         self._arm(self.body_timeout, "body")
         if self.scope.get("http_version") == "1.0" and self.cycle is not None:

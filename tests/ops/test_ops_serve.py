@@ -104,6 +104,15 @@ def test_a_request_head_past_its_bound_is_a_json_400_before_it_ends(server, shap
     assert status == 400 and error["code"] == "invalid_http_request"
 
 
+def test_a_pipelined_request_behind_a_long_body_is_served(server):
+    """The read that ends one request's long body and begins the next one's head: the body's
+    bytes are not the head's (they were counted as such, and the first answer lost to a 400)."""
+    first = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"a" * 100000
+    answer = exchange(server, first + b"POST / HTTP/1.1\r\nHost: x\r\n",
+                      b"Content-Length: 2\r\nConnection: close\r\n\r\nok", pause=0.2)
+    assert answer.count(b"HTTP/1.1 200") == 2 and answer.endswith(b"ok")
+
+
 def test_a_head_within_its_bound_is_served(server):
     head = b"".join(b"X-Pad-%d: " % index + b"a" * 1000 + b"\r\n" for index in range(MAX_HEAD_BYTES // 1100))
     answer = exchange(server, b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head
