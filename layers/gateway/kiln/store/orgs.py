@@ -14,7 +14,14 @@ from pynamodb.transactions import TransactWrite
 
 from ..settings import MAX_ORG_CONCURRENCY
 from .clock import iso_ms, now
-from .errors import RecordExists, RecordNotFound, TransactionCancelled, condition_failure, translate_storage_error
+from .errors import (
+    RecordExists,
+    RecordNotFound,
+    StorageError,
+    TransactionCancelled,
+    condition_failure,
+    translate_storage_error,
+)
 from .records import Tables
 from .schema import LEASE
 
@@ -154,6 +161,12 @@ def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
             if reasons[:1] == ["ConditionalCheckFailed"]:
                 raise RecordNotFound("org", org_id) from None
             if not TransactionCancelled(reasons).transient or attempt == _CONFLICT_ATTEMPTS:
+                # the item's own refusal (a balance DynamoDB cannot hold: ValidationError), in its words
+                refusals = [reason for reason in exc.cancellation_reasons or []
+                            if reason is not None and reason.code not in (None, "None")]
+                if refusals:
+                    raise StorageError("; ".join(f"{reason.code}: {reason.message}" for reason in refusals),
+                                       refusals[0].code) from None
                 raise translate_storage_error(exc) from exc
             time.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
     raise AssertionError("unreachable")
