@@ -76,23 +76,15 @@ def test_work_that_ends_all_the_same_when_told_to_stop_keeps_its_answer():
     run(main())
 
 
-def test_a_cancellation_from_elsewhere_is_not_taken_for_the_client_leaving():
+@pytest.mark.parametrize("client_leaves_too", [False, True], ids=["alone", "with-the-client-leaving"])
+def test_a_cancellation_from_elsewhere_is_not_taken_for_the_client_leaving(client_leaves_too):
+    """A server that stops cancels the request: that cancellation wins, the client gone or not."""
     async def main():
         channel = Channel()
         caller = asyncio.ensure_future(unless_the_client_leaves(asyncio.sleep(30), channel.receive))
         await asyncio.sleep(0.02)
-        caller.cancel()  # a server that stops
-        with pytest.raises(asyncio.CancelledError):
-            await caller
-    run(main())
-
-
-def test_both_at_once_the_outer_cancellation_wins():
-    async def main():
-        channel = Channel()
-        caller = asyncio.ensure_future(unless_the_client_leaves(asyncio.sleep(30), channel.receive))
-        await asyncio.sleep(0.02)
-        channel.gone.set()
+        if client_leaves_too:
+            channel.gone.set()
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
             await caller
