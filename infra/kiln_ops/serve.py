@@ -78,16 +78,33 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             timer.cancel()
             self._read_timer = None
 
+    # httptools keeps a request's head however long it grows: it is bounded here by what the
+    # parser hands over (the URL, each header when it is whole), and by the whole of each read
+    # that begins and ends inside the head (a header that never ends grows there unseen); the
+    # read a head begins in may end another request's body, so only the parser's count is its.
+
     def data_received(self, data: bytes) -> None:
         self._received = True
-        unfinished = self._head_open  # a head begun in an earlier read, not finished
+        inside = self._head_open  # a head begun in an earlier read, not finished
+        counted = self._head_bytes
         super().data_received(data)
-        if unfinished and self._head_open and not self.transport.is_closing():
-            # httptools keeps a request's head however long it grows: bounded here, by the
-            # reads that came wholly within it (the one a head begins in may end a body before)
-            self._head_bytes += len(data)
+        if inside and self._head_open and not self.transport.is_closing():
+            self._head_bytes = counted + max(len(data), self._head_bytes - counted)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.send_400_response("request head too large")
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise ValueError("request head too large")  # the parser's error: answered as a 400
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
 
     def on_message_begin(self) -> None:
         self._head_open, self._head_bytes = True, 0

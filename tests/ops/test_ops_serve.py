@@ -84,6 +84,18 @@ def test_malformed_requests_get_a_json_400(server, request_bytes):
     assert status == 400 and error["code"] == "invalid_http_request"
 
 
+@pytest.mark.parametrize("pieces", [[b"X-A: " + b"a" * 100_000 + b"\r\n\r\n"],
+                                    [b"X-A: " + b"a" * 60_000, b"b" * 60_000, b"c" * 60_000 + b"\r\n\r\n"]],
+                         ids=["in-one-read", "over-three-reads"])
+def test_a_request_head_past_its_bound_is_a_json_400_however_it_comes(server, pieces):
+    """A head that begins and ends in one read, or over reads that begin and end it, is the
+    parser's to count: the reads alone missed both."""
+    answer = exchange(server, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + pieces[0], *pieces[1:],
+                      pause=0.1)
+    status, error = json_error(answer)
+    assert status == 400 and error["code"] == "invalid_http_request"
+
+
 @pytest.mark.parametrize("shape", ["many headers", "one endless header"])
 def test_a_request_head_past_its_bound_is_a_json_400_before_it_ends(server, shape):
     """httptools keeps a head however long it grows: a client streaming header lines (or one
