@@ -270,6 +270,25 @@ def test_refused_and_unanswered_connections():
     run(main())
 
 
+def test_on_sending_is_told_only_of_a_request_that_had_a_connection_to_go_on():
+    """What the gateway bills a stream its client left: the prompt once a model server was
+    sent it, not for a backend that refused the connection."""
+    async def main():
+        http, told = client(), []
+        async with server(silent) as (url, _):
+            port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(ConnectFailed):
+            await http.request("POST", f"http://127.0.0.1:{port}", headers={}, body=b"", connect_timeout=2,
+                               on_sending=lambda: told.append("refused"))
+        async with server(answering(b"HTTP/1.1 204 No Content\r\n\r\n")) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"x", on_sending=lambda: told.append("sent"))
+            await response.aclose()
+        assert told == ["sent"]
+        await http.aclose()
+
+    run(main())
+
+
 def test_a_kept_alive_connection_the_server_closed_is_replaced_transparently():
     async def one_answer_per_connection(reader, writer):
         await read_request(reader)

@@ -481,12 +481,14 @@ class HttpClient:
         max_header_bytes: int = MAX_HEADER_BYTES,
         max_headers: int = MAX_HEADERS,
         head_timeout: float | None | str = "read_timeout",
+        on_sending: Callable[[], None] | None = None,
     ) -> Response:
         """Send the request and wait for the status line and headers (not the body).
 
         Each wait for the headers is bounded by `head_timeout` (by default the read timeout;
         None when the caller bounds the whole wait itself), each read of the body by
-        `read_timeout`."""
+        `read_timeout`. `on_sending` is called as the request is written, once a connection
+        to the server is there (not for one that could not be made)."""
         head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
         try:
             origin, target, host = _addressed(url)
@@ -507,6 +509,8 @@ class HttpClient:
                     # taken: that, not the new connection's failure, is what the caller learns
                     raise unanswered from None
                 raise
+            if on_sending is not None:
+                on_sending()
             try:
                 return await self._exchange(connection, wire, read_timeout, head_wait, max_header_bytes, max_headers)
             except ProtocolFailure as exc:

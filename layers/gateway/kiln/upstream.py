@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import time
+from functools import partial
 from typing import Any, Callable
 
 from .catalog import Backend, ModelEntry
@@ -237,8 +238,8 @@ class UpstreamClient:
     ) -> UpstreamExchange:
         """The first backend's 2xx, within the model's total time (shared by every backend
         tried). `client` (the org) tells one client's requests from another's for kiln.health;
-        `sent` gets the name of each backend as the request goes to it (the caller's record of
-        whether any model server was sent it, should the wait be cut short)."""
+        `sent` gets the name of each backend as the request is written to it (the caller's
+        record of whether any model server was sent it, should the wait be cut short)."""
         enabled = model.available_backends()
         if not enabled:
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
@@ -273,8 +274,6 @@ class UpstreamClient:
             # only arrives when generation is done, so it may take what is left of the total.
             budget = min(timeouts.first_byte, remaining) if stream else remaining
             sent_at = time.monotonic()
-            if sent is not None:
-                sent.append(backend.name)
             try:
                 try:
                     async with asyncio.timeout(budget):
@@ -287,6 +286,7 @@ class UpstreamClient:
                             read_timeout=timeouts.idle,
                             head_timeout=None,  # bounded by the budget above
                             max_header_bytes=limits.header_bytes,
+                            on_sending=None if sent is None else partial(sent.append, backend.name),
                         )
                 except TimeoutError:
                     raise _NoHeadersInTime("no response headers in time") from None
