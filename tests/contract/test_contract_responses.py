@@ -149,6 +149,23 @@ def test_other_fields_are_forwarded_unchanged(stack, org, mock):
     assert forwarded == {**body, "model": "gpt-oss-120b"}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_failover_and_the_upstream_errors_are_chats(stack, org, stream):
+    """§9: same failover and upstream errors as §5: a backend that refuses is passed over, every
+    backend failing is a plain-text 502, a model with no backend a 503; each settled once."""
+    ledger = LedgerCheck(stack, org[0])
+    served = ledger.saw(stack.post(RESPONSES, {"model": "failover-model", "input": "x", "stream": stream}, org[1]))
+    assert served.status_code == 200
+    failed = ledger.saw(stack.post(RESPONSES, {"model": "all-down-model", "input": "x", "stream": stream}, org[1]))
+    assert failed.status_code == 502 and failed.headers["content-type"].startswith("text/plain")
+    none = stack.post(RESPONSES, {"model": "no-backend-model", "input": "x", "stream": stream}, org[1])
+    assert none.status_code == 503 and none.json()["error"]["code"] == "no_backend_available"
+    ledger.gen_ids.append(none.headers["X-Neocloud-Generation-Id"])
+    events = {event.gen_id: event for event in ledger.check()}
+    assert [events[gen_id].status for gen_id in ledger.gen_ids] == ["success", "upstream_error", "no_backend_available"]
+    assert all(event.endpoint == "responses" for event in events.values())
+
+
 def test_a_missing_input_is_the_model_servers_400(stack, org):
     response = stack.post(RESPONSES, {"model": MODEL}, org[1])
     assert response.status_code == 400 and "input" in response.json()["error"]["message"]

@@ -289,6 +289,31 @@ def test_on_sending_is_told_only_of_a_request_that_had_a_connection_to_go_on():
     run(main())
 
 
+def test_a_tls_failure_is_a_failed_connection_and_a_close_before_answering_says_nothing_came():
+    """What kiln.upstream counts as the backend's own failure (§5): a TLS handshake that fails
+    (here, with a server that speaks no TLS) is a connection that failed; a connection the
+    server closes before a byte of answer is a protocol failure with nothing received."""
+    async def closes_at_once(reader, writer):
+        await read_request(reader)
+
+    async def speaks_no_tls(reader, writer):
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        await writer.drain()
+
+    async def main():
+        http = client()
+        async with server(speaks_no_tls) as (url, _):
+            with pytest.raises(ConnectFailed):
+                await http.request("POST", url.replace("http://", "https://"), headers={}, body=b"", connect_timeout=2)
+        async with server(closes_at_once) as (url, _):
+            with pytest.raises(ProtocolFailure) as closed:
+                await http.request("POST", url, headers={}, body=b"x", read_timeout=2)
+        assert closed.value.nothing_received
+        await http.aclose()
+
+    run(main())
+
+
 def test_a_kept_alive_connection_the_server_closed_is_replaced_transparently():
     async def one_answer_per_connection(reader, writer):
         await read_request(reader)

@@ -10,7 +10,7 @@ import pytest
 from kiln.catalog import Backend, ModelEntry, Pricing, Timeouts
 from kiln.errors import UpstreamFailed
 from kiln.health import IN_SERVICE, OUT_OF_SERVICE, BackendHealth, HealthPolicy
-from kiln.http1 import ConnectFailed, ConnectTimeout, Response, ResponseTooLarge, Timeout
+from kiln.http1 import ConnectFailed, ConnectTimeout, ProtocolFailure, Response, ResponseTooLarge, Timeout
 from kiln.upstream import UpstreamClient
 
 A, B = Backend("a", "http://a/v1"), Backend("b", "http://b/v1")
@@ -91,6 +91,20 @@ def test_refusals_take_a_backend_out_only_while_another_is_in_service():
         with pytest.raises(UpstreamFailed):
             asyncio.run(upstream.open(model(A, B), "/chat/completions", {}, stream=True))
     assert health.state_of(B) == IN_SERVICE
+
+
+@pytest.mark.parametrize("failure, out", [
+    (ProtocolFailure("closed before answering", nothing_received=True), True),  # a reset before any answer
+    (ConnectFailed("TLS handshake failed"), True),  # kiln.http1's word for a TLS failure
+    (ProtocolFailure("closed mid-answer"), False),  # an answer that broke: counted by rate, over clients
+], ids=["reset-before-answering", "tls", "cut-mid-answer"])
+def test_a_backend_that_fails_itself_is_taken_out_and_a_broken_answer_alone_does_not(failure, out):
+    """§5: connections refused or reset, TLS failures and timeouts before the first byte are the
+    backend's own failures; an answer that broke says as much about the request."""
+    upstream, health, _ = client({"http://a": failure, "http://b": (200, b"{}")})
+    for i in range(3):
+        assert asyncio.run(upstream.open(model(A, B), "/chat/completions", {"n": i}, stream=True)).backend == B
+    assert health.state_of(A) == (OUT_OF_SERVICE if out else IN_SERVICE)
 
 
 @pytest.mark.parametrize("failure", [Timeout("the request could not be sent in time"), ConnectTimeout("no")],
