@@ -297,8 +297,7 @@ def test_a_tls_failure_is_a_failed_connection_and_a_close_before_answering_says_
         await read_request(reader)
 
     async def speaks_no_tls(reader, writer):
-        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-        await writer.drain()
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")  # to a ClientHello; then closes
 
     async def main():
         http = client()
