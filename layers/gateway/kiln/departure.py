@@ -15,7 +15,7 @@ from typing import Awaitable, TypeVar
 
 from starlette.types import Receive
 
-__all__ = ["ClientLeft", "unless_the_client_leaves"]
+__all__ = ["ClientLeft", "disconnected", "unless_the_client_leaves"]
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ async def unless_the_client_leaves(work: Awaitable[T], receive: Receive | None) 
 
     async def listen() -> None:
         nonlocal left
-        await _disconnected(receive)
+        await disconnected(receive)
         left = True
         task.cancel()
 
@@ -63,7 +63,7 @@ async def unless_the_client_leaves(work: Awaitable[T], receive: Receive | None) 
     return result
 
 
-async def _disconnected(receive: Receive) -> None:
+async def disconnected(receive: Receive) -> None:
     """Returns once the server says the client has gone (a failure to listen: never)."""
     try:
         while (await receive())["type"] != "http.disconnect":

@@ -9,6 +9,7 @@ from typing import AsyncGenerator, Awaitable, Callable, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from .departure import disconnected
 from .errors import GatewayError
 
 __all__ = ["GENERATION_HEADER", "LastPiece", "RelayResponse", "error_response", "json_response"]
@@ -88,11 +89,8 @@ class RelayResponse(Response):
                 streamer.cancel()
 
         async def listen() -> None:
-            try:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-            except Exception:  # noqa: BLE001 - without a listener a failed write still ends the stream
-                return
+            # a server that cannot be listened to: never; a failed write still ends the stream
+            await disconnected(receive)
             end()
 
         listener = loop.create_task(listen())
