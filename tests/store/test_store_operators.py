@@ -69,3 +69,18 @@ def test_an_operators_key_is_made_though_every_call_of_the_gateways_fails(tables
     orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
     made = keys.create_key(tables, "acme", label="ops")
     assert [key.key_id for key in keys.list_keys(tables, "acme")] == [made.key_id]
+
+
+def test_an_operators_writes_are_tried_again_over_conflicts_and_applied_once(tables_on):
+    """The org item is inside the settles of its requests: half of the writes to it conflict
+    (a plain write is refused, a transaction cancelled). Each top-up and limit change is tried
+    again until it lands, and the balance is exactly what was added."""
+    clean = tables_on("")
+    orgs.create_org(clean, "acme", concurrency=8, credits=Decimal("10"))
+    busy = tables_on("conflict=0.5,seed=7,scope=all")
+    for _ in range(10):
+        orgs.add_credits(busy, "acme", Decimal("1"))
+    assert orgs.set_limit(busy, "acme", 12).concurrency_limit == 12
+    assert orgs.set_status(busy, "acme", "disabled").status == "disabled"
+    org = orgs.get_org(clean, "acme")
+    assert (org.credits, org.concurrency_limit, org.status) == (Decimal("20"), 12, "disabled")

@@ -8,6 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Callable, TypeVar
 
 from pynamodb.exceptions import DoesNotExist, PutError, TransactWriteError, UpdateError
 from pynamodb.transactions import TransactWrite
@@ -19,6 +20,7 @@ from .errors import (
     RecordNotFound,
     StorageError,
     TransactionCancelled,
+    TransientStorageError,
     condition_failure,
     translate_storage_error,
 )
@@ -27,6 +29,7 @@ from .schema import LEASE
 
 __all__ = ["OrgInfo", "add_credits", "create_org", "get_org", "list_orgs", "set_limit", "set_status", "valid_org_id"]
 
+T = TypeVar("T")
 _ORG_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 
 
@@ -113,20 +116,33 @@ def list_orgs(tables: Tables) -> list[OrgInfo]:
 _CONFLICT_ATTEMPTS = 20
 
 
-def _update(tables: Tables, org_id: str, actions) -> OrgInfo:
-    record = tables.orgs(org_id=org_id)
+def _over_conflicts(write: Callable[[], T], conflicted: Callable[[Exception], bool]) -> T:
+    """`write()`, tried again after a random pause while it fails as `conflicted` says (a
+    refusal that was not applied), up to _CONFLICT_ATTEMPTS times."""
     for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
         try:
+            return write()
+        except Exception as exc:
+            if attempt == _CONFLICT_ATTEMPTS or not conflicted(exc):
+                raise
+        time.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
+    raise AssertionError("unreachable")
+
+
+def _update(tables: Tables, org_id: str, actions) -> OrgInfo:
+    record = tables.orgs(org_id=org_id)
+
+    def write() -> OrgInfo:
+        try:
             record.update(actions=actions, condition=tables.orgs.org_id.exists())
-            return _info(record)
         except UpdateError as exc:
             if condition_failure(exc) is not None:
                 raise RecordNotFound("org", org_id) from None
-            mapped = translate_storage_error(exc)
-            if getattr(mapped, "code", None) != "TransactionConflictException" or attempt == _CONFLICT_ATTEMPTS:
-                raise
-            time.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
-    raise AssertionError("unreachable")
+            raise
+        return _info(record)
+
+    return _over_conflicts(write, lambda exc: getattr(translate_storage_error(exc), "code", None)
+                           == "TransactionConflictException")
 
 
 def set_status(tables: Tables, org_id: str, status: str) -> OrgInfo:
@@ -151,22 +167,29 @@ def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
         raise ValueError("the amount must be a non-zero number of USD")
     record = tables.orgs(org_id=org_id)
     connection = tables.orgs._get_connection().connection
-    for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+
+    def write() -> OrgInfo:
         try:
-            with TransactWrite(connection=connection, client_request_token=f"credits-{uuid.uuid4().hex}") as write:
-                write.update(record, actions=[tables.orgs.credits.add(amount)], condition=tables.orgs.org_id.exists())
-            return get_org(tables, org_id)
+            with TransactWrite(connection=connection, client_request_token=f"credits-{uuid.uuid4().hex}") as transaction:
+                transaction.update(record, actions=[tables.orgs.credits.add(amount)],
+                                   condition=tables.orgs.org_id.exists())
         except TransactWriteError as exc:
             reasons = [reason.code if reason is not None else None for reason in exc.cancellation_reasons or []]
             if reasons[:1] == ["ConditionalCheckFailed"]:
                 raise RecordNotFound("org", org_id) from None
-            if not TransactionCancelled(reasons).transient or attempt == _CONFLICT_ATTEMPTS:
-                # the item's own refusal (a balance DynamoDB cannot hold: ValidationError), in its words
-                refusals = [reason for reason in exc.cancellation_reasons or []
-                            if reason is not None and reason.code not in (None, "None")]
-                if refusals:
-                    raise StorageError("; ".join(f"{reason.code}: {reason.message}" for reason in refusals),
-                                       refusals[0].code) from None
-                raise translate_storage_error(exc) from exc
-            time.sleep(random.random() * min(0.25, 0.01 * 2**attempt))
-    raise AssertionError("unreachable")
+            # the item's own refusal (a balance DynamoDB cannot hold: ValidationError), or the
+            # conflict, in DynamoDB's words
+            refusals = [reason for reason in exc.cancellation_reasons or []
+                        if reason is not None and reason.code not in (None, "None")]
+            if refusals:
+                kind = _Cancelled if TransactionCancelled(reasons).transient else StorageError
+                raise kind("; ".join(f"{reason.code}: {reason.message}" for reason in refusals),
+                           refusals[0].code) from None
+            raise translate_storage_error(exc) from exc
+        return get_org(tables, org_id)
+
+    return _over_conflicts(write, lambda exc: isinstance(exc, _Cancelled))
+
+
+class _Cancelled(TransientStorageError):
+    """A transaction cancelled by a conflict or throttling on its item: not applied, tried again."""
