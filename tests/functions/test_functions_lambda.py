@@ -211,3 +211,67 @@ def test_a_function_starts_without_the_framework_it_only_needs_for_its_schema(fu
     module = importlib.import_module(f"kiln_functions.{function}.app")
     expected = sorted({openapi_path(route.path) for route in module.routes})
     assert out.stdout.strip().endswith(f"[] {expected} True"), out.stdout[-2000:]
+
+
+def _rest_event(key: str) -> dict:
+    return json.loads((EVENTS / "rest-models.json").read_text().replace("${KILN_API_KEY}", key))
+
+
+def _url_event(key: str) -> dict:
+    return json.loads((EVENTS / "url-models.json").read_text().replace("${KILN_API_KEY}", key))
+
+
+def _spoiled(event: dict, **changes) -> dict:
+    spoiled = json.loads(json.dumps(event))
+    for path, value in changes.items():
+        where = spoiled
+        *parents, last = path.split("__")
+        for name in parents:
+            where = where[name]
+        if value is _DROP:
+            where.pop(last, None)
+        else:
+            where[last] = value
+    return spoiled
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda key: _spoiled(_rest_event(key), body="%%% not base64 %%%", isBase64Encoded=True),
+    lambda key: _spoiled(_rest_event(key), requestContext__identity=None),
+    lambda key: _spoiled(_url_event(key), headers=None),
+    lambda key: _spoiled(_url_event(key), requestContext__http=_DROP),
+    lambda key: _spoiled(_rest_event(key), body="\ud800", httpMethod="POST"),
+    lambda key: {"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}},  # a warmer
+    lambda key: {},  # the console's test event
+], ids=["bad-base64", "null-identity", "null-v2-headers", "v2-without-http", "lone-surrogate", "warmer", "empty"])
+def test_an_event_no_http_request_could_make_is_answered_400_in_the_contracts_shape(lambda_env, spoil, caplog):
+    """An invoke that API Gateway or a Function URL would never send (a direct invoke, a warmer, a
+    console test) gets an answer, not a function error that pages whoever watches the alarm."""
+    for module in ("models", "generations", "chat_completions"):
+        handler = importlib.import_module(f"kiln_functions.{module}.app").handler
+        response = handler(spoil(lambda_env.key), CONTEXT)
+        assert response["statusCode"] == 400, response
+        assert header(response, "content-type") == "application/json"
+        error = json.loads(body_of(response))["error"]
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_event", None)
+    assert "unusable Lambda event" in caplog.text and lambda_env.key not in caplog.text  # no header logged
+    assert lambda_env.stack.org_info(lambda_env.org_id).in_flight == 0
+
+
+def test_a_gateway_that_cannot_be_built_answers_500_in_the_contracts_shape_and_recovers(lambda_env, monkeypatch):
+    """A setting that cannot be read fails each request with the contract's 500, not an empty body;
+    once it is mended, the next request is served without a new process."""
+    monkeypatch.setenv("KILN_LEASE_TTL_SECONDS", "abc")
+    event = _rest_event(lambda_env.key)
+    for module in ("models", "generations"):
+        importlib.import_module(f"kiln_functions.{module}.app").app.state._state.pop("gateway", None)
+    failed = invoke("models", "rest-models.json", lambda_env.key)
+    assert failed["statusCode"] == 500
+    error = json.loads(body_of(failed))["error"]
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+    monkeypatch.setenv("KILN_LEASE_TTL_SECONDS", lambda_env.stack.settings.to_env()["KILN_LEASE_TTL_SECONDS"])
+    served = importlib.import_module("kiln_functions.models.app").handler(event, CONTEXT)
+    assert served["statusCode"] == 200, body_of(served)

@@ -216,6 +216,13 @@ class UnknownUrl(GatewayError):
     status, type, code = 404, "invalid_request_error", "unknown_url"
 
 
+class InvalidEvent(GatewayError):
+    """A Lambda invoke that no HTTP request through API Gateway or a Function URL makes (a
+    direct invoke, a warmer, a console test event)."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_event"
+
+
 class MethodNotAllowed(GatewayError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 

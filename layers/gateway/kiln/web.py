@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from . import schemas
 from .endpoints import Endpoint
-from .errors import GatewayError, InternalError, MethodNotAllowed, UnknownUrl
+from .errors import GatewayError, InternalError, InvalidEvent, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
 from .handlers import complete, list_models, retrieve_generation, retrieve_model
 from .observability import ObservabilityMiddleware, Observer, record_of
@@ -176,10 +176,10 @@ class App:
         if root and path.startswith(root):  # as Starlette routes a path mounted under a root path
             path = path[len(root):]
         handlers, scope["path_params"] = self._route(path)
-        if self._factory is not None and self.state._state.get("gateway") is None:
-            self.state.gateway = self._factory()  # on the first request: a Lambda init must not touch the network
         request = Request(scope, receive)
         try:
+            if self._factory is not None and self.state._state.get("gateway") is None:
+                self.state.gateway = self._factory()  # on the first request: a Lambda init must not touch the network
             if handlers is None:
                 raise UnknownUrl(f"Unknown request URL: {request.method} {request.url.path}.")
             handler = handlers.get(scope["method"])
@@ -266,7 +266,22 @@ def lambda_handler(app: App) -> Callable[[dict, Any], dict]:
             from mangum import Mangum
 
             adapter.append(Mangum(app, lifespan="off"))
-        return adapter[0](event, context)
+        try:
+            return adapter[0](event, context)
+        except Exception as exc:  # the app answers every request it is given: this is the event's fault
+            return _unusable_event(event, exc)
 
     return handler
+
+
+def _unusable_event(event: Any, exc: Exception) -> dict:
+    """The answer to an invoke no HTTP request makes, in the contract's shape: an answer, not a
+    function error (which would page whoever watches the errors alarm). The log names what was
+    wrong and the event's top-level fields, never its values (headers hold keys)."""
+    fields = sorted(str(name) for name in event) if isinstance(event, dict) else type(event).__name__
+    log.warning("unusable Lambda event (%s); its fields: %s", type(exc).__name__, fields)
+    error = InvalidEvent("This function serves HTTP requests from API Gateway (REST) and Function URLs; "
+                         "the event it was invoked with is not one it can serve.")
+    return {"statusCode": error.status, "headers": {"content-type": error.media_type}, "multiValueHeaders": {},
+            "body": error.body().decode(), "isBase64Encoded": False}
 
