@@ -268,6 +268,10 @@ def _render(template: str) -> str:
         ("MISSING_AUTHENTICATION_TOKEN", "404", "invalid_request_error", "unknown_url"),  # a route it lacks
         ("THROTTLED", "429", "rate_limit_error", "rate_limit_exceeded"),
         ("REQUEST_TOO_LARGE", "413", "invalid_request_error", "request_too_large"),
+        # Lambda's throttle at a function's reserved concurrency reaches API Gateway as an
+        # integration failure: a client must be told to retry, not that the gateway is broken
+        ("INTEGRATION_FAILURE", "503", "service_unavailable", "function_unavailable"),
+        ("INTEGRATION_TIMEOUT", "504", "server_error", "gateway_timeout"),
         ("DEFAULT_4XX", None, "invalid_request_error", None),
         ("DEFAULT_5XX", None, "server_error", "internal_error"),
     ],
