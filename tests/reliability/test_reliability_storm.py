@@ -25,8 +25,11 @@ async def _round(client: httpx.AsyncClient, key: str, count: int, body: dict) ->
 def test_storm_of_concurrent_requests_from_one_org(storage, storage_stack_factory):
     stack = storage_stack_factory(auth_cache_seconds=60)  # as in production: key lookups cached
     org_id, key = stack.org(credits="1000", concurrency=8)
+    # each request holds its slot long enough for the round's others to be admitted meanwhile on a
+    # busy machine; under faults an admission may take several tries, with pauses, before it lands
+    hold_ms = 50 if storage == "plain" else 250
     body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
-            "mock": {"tokens": 3, "token_delay_ms": 50}}  # long enough to overlap on a busy machine
+            "mock": {"tokens": 3, "token_delay_ms": hold_ms}}
 
     async def storm() -> Counter:
         statuses: Counter = Counter()
