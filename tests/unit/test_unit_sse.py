@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.metering import TokenUsage, UsageBounds, billable_usage
-from kiln.sse import EventTooLarge, SseRelay, error_event, usage_event
+from kiln.sse import KEEPALIVE, EventTooLarge, SseRelay, error_event, usage_event
 
 ROLE = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 HELLO = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
@@ -51,7 +51,7 @@ def test_full_stream(wants_usage):
         b'data:    {"choices":[{"delta":{"content":"x"}}]}\n\n',
         b'data: { "choices" : [ { "delta" : { "content" : "x" } , "finish_reason" : null } ] }\n\n',
         b'data: {"choices":[{"delta":{"content":"caf\xc3\xa9 \\u00e9 \\"usage\\": 1"}}]}\n\n',
-        b'id: 7\nevent: chunk\ndata: {"choices":[{"delta":{"content":"x"}}]}\n\n',
+        b'event: chunk\ndata: {"choices":[{"delta":{"content":"x"}}]}\n\n',
         b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n',
     ],
 )
@@ -257,6 +257,9 @@ def test_an_event_just_under_the_bound_passes_whatever_the_pieces():
     # a chunk with an error beside its choices: the OpenAI SDKs raise on any `error` not null or false
     b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}],"error":{"soft":1}}',
     b'{"id":"c1","choices":[],"error":"boom"}',
+    # JavaScript holds an empty object or array true: the Node SDK raises on them
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":{}}',
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":[]}',
 ])
 def test_an_error_the_upstream_sends_in_the_stream_ends_it_unrelayed(error):
     out, relay = relay_all([ROLE + HELLO + b"data: " + error + b"\n\n" + HELLO + DONE])
@@ -266,10 +269,11 @@ def test_an_error_the_upstream_sends_in_the_stream_ends_it_unrelayed(error):
 @pytest.mark.parametrize("chunk", [
     b'{"id":"c1","choices":[{"index":0,"delta":{"content":"{\\"error\\": {\\"x\\": 1}}"},"finish_reason":null}]}',
     b'{"id":"c1","choices":[{"index":0,"delta":{"content":"caf\\u00e9"},"finish_reason":null}]}',
-    # an error that is null, false, empty: no error to the SDKs
+    # an error that is null, false, 0 or "": no error to either SDK
     b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":null}',
-    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":{}}',
     b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":false}',
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":0}',
+    b'{"id":"c1","choices":[{"index":0,"delta":{"content":"x"}}],"error":""}',
 ])
 def test_content_that_only_mentions_an_error_is_relayed(chunk):
     event = b"data: " + chunk + b"\n\n"
@@ -399,3 +403,52 @@ def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(
     assert run([stream]) == reference
     points = sorted({min(cut, len(stream)) for cut in cuts} | {0, len(stream)})
     assert run([stream[a:b] for a, b in zip(points, points[1:], strict=False)]) == reference
+
+
+@pytest.mark.parametrize("name", [b"event: error", b"event:error"])
+@pytest.mark.parametrize("data", [HELLO.strip(), b'data: {"message":"the prompt was: secret"}', b""])
+def test_an_event_named_error_ends_the_stream_unrelayed_whatever_its_data(name, data):
+    """The Node SDK raises on an event named `error` on any stream: it is the upstream's failure,
+    and its text (which may quote the prompt) is not the client's to see."""
+    event = name + (b"\n" + data if data else b"") + b"\n\n"
+    out, relay = relay_all([ROLE + HELLO + event + HELLO + DONE])
+    assert out == ROLE + HELLO and relay.done and relay.failure
+
+
+def test_events_named_otherwise_are_relayed_as_sent():
+    event = b"event: message\n" + HELLO
+    out, relay = relay_all([ROLE + event + DONE])
+    assert out == ROLE + event and relay.failure is None
+
+
+@pytest.mark.parametrize("fields", [b"id: 7\n", b"id:7\n", b"id\n", b"retry: 3000\n", b"id: 1\nretry: 10\n"])
+def test_the_upstreams_stream_fields_are_not_relayed_so_a_keepalive_stays_a_comment_to_the_sdk(fields):
+    """An upstream's `id:` (or `retry:`) relayed would make the OpenAI Python SDK read each later
+    blank line, the gateway's keepalive's included, as an event with empty data and raise."""
+    from openai._streaming import SSEDecoder
+
+    stream = ROLE + fields + HELLO + fields + b"\n" + STOP + USAGE + DONE
+    out, relay = relay_all([stream], wants_usage=True)
+    assert b"id" not in out.replace(b'"id"', b"") and b"retry" not in out
+    assert out.startswith(ROLE + HELLO + STOP) and relay.usage == TokenUsage(5, 7, None)
+    decoder = SSEDecoder()
+    events = list(decoder.iter_bytes(iter([ROLE + HELLO, KEEPALIVE, STOP, KEEPALIVE])))
+    assert [json.loads(e.data)["choices"][0]["delta"] for e in events] == [
+        {"role": "assistant", "content": ""}, {"content": "Hel"}, {}]
+    out, relay = relay_all([ROLE + fields + b"\n" + HELLO + DONE])  # the fields alone: no event left
+    assert out == ROLE + HELLO
+
+
+def test_why_the_stream_fields_are_not_relayed():
+    """What the Python SDK makes of a relayed id and the gateway's keepalive after it, and of a
+    `retry:` in an event of its own: an event with empty data, which it fails to read as JSON."""
+    from openai._streaming import SSEDecoder
+
+    assert list(SSEDecoder().iter_bytes(iter([ROLE, b"id: 7\n" + HELLO, KEEPALIVE])))[-1].data == ""
+    assert list(SSEDecoder().iter_bytes(iter([ROLE, b"retry: 3000\n\n", HELLO])))[1].data == ""
+
+
+def test_a_field_that_only_starts_like_id_is_the_events_own():
+    event = b"idx: 7\n" + HELLO
+    out, relay = relay_all([ROLE + event + DONE])
+    assert out == ROLE + event

@@ -43,7 +43,8 @@ MULTI = (
 def test_multi_line_events_give_the_same_output_at_every_split_point(ending):
     stream = MULTI.replace(b"\n", ending)
     whole, reference = relay_all([stream])
-    assert whole == MULTI[: MULTI.index(b"id: 3")]  # content relayed; usage held back; [DONE] swallowed
+    # content relayed (without the upstream's stream fields); usage held back; [DONE] swallowed
+    assert whole == MULTI[: MULTI.index(b"id: 3")].replace(b"id: 1\n", b"")
     assert reference.done is True
     assert reference.usage == TokenUsage(2, 2)
     assert reference.relayed_tokens == 2 and reference.finish_reason == "stop"
@@ -226,12 +227,12 @@ UNREADABLE_USAGE = [
 
 @pytest.mark.parametrize("event", UNREADABLE_USAGE, ids=["too deep", "1e999", "NaN"])
 def test_a_usage_event_the_relay_cannot_read_never_reaches_a_client_that_did_not_ask(event):
-    """Not readable, its usage cannot be taken out: it is not relayed (the usage billed is
-    the gateway's own count); a client that asked for usage gets it as it came."""
-    out, relay = relay_all([HELLO, event, DONE])
-    assert out == HELLO and relay.usage is None and relay.done
-    out, relay = relay_all([HELLO, event, DONE], wants_usage=True)
-    assert out == HELLO + event
+    """Not readable, its usage can be neither read nor costed: it is relayed to no client (the
+    usage billed is the gateway's own count, which a client that asked for usage gets in the
+    gateway's own usage chunk, with its cost: one usage chunk, which the SDKs can read)."""
+    for wants_usage in (False, True):
+        out, relay = relay_all([HELLO, event, DONE], wants_usage=wants_usage)
+        assert out == HELLO and relay.usage is None and relay.done and relay.usage_chunk is None
 
 
 def test_an_unreadable_content_chunk_carrying_usage_keeps_its_content():

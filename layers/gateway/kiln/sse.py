@@ -53,6 +53,13 @@ _IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*[^\sn]|"object"\s*:\s*"error"|\\u')
 _READ_FURTHER = re.compile(rb"\[DONE\]|\\u|\"name\"|" + _IN_BAND_ERROR.pattern + rb"|" + _USAGE_PRESENT.pattern)
 # an event's JSON not read yet (parse_json's None is JSON it could not read)
 UNREAD: Any = object()
+# fields of the upstream's own stream, not of its events (a reconnection's id and pause): the
+# gateway's stream is another one, which no client resumes. Relayed, an id would make the
+# OpenAI Python SDK read every later blank line, the gateway's keepalive's too, as an event
+# with empty data, and raise on it.
+_STREAM_FIELD = re.compile(rb"^(?:id|retry)(?::[^\n]*)?(?:\n|$)", re.M)
+# an event named `error`: the OpenAI Node SDK raises on it, whatever its data
+_ERROR_NAME = re.compile(rb"^event: ?error$", re.M)
 
 
 def error_event(message: str) -> bytes:
@@ -307,6 +314,12 @@ class SseRelay:
                 return self._payload(event, event[5:].lstrip(b" "))
             if event.startswith(b":"):
                 return event  # an upstream comment (its own keepalive): harmless, pass it on
+        if _ERROR_NAME.search(event):
+            return self._failed("the model server sent an error event")
+        if _STREAM_FIELD.search(event):
+            event = _STREAM_FIELD.sub(b"", event).strip(b"\n")
+            if not event:
+                return None
         payload = data_of(event)
         if payload is None:
             return event
@@ -340,10 +353,10 @@ class SseRelay:
         chunk = parse_json(payload) if data is UNREAD else data
         if not isinstance(chunk, dict):
             # Unreadable (nested too deep, NaN, 1e999…), its usage can be neither read nor taken
-            # out; the bill is the gateway's own count. The usage chunk (no choices) goes only to
-            # a client that asked for usage; a content chunk carrying usage is passed on as it
-            # came (its content is the client's: §7).
-            if self._client_wants_usage or (b'"choices"' in payload and not _NO_CHOICES.search(payload)):
+            # out; the bill is the gateway's own count, and a client that asked for usage gets it
+            # in the gateway's own usage chunk, with its cost. A content chunk carrying usage is
+            # passed on as it came (its content is the client's: §7).
+            if b'"choices"' in payload and not _NO_CHOICES.search(payload):
                 self._count_reply(payload, chunk)
                 return event
             return None
@@ -384,9 +397,12 @@ def is_done(payload: bytes) -> bool:
 
 def is_error_object(data: Any) -> bool:
     """An upstream's error, in an event or as a buffered body: an object that is an error, or
-    whose `error` is anything but null, false, 0 or empty (the OpenAI SDKs raise on such an
-    event, choices or not)."""
-    return isinstance(data, dict) and (bool(data.get("error")) or data.get("object") == "error")
+    whose `error` is anything but null, false, 0 or "" (the OpenAI SDKs raise on such an event,
+    choices or not: the Node SDK on an empty object or array too, which JavaScript holds true)."""
+    if not isinstance(data, dict):
+        return False
+    error = data.get("error")
+    return (error is not None and error is not False and error != 0 and error != "") or data.get("object") == "error"
 
 
 def data_of(event: bytes) -> bytes | None:
