@@ -131,6 +131,10 @@ def test_bad_document_raises_catalog_error(document, message):
         ({"pricing": {"input": "1e200", "output": "1"}}, "pricing.input"),
         ({"pricing": {"input": "1", "output": "1e-200"}}, "pricing.output"),
         ({"pricing": {"input": "1", "output": "1", "cached_input": "2e6"}}, "pricing.cached_input"),
+        # digits finer than a billionth of a dollar per 1M tokens: credits minus such a cost
+        # needs more digits than a DynamoDB number holds, so the debit could not be the cost
+        ({"pricing": {"input": "0.123456789012345678901234567890123456789", "output": "1"}}, "decimal places"),
+        ({"pricing": {"input": "1", "output": "0.0000000015"}}, "pricing.output must have at most 9"),
         ({"context_length": -5}, "context_length"),
         ({"context_length": 0}, "context_length"),
         ({"context_length": 10**12}, "context_length"),
@@ -269,3 +273,8 @@ def test_a_name_given_twice_in_an_object_is_refused_only_where_written():
     with pytest.raises(CatalogError, match="'input' twice"):
         Catalog.from_json(raw, written=True)
     assert Catalog.from_json(raw).get("m").pricing.input == Decimal("1.5")
+
+
+def test_a_price_written_with_trailing_zeros_is_its_value():
+    catalog = Catalog.from_document(one(pricing={"input": "0.035000000000000", "output": "1e-9"}), written=True)
+    assert catalog.get("m").pricing.input == Decimal("0.035")

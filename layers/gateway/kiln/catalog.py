@@ -27,6 +27,10 @@ PER_MILLION = Decimal(1_000_000)
 # prices (USD per 1M tokens) and context lengths sit many orders of magnitude inside them.
 MAX_PRICE = Decimal(1_000_000)  # $1 a token
 MIN_PRICE = Decimal("1e-9")  # other than 0 (free)
+# A price's finest digit, MIN_PRICE's: a cost then has at most 15 decimal places (USD), so that
+# credits minus a cost, as DynamoDB computes it on the org item, needs far fewer than the 38
+# significant digits a DynamoDB number holds, and every debit is exactly the cost recorded.
+PRICE_DECIMALS = 9
 MAX_CONTEXT_LENGTH = 1_000_000_000
 # The longest any upstream timeout may be: under the streaming functions' own timeout (contract
 # §8), with room left in it for the settle (its retry budget, 10 s by default) and a stream's last
@@ -414,4 +418,7 @@ def _price(pricing: Mapping, key: str, where: str) -> Decimal:
         raise CatalogError(f"{where}: pricing.{key} must be a non-negative decimal string (USD per 1M tokens)")
     if value > MAX_PRICE or 0 < value < MIN_PRICE:
         raise CatalogError(f"{where}: pricing.{key} must be 0 or from {MIN_PRICE} to {MAX_PRICE} (USD per 1M tokens)")
+    if value.normalize().as_tuple().exponent < -PRICE_DECIMALS:
+        raise CatalogError(f"{where}: pricing.{key} must have at most {PRICE_DECIMALS} decimal places (USD per 1M "
+                           f"tokens): the costs made from it must stay exact in the ledger")
     return value

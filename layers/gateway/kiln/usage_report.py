@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from decimal import Decimal
+from decimal import Context, Decimal
 from typing import Any, Callable, Iterable
 
 from .store.clock import stored_time
@@ -25,6 +25,9 @@ GROUPINGS: dict[str, Callable[[UsageEvent], str]] = {
     "endpoint": lambda event: event.endpoint,
 }
 COLUMNS = ("requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
+# Costs are summed exactly: each holds up to the 38 digits a DynamoDB number does, and a sum
+# of many needs more than Python's default 28.
+_SUM = Context(prec=120)
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Line:
         self.prompt_tokens += event.prompt_tokens or 0
         self.completion_tokens += event.completion_tokens or 0
         self.cached_tokens += event.cached_tokens or 0
-        self.cost += event.cost
+        self.cost = _SUM.add(self.cost, event.cost)
 
     def row(self, group: str) -> dict[str, Any]:
         return {"group": group, **{column: getattr(self, column) for column in COLUMNS}}

@@ -1,0 +1,21 @@
+"""kiln.usage_report: what a report sums (kiln admin usage and GET /v1/usage)."""
+
+from decimal import Decimal
+
+from kiln.store.usage import UsageEvent
+from kiln.usage_report import summarize
+
+
+def _event(n: int, cost: str, model: str = "m") -> UsageEvent:
+    return UsageEvent(gen_id=f"gen-{n}", org_id="o", created_at="2026-12-06T00:00:00.000Z", key_id="key_1",
+                      model=model, endpoint="chat.completions", streamed=False, status="success", cost=Decimal(cost))
+
+
+def test_a_reports_cost_is_the_exact_sum_of_its_events_costs_however_many_digits_they_need():
+    """The org is debited each event's cost exactly: a report that rounded its sum to Python's
+    default 28 digits would not add up to what the org paid."""
+    costs = ["123456.000000000000001", "0.000000000000000000000000000007", "0.00000000000000123456789"]
+    summary = summarize([_event(n, cost, model=str(n % 2)) for n, cost in enumerate(costs)], "model")
+    expected = Decimal("123456.000000000000002234567890000007")
+    assert summary.total.cost == expected
+    assert summary.lines["0"].cost == Decimal("123456.00000000000000223456789")
