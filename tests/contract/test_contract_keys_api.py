@@ -287,6 +287,24 @@ def test_a_body_that_is_not_a_json_object_is_400(stack):
         assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"x": 0e99999999999999999999}', b'{"spend_limit": 1e-99999999999999999999}',
+    b'{"label": "x", "concurrency": 1E+999999999999999999999}',
+])
+def test_a_number_no_decimal_can_hold_is_400_invalid_json_before_the_key_is_looked_at(stack, raw):
+    """A JSON number a float reads (as 0 or infinity) but a Decimal cannot hold: the body's
+    fault, answered in step 2 of §2 whoever sends it, never a 500."""
+    org_id, admin = management_org(stack)
+    target = create_key(stack.tables, org_id, label="before")
+    for path, method in (("/v1/keys", "POST"), (f"/v1/keys/{target.key_id}", "PATCH")):
+        for key in (admin, None):
+            headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+            response = stack.http.request(method, path, content=raw, headers=headers)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["code"] == "invalid_json"
+    assert len(call(stack, "GET", "/v1/keys", admin).json()["data"]) == 3
+
+
 def test_a_management_key_may_make_another_and_the_routes_follow_maintenance(stack):
     _, admin = management_org(stack)
     second = call(stack, "POST", "/v1/keys", admin, {"role": "management", "label": "deputy"}).json()

@@ -165,3 +165,35 @@ def test_a_client_gone_during_the_upload_leaves_no_read_running():
 
     assert asyncio.run(main()) == []
     assert gateway.in_flight == 0
+
+
+@pytest.mark.parametrize("failure", [RuntimeError, asyncio.CancelledError])
+def test_a_body_read_that_fails_unexpectedly_leaves_no_read_unawaited_or_unretrieved(failure):
+    """A fault, or the request's cancellation, while the key's and the catalog's reads run beside
+    the body's: the reads are stopped, and nothing is left for the event loop to complain of
+    (a coroutine never awaited, a gathered exception never retrieved)."""
+    import gc
+    import warnings
+
+    complaints: list[str] = []
+
+    async def failing_body(request):  # fails before the reads beside it have started
+        raise failure("a fault in reading the body")
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: complaints.append(context["message"]))
+        raised = False
+        try:
+            await checks(FakeGateway(), request_with(b"{}"), read_body=failing_body, catalog=True)
+        except failure:
+            raised = True  # (no reference to it is kept: what it holds is collected below)
+        assert raised
+        await asyncio.sleep(0.01)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(scenario())
+        gc.collect()
+    assert complaints == [] and [str(w.message) for w in caught] == []

@@ -104,11 +104,10 @@ async def checks(
         body = await read_body(request) if read_body is not None else None
         principal = await gateway.storage(gateway.auth.authenticate(credential))
         return principal, body, (await gateway.catalog() if catalog else None)
-    reads = asyncio.gather(
-        gateway.storage(gateway.auth.authenticate(credential)),
-        *((gateway.catalog(),) if catalog else ()),
-        return_exceptions=True,
-    )
+    async def key() -> Principal:  # the key's read made in its task: a task stopped unstarted leaves none behind
+        return await gateway.storage(gateway.auth.authenticate(credential))
+
+    reads = asyncio.gather(key(), *((gateway.catalog(),) if catalog else ()), return_exceptions=True)
     body: Any = None
     try:
         if read_body is not None:
@@ -117,12 +116,18 @@ async def checks(
         body = error  # answered before the key
     except BaseException:
         reads.cancel()
+        reads.add_done_callback(_retrieved)  # its outcome is this exception's, already on its way
         raise
     principal, *rest = await reads
     for outcome in (body, principal, *rest):
         if isinstance(outcome, BaseException):
             raise outcome
     return principal, body, (rest[0] if catalog else None)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _reader_checks(gateway: Gateway, request: Request, record: RequestRecord, *,

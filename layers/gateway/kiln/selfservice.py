@@ -113,6 +113,10 @@ async def _read_body(request: Request, limit: int) -> Any:
     except _DuplicateName as duplicate:
         raise InvalidJson(f"The request body names {json.dumps(shortened(duplicate.name))} more than once; give each attribute "
                           f"once.") from None
+    except ArithmeticError:
+        # a number a float reads (as 0 or ∞: read_json took it) but whose exponent no Decimal holds
+        raise InvalidJson("The request body holds a number whose exponent is too large to read; write "
+                          "amounts as plain decimals.") from None
     except ValueError:  # read_json accepted the body: nothing else can fail here
         pass
     return document
