@@ -316,3 +316,40 @@ def test_the_writes_of_an_org_never_listed_again_are_forgotten(monkeypatch):
     monkeypatch.setattr(keyring_module.time, "monotonic", lambda: later)
     ring._wrote("org-last", "hash-last")
     assert list(recent) == [("keys-forget", "org-last")]
+
+
+def _keys_table(stack):
+    return lambda payload: payload.get("TableName") == stack.settings.keys_table
+
+
+def test_a_key_made_while_dynamodb_throttles_and_loses_an_answer_is_made_once_and_answered(stack):
+    """POST /v1/keys: the PutItem is applied and its answer lost, then throttled more times than
+    the AWS client's own tries. Answering 503 then (as once) left a key whose secret no one
+    had, and the client's retry made a second one: the write is tried on, and the answer is the
+    key made, once."""
+    org_id, admin = management_org(stack)
+    before = len(call(stack, "GET", "/v1/keys", admin).json()["data"])
+    put = _keys_table(stack)
+    lost = stack.faults.lose("PutItem", when=put, times=1)
+    throttled = stack.faults.fail("PutItem", when=lambda payload: put(payload) and bool(lost), times=6)
+    try:
+        made = call(stack, "POST", "/v1/keys", admin, {"label": "made once", "spend_limit": 5})
+    finally:
+        stack.faults.clear()
+    assert lost and len(throttled) >= 6, "the faults were never injected"
+    assert made.status_code == 201, made.text
+    keys = call(stack, "GET", "/v1/keys", admin).json()["data"]
+    assert len(keys) == before + 1 and [k["id"] for k in keys if k["label"] == "made once"] == [made.json()["id"]]
+    assert stack.post(CHAT, BODY, made.json()["secret"]).status_code == 200
+
+
+def test_a_key_changed_while_dynamodb_throttles_is_changed_not_503(stack):
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "before"}).json()
+    throttled = stack.faults.fail("UpdateItem", when=_keys_table(stack), times=6)
+    try:
+        changed = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"label": "after"})
+    finally:
+        stack.faults.clear()
+    assert len(throttled) >= 6
+    assert changed.status_code == 200 and changed.json()["label"] == "after", changed.text

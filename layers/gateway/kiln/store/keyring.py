@@ -62,7 +62,7 @@ from .keyspend import (
     spend_attributes_by_key,
     spend_in,
 )
-from .retry import client_token
+from .retry import RetryPolicy, client_token
 from .schema import KEY, ORG
 from .tally import reads_for, tallied_spends
 from .tally_backfill import TallyBackfill, tally_org
@@ -93,6 +93,8 @@ _DEFAULTS = {"role": "inference", "spend_period": "total"}
 # TransactionConflictException, unapplied, so it is tried again (as kiln.store.orgs does).
 # Every such write made here is safe to apply twice.
 _CONFLICT_ATTEMPTS = 20
+# how long key management's own writes are tried on: the ledger's policy
+_WRITES = RetryPolicy()
 # A write reaches a global secondary index within about a second (AWS's figure): a key id not
 # found in the index is looked for again after each of these pauses before it is no key's
 _INDEX_WAITS = (0.1, 0.2, 0.4, 0.8)
@@ -511,18 +513,21 @@ class Keyring:
         return True
 
     async def _update(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """One UpdateItem, tried again while its item is inside a transaction in flight (an
-        org item in its requests' settles, a key item in a change of its spend limit):
-        DynamoDB refuses it then with TransactionConflictException, unapplied. Any other
-        failure, a failed condition included, is raised at once."""
-        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+        """One UpdateItem (each sets values: applied twice, it is applied once), tried again
+        while DynamoDB refuses it for a reason that another try may cure, as the ledger's
+        writes are: its item inside a transaction in flight (an org item in its requests'
+        settles, a key item in a change of its spend limit), throttling, a 5xx, a lost answer.
+        Any other failure, a failed condition included, is raised at once."""
+
+        async def update() -> dict[str, Any]:
             try:
                 return await self._aws.dynamodb("UpdateItem", payload)
             except Exception as exc:
-                if getattr(exc, "code", None) != "TransactionConflictException" or attempt == _CONFLICT_ATTEMPTS:
-                    raise
-            await _backoff(attempt)
-        raise AssertionError("unreachable")
+                if is_transient(translate_storage_error(exc)):
+                    raise translate_storage_error(exc) from exc
+                raise
+
+        return await _WRITES.run(update, what="key")
 
     async def remove_figures(self, org_id: str, key_id: str) -> list[str]:
         """REMOVE the key's spend figures and its marker from its org item, as a consistent read
@@ -699,25 +704,32 @@ class Keyring:
             if value is not None:
                 item[name] = _wire(name, value)
         self._wrote(org_id, item[KEY.key_hash]["S"], changed=False)
-        try:
-            await self._aws.dynamodb(
-                "PutItem",
-                {
-                    "TableName": self._keys_table,
-                    "Item": item,
-                    "ConditionExpression": "attribute_not_exists(#hash)",
-                    "ExpressionAttributeNames": {"#hash": KEY.hash_key},
-                },
-            )
-        except Exception as exc:
-            # The client sends a write again when its answer was lost: the first attempt was
-            # applied, so the second finds the item. A hash of 256 random bits is this key's
-            # alone: the item holding it with this key id is this very write's.
-            if not isinstance(condition_failure(exc), ConditionFailed):
-                raise
-            found = await self.by_hash(item[KEY.key_hash]["S"])
-            if found is None or found.key_id != key.key_id:
-                raise
+
+        async def put() -> None:
+            try:
+                await self._aws.dynamodb(
+                    "PutItem",
+                    {
+                        "TableName": self._keys_table,
+                        "Item": item,
+                        "ConditionExpression": "attribute_not_exists(#hash)",
+                        "ExpressionAttributeNames": {"#hash": KEY.hash_key},
+                    },
+                )
+            except Exception as exc:
+                # A write is sent again when its answer was lost: the first attempt was
+                # applied, so the second finds the item. A hash of 256 random bits is this key's
+                # alone: the item holding it with this key id is this very write's.
+                if not isinstance(condition_failure(exc), ConditionFailed):
+                    raise translate_storage_error(exc) from exc
+                found = await self.by_hash(item[KEY.key_hash]["S"])
+                if found is None or found.key_id != key.key_id:
+                    raise
+
+        # tried on while DynamoDB refuses it for a while (throttled, a 5xx, an answer lost), as
+        # the ledger's writes are: a failure answered after a try that was applied would leave
+        # a key whose secret no one has, and the caller's retry would make another
+        await _WRITES.run(put, what="key")
         return IssuedKey(**key.__dict__, secret=secret)
 
     async def update(self, key_id: str, attributes: Mapping[str, Any], *, org_id: str | None = None,
