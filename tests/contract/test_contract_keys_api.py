@@ -245,6 +245,9 @@ def test_malformed_key_ids_are_404(stack, bad):
         ({"spend_limit": "1e999999"}, "spend_limit", "invalid_value"),
         ({"spend_limit": "1e1000000"}, "spend_limit", "invalid_value"),  # beyond any context's exponent
         ({"spend_limit": "1E+999999999"}, "spend_limit", "invalid_value"),
+        # an amount is written in ASCII, its blanks too: no-break and em spaces are no amount's
+        ({"spend_limit": "5\u00a0"}, "spend_limit", "invalid_value"),
+        ({"spend_limit": "\u20035"}, "spend_limit", "invalid_value"),
         ({"spend_limit": True}, "spend_limit", "invalid_type"),
         ({"spend_limit": [1]}, "spend_limit", "invalid_type"),
         ({"spend_period": "year"}, "spend_period", "invalid_value"),

@@ -204,7 +204,7 @@ def _spend_limit(value: Any, known_models: Any, org_limit: Any) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal)):
         raise InvalidKeyAttribute("spend_limit", "spend_limit must be an amount of USD (a number or a decimal string).",
                                   "invalid_type")
-    text = value.strip() if isinstance(value, str) else str(value)
+    text = value.strip(" \t\r\n") if isinstance(value, str) else str(value)  # JSON's blanks, not Unicode's
     try:
         # Decimal() would take digits of any script and underscores between them ("1_000",
         # "١٠"): an amount is written in ASCII digits, as JSON writes numbers
