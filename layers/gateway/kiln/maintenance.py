@@ -27,7 +27,8 @@ class MaintenanceFlag:
     def to_json(self) -> str:
         document: dict = {"enabled": self.enabled}
         if self.until is not None:
-            document["until"] = self.until.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            # isoformat writes the year in four digits; strftime's %Y does not below year 1000
+            document["until"] = self.until.astimezone(timezone.utc).replace(microsecond=0, tzinfo=None).isoformat() + "Z"
         if self.message:
             document["message"] = self.message
         return json.dumps(document)
