@@ -11,7 +11,7 @@ import pytest
 
 from kiln.settings import Settings
 from kiln.store import keys, orgs
-from kiln.store.errors import RecordNotFound
+from kiln.store.errors import AlreadyRevoked, RecordExists, RecordNotFound, StorageError
 from kiln.store.records import bind
 from kiln_ops import emulator
 from kiln_ops.provision import aws_clients, provision
@@ -84,3 +84,98 @@ def test_an_operators_writes_are_tried_again_over_conflicts_and_applied_once(tab
     assert orgs.set_status(busy, "acme", "disabled").status == "disabled"
     org = orgs.get_org(clean, "acme")
     assert (org.credits, org.concurrency_limit, org.status) == (Decimal("20"), 12, "disabled")
+
+
+class _AnswerLost:
+    """pynamodb's TransactWrite whose commit is applied, then its answer lost `times` times (the
+    AWS client's own resends spent): what an operator sees on a connection cut after the write."""
+
+    def __init__(self, times: int | None):
+        self.left = times
+        self.tokens: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        from pynamodb.exceptions import TransactWriteError
+        from pynamodb.transactions import TransactWrite
+
+        faults = self
+        faults.tokens.append(kwargs.get("client_request_token"))
+
+        class Lossy(TransactWrite):
+            def __exit__(self, *exc_info):
+                super().__exit__(*exc_info)  # applied (once per token, as DynamoDB does)
+                if faults.left is None or faults.left > 0:
+                    if faults.left is not None:
+                        faults.left -= 1
+                    reset = ConnectionError("the connection was reset before the answer")
+                    raise TransactWriteError("Failed to write transaction items", cause=reset) from reset
+
+        return Lossy(*args, **kwargs)
+
+
+def test_a_top_up_whose_answers_stay_lost_a_while_is_sent_again_with_its_token_and_applied_once(tables_on, monkeypatch):
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("10"))
+    lost = _AnswerLost(times=2)
+    monkeypatch.setattr(orgs, "TransactWrite", lost)
+    assert orgs.add_credits(tables, "acme", Decimal("1")).credits == Decimal("11")
+    assert len(lost.tokens) == 3 and len(set(lost.tokens)) == 1  # the same top-up, sent again
+
+
+def test_a_top_up_whose_answer_never_comes_says_it_may_have_been_applied(tables_on, monkeypatch):
+    """Retrying it would add it again: the operator is told to look at the balance first."""
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("10"))
+    monkeypatch.setattr(orgs, "TransactWrite", _AnswerLost(times=None))
+    with pytest.raises(StorageError, match="may have been applied") as failed:
+        orgs.add_credits(tables, "acme", Decimal("1"))
+    assert "credits show acme" in str(failed.value)
+    assert orgs.get_org(tables, "acme").credits == Decimal("11")
+
+
+def test_an_org_made_by_a_create_whose_answer_was_lost_is_made_not_already_there(tables_on, monkeypatch):
+    """The AWS client sends the create again after a lost answer; its condition (no such org)
+    then fails on the org this very call made: that is this call's success. An org made before
+    by another call is still 'already exists'."""
+    from botocore.exceptions import ClientError
+    from pynamodb.exceptions import PutError
+
+    tables = tables_on("")
+    real_save = type(tables.orgs(org_id="x")).save
+
+    def applied_then_refused(record, *args, **kwargs):  # the first send applied, the resend's condition failed
+        real_save(record, *args, **kwargs)
+        refusal = ClientError({"Error": {"Code": "ConditionalCheckFailedException", "Message": "failed"}}, "PutItem")
+        raise PutError("Failed to put item", cause=refusal)
+
+    monkeypatch.setattr(type(tables.orgs(org_id="x")), "save", applied_then_refused)
+    made = orgs.create_org(tables, "fresh", concurrency=4, credits=Decimal("3"))
+    assert (made.org_id, made.concurrency_limit, made.credits) == ("fresh", 4, Decimal("3"))
+    monkeypatch.undo()
+    with pytest.raises(RecordExists):
+        orgs.create_org(tables, "fresh", concurrency=4, credits=Decimal("3"))
+
+
+def test_a_key_revoked_by_a_call_whose_answer_was_lost_is_revoked_not_already_revoked(tables_on, monkeypatch):
+    """The revoking write applied, its answer lost, its resend refused (the key is revoked now):
+    this call revoked it, and says so; a second revocation is 'already revoked'."""
+    from kiln.aws import AwsClient, AwsError
+
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
+    made = keys.create_key(tables, "acme", label="ops")
+    real = AwsClient.dynamodb
+    lost = []
+
+    async def answer_lost_once(self, operation, payload):
+        answer = await real(self, operation, payload)
+        if operation == "UpdateItem" and payload.get("TableName") == tables.keys.Meta.table_name and not lost:
+            lost.append(payload)
+            raise AwsError("ConnectionError", "the connection closed before the answer")
+        return answer
+
+    monkeypatch.setattr(AwsClient, "dynamodb", answer_lost_once)
+    assert keys.revoke_key(tables, made.key_id).status == "revoked"
+    assert lost
+    with pytest.raises(AlreadyRevoked):
+        keys.revoke_key(tables, made.key_id)

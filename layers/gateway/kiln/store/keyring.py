@@ -882,10 +882,13 @@ class Keyring:
                                               extra_condition=NOT_REVOKED))
         except AlreadyRevoked:
             # revoked meanwhile, or by this very write, whose answer was lost and whose resend
-            # found it done: the figures come off either way
+            # found it done (then at the moment this call wrote): the figures come off either way
             current = await self._item(key_id, org_id)
             await self._tidy(_info(current), why="revoked")
-            raise AlreadyRevoked(key_id, current.get(KEY.revoked_at, {}).get("S")) from None
+            revoked_at = current.get(KEY.revoked_at, {}).get("S")
+            if revoked_at != values[":now"]["S"]:
+                raise AlreadyRevoked(key_id, revoked_at) from None
+            return _info(current)
         await self._tidy(revoked, why="revoked")
         return revoked
 

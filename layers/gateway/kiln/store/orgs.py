@@ -22,6 +22,7 @@ from .errors import (
     TransactionCancelled,
     TransientStorageError,
     condition_failure,
+    may_have_been_applied,
     translate_storage_error,
 )
 from .records import Tables
@@ -91,9 +92,16 @@ def create_org(tables: Tables, org_id: str, *, concurrency: int, credits: Decima
     try:
         record.save(condition=tables.orgs.org_id.does_not_exist())
     except PutError as exc:
-        if condition_failure(exc) is not None:
+        if condition_failure(exc) is None:
+            raise
+        # The AWS client sends a write again when its answer was lost: the org the resend's
+        # condition found may be this very call's, made at this millisecond with these values.
+        found = get_org(tables, org_id)
+        made = _info(record)
+        if (found.created_at, found.status, found.concurrency_limit, found.credits) != (
+                made.created_at, made.status, made.concurrency_limit, made.credits):
             raise RecordExists("org", org_id) from None
-        raise
+        return found
     return _info(record)
 
 
@@ -167,10 +175,12 @@ def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
         raise ValueError("the amount must be a non-zero number of USD")
     record = tables.orgs(org_id=org_id)
     connection = tables.orgs._get_connection().connection
+    token = [f"credits-{uuid.uuid4().hex}"]
+    lost = [0]  # answers lost: sent again a few times (each with the AWS client's own tries), then told
 
     def write() -> OrgInfo:
         try:
-            with TransactWrite(connection=connection, client_request_token=f"credits-{uuid.uuid4().hex}") as transaction:
+            with TransactWrite(connection=connection, client_request_token=token[0]) as transaction:
                 transaction.update(record, actions=[tables.orgs.credits.add(amount)],
                                    condition=tables.orgs.org_id.exists())
         except TransactWriteError as exc:
@@ -182,14 +192,31 @@ def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
             refusals = [reason for reason in exc.cancellation_reasons or []
                         if reason is not None and reason.code not in (None, "None")]
             if refusals:
-                kind = _Cancelled if TransactionCancelled(reasons).transient else StorageError
-                raise kind("; ".join(f"{reason.code}: {reason.message}" for reason in refusals),
-                           refusals[0].code) from None
-            raise translate_storage_error(exc) from exc
+                if TransactionCancelled(reasons).transient:
+                    token[0] = f"credits-{uuid.uuid4().hex}"  # not applied: the next try is a new one
+                    raise _Cancelled("; ".join(f"{reason.code}: {reason.message}" for reason in refusals),
+                                     refusals[0].code) from None
+                raise StorageError("; ".join(f"{reason.code}: {reason.message}" for reason in refusals),
+                                   refusals[0].code) from None
+            failure = translate_storage_error(exc)
+            if may_have_been_applied(failure):
+                # sent again with its token, it is applied once and answered as the first was
+                lost[0] += 1
+                raise (_MaybeApplied if lost[0] < _LOST_ANSWER_TRIES else StorageError)(
+                    f"DynamoDB's answer was lost ({failure}): the top-up may have been applied. Look at the "
+                    f"balance (kiln admin credits show {org_id}) before adding it again.", failure.code) from exc
+            raise failure from exc
         return get_org(tables, org_id)
 
-    return _over_conflicts(write, lambda exc: isinstance(exc, _Cancelled))
+    return _over_conflicts(write, lambda exc: isinstance(exc, (_Cancelled, _MaybeApplied)))
 
 
 class _Cancelled(TransientStorageError):
     """A transaction cancelled by a conflict or throttling on its item: not applied, tried again."""
+
+
+_LOST_ANSWER_TRIES = 3
+
+
+class _MaybeApplied(TransientStorageError):
+    """A top-up whose answer was lost: perhaps applied, sent again with the same token."""
