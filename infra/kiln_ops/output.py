@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import unicodedata
 from decimal import Decimal
 from typing import Any, Callable, Sequence
 
@@ -23,6 +24,20 @@ def _text(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return str(value)
+
+
+# what a table shows as its escape: control characters (a terminal's escape sequences, newlines),
+# line and paragraph separators, invisible format characters (but the joiner of emoji sequences)
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+_EMOJI_JOINER = "\u200d"
+
+
+def _shown(text: str) -> str:
+    """A cell of a table as a person reads it: nothing in it passes for other text or rows."""
+    if text.isprintable():
+        return text
+    return "".join(repr(char)[1:-1] if char != _EMOJI_JOINER and unicodedata.category(char) in _HIDDEN_CATEGORIES
+                   else char for char in text)
 
 
 # What a spreadsheet opening a CSV file runs as a formula when a cell starts with it.
@@ -54,10 +69,13 @@ def render(rows: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str, out
         writer.writerow(columns)
         for row in rows:
             writer.writerow([_csv_cell(row.get(c)) for c in columns])
-        for line in buffer.getvalue().splitlines():
+        # at the writer's line ends only: str.splitlines would also cut a cell at the separators
+        # a CSV writer leaves unquoted (U+2028, U+0085, VT, FF), which no CSV reader ends a row on
+        for line in buffer.getvalue().removesuffix("\n").split("\n"):
             out(line)
     else:
-        cells = [[c.upper().replace("_", " ") for c in columns]] + [[_text(row.get(c)) for c in columns] for row in rows]
+        cells = [[c.upper().replace("_", " ") for c in columns]] + [[_shown(_text(row.get(c))) for c in columns]
+                                                                     for row in rows]
         widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
         for line in cells:
             out("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())

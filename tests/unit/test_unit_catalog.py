@@ -169,6 +169,19 @@ WRITTEN_ONLY = [
     ({"timeouts": {"total": 900}}, "at most 870 seconds", lambda m: m.timeouts.total == 900.0),
     ({"timeouts": {"idle": 871}}, "timeouts.idle", lambda m: m.timeouts.idle == 871.0),
     ({"owned_by": 5}, "owned_by", lambda m: m.owned_by == "5"),
+    # a price is written in ASCII digits, unsigned, as kiln admin's amounts are
+    ({"pricing": {"input": "1_000", "output": "1"}}, "ASCII digits", lambda m: m.pricing.input == 1000),
+    ({"pricing": {"input": "\u0661\u0662", "output": "1"}}, "ASCII digits", lambda m: m.pricing.input == 12),
+    ({"pricing": {"input": " 5 ", "output": "1"}}, "ASCII digits", lambda m: m.pricing.input == 5),
+    ({"pricing": {"input": "-0", "output": "1"}}, "ASCII digits",
+     lambda m: m.pricing.input == 0 and not m.pricing.input.is_signed()),
+    # a name shown in kiln admin's tables and CSV holds nothing that passes for other text there
+    ({"owned_by": "\x1b[31macme"}, "owned_by", lambda m: m.owned_by == "\x1b[31macme"),
+    ({"owned_by": ""}, "owned_by", lambda m: m.owned_by == "kiln"),
+    ({"backends": [{"url": "http://x/v1", "name": "a\nTOTAL  999"}]}, "name",
+     lambda m: m.backends[0].name == "a\nTOTAL  999"),
+    ({"backends": [{"url": "http://x/v1", "model": "m\u2028=1+2"}]}, "model",
+     lambda m: m.backends[0].upstream_model == "m\u2028=1+2"),
     ({"backends": [{"url": "http://x/v1", "enable": False}]}, "'enable'", lambda m: m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "enabled": "false"}]}, "enabled", lambda m: not m.backends[0].enabled),
     ({"backends": [{"url": "http://x/v1", "enabled": 0}]}, "enabled", lambda m: not m.backends[0].enabled),
@@ -278,3 +291,12 @@ def test_a_name_given_twice_in_an_object_is_refused_only_where_written():
 def test_a_price_written_with_trailing_zeros_is_its_value():
     catalog = Catalog.from_document(one(pricing={"input": "0.035000000000000", "output": "1e-9"}), written=True)
     assert catalog.get("m").pricing.input == Decimal("0.035")
+
+
+@pytest.mark.parametrize("model_id", ["gpt\u2028=1+2", "\x1b[31mred", "", "  ", "a\u202eb"])
+def test_a_model_id_that_would_pass_for_other_text_is_refused_where_written(model_id):
+    """An id is shown in kiln admin's tables and CSV (usage by model, backends): a newline, an
+    escape sequence or a line separator there once made rows of its own."""
+    with pytest.raises(CatalogError, match="'id'"):
+        Catalog.from_document(one(id=model_id), written=True)
+    assert Catalog.from_document(one(id=model_id)).get(model_id).id == model_id  # a stored one is served

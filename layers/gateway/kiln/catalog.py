@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
@@ -31,6 +32,8 @@ MIN_PRICE = Decimal("1e-9")  # other than 0 (free)
 # credits minus a cost, as DynamoDB computes it on the org item, needs far fewer than the 38
 # significant digits a DynamoDB number holds, and every debit is exactly the cost recorded.
 PRICE_DECIMALS = 9
+# a price as kiln admin writes it: ASCII digits, a point, an exponent
+_PRICE_TEXT = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 MAX_CONTEXT_LENGTH = 1_000_000_000
 # The longest any upstream timeout may be: under the streaming functions' own timeout (contract
 # §8), with room left in it for the settle (its retry budget, 10 s by default) and a stream's last
@@ -228,6 +231,8 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
     if not isinstance(entry, Mapping):
         raise CatalogError(f"{where} must be an object")
     model_id = _require(entry, "id", str, where)
+    if written:
+        _shown(model_id, "id", where)
     where = f"model {model_id!r}"
     pricing = _require(entry, "pricing", Mapping, where)
     capabilities = entry.get("capabilities", {})
@@ -255,9 +260,9 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
         created=int(_number(entry.get("created", 0), "created", where)),
         context_length=_context_length(entry, where),
         pricing=Pricing(
-            input=_price(pricing, "input", where),
-            output=_price(pricing, "output", where),
-            cached_input=_price(pricing, "cached_input", where) if "cached_input" in pricing else None,
+            input=_price(pricing, "input", where, written),
+            output=_price(pricing, "output", where, written),
+            cached_input=_price(pricing, "cached_input", where, written) if "cached_input" in pricing else None,
         ),
         capabilities=Capabilities(**_known_only(capabilities, Capabilities)),
         timeouts=Timeouts(**{k: _timeout(v, f"timeouts.{k}", where, written)
@@ -394,10 +399,28 @@ def _text(entry: Mapping, key: str, where: str, written: bool) -> str | None:
     as it always was."""
     value = entry.get(key)
     if value is None or isinstance(value, str):
+        if written and value is not None:
+            _shown(value, key, where)
         return value
     if written:
         raise CatalogError(f"{where}: {key!r} must be a string")
     return str(value)
+
+
+# what a name shown to people may not hold (kiln admin's tables and CSV, /v1/models): control
+# characters (a terminal's escape sequences, newlines), line and paragraph separators, and the
+# invisible format characters
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def _shown(value: str, key: str, where: str) -> None:
+    """A name kiln admin writes: not empty, nothing in it that would pass for other text."""
+    if not value.strip():
+        raise CatalogError(f"{where}: {key!r} must not be empty")
+    hidden = next((char for char in value if unicodedata.category(char) in _HIDDEN_CATEGORIES), None)
+    if hidden is not None:
+        raise CatalogError(f"{where}: {key!r} must not hold control or invisible characters; it holds "
+                           f"U+{ord(hidden):04X}")
 
 
 def _require(entry: Mapping, key: str, kind: type, where: str) -> Any:
@@ -407,8 +430,13 @@ def _require(entry: Mapping, key: str, kind: type, where: str) -> Any:
     return value
 
 
-def _price(pricing: Mapping, key: str, where: str) -> Decimal:
+def _price(pricing: Mapping, key: str, where: str, written: bool) -> Decimal:
     raw = pricing.get(key)
+    if written and isinstance(raw, str) and not _PRICE_TEXT.fullmatch(raw):
+        # Decimal() takes "1_000", " 5 ", "-0" and digits of any script: a price is written
+        # as kiln admin's amounts are, in ASCII digits, unsigned
+        raise CatalogError(f"{where}: pricing.{key} must be written in ASCII digits, with no sign, "
+                           f"separator or blank (USD per 1M tokens), e.g. \"0.035\"")
     try:
         # Prices are written as strings ("0.035") so that no float ever touches them.
         value = Decimal(str(raw)) if isinstance(raw, (str, int)) and not isinstance(raw, bool) else None
@@ -418,6 +446,8 @@ def _price(pricing: Mapping, key: str, where: str) -> Decimal:
         raise CatalogError(f"{where}: pricing.{key} must be a non-negative decimal string (USD per 1M tokens)")
     if value > MAX_PRICE or 0 < value < MIN_PRICE:
         raise CatalogError(f"{where}: pricing.{key} must be 0 or from {MIN_PRICE} to {MAX_PRICE} (USD per 1M tokens)")
+    if value.is_zero():
+        value = Decimal(0)  # -0 is free, as 0 is
     if value.normalize().as_tuple().exponent < -PRICE_DECIMALS:
         raise CatalogError(f"{where}: pricing.{key} must have at most {PRICE_DECIMALS} decimal places (USD per 1M "
                            f"tokens): the costs made from it must stay exact in the ledger")
