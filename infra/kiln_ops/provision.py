@@ -16,7 +16,16 @@ from .template import TABLES, create_table_kwargs
 # What SSM Parameter Store holds in one value, by tier (the catalog is an advanced parameter).
 PARAMETER_VALUE_LIMITS = {"Standard": 4096, "Advanced": 8192}
 
-__all__ = ["aws_clients", "provision"]
+__all__ = ["aws_clients", "client_config", "provision"]
+
+
+def client_config() -> Any:
+    """How long kiln admin's botocore clients wait, as its table models do (kiln.store.records):
+    an endpoint that takes a connection and never answers fails a command in well under a
+    minute, not after botocore's 60 s read timeout on each of its tries."""
+    from botocore.config import Config
+
+    return Config(connect_timeout=3, read_timeout=10, retries={"total_max_attempts": 3, "mode": "standard"})
 
 
 def aws_clients(settings: Settings, session: Any = None) -> tuple[Any, Any]:
@@ -27,7 +36,7 @@ def aws_clients(settings: Settings, session: Any = None) -> tuple[Any, Any]:
     if settings.aws_endpoint_url and not os.environ.get("AWS_ACCESS_KEY_ID"):
         session.set_credentials("emulator", "emulator")  # an emulator checks no signature
     make = lambda service: session.create_client(  # noqa: E731
-        service, region_name=settings.region, endpoint_url=settings.aws_endpoint_url
+        service, region_name=settings.region, endpoint_url=settings.aws_endpoint_url, config=client_config()
     )
     return make("dynamodb"), make("ssm")
 

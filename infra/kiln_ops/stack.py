@@ -11,6 +11,8 @@ from typing import Any
 
 from kiln.settings import Settings
 
+from .provision import client_config
+
 __all__ = ["OUTPUTS", "StackNotFound", "settings_from_stack"]
 
 # template.yaml output → the settings field it fills
@@ -36,7 +38,8 @@ def settings_from_stack(stack_name: str, base: Settings, session: Any = None) ->
     session = session or botocore.session.get_session()
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or session.get_config_variable("region")
     region = region or base.region
-    client = session.create_client("cloudformation", region_name=region, endpoint_url=base.aws_endpoint_url)
+    client = session.create_client("cloudformation", region_name=region, endpoint_url=base.aws_endpoint_url,
+                                   config=client_config())
     try:
         stacks = client.describe_stacks(StackName=stack_name)["Stacks"]
     except ClientError as exc:
