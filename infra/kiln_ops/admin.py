@@ -10,6 +10,7 @@ on stderr (argument errors: exit 2).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -63,6 +64,15 @@ def _time(text: str) -> str:
         return parse_time(text)
     except (ValueError, OverflowError):  # OverflowError: a time with no date in UTC (years 1-9999)
         raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time of the years 1 to 9999 in UTC: {text!r}") from None
+
+
+def _until(text: str) -> datetime:
+    from kiln.maintenance import parse_until
+
+    try:
+        return parse_until(text)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time with a date in UTC: {text!r}") from None
 
 
 def add_admin_parser(subparsers: Any) -> None:
@@ -183,7 +193,8 @@ def add_admin_parser(subparsers: Any) -> None:
         dest="action", required=True
     )
     on = maintenance.add_parser("on", help="answer 503 maintenance on every endpoint")
-    on.add_argument("--until", help="ISO 8601 end time, sent as Retry-After")
+    on.add_argument("--until", type=_until,
+                    help="ISO 8601 end time (a time without a zone is UTC), sent as Retry-After")
     on.add_argument("--message", help="the message clients see")
     on.set_defaults(run=_maintenance_on)
     maintenance.add_parser("off", help="serve again").set_defaults(run=_maintenance_off)
@@ -235,6 +246,10 @@ def _key_attribute_flags(parser: argparse.ArgumentParser, clears: str) -> None:
 KEY_FLAGS = ("label", "role", "models", "concurrency", "spend_limit", "spend_period")
 
 
+# the status of a command whose output's reader left (128 + SIGPIPE), as a shell reports it
+BROKEN_PIPE = 141
+
+
 def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str], None] = print) -> int:
     from kiln.settings import Settings, SettingsError
 
@@ -246,6 +261,8 @@ def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str
             settings = settings_from_stack(args.stack, settings)
         args.run(Context(settings), args, out)
         return 0
+    except BrokenPipeError:  # its reader left (`| head`): stop there, as a Unix command does
+        return BROKEN_PIPE
     except (AdminError, SettingsError, StackNotFound, ValueError) as exc:
         print(f"kiln admin: {exc}", file=sys.stderr)
         return 1
@@ -751,20 +768,15 @@ def _upstream_key_status(ctx: Context, args: argparse.Namespace, out) -> None:
 
 
 def _maintenance_on(ctx: Context, args: argparse.Namespace, out) -> None:
-    from kiln.maintenance import MaintenanceFlag, parse_until
+    from kiln.maintenance import MaintenanceFlag
 
-    until = None
-    if args.until:
-        try:
-            until = parse_until(args.until)
-        except ValueError as exc:
-            raise AdminError(f"--until is not an ISO 8601 time with a date in UTC: {args.until!r} ({exc})") from None
+    until = args.until
     flag = MaintenanceFlag(enabled=True, until=until, message=args.message)
     _write_flag(ctx, flag)
     out(f"maintenance on: {flag.to_json()}")
     if until is not None and until <= datetime.now(timezone.utc):
         seconds = ctx.settings.maintenance_retry_after_seconds
-        out(f"note: --until {until.strftime('%Y-%m-%dT%H:%M:%SZ')} has passed: clients are told "
+        out(f"note: --until {json.loads(flag.to_json())['until']} has passed: clients are told "
             f"Retry-After: {seconds} (seconds) instead")
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .admin import add_admin_parser, run_admin
+from .admin import BROKEN_PIPE, add_admin_parser, run_admin
 from .argtypes import bounded_int, non_negative
 
 __all__ = ["main"]
@@ -74,7 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "admin":
-        return run_admin(args)
+        code = run_admin(args)
+        try:
+            sys.stdout.flush()  # what a pipe's reader gets is written here, not at exit
+        except BrokenPipeError:
+            code = BROKEN_PIPE
+        if code == BROKEN_PIPE:
+            _stdout_to_nowhere()  # what is left in its buffer would fail again at exit
+        return code
     if args.command == "dev":
         from .dev import run_dev
 
@@ -114,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         serve(serialized_app(faults), args.host, args.port)
         return 0
     raise AssertionError(args.command)
+
+
+def _stdout_to_nowhere() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

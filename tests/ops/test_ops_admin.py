@@ -618,6 +618,18 @@ def test_an_until_already_past_switches_on_and_says_clients_get_seconds(admin, s
     assert stack.post("/v1/chat/completions", CHAT, secret).headers["Retry-After"] == str(seconds)
 
 
+def test_an_until_that_is_no_time_is_a_malformed_argument_and_a_year_typed_short_is_still_a_switch(admin, stack):
+    malformed = admin("maintenance", "on", "--until", "garbage")
+    assert malformed.code == 2 and "--until" in malformed.err and "garbage" in malformed.err
+    typo = admin("maintenance", "on", "--until", "0226-12-01T03:00:00Z")  # for 2026
+    assert typo.code == 0
+    assert typo.lines[-1].startswith("note: --until 0226-12-01T03:00:00Z has passed")
+    status = admin("maintenance", "status")
+    assert status.code == 0 and '"until": "0226-12-01T03:00:00Z"' in status.lines[0], status.err
+    _, secret = stack.org()
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 503  # the gateway reads it on
+
+
 def test_maintenance_status_without_a_parameter_is_off(admin, stack):
     stack.ssm.delete_parameter(Name=stack.settings.maintenance_parameter)
     stack.maintenance_changed = True  # put it back afterwards
@@ -668,7 +680,8 @@ def test_invalid_org_id_fails(admin, org_id):
 
 @pytest.mark.parametrize("until", ["tomorrow", "2099-13-01T00:00:00Z", "12/01/2099"])
 def test_bad_until_fails_and_leaves_the_switch_alone(admin, stack, until):
-    assert_fails(admin("maintenance", "on", "--until", until), "--until", repr(until))
+    # a malformed argument, as the docs say, exits 2
+    assert_fails(admin("maintenance", "on", "--until", until), "--until", repr(until), code=2)
     assert admin("maintenance", "status").lines == ['maintenance off: {"enabled": false}']
     _, secret = stack.org()
     assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200
@@ -851,6 +864,17 @@ def test_the_kiln_command_in_a_shell_with_the_exports(stack):
     assert failed.returncode == 1
     assert failed.stdout == ""
     assert failed.stderr == "kiln admin: org 'no-such-org' not found\n"
+
+
+def test_a_listing_whose_reader_left_ends_quietly(stack):
+    """`kiln admin catalog show | head -1`: the reader may leave before the listing is written
+    (here at once: `true` reads nothing); the listing stops there as a Unix command does (the
+    status of a pipe's broken end), with no line on stderr saying the pipe broke, and no
+    traceback at exit."""
+    env, exports = _shell_env(stack)
+    script = exports + "set -o pipefail\nkiln admin catalog show | true\n"
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stderr == "" and done.returncode == 141
 
 
 def test_catalog_set_validates_and_replaces_the_catalog(admin, stack, tmp_path):
