@@ -694,6 +694,18 @@ def test_negative_initial_credits_are_rejected(admin, stack):
         stack.org_info(org_id)
 
 
+@pytest.mark.parametrize("amount", ["1e125", "1000000000000", "-10000000000000", "0.0000000000000001"])
+def test_credits_no_balance_could_stay_exact_with_are_refused(admin, stack, amount):
+    """A balance is debited costs of up to 15 decimal places, in DynamoDB's 38 digits: an amount
+    of a trillion dollars or more, or finer than a cost, would leave a balance whose debits are
+    rounded (after $1e125 was added, the next adds vanished and kiln admin said they were made)."""
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id, "--credits", "1").code == 0
+    assert_fails(admin("credits", "add", org_id, amount), "credits")
+    assert_fails(admin("orgs", "create", new_org_id(), "--credits", amount.lstrip("-")), "credits")
+    assert stack.org_info(org_id).credits == Decimal("1")
+
+
 def test_adding_zero_credits_is_rejected(admin, stack):
     org_id = new_org_id()
     assert admin("orgs", "create", org_id, "--credits", "1").code == 0

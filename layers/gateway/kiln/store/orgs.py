@@ -80,12 +80,27 @@ def _check_limit(concurrency: int) -> None:
         raise ValueError(f"the concurrency limit must be from 1 to {MAX_CONCURRENCY}")
 
 
+# What an operator may put on a balance at once: a balance is debited costs of up to 15 decimal
+# places (kiln.catalog.PRICE_DECIMALS), and stays exact in the 38 digits of a DynamoDB number
+# while it has no more than 23 before the point; amounts below a trillion dollars, no finer than a
+# cost, keep it there.
+MAX_CREDITS = Decimal("1e12")
+CREDIT_DECIMALS = 15
+
+
+def _check_credits(amount: Decimal) -> None:
+    if abs(amount) >= MAX_CREDITS or amount.normalize().as_tuple().exponent < -CREDIT_DECIMALS:
+        raise ValueError(f"credits must be below ${MAX_CREDITS:,.0f} and have at most {CREDIT_DECIMALS} decimal "
+                         f"places, so that every debit stays exact")
+
+
 def create_org(tables: Tables, org_id: str, *, concurrency: int, credits: Decimal) -> OrgInfo:
     if not valid_org_id(org_id):
         raise ValueError("org ids are 1-63 characters: lower-case letters, digits, '-' and '_'")
     _check_limit(concurrency)
     if not credits.is_finite() or credits < 0:
         raise ValueError("credits must be a non-negative amount of USD")
+    _check_credits(credits)
     record = tables.orgs(
         org_id=org_id, status="active", concurrency_limit=concurrency, credits=credits, leases={}, created_at=iso_ms(now())
     )
@@ -173,6 +188,7 @@ def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
     sent within 10 minutes; a new token for each try after a conflict (not applied)."""
     if not amount.is_finite() or amount == 0:
         raise ValueError("the amount must be a non-zero number of USD")
+    _check_credits(amount)
     record = tables.orgs(org_id=org_id)
     connection = tables.orgs._get_connection().connection
     token = [f"credits-{uuid.uuid4().hex}"]
