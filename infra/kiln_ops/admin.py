@@ -799,5 +799,13 @@ def _maintenance_status(ctx: Context, args: argparse.Namespace, out) -> None:
 
 
 def _write_flag(ctx: Context, flag: Any) -> None:
-    ctx.ssm.put_parameter(Name=ctx.settings.maintenance_parameter, Value=flag.to_json(), Type="String", Overwrite=True)
+    from .provision import PARAMETER_VALUE_LIMITS
+
+    value = flag.to_json()
+    # the switch is a standard parameter where kiln admin first writes it on a deployed stack
+    limit = PARAMETER_VALUE_LIMITS["Standard"]
+    if len(value.encode()) > limit:
+        raise AdminError(f"the maintenance switch would be {len(value.encode())} bytes, over SSM's {limit} for a "
+                         f"standard parameter: shorten --message")
+    ctx.ssm.put_parameter(Name=ctx.settings.maintenance_parameter, Value=value, Type="String", Overwrite=True)
 

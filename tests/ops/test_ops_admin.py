@@ -630,6 +630,15 @@ def test_an_until_that_is_no_time_is_a_malformed_argument_and_a_year_typed_short
     assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 503  # the gateway reads it on
 
 
+def test_a_maintenance_message_too_long_for_a_standard_parameter_is_refused_here_as_on_aws(admin, stack):
+    """The local switch is an advanced parameter (8 KB), a deployed stack's a standard one (4 KB)
+    where kiln admin first writes it: a long message passed here and failed there."""
+    result = admin("maintenance", "on", "--message", "x" * 4100)
+    assert_fails(result, "shorten --message")
+    assert admin("maintenance", "status").lines == ['maintenance off: {"enabled": false}']
+    assert admin("maintenance", "on", "--message", "x" * 4000).code == 0
+
+
 def test_maintenance_status_without_a_parameter_is_off(admin, stack):
     stack.ssm.delete_parameter(Name=stack.settings.maintenance_parameter)
     stack.maintenance_changed = True  # put it back afterwards
