@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Collection, Mapping, Sequence
 
+from ..aws import tried_once
 from ..errors import shortened
 from ..usage_report import KeySpend
 from .clock import iso_ms
@@ -48,6 +49,7 @@ from .errors import (
     UnstorableValue,
     condition_failure,
     is_transient,
+    may_have_been_applied,
     translate_storage_error,
 )
 from .keys import _SHOWN_PREFIX, KEY_PREFIX, IssuedKey, KeyInfo, hash_secret
@@ -492,7 +494,7 @@ class Keyring:
     # -- the keys' figures on the org item (kiln.store.keyspend) ------------------------------
 
     async def _org_write(self, org_id: str, update: str, names: dict[str, str],
-                         values: dict[str, Any] | None = None, condition: str = "") -> bool:
+                         values: dict[str, Any] | None = None, condition: str = "", *, idempotent: bool = True) -> bool:
         """One UpdateItem of an org item that exists, tried again while it meets settle
         transactions; False if its condition (or the org) failed."""
         payload: dict[str, Any] = {
@@ -505,26 +507,28 @@ class Keyring:
         if values:
             payload["ExpressionAttributeValues"] = values
         try:
-            await self._update(payload)
+            await self._update(payload, idempotent=idempotent)
         except Exception as exc:
             if isinstance(condition_failure(exc), ConditionFailed):
                 return False
             raise
         return True
 
-    async def _update(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """One UpdateItem (each sets values: applied twice, it is applied once), tried again
-        while DynamoDB refuses it for a reason that another try may cure, as the ledger's
-        writes are: its item inside a transaction in flight (an org item in its requests'
-        settles, a key item in a change of its spend limit), throttling, a 5xx, a lost answer.
-        Any other failure, a failed condition included, is raised at once."""
+    async def _update(self, payload: dict[str, Any], *, idempotent: bool = True) -> dict[str, Any]:
+        """One UpdateItem, tried again (one call a try, within the ledger's policy) while DynamoDB
+        refuses it for a reason that another try may cure: its item inside a transaction in
+        flight (an org item in its requests' settles, a key item in a change of its spend
+        limit), throttling, a 5xx, and, for an `idempotent` write (one that sets values: applied
+        twice, it is applied once), a lost answer. Any other failure, a failed condition
+        included, is raised at once; so is a lost answer to a write that adds."""
 
         async def update() -> dict[str, Any]:
             try:
-                return await self._aws.dynamodb("UpdateItem", payload)
+                return await tried_once(self._aws).dynamodb("UpdateItem", payload)
             except Exception as exc:
-                if is_transient(translate_storage_error(exc)):
-                    raise translate_storage_error(exc) from exc
+                failure = translate_storage_error(exc)
+                if is_transient(failure) and (idempotent or not may_have_been_applied(failure)):
+                    raise failure from exc
                 raise
 
         return await _WRITES.run(update, what="key")
@@ -661,7 +665,7 @@ class Keyring:
                 return figure  # counting already
             if attempt == _CONFLICT_ATTEMPTS:
                 await self._org_write(key.org_id, "ADD #f :missing", {"#f": figure},
-                                      {":missing": {"N": number(spent - counted)}})
+                                      {":missing": {"N": number(spent - counted)}}, idempotent=False)
                 return figure
             values = {":spent": {"N": number(spent)}}
             if found is None:
@@ -707,7 +711,7 @@ class Keyring:
 
         async def put() -> None:
             try:
-                await self._aws.dynamodb(
+                await tried_once(self._aws).dynamodb(
                     "PutItem",
                     {
                         "TableName": self._keys_table,
