@@ -278,6 +278,11 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, (AlreadyRevoked, RecordExists, RecordNotFound)):
         return str(exc)
     from kiln.aws import AwsError
+    from kiln.store.errors import may_have_been_applied
+
+    if may_have_been_applied(exc):  # as the writes raise it: a write sent, and its answer lost (or a 5xx)
+        return (f"DynamoDB's answer was lost ({exc}): the change may have been made. "
+                f"Look (show or list) before making it again.")
 
     for cause in _causes(exc):  # the lean client's (key management)
         if isinstance(cause, AwsError) and cause.code == "NoCredentials":

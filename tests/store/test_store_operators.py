@@ -179,3 +179,62 @@ def test_a_key_revoked_by_a_call_whose_answer_was_lost_is_revoked_not_already_re
     assert lost
     with pytest.raises(AlreadyRevoked):
         keys.revoke_key(tables, made.key_id)
+
+
+def test_a_key_change_whose_answers_stay_lost_is_told_as_perhaps_made(tables_on, monkeypatch):
+    """Every answer lost: the change may have been made. 'cannot reach AWS' said nothing was
+    done, and the operator would not look before trying again."""
+    from kiln.aws import AwsClient, AwsError
+    from kiln.store import retry
+    from kiln_ops.admin import _describe
+
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
+    made = keys.create_key(tables, "acme", label="ops")
+    real = AwsClient.dynamodb
+
+    async def answers_lost(self, operation, payload):
+        answer = await real(self, operation, payload)
+        if operation == "UpdateItem":
+            raise AwsError("ConnectionError", "the connection closed before the answer")
+        return answer
+
+    monkeypatch.setattr(AwsClient, "dynamodb", answers_lost)
+    monkeypatch.setattr("kiln.store.keyring._WRITES", retry.RetryPolicy(attempts=3, base_seconds=0))
+    with pytest.raises(Exception) as failed:
+        keys.update_key(tables, made.key_id, label="renamed")
+    told = _describe(failed.value)
+    assert "may have been made" in told and "cannot reach" not in told
+
+
+def test_a_top_up_whose_resend_meets_its_first_send_in_progress_is_sent_again_with_its_token(tables_on, monkeypatch):
+    """The first send applied (its answer lost) and still in progress when the resend comes:
+    TransactionInProgressException. A new try with a new token would add it twice; the same
+    token is sent again, and the top-up is applied once."""
+    from botocore.exceptions import ClientError
+    from pynamodb.exceptions import TransactWriteError
+    from pynamodb.transactions import TransactWrite
+
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("10"))
+    tokens: list[str] = []
+
+    def sends(*args, **kwargs):
+        tokens.append(kwargs.get("client_request_token"))
+
+        class Sent(TransactWrite):
+            def __exit__(self, *exc_info):
+                if len(tokens) == 2:  # the resend, while the first is still being applied
+                    busy = ClientError({"Error": {"Code": "TransactionInProgressException", "Message": "busy"},
+                                        "ResponseMetadata": {"HTTPStatusCode": 400}}, "TransactWriteItems")
+                    raise TransactWriteError("Failed to write transaction items", cause=busy) from busy
+                super().__exit__(*exc_info)
+                if len(tokens) == 1:
+                    reset = ConnectionError("reset before the answer")
+                    raise TransactWriteError("Failed to write transaction items", cause=reset) from reset
+
+        return Sent(*args, **kwargs)
+
+    monkeypatch.setattr(orgs, "TransactWrite", sends)
+    assert orgs.add_credits(tables, "acme", Decimal("1")).credits == Decimal("11")
+    assert len(tokens) == 3 and len(set(tokens)) == 1

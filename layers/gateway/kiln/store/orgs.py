@@ -215,7 +215,8 @@ def add_credits(tables: Tables, org_id: str, amount: Decimal) -> OrgInfo:
                 raise StorageError("; ".join(f"{reason.code}: {reason.message}" for reason in refusals),
                                    refusals[0].code) from None
             failure = translate_storage_error(exc)
-            if may_have_been_applied(failure):
+            # in progress: the same token's first send is still being applied (its answer lost)
+            if may_have_been_applied(failure) or getattr(failure, "code", None) == "TransactionInProgressException":
                 # sent again with its token, it is applied once and answered as the first was
                 lost[0] += 1
                 raise (_MaybeApplied if lost[0] < _LOST_ANSWER_TRIES else StorageError)(
