@@ -703,7 +703,8 @@ def test_negative_initial_credits_are_rejected(admin, stack):
         stack.org_info(org_id)
 
 
-@pytest.mark.parametrize("amount", ["1e125", "1000000000000", "-10000000000000", "0.0000000000000001"])
+@pytest.mark.parametrize("amount", ["1e125", "1000000000000", "-10000000000000", "0.0000000000000001",
+                                    "1.00000000000000000000000000001"])  # places past a context's 28 digits
 def test_credits_no_balance_could_stay_exact_with_are_refused(admin, stack, amount):
     """A balance is debited costs of up to 15 decimal places, in DynamoDB's 38 digits: an amount
     of a trillion dollars or more, or finer than a cost, would leave a balance whose debits are

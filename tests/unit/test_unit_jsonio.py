@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kiln.jsonio import MAX_DEPTH, compact, compact_text, decimal_text, dumps, loads_strict, loads_trusted
+from kiln.jsonio import MAX_DEPTH, compact, compact_text, decimal_places, decimal_text, dumps, loads_strict, loads_trusted
 
 
 def test_accepts_rfc8259_json_with_surrounding_whitespace():
@@ -186,3 +186,11 @@ def test_what_is_written_holds_no_more_memory_than_its_bytes():
     finally:
         tracemalloc.stop()
     assert len(kept) == 2000 and retained / 2000 < 200
+
+
+@pytest.mark.parametrize("text, places", [
+    ("1", 0), ("1.50", 1), ("0.000", 0), ("1E-9", 9), ("12.3E+1", 0), ("-0.0015", 4), ("1e3", 0),
+    ("0.0350000000000000000000000000001", 31), ("1.00000000000000000000000000001", 29),
+])
+def test_decimal_places_are_read_from_the_digits_exactly(text, places):
+    assert decimal_places(Decimal(text)) == places

@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any, Iterable, Mapping
 from urllib.parse import quote, urlsplit
 
-from .jsonio import decimal_text, loads_strict
+from .jsonio import decimal_places, decimal_text, loads_strict
 from .truth import spelled
 
 __all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "Limits", "ModelEntry", "Pricing", "Timeouts"]
@@ -448,7 +448,7 @@ def _price(pricing: Mapping, key: str, where: str, written: bool) -> Decimal:
         raise CatalogError(f"{where}: pricing.{key} must be 0 or from {MIN_PRICE} to {MAX_PRICE} (USD per 1M tokens)")
     if value.is_zero():
         value = Decimal(0)  # -0 is free, as 0 is
-    if value.normalize().as_tuple().exponent < -PRICE_DECIMALS:
+    if written and decimal_places(value) > PRICE_DECIMALS:
         raise CatalogError(f"{where}: pricing.{key} must have at most {PRICE_DECIMALS} decimal places (USD per 1M "
                            f"tokens): the costs made from it must stay exact in the ledger")
     return value

@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - CPython always has it
     c_make_encoder = None
 
-__all__ = ["MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_text", "dumps", "loads_strict", "loads_trusted"]
+__all__ = ["MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_places", "decimal_text", "dumps", "loads_strict", "loads_trusted"]
 
 # Deeper than this is no request anyone means to send, and everything the gateway does with
 # a body afterwards (copying, encoding, estimating) must stay far from the recursion limit.
@@ -124,6 +124,16 @@ def decimal_text(value: Decimal) -> str:
     if "." in text:
         text = text.rstrip("0").rstrip(".")
     return text
+
+
+def decimal_places(value: Decimal) -> int:
+    """How many digits a finite Decimal has after the point, trailing zeros not counted, read
+    from its digits (exact: normalize() would round it to the context's 28 digits first)."""
+    _, digits, exponent = value.as_tuple()
+    if not any(digits):
+        return 0
+    zeros = len(digits) - len("".join(map(str, digits)).rstrip("0"))
+    return max(0, -(exponent + zeros))
 
 
 def _not_serializable(obj: Any) -> Any:

@@ -25,6 +25,7 @@ from .errors import (
     may_have_been_applied,
     translate_storage_error,
 )
+from ..jsonio import decimal_places
 from .records import Tables
 from .schema import LEASE
 
@@ -89,7 +90,7 @@ CREDIT_DECIMALS = 15
 
 
 def _check_credits(amount: Decimal) -> None:
-    if abs(amount) >= MAX_CREDITS or amount.normalize().as_tuple().exponent < -CREDIT_DECIMALS:
+    if amount.copy_abs() >= MAX_CREDITS or decimal_places(amount) > CREDIT_DECIMALS:  # exact: no context rounds
         raise ValueError(f"credits must be below ${MAX_CREDITS:,.0f} and have at most {CREDIT_DECIMALS} decimal "
                          f"places, so that every debit stays exact")
 
