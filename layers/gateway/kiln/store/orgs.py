@@ -13,6 +13,7 @@ from typing import Callable, TypeVar
 from pynamodb.exceptions import DoesNotExist, PutError, TransactWriteError, UpdateError
 from pynamodb.transactions import TransactWrite
 
+from ..jsonio import decimal_places
 from ..settings import MAX_ORG_CONCURRENCY
 from .clock import iso_ms, now
 from .errors import (
@@ -25,7 +26,6 @@ from .errors import (
     may_have_been_applied,
     translate_storage_error,
 )
-from ..jsonio import decimal_places
 from .records import Tables
 from .schema import LEASE
 
