@@ -275,3 +275,21 @@ def test_a_gateway_that_cannot_be_built_answers_500_in_the_contracts_shape_and_r
     monkeypatch.setenv("KILN_LEASE_TTL_SECONDS", lambda_env.stack.settings.to_env()["KILN_LEASE_TTL_SECONDS"])
     served = importlib.import_module("kiln_functions.models.app").handler(event, CONTEXT)
     assert served["statusCode"] == 200, body_of(served)
+
+
+def test_a_fault_in_turning_the_apps_answer_into_lambdas_is_a_function_error_not_the_events(lambda_env, monkeypatch):
+    """Only the event's reading is answered 400 invalid_event: a fault after it (here an answer
+    Mangum cannot turn into Lambda's) is the gateway's, raised so that the errors alarm sees it."""
+    import kiln_functions.models.app as models
+
+    class Spoiled:  # a header value that is no text: no Lambda answer can hold it
+        async def __call__(self, scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"x-bad", b"\xff\xfe")]})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+    async def spoiled(request):
+        return Spoiled()
+
+    monkeypatch.setitem(models.app._fixed["/v1/models"], "GET", spoiled)
+    with pytest.raises(Exception):
+        invoke("models", "rest-models.json", lambda_env.key)

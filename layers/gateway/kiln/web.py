@@ -264,12 +264,19 @@ def lambda_handler(app: App) -> Callable[[dict, Any], dict]:
     def handler(event: dict, context: Any) -> dict:
         if not adapter:
             from mangum import Mangum
+            from mangum.protocols import HTTPCycle
 
-            adapter.append(Mangum(app, lifespan="off"))
+            adapter.extend((Mangum(app, lifespan="off"), HTTPCycle))
+        mangum, cycle = adapter
+        # Mangum's own steps, the event's reading apart: what fails there is the event's fault
+        # (answered 400); what fails after it, the app's answer turned into Lambda's, is the
+        # gateway's, and raised as a function error, as Mangum would
         try:
-            return adapter[0](event, context)
-        except Exception as exc:  # the app answers every request it is given: this is the event's fault
+            request = mangum.infer(event, context)
+            scope, body = request.scope, request.body
+        except Exception as exc:
             return _unusable_event(event, exc)
+        return request(cycle(scope, body)(app))
 
     return handler
 
