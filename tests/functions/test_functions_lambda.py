@@ -291,5 +291,5 @@ def test_a_fault_in_turning_the_apps_answer_into_lambdas_is_a_function_error_not
         return Spoiled()
 
     monkeypatch.setitem(models.app._fixed["/v1/models"], "GET", spoiled)
-    with pytest.raises(Exception):
+    with pytest.raises(UnicodeDecodeError):
         invoke("models", "rest-models.json", lambda_env.key)
