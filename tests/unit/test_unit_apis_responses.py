@@ -258,9 +258,10 @@ def test_nothing_after_the_final_event_is_relayed():
     assert out == DELTA and relay.relayed_tokens == 1
 
 
-def test_events_without_data_and_comments_pass():
+def test_comments_pass_and_an_event_with_a_name_and_no_data_does_not():
+    """The Python SDK reads `event: ping` with no data as an event with empty data, and raises."""
     out, relay = relayed(b"event: ping\n\n" + b": hi\n\n" + COMPLETED)
-    assert out == b"event: ping\n\n: hi\n\n" and relay.first_chunk is None
+    assert out == b": hi\n\n" and relay.first_chunk is None
 
 
 def test_the_final_event_goes_out_last_with_the_cost_in_its_usage():

@@ -452,3 +452,30 @@ def test_a_field_that_only_starts_like_id_is_the_events_own():
     event = b"idx: 7\n" + HELLO
     out, relay = relay_all([ROLE + event + DONE])
     assert out == ROLE + event
+
+
+def test_an_event_named_error_whose_data_is_done_ends_the_stream_as_done():
+    """Both SDKs end a stream at [DONE] before they look at the event's name."""
+    out, relay = relay_all([ROLE + HELLO + b"event: error\ndata: [DONE]\n\n"])
+    assert out == ROLE + HELLO and relay.done and relay.failure is None
+
+
+@pytest.mark.parametrize("event", [b"event: ping\n\n", b"event: ping\nid: 3\n\n", b"event\n\n"])
+def test_an_event_with_a_name_and_no_data_is_not_relayed_and_comments_are(event):
+    """The Python SDK reads an event with a name and no data as one with empty data and raises on
+    it; comments and fields it does not know it skips."""
+    from openai._streaming import SSEDecoder
+
+    assert list(SSEDecoder().iter_bytes(iter([b"event: ping\n\n"])))[0].data == ""  # why
+    kept = b": one\n: two\n\n" + b"foo: bar\n\n"
+    out, relay = relay_all([ROLE + event + HELLO + kept + DONE])
+    assert out == ROLE + HELLO + kept and relay.failure is None
+
+
+def test_an_error_that_is_an_empty_object_is_no_error_in_a_buffered_answer():
+    """Neither SDK looks for an `error` in a buffered answer; in a stream, the Node SDK raises on {}."""
+    from kiln.sse import is_error_object
+
+    answer = {"choices": [{"message": {"content": "x"}}], "error": {}}
+    assert not is_error_object(answer) and is_error_object(answer, streamed=True)
+    assert is_error_object({"error": {"message": "boom"}}) and is_error_object({"object": "error"})

@@ -58,8 +58,10 @@ UNREAD: Any = object()
 # OpenAI Python SDK read every later blank line, the gateway's keepalive's too, as an event
 # with empty data, and raise on it.
 _STREAM_FIELD = re.compile(rb"^(?:id|retry)(?::[^\n]*)?(?:\n|$)", re.M)
-# an event named `error`: the OpenAI Node SDK raises on it, whatever its data
+# an event named `error`: the OpenAI Node SDK raises on it, whatever its data but [DONE]
 _ERROR_NAME = re.compile(rb"^event: ?error$", re.M)
+# an event's name, of any value
+_EVENT_FIELD = re.compile(rb"^event(?::|$)", re.M)
 
 
 def error_event(message: str) -> bytes:
@@ -314,15 +316,17 @@ class SseRelay:
                 return self._payload(event, event[5:].lstrip(b" "))
             if event.startswith(b":"):
                 return event  # an upstream comment (its own keepalive): harmless, pass it on
-        if _ERROR_NAME.search(event):
-            return self._failed("the model server sent an error event")
         if _STREAM_FIELD.search(event):
             event = _STREAM_FIELD.sub(b"", event).strip(b"\n")
             if not event:
                 return None
         payload = data_of(event)
+        if _ERROR_NAME.search(event) and (payload is None or not is_done(payload)):  # the SDKs end at [DONE] first
+            return self._failed("the model server sent an error event")
         if payload is None:
-            return event
+            # no data: an event with a name (`event: ping`) the Python SDK reads as one with empty
+            # data, and raises on it; comments and fields it ignores pass on
+            return None if _EVENT_FIELD.search(event) else event
         return self._payload(event, payload)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
@@ -332,7 +336,7 @@ class SseRelay:
             return None
         # what may be an error is read (any escape may spell one), once for every use below
         data = parse_json(payload) if _IN_BAND_ERROR.search(payload) else UNREAD
-        if data is not UNREAD and is_error_object(data):
+        if data is not UNREAD and is_error_object(data, streamed=True):
             # the upstream failed mid-stream: the stream ends with the gateway's one error event (§5)
             return self._failed("the model server sent an error in the stream")
         if self.first_chunk is None:
@@ -395,14 +399,19 @@ def is_done(payload: bytes) -> bool:
     return payload.startswith(b"[DONE]")
 
 
-def is_error_object(data: Any) -> bool:
-    """An upstream's error, in an event or as a buffered body: an object that is an error, or
-    whose `error` is anything but null, false, 0 or "" (the OpenAI SDKs raise on such an event,
-    choices or not: the Node SDK on an empty object or array too, which JavaScript holds true)."""
+def is_error_object(data: Any, *, streamed: bool = False) -> bool:
+    """An upstream's error, as a buffered body or (`streamed`) in an event: an object that is an
+    error, or whose `error` is anything but null, false, 0 or empty. In a stream, as the OpenAI
+    SDKs read its events, an empty object or array is an error too: the Node SDK raises on it,
+    JavaScript holding it true. Neither SDK looks for an `error` in a buffered answer."""
     if not isinstance(data, dict):
         return False
+    if data.get("object") == "error":
+        return True
     error = data.get("error")
-    return (error is not None and error is not False and error != 0 and error != "") or data.get("object") == "error"
+    if streamed:
+        return error is not None and error is not False and error != 0 and error != ""
+    return bool(error)
 
 
 def data_of(event: bytes) -> bytes | None:

@@ -531,7 +531,7 @@ class ResponsesRelay(SseRelay):
                 if not isinstance(data.get("response"), dict):
                     return self._failed(f"its final event ({kind}) has no response object")
                 return self._final(event, data)
-            if kind == "error" or is_error_object(data):
+            if kind == "error" or is_error_object(data, streamed=True):
                 # the stream ends with the gateway's one error event (§9), whether the server
                 # wrote the Responses API's error event or chat's (`{"error": {...}}`)
                 return self._failed("the model server sent an error event")
