@@ -3,7 +3,7 @@
 from decimal import Decimal
 
 from kiln.store.usage import UsageEvent
-from kiln.usage_report import summarize
+from kiln.usage_report import KeySpend, summarize
 
 
 def _event(n: int, cost: str, model: str = "m") -> UsageEvent:
@@ -19,3 +19,10 @@ def test_a_reports_cost_is_the_exact_sum_of_its_events_costs_however_many_digits
     expected = Decimal("123456.000000000000002234567890000007")
     assert summary.total.cost == expected
     assert summary.lines["0"].cost == Decimal("123456.00000000000000223456789")
+
+
+def test_a_keys_spend_is_the_exact_sum_of_its_events_costs():
+    spend = KeySpend(starts={"key_1": "2026-12-01T00:00:00.000Z"})
+    for cost in ("123456.000000000000001", "0.000000000000000000000000000007"):
+        spend.add("key_1", "2026-12-06T00:00:00.000Z", Decimal(cost))
+    assert spend.of("key_1") == Decimal("123456.000000000000001000000000000007")

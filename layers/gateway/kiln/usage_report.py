@@ -84,7 +84,7 @@ class KeySpend:
     def add(self, key_id: str, created_at: str, cost: Decimal) -> None:
         start = self.starts.get(key_id)
         if start is not None and created_at >= start:
-            self.spent[key_id] = self.spent.get(key_id, Decimal(0)) + cost
+            self.spent[key_id] = _SUM.add(self.spent.get(key_id, Decimal(0)), cost)
 
     def of(self, key_id: str) -> Decimal:
         return self.spent.get(key_id, Decimal(0))
