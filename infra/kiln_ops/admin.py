@@ -613,7 +613,7 @@ def _read_catalog_file(path: str) -> tuple[str, str | None, Any]:
     from kiln.catalog import Catalog, CatalogError
 
     try:
-        raw = open(path, encoding="utf-8").read()
+        raw = open(path, encoding="utf-8-sig").read()  # a byte order mark, as some editors write, is no JSON
     except OSError as exc:
         raise AdminError(f"cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

@@ -900,12 +900,12 @@ def test_catalog_set_validates_and_replaces_the_catalog(admin, stack, tmp_path):
     document = catalog_for_tests(stack.mock.url)
     document["models"] = [m for m in document["models"] if m["id"] == "qwen3-32b"]
     good = tmp_path / "catalog.json"
-    good.write_text(_json.dumps(document))
+    good.write_text("\ufeff" + _json.dumps(document), encoding="utf-8")  # with a byte order mark, as some editors save
     try:
         result = admin("catalog", "set", str(good))
-        assert result.code == 0 and "1 models (qwen3-32b)" in result.lines[0]
+        assert result.code == 0 and "1 models (qwen3-32b)" in result.lines[0], result.err
         shown = admin("catalog", "show")
-        assert _json.loads(shown.lines[0])["models"][0]["id"] == "qwen3-32b"
+        assert _json.loads(shown.lines[0])["models"][0]["id"] == "qwen3-32b"  # stored without it
 
         bad = tmp_path / "bad.json"
         bad.write_text('{"models": [{"id": "x"}]}')
