@@ -227,7 +227,11 @@ class AwsClient:
         self._http = http or HttpClient(ssl_context=client_context)
         self._signing_keys: dict = {}
 
-    async def call(self, service: str, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, service: str, operation: str, payload: dict[str, Any], *,
+                   resend_unanswered: bool = True) -> dict[str, Any]:
+        """The call's answer, or AwsError. `resend_unanswered`: whether a call whose kept-alive
+        connection closed without a word is sent again on a new one (kiln.http1): not for a
+        write that must not be applied twice, whose caller judges a lost answer itself."""
         body = compact(payload)
         url = self._urls[service]
         headers_of = _headers_of(service, operation)
@@ -247,7 +251,8 @@ class AwsClient:
             )
             try:
                 response = await self._http.request(
-                    "POST", url, headers=headers, body=body, connect_timeout=self._timeout, read_timeout=self._timeout
+                    "POST", url, headers=headers, body=body, connect_timeout=self._timeout, read_timeout=self._timeout,
+                    resend_unanswered=resend_unanswered,
                 )
                 content = await response.read()
             except HttpError as exc:
@@ -272,8 +277,8 @@ class AwsClient:
         single._max_attempts, single._owns_http = 1, False
         return single
 
-    async def dynamodb(self, operation: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("dynamodb", operation, payload)
+    async def dynamodb(self, operation: str, payload: dict[str, Any], *, resend_unanswered: bool = True) -> dict[str, Any]:
+        return await self.call("dynamodb", operation, payload, resend_unanswered=resend_unanswered)
 
 
     async def ssm(self, operation: str, payload: dict[str, Any]) -> dict[str, Any]:

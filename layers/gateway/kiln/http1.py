@@ -482,13 +482,17 @@ class HttpClient:
         max_headers: int = MAX_HEADERS,
         head_timeout: float | None | str = "read_timeout",
         on_sending: Callable[[], None] | None = None,
+        resend_unanswered: bool = True,
     ) -> Response:
         """Send the request and wait for the status line and headers (not the body).
 
         Each wait for the headers is bounded by `head_timeout` (by default the read timeout;
         None when the caller bounds the whole wait itself), each read of the body by
         `read_timeout`. `on_sending` is called as the request is written, once a connection
-        to the server is there (not for one that could not be made)."""
+        to the server is there (not for one that could not be made). A request whose kept-alive
+        connection closes without a word is sent once more on a new one, unless
+        `resend_unanswered` is false: the server may have taken it, and a request that must not
+        be applied twice (a DynamoDB ADD) is then the caller's to judge."""
         head_wait = read_timeout if head_timeout == "read_timeout" else head_timeout
         try:
             origin, target, host = _addressed(url)
@@ -516,7 +520,7 @@ class HttpClient:
             except ProtocolFailure as exc:
                 self._drop(connection)
                 # a kept-alive connection the server had already closed: once more on a new one
-                if attempt == 0 and connection.reused and exc.nothing_received:
+                if attempt == 0 and connection.reused and exc.nothing_received and resend_unanswered:
                     unanswered = exc
                     continue
                 raise

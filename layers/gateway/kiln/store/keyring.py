@@ -524,7 +524,10 @@ class Keyring:
 
         async def update() -> dict[str, Any]:
             try:
-                return await tried_once(self._aws).dynamodb("UpdateItem", payload)
+                if idempotent:
+                    return await tried_once(self._aws).dynamodb("UpdateItem", payload)
+                # nor sent again by the HTTP client on a kept-alive connection closed unanswered
+                return await tried_once(self._aws).dynamodb("UpdateItem", payload, resend_unanswered=False)
             except Exception as exc:
                 failure = translate_storage_error(exc)
                 if is_transient(failure) and (idempotent or not may_have_been_applied(failure)):
