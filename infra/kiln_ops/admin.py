@@ -91,7 +91,7 @@ def add_admin_parser(subparsers: Any) -> None:
     create.add_argument("--concurrency", type=_org_limit, default=None,
                         help=f"requests in flight at most, 1-{MAX_CONCURRENCY} (default 8)")
     create.add_argument("--credits", type=usd, default=Decimal(0), help="initial prepaid credits, USD (default 0)")
-    create.set_defaults(run=_orgs_create)
+    create.set_defaults(run=_orgs_create, writes=True)
     orgs.add_parser("list", help="every org", parents=[formatted]).set_defaults(run=_orgs_list)
     show = orgs.add_parser("show", help="an org's status, limit, credits and requests in flight", parents=[formatted])
     show.add_argument("org")
@@ -99,26 +99,27 @@ def add_admin_parser(subparsers: Any) -> None:
     for name, status in (("disable", "disabled"), ("enable", "active")):
         toggle = orgs.add_parser(name, help=f"{name} an org")
         toggle.add_argument("org")
-        toggle.set_defaults(run=lambda ctx, args, out, status=status: _orgs_status(ctx, args, out, status))
+        toggle.set_defaults(run=lambda ctx, args, out, status=status: _orgs_status(ctx, args, out, status),
+                            writes=True)
     limit = orgs.add_parser("set-limit", help="change an org's concurrency limit")
     limit.add_argument("org")
     limit.add_argument("concurrency", type=_org_limit, help=f"1-{MAX_CONCURRENCY}")
-    limit.set_defaults(run=_orgs_set_limit)
+    limit.set_defaults(run=_orgs_set_limit, writes=True)
 
     keys = groups.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
     key_create = keys.add_parser("create", help="issue a key (the secret is printed once)")
     key_create.add_argument("org")
     _key_attribute_flags(key_create, "")
-    key_create.set_defaults(run=_keys_create)
+    key_create.set_defaults(run=_keys_create, writes=True)
     key_update = keys.add_parser(
         "update", help="change a key's label, role or limits (within the gateway's auth cache time)"
     )
     key_update.add_argument("key_id")
     _key_attribute_flags(key_update, "; none: back to the default")
-    key_update.set_defaults(run=_keys_update)
+    key_update.set_defaults(run=_keys_update, writes=True)
     revoke = keys.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
-    revoke.set_defaults(run=_keys_revoke)
+    revoke.set_defaults(run=_keys_revoke, writes=True)
     key_list = keys.add_parser(
         "list", help="an org's keys: ids, prefixes, labels, roles, limits and this period's spend (never secrets)",
         parents=[formatted],
@@ -132,13 +133,13 @@ def add_admin_parser(subparsers: Any) -> None:
     key_tally.add_argument(
         "--progress", action="store_true", help="report progress on stderr even when it is not a terminal"
     )
-    key_tally.set_defaults(run=_keys_tally)
+    key_tally.set_defaults(run=_keys_tally, writes=True)
 
     credits = groups.add_parser("credits", help="prepaid credits").add_subparsers(dest="action", required=True)
     add = credits.add_parser("add", help="add USD to an org's credits (negative to correct)")
     add.add_argument("org")
     add.add_argument("usd", type=usd)
-    add.set_defaults(run=_credits_add)
+    add.set_defaults(run=_credits_add, writes=True)
     balance = credits.add_parser("show", help="an org's balance and its latest debits", parents=[formatted])
     balance.add_argument("org")
     balance.add_argument("--last", type=_positive, default=10, help="how many debits (default 10)")
@@ -162,17 +163,17 @@ def add_admin_parser(subparsers: Any) -> None:
         "replay-usage", help="settle the usage events the gateway logged as usage_unsettled (storage was down)"
     )
     replay.add_argument("file", nargs="?", default="-", help="exported log lines (default: standard input)")
-    replay.set_defaults(run=_replay_usage)
+    replay.set_defaults(run=_replay_usage, writes=True)
 
     catalog = groups.add_parser("catalog", help="the model catalog (SSM parameter)").add_subparsers(
         dest="action", required=True
     )
     put = catalog.add_parser("set", help="validate a catalog file and make it the stack's catalog")
     put.add_argument("file", help="a JSON catalog, in the format of infra/catalog.json")
-    put.set_defaults(run=_catalog_set)
+    put.set_defaults(run=_catalog_set, writes=True)
     seed = catalog.add_parser("seed", help="create the catalog if there is none yet (first deploy); never overwrites")
     seed.add_argument("file", nargs="?", help="a JSON catalog (default: infra/catalog.json)")
-    seed.set_defaults(run=_catalog_seed)
+    seed.set_defaults(run=_catalog_seed, writes=True)
     show = catalog.add_parser("show", help="print the stack's catalog (JSON, as stored), or --summary")
     show.add_argument("--summary", action="store_true", help="one line per model: prices, backends")
     show.set_defaults(run=_catalog_show)
@@ -184,7 +185,7 @@ def add_admin_parser(subparsers: Any) -> None:
     ).add_subparsers(dest="action", required=True)
     key_set = upstream_key.add_parser("set", help="store a new key, read from standard input (rotation: no deploy)")
     key_set.add_argument("--kms-key-id", help="a customer managed KMS key (default: the AWS managed aws/ssm)")
-    key_set.set_defaults(run=_upstream_key_set)
+    key_set.set_defaults(run=_upstream_key_set, writes=True)
     upstream_key.add_parser("status", help="whether a key is stored, its version and date (never the key)").set_defaults(
         run=_upstream_key_status
     )
@@ -196,8 +197,8 @@ def add_admin_parser(subparsers: Any) -> None:
     on.add_argument("--until", type=_until,
                     help="ISO 8601 end time (a time without a zone is UTC), sent as Retry-After")
     on.add_argument("--message", help="the message clients see")
-    on.set_defaults(run=_maintenance_on)
-    maintenance.add_parser("off", help="serve again").set_defaults(run=_maintenance_off)
+    on.set_defaults(run=_maintenance_on, writes=True)
+    maintenance.add_parser("off", help="serve again").set_defaults(run=_maintenance_off, writes=True)
     maintenance.add_parser("status", help="show the switch").set_defaults(run=_maintenance_status)
 
 
@@ -267,27 +268,39 @@ def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str
         print(f"kiln admin: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback
-        print(f"kiln admin: {_describe(exc)}", file=sys.stderr)
+        print(f"kiln admin: {_describe(exc, writes=getattr(args, 'writes', False))}", file=sys.stderr)
         return 1
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, *, writes: bool = False) -> str:
+    """One line for a failure; for a command that `writes`, whether its change may have been
+    made though the command failed (an answer lost, or AWS unreachable after a try that
+    reached it: the AWS clients say only how their last try failed)."""
+    from kiln.store.errors import StorageError, is_transient, may_have_been_applied, translate_storage_error
+
+    told = _said(exc)
+    failure = exc if isinstance(exc, StorageError) else translate_storage_error(exc)
+    if writes and may_have_been_applied(failure):
+        return f"{told}: the answer was lost, and the change may have been made. Look (show or list) before making it again."
+    if writes and is_transient(failure):
+        return f"{told} (if an earlier try reached AWS, the change may have been made: look before making it again)"
+    return told
+
+
+def _said(exc: BaseException) -> str:
     from kiln.store import AlreadyRevoked, RecordExists, RecordNotFound
-    from kiln.store.errors import translate_storage_error
+    from kiln.store.errors import may_have_been_applied, translate_storage_error
 
     if isinstance(exc, (AlreadyRevoked, RecordExists, RecordNotFound)):
         return str(exc)
     from kiln.aws import AwsError
-    from kiln.store.errors import may_have_been_applied
-
-    if may_have_been_applied(exc):  # as the writes raise it: a write sent, and its answer lost (or a 5xx)
-        return (f"DynamoDB's answer was lost ({exc}): the change may have been made. "
-                f"Look (show or list) before making it again.")
 
     for cause in _causes(exc):  # the lean client's (key management)
         if isinstance(cause, AwsError) and cause.code == "NoCredentials":
             return "no AWS credentials: configure them (or evaluate kiln dev's exports)"
         if isinstance(cause, AwsError) and cause.code == "ConnectionError":
+            if may_have_been_applied(translate_storage_error(cause)):  # sent: the answer never came
+                return f"no answer from AWS ({cause.message})"
             return f"cannot reach AWS: Could not connect to the endpoint URL ({cause.message})"
     for cause in _causes(exc):  # pynamodb wraps botocore's errors
         name = type(cause).__name__
@@ -404,8 +417,14 @@ def _keys_create(ctx: Context, args: argparse.Namespace, out) -> None:
 
     attributes = {name: value for name, value in _key_flags(args).items() if value is not None}
     key = create_key(ctx.tables, args.org, known_models=_known_models(ctx, attributes), **attributes)
-    out(f"created key {key.key_id} for org {key.org_id}")
-    out(f"secret (shown once, store it now): {key.secret}")
+    try:
+        out(f"created key {key.key_id} for org {key.org_id}")
+        out(f"secret (shown once, store it now): {key.secret}")
+        sys.stdout.flush()  # the secret reached its reader, or the operator is told below
+    except BrokenPipeError:
+        print(f"kiln admin: key {key.key_id} was created, but its secret could not be written (the output's "
+              f"reader left): revoke it (kiln admin keys revoke {key.key_id}) and create another", file=sys.stderr)
+        raise
     if attributes:
         out(f"  {_key_summary(key)}")
 

@@ -29,7 +29,7 @@ import pytest
 from kiln.settings import Settings
 from kiln.store import RecordNotFound
 from kiln.store.clock import iso_ms
-from kiln.store.keys import hash_secret, looks_like_key
+from kiln.store.keys import hash_secret, list_keys, looks_like_key
 from kiln.store.keyspend import KeyLimits
 from kiln_ops.admin import run_admin
 from kiln_ops.cli import build_parser
@@ -889,6 +889,19 @@ def test_a_listing_whose_reader_left_ends_quietly(stack):
     script = exports + "set -o pipefail\nkiln admin catalog show | true\n"
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert done.stderr == "" and done.returncode == 141
+
+
+def test_a_key_whose_secret_could_not_be_written_is_named_for_revocation(stack):
+    """`kiln admin keys create ORG | …` whose reader left: the key exists, its secret is lost;
+    the operator is told which key to revoke, not nothing."""
+    env, exports = _shell_env(stack)
+    org_id, _ = stack.org()
+    done = subprocess.run(["bash", "-c", exports + f"set -o pipefail\nkiln admin keys create {org_id} | true\n"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 141
+    made = {key.key_id for key in list_keys(stack.tables, org_id)}
+    named = re.search(r"kiln admin keys revoke (key_\w+)", done.stderr)
+    assert named and named.group(1) in made and len(made) == 2, done.stderr  # the stack's own, and this one
 
 
 def test_catalog_set_validates_and_replaces_the_catalog(admin, stack, tmp_path):

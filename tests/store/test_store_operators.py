@@ -167,8 +167,8 @@ def test_a_key_revoked_by_a_call_whose_answer_was_lost_is_revoked_not_already_re
     real = AwsClient.dynamodb
     lost = []
 
-    async def answer_lost_once(self, operation, payload):
-        answer = await real(self, operation, payload)
+    async def answer_lost_once(self, operation, payload, **options):
+        answer = await real(self, operation, payload, **options)
         if operation == "UpdateItem" and payload.get("TableName") == tables.keys.Meta.table_name and not lost:
             lost.append(payload)
             raise AwsError("ConnectionError", "the connection closed before the answer")
@@ -193,8 +193,8 @@ def test_a_key_change_whose_answers_stay_lost_is_told_as_perhaps_made(tables_on,
     made = keys.create_key(tables, "acme", label="ops")
     real = AwsClient.dynamodb
 
-    async def answers_lost(self, operation, payload):
-        answer = await real(self, operation, payload)
+    async def answers_lost(self, operation, payload, **options):
+        answer = await real(self, operation, payload, **options)
         if operation == "UpdateItem":
             raise AwsError("ConnectionError", "the connection closed before the answer")
         return answer
@@ -203,8 +203,41 @@ def test_a_key_change_whose_answers_stay_lost_is_told_as_perhaps_made(tables_on,
     monkeypatch.setattr("kiln.store.keyring._WRITES", retry.RetryPolicy(attempts=3, base_seconds=0))
     with pytest.raises(Exception) as failed:
         keys.update_key(tables, made.key_id, label="renamed")
-    told = _describe(failed.value)
+    told = _describe(failed.value, writes=True)
     assert "may have been made" in told and "cannot reach" not in told
+
+
+def test_a_key_change_whose_answer_was_lost_then_aws_unreachable_is_told_it_may_have_been_made(tables_on, monkeypatch):
+    """The first try applied and its answer lost, the next ones finding AWS unreachable: the
+    client tells only of its last try ('cannot reach AWS'), which alone says nothing was done."""
+    from kiln.aws import AwsClient, AwsError
+    from kiln.http1 import ConnectFailed
+    from kiln.store import retry
+    from kiln_ops.admin import _describe
+
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
+    made = keys.create_key(tables, "acme", label="ops")
+    real = AwsClient.dynamodb
+    tries = []
+
+    async def lost_then_unreachable(self, operation, payload, **options):
+        if operation != "UpdateItem":
+            return await real(self, operation, payload, **options)
+        tries.append(1)
+        if len(tries) == 1:
+            await real(self, operation, payload, **options)
+            raise AwsError("ConnectionError", "ProtocolFailure: the connection closed before the answer", status=0)
+        refused = ConnectFailed("connection refused")
+        raise AwsError("ConnectionError", f"ConnectFailed: {refused}", status=0) from refused
+
+    monkeypatch.setattr(AwsClient, "dynamodb", lost_then_unreachable)
+    monkeypatch.setattr("kiln.store.keyring._WRITES", retry.RetryPolicy(attempts=3, base_seconds=0))
+    with pytest.raises(Exception) as failed:
+        keys.update_key(tables, made.key_id, label="renamed")
+    assert "may have been made" in _describe(failed.value, writes=True)
+    assert "may have been made" not in _describe(failed.value, writes=False)  # a read did nothing
+    assert keys.list_keys(tables, "acme")[0].label == "renamed"  # and it was made
 
 
 def test_a_top_up_whose_resend_meets_its_first_send_in_progress_is_sent_again_with_its_token(tables_on, monkeypatch):
