@@ -479,3 +479,17 @@ def test_an_error_that_is_an_empty_object_is_no_error_in_a_buffered_answer():
     answer = {"choices": [{"message": {"content": "x"}}], "error": {}}
     assert not is_error_object(answer) and is_error_object(answer, streamed=True)
     assert is_error_object({"error": {"message": "boom"}}) and is_error_object({"object": "error"})
+
+
+@pytest.mark.parametrize("event", [b"data:\n\n", b"data: \n\n", b"data:   \t\n\n", b"data\n\n",
+                                   b"event: ping\ndata:\n\n"])
+def test_an_event_whose_data_is_empty_is_not_relayed(event):
+    """The Python SDK reads an event with empty data as JSON, and raises."""
+    out, relay = relay_all([ROLE + event + HELLO + DONE])
+    assert out == ROLE + HELLO and relay.failure is None and relay.relayed_texts == 1
+
+
+def test_an_error_field_as_llama_cpp_writes_one_mid_stream_ends_the_stream_as_the_servers_error():
+    out, relay = relay_all([ROLE + HELLO + b'error: {"code":500,"message":"the prompt was: secret","type":"server_error"}'
+                            b"\n\n"])
+    assert out == ROLE + HELLO and relay.done and relay.failure == "the model server sent an error event"

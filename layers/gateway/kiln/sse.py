@@ -58,8 +58,9 @@ UNREAD: Any = object()
 # OpenAI Python SDK read every later blank line, the gateway's keepalive's too, as an event
 # with empty data, and raise on it.
 _STREAM_FIELD = re.compile(rb"^(?:id|retry)(?::[^\n]*)?(?:\n|$)", re.M)
-# an event named `error`: the OpenAI Node SDK raises on it, whatever its data but [DONE]
-_ERROR_NAME = re.compile(rb"^event: ?error$", re.M)
+# an event named `error` (the OpenAI Node SDK raises on it, whatever its data but [DONE]), or an
+# `error:` field, as llama.cpp's server writes an error mid-stream
+_ERROR_SAID = re.compile(rb"^(?:event: ?error|error:.*)$", re.M)
 # an event's name, of any value
 _EVENT_FIELD = re.compile(rb"^event(?::|$)", re.M)
 
@@ -176,7 +177,8 @@ class SseRelay:
             event = event.strip(b"\n")
             if not event:
                 continue
-            if plain and event.startswith(b"data:") and b"\n" not in event and not _READ_FURTHER.search(event):
+            if (plain and event.startswith(b"data:") and b"\n" not in event and len(event) > 5
+                    and event[-1] not in b" \t" and not _READ_FURTHER.search(event)):  # data, and not empty
                 self._count_found(_TEXT_DELTA.findall(event))
                 finish = _FINISH_REASON.findall(event)
                 if finish:
@@ -313,7 +315,11 @@ class SseRelay:
             return None  # nothing after the stream's end ([DONE]) is relayed
         if b"\n" not in event:  # one line (nearly every event): data, or a comment
             if event.startswith(b"data:"):
-                return self._payload(event, event[5:].lstrip(b" "))
+                payload = event[5:].lstrip(b" ")
+                # empty data is no chunk, and the Python SDK raises on reading it as JSON
+                return self._payload(event, payload) if payload.strip() else None
+            if event == b"data":  # a data field with no value: empty data too
+                return None
             if event.startswith(b":"):
                 return event  # an upstream comment (its own keepalive): harmless, pass it on
         if _STREAM_FIELD.search(event):
@@ -321,12 +327,14 @@ class SseRelay:
             if not event:
                 return None
         payload = data_of(event)
-        if _ERROR_NAME.search(event) and (payload is None or not is_done(payload)):  # the SDKs end at [DONE] first
+        if _ERROR_SAID.search(event) and (payload is None or not is_done(payload)):  # the SDKs end at [DONE] first
             return self._failed("the model server sent an error event")
         if payload is None:
             # no data: an event with a name (`event: ping`) the Python SDK reads as one with empty
             # data, and raises on it; comments and fields it ignores pass on
             return None if _EVENT_FIELD.search(event) else event
+        if not payload.strip():
+            return None  # empty data: no chunk, and the Python SDK raises on reading it as JSON
         return self._payload(event, payload)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
