@@ -31,7 +31,7 @@ class MaintenanceFlag:
             document["until"] = self.until.astimezone(timezone.utc).replace(microsecond=0, tzinfo=None).isoformat() + "Z"
         if self.message:
             document["message"] = self.message
-        return json.dumps(document, ensure_ascii=False)  # a message in any script, in as few bytes as SSM counts
+        return json.dumps(document)
 
     def error(self, default_retry_after: int, now: datetime | None = None) -> Maintenance:
         """The 503 to answer while enabled. Retry-After is the HTTP-date of `until`; once
