@@ -420,7 +420,7 @@ def _keys_create(ctx: Context, args: argparse.Namespace, out) -> None:
     try:
         out(f"created key {key.key_id} for org {key.org_id}")
         out(f"secret (shown once, store it now): {key.secret}")
-        sys.stdout.flush()  # the secret reached its reader, or the operator is told below
+        sys.stdout.flush()  # written to the pipe; if its reader already left, the operator is told below
     except BrokenPipeError:
         print(f"kiln admin: key {key.key_id} was created, but its secret could not be written (the output's "
               f"reader left): revoke it (kiln admin keys revoke {key.key_id}) and create another", file=sys.stderr)

@@ -482,9 +482,12 @@ def test_an_error_that_is_an_empty_object_is_no_error_in_a_buffered_answer():
 
 
 @pytest.mark.parametrize("event", [b"data:\n\n", b"data: \n\n", b"data:   \t\n\n", b"data\n\n",
-                                   b"event: ping\ndata:\n\n"])
+                                   b"event: ping\ndata:\n\n", b"data: \x0c\n\n"])
 def test_an_event_whose_data_is_empty_is_not_relayed(event):
-    """The Python SDK reads an event with empty data as JSON, and raises."""
+    """The Python SDK reads an event with empty data as JSON, and raises (after the stream's first
+    chunk too, where chunks are relayed as sent)."""
+    out, relay = relay_all([ROLE + HELLO + event + HELLO + DONE])
+    assert out == ROLE + HELLO + HELLO and relay.failure is None and relay.relayed_texts == 2
     out, relay = relay_all([ROLE + event + HELLO + DONE])
     assert out == ROLE + HELLO and relay.failure is None and relay.relayed_texts == 1
 

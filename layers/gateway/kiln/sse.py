@@ -178,7 +178,7 @@ class SseRelay:
             if not event:
                 continue
             if (plain and event.startswith(b"data:") and b"\n" not in event and len(event) > 5
-                    and event[-1] not in b" \t" and not _READ_FURTHER.search(event)):  # data, and not empty
+                    and event[-1] not in b" \t\r\x0b\x0c" and not _READ_FURTHER.search(event)):  # data, not blank
                 self._count_found(_TEXT_DELTA.findall(event))
                 finish = _FINISH_REASON.findall(event)
                 if finish:
