@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Protocol
 
+from ..aws import tried_once
+from .errors import is_transient, translate_storage_error
 from .keyspend import KeyLimits
 from .ledger import Ledger
+from .retry import RetryPolicy
 from .schema import KEY, ORG, USAGE
 from .usage import UsageEvent
 
@@ -75,15 +78,36 @@ class Storage(Protocol):
         """The usage event if it exists and belongs to `org_id`; None otherwise, indistinguishably."""
 
 
+# A request's reads wait less than its writes (the ledger's 10 s): a read found nothing to
+# undo, and a client waits on it before anything else
+_READS = RetryPolicy(attempts=20, budget_seconds=2.0)
+
+
 class DynamoStorage:
     def __init__(self, aws: Any, *, keys_table: str, orgs_table: str, usage_table: str, ledger: Ledger) -> None:
         self._aws = aws
         self._keys_table, self._orgs_table, self._usage_table = keys_table, orgs_table, usage_table
         self.ledger = ledger
 
+    async def _get(self, payload: dict[str, Any], what: str) -> dict[str, Any]:
+        """A GetItem on a request's path (a cold cache's key or org), tried again, one call a try,
+        while DynamoDB refuses it for a while (throttling, a 5xx, a lost answer: a read is safe to
+        repeat): a burst of throttling that outlasts the AWS client's own three tries in a tenth
+        of a second would otherwise answer the request 503, as the admission after it would not."""
+
+        async def get() -> dict[str, Any]:
+            try:
+                return await tried_once(self._aws).dynamodb("GetItem", payload)
+            except Exception as exc:
+                failure = translate_storage_error(exc)
+                if is_transient(failure):
+                    raise failure from exc
+                raise
+
+        return await _READS.run(get, what=what)
+
     async def find_key(self, key_hash: str) -> KeyEntry | None:
-        found = await self._aws.dynamodb(
-            "GetItem",
+        found = await self._get(
             {
                 "TableName": self._keys_table,
                 "Key": {KEY.hash_key: {"S": key_hash}},
@@ -93,6 +117,7 @@ class DynamoStorage:
                 # behind a revocation would serve the key for that long again
                 "ConsistentRead": True,
             },
+            "key lookup",
         )
         item = found.get("Item")
         if not item:
@@ -100,8 +125,7 @@ class DynamoStorage:
         return key_entry(item)
 
     async def org_active(self, org_id: str) -> bool | None:
-        found = await self._aws.dynamodb(
-            "GetItem",
+        found = await self._get(
             {
                 "TableName": self._orgs_table,
                 "Key": {ORG.hash_key: {"S": org_id}},
@@ -109,6 +133,7 @@ class DynamoStorage:
                 "ExpressionAttributeNames": {"#status": ORG.status},
                 "ConsistentRead": True,  # cached as the key is (above)
             },
+            "org lookup",
         )
         item = found.get("Item")
         if not item:
