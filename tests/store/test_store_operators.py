@@ -156,15 +156,21 @@ def test_an_org_made_by_a_create_whose_answer_was_lost_is_made_not_already_there
         orgs.create_org(tables, "fresh", concurrency=4, credits=Decimal("3"))
 
 
+def _org_with_a_key(tables_on):
+    """Clean tables, org acme, one key of it; and the AWS client's real dynamodb, to wrap."""
+    from kiln.aws import AwsClient
+
+    tables = tables_on("")
+    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
+    return tables, keys.create_key(tables, "acme", label="ops"), AwsClient.dynamodb
+
+
 def test_a_key_revoked_by_a_call_whose_answer_was_lost_is_revoked_not_already_revoked(tables_on, monkeypatch):
     """The revoking write applied, its answer lost, its resend refused (the key is revoked now):
     this call revoked it, and says so; a second revocation is 'already revoked'."""
     from kiln.aws import AwsClient, AwsError
 
-    tables = tables_on("")
-    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
-    made = keys.create_key(tables, "acme", label="ops")
-    real = AwsClient.dynamodb
+    tables, made, real = _org_with_a_key(tables_on)
     lost = []
 
     async def answer_lost_once(self, operation, payload, **options):
@@ -188,10 +194,7 @@ def test_a_key_change_whose_answers_stay_lost_is_told_as_perhaps_made(tables_on,
     from kiln.store import retry
     from kiln_ops.admin import _describe
 
-    tables = tables_on("")
-    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
-    made = keys.create_key(tables, "acme", label="ops")
-    real = AwsClient.dynamodb
+    tables, made, real = _org_with_a_key(tables_on)
 
     async def answers_lost(self, operation, payload, **options):
         answer = await real(self, operation, payload, **options)
@@ -215,10 +218,7 @@ def test_a_key_change_whose_answer_was_lost_then_aws_unreachable_is_told_it_may_
     from kiln.store import retry
     from kiln_ops.admin import _describe
 
-    tables = tables_on("")
-    orgs.create_org(tables, "acme", concurrency=8, credits=Decimal("1"))
-    made = keys.create_key(tables, "acme", label="ops")
-    real = AwsClient.dynamodb
+    tables, made, real = _org_with_a_key(tables_on)
     tries = []
 
     async def lost_then_unreachable(self, operation, payload, **options):
