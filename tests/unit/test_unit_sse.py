@@ -482,7 +482,7 @@ def test_an_error_that_is_an_empty_object_is_no_error_in_a_buffered_answer():
 
 
 @pytest.mark.parametrize("event", [b"data:\n\n", b"data: \n\n", b"data:   \t\n\n", b"data\n\n",
-                                   b"event: ping\ndata:\n\n", b"data: \x0c\n\n"])
+                                   b"event: ping\ndata:\n\n", b"data: \x0c\n\n", b"data\ndata\n\n"])
 def test_an_event_whose_data_is_empty_is_not_relayed(event):
     """The Python SDK reads an event with empty data as JSON, and raises (after the stream's first
     chunk too, where chunks are relayed as sent)."""
@@ -496,3 +496,9 @@ def test_an_error_field_as_llama_cpp_writes_one_mid_stream_ends_the_stream_as_th
     out, relay = relay_all([ROLE + HELLO + b'error: {"code":500,"message":"the prompt was: secret","type":"server_error"}'
                             b"\n\n"])
     assert out == ROLE + HELLO and relay.done and relay.failure == "the model server sent an error event"
+
+
+def test_a_data_line_with_no_colon_is_an_empty_line_of_the_events_data():
+    event = b"data\n" + HELLO
+    out, relay = relay_all([ROLE + event + DONE])
+    assert out == ROLE + event and relay.relayed_texts == 1

@@ -426,7 +426,8 @@ def data_of(event: bytes) -> bytes | None:
     """The data of an SSE event (several data lines are joined with newlines)."""
     if event.startswith(b"data:") and b"\n" not in event:
         return event[5:].lstrip(b" ")
-    lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    # a `data` line with no colon is a data field with an empty value, as the SSE format reads it
+    lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:") or line == b"data"]
     return b"\n".join(lines) if lines else None
 
 
