@@ -92,10 +92,9 @@ EDITABLE = ("label", "role", "models", "concurrency", "spend_limit", "spend_peri
 _DEFAULTS = {"role": "inference", "spend_period": "total"}
 # A key-management write to an org item meets the settle transactions of its requests, and
 # one to a key item another change's transaction of that key: DynamoDB refuses it with
-# TransactionConflictException, unapplied, so it is tried again (as kiln.store.orgs does).
-# Every such write made here is safe to apply twice.
+# TransactionConflictException, unapplied. A single write is tried again within the ledger's
+# policy (_WRITES, in `_update`); a change read and then written, within _CONFLICT_ATTEMPTS.
 _CONFLICT_ATTEMPTS = 20
-# how long key management's own writes are tried on: the ledger's policy
 _WRITES = RetryPolicy()
 # A write reaches a global secondary index within about a second (AWS's figure): a key id not
 # found in the index is looked for again after each of these pauses before it is no key's
@@ -524,10 +523,9 @@ class Keyring:
 
         async def update() -> dict[str, Any]:
             try:
-                if idempotent:
-                    return await tried_once(self._aws).dynamodb("UpdateItem", payload)
-                # nor sent again by the HTTP client on a kept-alive connection closed unanswered
-                return await tried_once(self._aws).dynamodb("UpdateItem", payload, resend_unanswered=False)
+                # a write that adds is not sent again by the HTTP client either, on a kept-alive
+                # connection closed unanswered
+                return await tried_once(self._aws).dynamodb("UpdateItem", payload, resend_unanswered=idempotent)
             except Exception as exc:
                 failure = translate_storage_error(exc)
                 if is_transient(failure) and (idempotent or not may_have_been_applied(failure)):

@@ -14,7 +14,7 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from ..aws import tried_once
-from .errors import is_transient, translate_storage_error
+from .errors import translate_storage_error
 from .keyspend import KeyLimits
 from .ledger import Ledger
 from .retry import RetryPolicy
@@ -98,11 +98,8 @@ class DynamoStorage:
         async def get() -> dict[str, Any]:
             try:
                 return await tried_once(self._aws).dynamodb("GetItem", payload)
-            except Exception as exc:
-                failure = translate_storage_error(exc)
-                if is_transient(failure):
-                    raise failure from exc
-                raise
+            except Exception as exc:  # noqa: BLE001 - translated into the storage error tree, as the ledger's calls are
+                raise translate_storage_error(exc) from exc
 
         return await _READS.run(get, what=what)
 
