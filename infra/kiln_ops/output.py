@@ -5,11 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import unicodedata
 from decimal import Decimal
 from typing import Any, Callable, Sequence
 
 from kiln.jsonio import decimal_text
+from kiln.shown import hidden
 
 __all__ = ["FORMATS", "render"]
 
@@ -26,18 +26,12 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-# what a table shows as its escape: control characters (a terminal's escape sequences, newlines),
-# line and paragraph separators, invisible format characters (but the joiner of emoji sequences)
-_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
-_EMOJI_JOINER = "\u200d"
-
-
 def _shown(text: str) -> str:
-    """A cell of a table as a person reads it: nothing in it passes for other text or rows."""
+    """A cell of a table as a person reads it: nothing in it passes for other text or rows (a
+    character that would is shown as its escape; emoji sequences as they are)."""
     if text.isprintable():
         return text
-    return "".join(repr(char)[1:-1] if char != _EMOJI_JOINER and unicodedata.category(char) in _HIDDEN_CATEGORIES
-                   else char for char in text)
+    return "".join(repr(char)[1:-1] if hidden(char, emoji=True) else char for char in text)
 
 
 # What a spreadsheet opening a CSV file runs as a formula when a cell starts with it.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import unicodedata
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
@@ -16,6 +15,7 @@ from typing import Any, Iterable, Mapping
 from urllib.parse import quote, urlsplit
 
 from .jsonio import decimal_places, decimal_text, loads_strict
+from .shown import first_hidden
 from .truth import spelled
 
 __all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "Limits", "ModelEntry", "Pricing", "Timeouts"]
@@ -407,17 +407,11 @@ def _text(entry: Mapping, key: str, where: str, written: bool) -> str | None:
     return str(value)
 
 
-# what a name shown to people may not hold (kiln admin's tables and CSV, /v1/models): control
-# characters (a terminal's escape sequences, newlines), line and paragraph separators, and the
-# invisible format characters
-_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
-
-
 def _shown(value: str, key: str, where: str) -> None:
     """A name kiln admin writes: not empty, nothing in it that would pass for other text."""
     if not value.strip():
         raise CatalogError(f"{where}: {key!r} must not be empty")
-    hidden = next((char for char in value if unicodedata.category(char) in _HIDDEN_CATEGORIES), None)
+    hidden = first_hidden(value)  # shown in kiln admin's tables and CSV, and /v1/models
     if hidden is not None:
         raise CatalogError(f"{where}: {key!r} must not hold control or invisible characters; it holds "
                            f"U+{ord(hidden):04X}")

@@ -30,13 +30,13 @@ import re
 import secrets
 import threading
 import time
-import unicodedata
 from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from ..aws import tried_once
 from ..errors import shortened
+from ..shown import first_hidden
 from ..usage_report import KeySpend
 from .clock import iso_ms
 from .codec import number
@@ -105,12 +105,6 @@ _RECENT_WRITE_SECONDS = 10.0
 _recent_writes: dict[tuple[str, str], dict[str, tuple[float, bool]]] = {}  # hash -> (until, changed)
 _recent_lock = threading.Lock()  # kiln admin and a test's stack may share a process, not a loop
 MAX_LABEL = 100
-# what a label may not hold: control characters, line and paragraph separators, and the
-# invisible format characters (bidirectional overrides, which reorder the text shown around
-# them; zero-width spaces, soft hyphens and tags, which make two labels that look alike
-# differ), but the zero-width joiner that emoji sequences are made of
-_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
-_EMOJI_JOINER = "\u200d"
 # a spend limit is below this (38 digits before the point at most)
 MAX_SPEND_LIMIT = Decimal("1E+38")
 # the most active keys with a spend limit an org may have: each keeps its marker and figures on
@@ -165,8 +159,7 @@ def _label(value: Any, known_models: Any, org_limit: Any) -> str:
         raise InvalidKeyAttribute("label", "label must be a string.", "invalid_type")
     if len(value) > MAX_LABEL:
         raise InvalidKeyAttribute("label", f"label must be at most {MAX_LABEL} characters.")
-    hidden = next((char for char in value
-                   if char != _EMOJI_JOINER and unicodedata.category(char) in _HIDDEN_CATEGORIES), None)
+    hidden = first_hidden(value, emoji=True)  # a label may hold emoji sequences
     if hidden is not None:
         # a label is shown to people (`kiln admin keys list`, consoles): a newline, an escape
         # sequence, a direction override or an invisible character would let it pass for
