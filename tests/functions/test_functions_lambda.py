@@ -3,6 +3,7 @@ REST and Function URL events, and the Web Adapter's run script (streaming mode).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib
 import json
@@ -124,6 +125,31 @@ def test_rest_events_for_the_self_service_routes(lambda_env):
     assert (key["label"], key["spend_limit"], key["spend_period"]) == ("from a REST event", 5, "day")
     assert stack.post("/v1/chat/completions", {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}]},
                       key["secret"]).status_code == 200
+
+
+def test_a_read_is_answered_before_the_invocation_runs_out_of_time(lambda_env, monkeypatch):
+    """The generations function on a DynamoDB answering slowly, invoked with 3.4 s left (its
+    timeout is 29 s; a warm environment's invocation may be given less): it answers 503
+    `storage_unavailable` 3 s before Lambda would end it, a function error and API Gateway's
+    answer instead of the contract's."""
+    from kiln.aws import AwsClient
+
+    sent = AwsClient.dynamodb
+
+    async def slowly(self, operation, payload, **options):
+        await asyncio.sleep(1.0)
+        return await sent(self, operation, payload, **options)
+
+    monkeypatch.setattr(AwsClient, "dynamodb", slowly)
+    event = json.loads((EVENTS / "rest-usage.json").read_text().replace("${KILN_API_KEY}", lambda_env.key))
+    handler = importlib.import_module("kiln_functions.generations.app").handler
+    began = time.monotonic()
+    response = handler(event, SimpleNamespace(**{**vars(CONTEXT), "get_remaining_time_in_millis": lambda: 3400}))
+    took = time.monotonic() - began
+    assert response["statusCode"] == 503, body_of(response)
+    error = json.loads(body_of(response))["error"]
+    assert error["code"] == "storage_unavailable" and "Nothing was changed" in error["message"]
+    assert 0.4 <= took < 1.4  # 3.4 s less the 3 s kept for the answer, not the configured 25 s
 
 
 def test_errors_keep_their_status_and_shape_through_mangum(lambda_env):

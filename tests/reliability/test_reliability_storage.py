@@ -14,6 +14,7 @@ from conftest import involves_org
 from kiln.aws import AwsClient
 from kiln.gateway import Gateway
 from kiln.store import UsageEvent
+from kiln.store.keys import create_key
 from kiln.store.usage import get_event
 from kiln_ops.admin import run_admin
 from kiln_ops.cli import build_parser
@@ -398,3 +399,59 @@ def test_a_replay_while_storage_still_fails_stops_instead_of_waiting_out_every_e
     assert run_admin(args, settings=stack.settings, out=lines.append) == 0
     assert lines == ["replayed 5 unsettled usage events: 5 settled"]
     assert stack.org_info(org_id).in_flight == 0
+
+
+def test_a_key_change_on_storage_too_slow_to_finish_it_is_a_503_before_the_functions_timeout(stack_factory):
+    """§10 on a DynamoDB answering every call, slowly: a change of a key's limit makes a dozen
+    calls one after the other, and at 3 s a call took 42 s. Deployed, Lambda ends the function
+    at its 29 s (a function error, and API Gateway's answer, not the gateway's). It is answered
+    503 `storage_unavailable` at the gateway's deadline instead, saying the change may have been
+    made; the key is whole either way, and the same change made again lands."""
+    stack = stack_factory(answer_deadline_seconds=1.5)
+    org_id, _ = stack.org()
+    admin = create_key(stack.tables, org_id, role="management", label="console").secret
+    headers = {"Authorization": f"Bearer {admin}"}
+    created = stack.http.post("/v1/keys", json={"label": "agent"}, headers=headers).json()
+    key_id, key = created["id"], created["secret"]
+    for operation in ("GetItem", "Query", "UpdateItem", "TransactWriteItems", "PutItem", "BatchGetItem"):
+        stack.faults.slow(operation, 0.4)
+    began = time.monotonic()
+    change = stack.http.patch(f"/v1/keys/{key_id}", json={"spend_limit": "5", "spend_period": "day"},
+                              headers=headers, timeout=60)
+    took = time.monotonic() - began
+    assert change.status_code == 503, change.text
+    error = change.json()["error"]
+    assert error["code"] == "storage_unavailable" and error["type"] == "service_unavailable"
+    assert "may have been made" in error["message"] and f"/v1/keys/{key_id}" in error["message"]
+    assert 1.5 <= took < 3.0  # the deadline, and the one call under way when it passed
+    began = time.monotonic()
+    read = stack.http.get("/v1/usage", headers=headers, timeout=60)
+    assert read.status_code in (200, 503) and time.monotonic() - began < 3.0
+    stack.faults.clear()
+    time.sleep(0.5)  # a call sent before the deadline may still land
+    shown = stack.http.get(f"/v1/keys/{key_id}", headers=headers).json()
+    assert shown["spend_limit"] in (None, 5)
+    changed = stack.http.patch(f"/v1/keys/{key_id}", json={"spend_limit": "5", "spend_period": "day"}, headers=headers)
+    assert changed.status_code == 200 and changed.json()["spend_limit"] == 5, changed.text
+    assert stack.post(CHAT, BODY, key).status_code == 200
+    check_key_figures(stack, org_id, stack.events(org_id))
+
+
+def test_a_key_change_cut_short_after_it_landed_is_applied_at_once_by_this_process(stack_factory):
+    """The change's write landed and the reads that show the key back were too slow: the answer
+    is the deadline's 503, and this process no longer serves the key from what it had cached."""
+    stack = stack_factory(answer_deadline_seconds=1.0, auth_cache_seconds=60.0)
+    org_id, _ = stack.org()
+    admin = create_key(stack.tables, org_id, role="management", label="console").secret
+    headers = {"Authorization": f"Bearer {admin}"}
+    created = stack.http.post("/v1/keys", json={"label": "agent"}, headers=headers).json()
+    assert stack.post(CHAT, BODY, created["secret"]).status_code == 200  # the key is cached as it was
+    mark = len(stack.faults.calls)
+    landed = lambda payload: any(op == "UpdateItem" for op, _ in stack.faults.calls[mark:])  # noqa: E731
+    for operation in ("GetItem", "Query", "BatchGetItem"):
+        stack.faults.slow(operation, 3.0, when=landed)
+    change = stack.http.patch(f"/v1/keys/{created['id']}", json={"models": ["qwen3-32b"]}, headers=headers, timeout=30)
+    assert change.status_code == 503 and "may have been made" in change.json()["error"]["message"], change.text
+    stack.faults.clear()
+    refused = stack.post(CHAT, BODY, created["secret"])
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", refused.text

@@ -179,6 +179,7 @@ EVERY_VARIABLE = {
     "KILN_MAINTENANCE_RETRY_AFTER_SECONDS": ("maintenance_retry_after_seconds", "120", 120),
     "KILN_STORAGE_RETRY_ATTEMPTS": ("storage_retry_attempts", "5", 5),
     "KILN_STORAGE_RETRY_SECONDS": ("storage_retry_seconds", "2.5", 2.5),
+    "KILN_ANSWER_DEADLINE_SECONDS": ("answer_deadline_seconds", "20", 20.0),
     "KILN_DEFAULT_CONCURRENCY": ("default_concurrency", "4", 4),
     "KILN_USAGE_RETENTION_DAYS": ("usage_retention_days", "400", 400),
     "KILN_BACKEND_FAILURE_THRESHOLD": ("backend_failure_threshold", "5", 5),

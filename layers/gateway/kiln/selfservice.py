@@ -303,9 +303,10 @@ async def _update(gateway: Gateway, request: Request, record: RequestRecord) -> 
         known = await _known_models(gateway, body)
         return await _keyring(gateway).update(key_id, body, org_id=principal.org_id, known_models=known)
 
-    answer = await _one(gateway, principal, key_id, update())
-    gateway.auth.forget_key(key_id)  # this process applies the change at once; others within the cache time
-    return answer
+    try:
+        return await _one(gateway, principal, key_id, update())
+    finally:  # this process applies the change at once, others within the cache time; also one cut short
+        gateway.auth.forget_key(key_id)
 
 
 async def _revoke(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
@@ -319,9 +320,10 @@ async def _revoke(gateway: Gateway, request: Request, record: RequestRecord) -> 
         except AlreadyRevoked:  # revoking is idempotent: the key as it is
             return await keyring.get(key_id, org_id=principal.org_id)
 
-    answer = await _one(gateway, principal, key_id, revoke())
-    gateway.auth.forget_key(key_id)
-    return answer
+    try:
+        return await _one(gateway, principal, key_id, revoke())
+    finally:
+        gateway.auth.forget_key(key_id)
 
 
 # the handlers by route name (kiln.endpoints), bound by kiln.web

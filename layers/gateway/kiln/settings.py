@@ -107,6 +107,13 @@ class Settings:
         "…and the time they may take in all; then 503 `storage_unavailable` (admission) or the event "
         "logged for replay (settle)",
     )
+    answer_deadline_seconds: float = setting(
+        25.0,
+        "the longest a request that calls no model (models, generations, self-service, keys) takes "
+        "before it answers 503 `storage_unavailable`, under the 29 s of API Gateway and of its function "
+        "(less where Lambda has less left of the invocation, 3 s kept for the answer)",
+        minimum=0.001,
+    )
     default_concurrency: int = setting(8, "limit given to new orgs (at most 500: what an org's item holds leases for)",
                                        minimum=1, maximum=MAX_ORG_CONCURRENCY)
     usage_retention_days: int = setting(

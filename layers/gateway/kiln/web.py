@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from . import schemas
+from .deadline import bounded
 from .endpoints import Endpoint
 from .errors import GatewayError, InternalError, InvalidEvent, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
@@ -72,7 +73,7 @@ def routes_of(endpoint: Endpoint) -> list[RouteSpec]:
     """The routes of one endpoint of the registry, bound to their handlers."""
     api = endpoint.api
     if api is None:
-        return [RouteSpec(route.path, READERS[route.name], (route.method,), route.name, route.summary,
+        return [RouteSpec(route.path, bounded(READERS[route.name]), (route.method,), route.name, route.summary,
                           schemas.SELF_SERVICE.get(route.name), schemas.ERROR_RESPONSES) for route in endpoint.routes]
 
     async def handle(request: Request) -> Response:

@@ -1,0 +1,66 @@
+"""The deadline of the requests that call no model (kiln.deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kiln.deadline import LAMBDA_MARGIN_SECONDS, bounded, deadline_of
+from kiln.errors import StorageUnavailable
+
+
+def lambda_context(remaining):
+    return SimpleNamespace(get_remaining_time_in_millis=remaining)
+
+
+@pytest.mark.parametrize("scope, expected", [
+    ({}, 25.0),  # not on Lambda (uvicorn, the Web Adapter): the setting
+    ({"aws.context": None}, 25.0),
+    ({"aws.context": lambda_context(lambda: 29_000)}, 25.0),  # more is left than the setting asks
+    ({"aws.context": lambda_context(lambda: 10_000)}, 10.0 - LAMBDA_MARGIN_SECONDS),
+    ({"aws.context": lambda_context(lambda: 2_000)}, 0.001),  # less than the margin: at once
+    ({"aws.context": lambda_context(lambda: "soon")}, 25.0),  # no context Lambda makes: the setting
+])
+def test_the_deadline_is_the_setting_or_what_lambda_leaves_less_its_margin(scope, expected):
+    assert deadline_of(scope, 25.0) == pytest.approx(expected)
+
+
+def request(method: str = "GET", path: str = "/v1/usage", deadline: float = 0.05) -> Request:
+    app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(
+        settings=SimpleNamespace(answer_deadline_seconds=deadline))))
+    return Request({"type": "http", "method": method, "path": path, "query_string": b"", "headers": [], "app": app})
+
+
+@pytest.mark.parametrize("method, path, said", [
+    ("GET", "/v1/usage", "Nothing was changed"),
+    ("POST", "/v1/keys", "revoke one you did not get"),
+    ("PATCH", "/v1/keys/key_0123", "read the key (GET /v1/keys/key_0123)"),
+    ("DELETE", "/v1/keys/key_0123", "The change may have been made"),
+])
+def test_work_past_its_deadline_is_a_503_that_says_what_may_have_been_written(method, path, said):
+    async def slow(request: Request) -> Response:
+        await asyncio.sleep(5)
+        return Response(b"late")
+
+    with pytest.raises(StorageUnavailable) as raised:
+        asyncio.run(bounded(slow)(request(method, path)))
+    assert said in str(raised.value) and "(0.05 s)" in str(raised.value)
+
+
+def test_a_timeout_of_the_work_itself_is_not_taken_for_the_deadline():
+    async def times_out(request: Request) -> Response:
+        raise TimeoutError("its own")
+
+    with pytest.raises(TimeoutError, match="its own"):
+        asyncio.run(bounded(times_out)(request(deadline=10)))
+
+
+def test_work_within_its_deadline_is_answered_as_it_was():
+    async def quick(request: Request) -> Response:
+        return Response(b"ok")
+
+    assert asyncio.run(bounded(quick)(request())).body == b"ok"
