@@ -268,6 +268,36 @@ def test_a_backend_refusing_connections_is_skipped_then_comes_back_after_it_reco
         server.stop()
 
 
+def test_one_orgs_request_answered_500_as_the_probe_does_not_keep_a_recovered_backend_out(stack_factory, mock):
+    """§5: a 5xx answered to one request never takes a backend out on its own. The request that
+    probed a recovered backend after its cooldown was another org's, one the server answers 500
+    for what it holds: the backend was taken out again, its cooldown doubled, and one such request
+    per cooldown (up to 2 minutes) kept it from every org for as long as it was sent."""
+    port = free_port()
+    pair = model("probed-model", [{"name": "flaky", "url": f"http://127.0.0.1:{port}/v1"},
+                                  {"name": "b", "url": mock.url}])
+    stack, changes = production_health(stack_factory, mock, pair, backend_cooldown_seconds=0.5)
+    (_, poisoner), (org_id, key) = stack.org(), stack.org()
+    body = {"model": "probed-model", "messages": MESSAGES}
+    for _ in range(3):  # flaky refuses connections: out of service
+        assert stack.post(CHAT, body, key).status_code == 200
+    assert changes == [("probed-model", "flaky", "out_of_service")]
+    server = ServerThread(MockUpstream(), port=port).start()  # flaky recovers
+    try:
+        time.sleep(0.6)
+        poisoned = stack.post(CHAT, {**body, "mock": {"status": 500}}, poisoner)  # the probe: 500 from both
+        assert poisoned.status_code == 502
+        served_by = []
+        for _ in range(3):
+            assert stack.post(CHAT, body, key).status_code == 200
+            served_by.append(sorted(stack.events(org_id), key=lambda e: e.created_at)[-1].upstream)
+        assert served_by == ["flaky"] * 3, changes
+        assert changes[-1] == ("probed-model", "flaky", "in_service")
+        assert stack.gateway.upstream.health.out_of_service() == []
+    finally:
+        server.stop()
+
+
 def test_with_its_only_backend_refusing_connections_a_model_answers_502_not_503(stack_factory, mock):
     lonely = model("lonely-model", [{"name": "dead", "url": dead_url()}])
     stack, changes = production_health(stack_factory, mock, lonely)

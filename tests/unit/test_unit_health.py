@@ -100,7 +100,46 @@ def test_after_the_cooldown_one_probe_at_a_time_decides_and_the_cooldown_grows()
     assert h.claim(A)
     answer(h, A, "probe", "org1", failed=False)
     assert h.state_of(A) == IN_SERVICE
-    assert changes == [("a", OUT_OF_SERVICE), ("a", IN_SERVICE)]
+    assert changes == [("a", OUT_OF_SERVICE)] * 3 + [("a", IN_SERVICE)]  # each failed probe said so
+
+
+def test_a_probe_answered_with_a_failure_puts_the_backend_back_and_the_rate_rule_decides_again():
+    """§5: one request's 5xx never takes a backend out, nor keeps it out: a probe answered 5xx
+    (or a 2xx it could not finish) shows the backend answers. It is back in service, its streak
+    of ejections kept: taken out again soon by the rate rule, its cooldown is doubled; a request
+    served while in service ends the streak."""
+    h, clock, changes = health(failure_threshold=1, cooldown=10, max_cooldown=100, error_min_requests=2,
+                               error_min_clients=2)
+    h.transport_failed("m", A, PAIR)
+    clock.now += 10
+    assert h.claim(A)
+    answer(h, A, "poison", "org1")  # one org's request the server answers 500 for
+    assert h.state_of(A) == IN_SERVICE and h.candidates("m", PAIR) == ([A, B], False)
+    answer(h, A, "r2", "org2")  # it answers 5xx to many: the rate rule takes it out again…
+    assert h.state_of(A) == OUT_OF_SERVICE
+    clock.now += 10
+    assert h.state_of(A) == OUT_OF_SERVICE  # …for twice the cooldown, as a second ejection in a row
+    clock.now += 10
+    assert h.claim(A)
+    answer(h, A, "probe", "org1", failed=False)
+    assert h.state_of(A) == IN_SERVICE
+    answer(h, A, "x1", "org1")
+    answer(h, A, "x2", "org2")
+    clock.now += 10  # a success in between ended the streak: the first cooldown again
+    assert h.state_of(A) == PROBING
+    assert changes == [("a", OUT_OF_SERVICE), ("a", IN_SERVICE), ("a", OUT_OF_SERVICE), ("a", IN_SERVICE),
+                       ("a", OUT_OF_SERVICE)]
+
+
+def test_a_probe_that_fails_again_is_reported_each_time():
+    """A backend taken out again by its failed probe is a change of state (probing → out) the
+    log line and the metric say, with its new cooldown; it was silent."""
+    h, clock, changes = health(failure_threshold=1, cooldown=10)
+    h.transport_failed("m", A, PAIR)
+    clock.now += 10
+    assert h.claim(A)
+    h.transport_failed("m", A, PAIR)
+    assert changes == [("a", OUT_OF_SERVICE), ("a", OUT_OF_SERVICE)]
 
 
 def test_a_probe_that_never_reports_does_not_keep_the_backend_out_forever():

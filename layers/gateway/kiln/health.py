@@ -16,8 +16,10 @@ counted by cause:
   SDK's retries of one call (or any resend of the same body) count once.
 
 A backend out of service is skipped for a cooldown (`cooldown` seconds, doubled at each
-ejection in a row up to `max_cooldown`); then it is *probing*: one request at a time tries it,
-a success puts it back in service, a failure ejects it again. A model's last backend in
+ejection in a row up to `max_cooldown`); then it is *probing*: one request at a time tries it.
+Any answer puts it back in service: a success, and a 5xx too, which says no more of the
+backend than any other request's (the rate rule decides again; taken out again soon, its
+cooldown is still doubled). A failure of the backend itself takes it out again. A model's last backend in
 service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its requests are
 tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
 models, taken out as another model's), those taken out for their answers are tried by every
@@ -193,12 +195,18 @@ class BackendHealth:
             if answers[oldest][0] >= horizon and len(answers) <= _MAX_REMEMBERED:
                 break
             del answers[oldest]
-        if not failed:
-            if state.out_until is not None:
-                self._restore(model_id, state, "a request succeeded")
+        if state.out_until is not None:
+            if failed:
+                # a probe answered 5xx (or a 2xx it could not finish): the backend answers, and
+                # one request's answer neither takes a backend out nor keeps it out; the rate rule
+                # decides again, and the streak is kept (out again soon: twice the cooldown)
+                self._restore(model_id, state, "a probe was answered, if with a failure: the rate rule decides",
+                              streak=state.ejections)
+                return
+            self._restore(model_id, state, "a request succeeded")
             return
-        if state.out_until is not None:  # a probe that failed
-            self._eject(model_id, state, models_backends, "the probe request failed")
+        if not failed:
+            state.ejections = 0  # served in service: the next ejection is a first one again
             return
         failures = [entry for entry in answers.values() if entry[2]]
         policy = self.policy
@@ -231,12 +239,11 @@ class BackendHealth:
         state.answers.clear()
         state.reason = reason
         state.unreachable = unreachable
-        if not was_out:
-            self._changed(state, OUT_OF_SERVICE, f"{reason}; out for {cooldown:g} s")
+        self._changed(state, OUT_OF_SERVICE, f"{reason}{'; its probe failed' if was_out else ''}; out for {cooldown:g} s")
 
-    def _restore(self, model_id: str, state: _State, reason: str) -> None:
+    def _restore(self, model_id: str, state: _State, reason: str, *, streak: int = 0) -> None:
         state.out_until = None
-        state.ejections = 0
+        state.ejections = streak
         state.trial_until = 0.0
         state.reason = ""
         state.unreachable = False
