@@ -94,3 +94,32 @@ def test_client_disconnect_closes_the_upstream_releases_the_slot_and_bills_what_
     assert 2 <= event.completion_tokens < 12
     assert event.cost > 0
     assert stack.org_info(org_id).in_flight == 0
+
+
+def test_a_delta_that_is_no_utf8_reaches_the_python_sdk_as_the_sse_format_reads_it(stack, org):
+    """§7: a model server's delta holding bytes that are no UTF-8 (a lone surrogate, as a
+    tokenizer's bug may write it) went out as sent, and the OpenAI Python SDK raised
+    UnicodeDecodeError, no APIError, mid-answer. It reads U+FFFD there now, as a browser's
+    EventSource does, and the rest of the answer after it."""
+    import openai
+
+    head = '{"id":"c1","object":"chat.completion.chunk","created":1,"model":"qwen3-32b","choices":[{"index":0,'
+    events = [head + '"delta":{"role":"assistant","content":"He"},"finish_reason":null}]}',
+              head + '"delta":{"content":"\udcffo"},"finish_reason":null}]}',
+              head + '"delta":{"content":" there"},"finish_reason":"stop"}]}',
+              '{"id":"c1","object":"chat.completion.chunk","created":1,"model":"qwen3-32b","choices":[],'
+              '"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}']
+    mock = stack.mock.app
+    plain = mock.defaults
+    mock.defaults = plain.merged({"raw_events": events})
+    try:
+        client = openai.OpenAI(base_url=stack.base_url, api_key=org[1], max_retries=0)
+        stream = client.chat.completions.create(model="qwen3-32b", messages=[{"role": "user", "content": "hi"}],
+                                                stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    finally:
+        mock.defaults = plain
+    assert text == "He\ufffd\ufffd\ufffdo there"
+    (event,) = wait_for_events(stack, org[0], 1)
+    assert event.status == "success" and event.completion_tokens == 3
+    assert stack.org_info(org[0]).in_flight == 0

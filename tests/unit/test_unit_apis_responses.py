@@ -182,6 +182,17 @@ def test_every_event_is_relayed_as_sent_but_the_final_one_which_is_held_back():
         assert (again, other.final, other.final_name, other.relayed_texts) == (out, relay.final, relay.final_name, 2), cut
 
 
+def test_a_delta_that_is_no_utf8_is_relayed_as_the_sse_format_reads_it():
+    """§9: a delta with bytes that are no UTF-8 went out as sent: the OpenAI Python SDK raised
+    UnicodeDecodeError (no APIError) and the request was billed as a success."""
+    bad = DELTA.replace(b"Hel", b"He\xff\xfeo")
+    assert bad != DELTA
+    out, relay = relayed(CREATED + bad + COMPLETED)
+    assert out == CREATED + bad.replace(b"\xff\xfe", "\ufffd\ufffd".encode())
+    assert relay.done and relay.relayed_texts == 1
+    out.decode("utf-8")
+
+
 @pytest.mark.parametrize("kind, status", [("response.incomplete", "incomplete"), ("response.failed", "failed")])
 def test_the_other_final_events_end_the_stream_too(kind, status):
     final = event(kind, {"type": kind, "response": {"status": status}})

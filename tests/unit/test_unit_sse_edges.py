@@ -94,7 +94,25 @@ def test_an_event_is_relayed_with_its_own_last_characters():
 def test_a_finish_reason_that_is_not_utf8_is_read_with_replacement():
     event = b'data: {"choices":[{"delta":{},"finish_reason":"st\xffp"}]}\n\n'
     out, relay = relay_all([event])
-    assert out == event and relay.finish_reason == "st\ufffdp"
+    assert out == event.replace(b"\xff", "\ufffd".encode()) and relay.finish_reason == "st\ufffdp"
+
+
+@pytest.mark.parametrize("bad", [b"\xff\xfe", b"\xed\xb3\xbf", b"\xe2\x82", b"\xc0\xaf"])
+def test_bytes_that_are_no_utf8_reach_the_client_as_the_sse_format_reads_them(bad):
+    """§7: an SSE stream is UTF-8, and its readers decode an invalid sequence as U+FFFD (a
+    browser's EventSource, the Node SDK). The OpenAI Python SDK raises UnicodeDecodeError on it,
+    no APIError: relayed as sent, a stream with such a delta broke that client mid-answer and
+    was billed as a success. Each invalid sequence is relayed as the format reads it, at every
+    point the upstream's pieces may split it; the rest of the stream as sent."""
+    delta = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"He' + bad + b'o"},"finish_reason":null}]}\n\n'
+    sound = "data: {\"choices\":[{\"delta\":{\"content\":\"é€😀\"}}]}\n\n".encode()
+    stream = HELLO + delta + sound + USAGE + DONE
+    expected = HELLO + delta.replace(bad, bad.decode("utf-8", "replace").encode()) + sound
+    for cut in range(1, len(stream)):
+        out, relay = relay_all([stream[:cut], stream[cut:]])
+        assert out == expected, cut
+        out.decode("utf-8")  # strictly, as the Python SDK reads it
+        assert relay.relayed_tokens == 3 and relay.usage is not None and relay.done
 
 
 # -- usage riding on content chunks (continuous usage stats) ---------------------------------------

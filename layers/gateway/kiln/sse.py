@@ -1,6 +1,7 @@
 """The SSE rewriter (contract §7).
 
-Content events go out as the bytes the upstream sent; only the usage chunk is parsed, and
+Content events go out as the bytes the upstream sent (those that are no UTF-8 as the SSE
+format reads them: U+FFFD); only the usage chunk is parsed, and
 it is held back: the gateway settles first, then sends it (with `usage.cost`) if the client
 asked for it, then exactly one `data: [DONE]`. The upstream's own `[DONE]` is swallowed.
 While relaying, the completion tokens are counted from the bytes (one per non-empty text
@@ -18,7 +19,8 @@ from .metering import TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
-    "DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "data_of", "error_event", "is_done",
+    "DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "as_utf8", "data_of", "error_event",
+    "is_done",
     "is_error_object", "parse_json", "usage_event",
 ]
 
@@ -166,6 +168,8 @@ class SseRelay:
         else:
             complete = data[:end]
         self.bytes_scanned += 2 * len(complete)  # joined, then split
+        if not complete.isascii():  # (whole events: no sequence is cut at their ends)
+            complete = as_utf8(complete)
         out: list[bytes] = []
         # a content chunk after the first, in one `data:` line read as sent, with nothing in it
         # that `_event` reads further (nearly every chunk): relayed and counted here, as
@@ -394,6 +398,17 @@ class SseRelay:
     def leftover(self) -> bytes:
         """Bytes of an event the upstream never finished (a cut stream)."""
         return b"".join(self._pending)
+
+
+def as_utf8(data: bytes) -> bytes:
+    """`data` as the SSE format reads it: UTF-8, each invalid sequence read as U+FFFD (the
+    WHATWG decoder EventSource and the Node SDK use). The OpenAI Python SDK decodes strictly,
+    and raises UnicodeDecodeError, no APIError, on what a model server's bug may send."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "replace").encode("utf-8")
+    return data
 
 
 def _hashable(value: Any) -> Any:
