@@ -509,3 +509,39 @@ def test_a_backend_url_no_request_can_be_sent_to_fails_over_not_500(stack_factor
                                                                    "messages": [{"role": "user", "content": "hi"}]}, key))
         assert response.status_code == 200, response.text
     ledger.check()
+
+
+@pytest.mark.parametrize("status", [b"204 No Content", b"205 Reset Content"])
+def test_a_2xx_that_has_no_body_is_no_answer_the_next_backend_serves_and_alone_it_is_a_502(
+        stack_factory, mock, status):
+    """A backend (a proxy in front of it, misconfigured) answers a completion 204: a status that
+    has no body. A streamed request took it for its stream: 200 to the client, then the error
+    event, billed the prompt's estimate as `stream_interrupted`; a buffered one was 502. Neither
+    tried the next backend. It is no answer to either: the next backend serves, and where there is
+    none, both are 502 before any stream, settled `upstream_error` and billed nothing."""
+    def empty(conn: socket.socket, body: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 " + status + b"\r\nConnection: close\r\n\r\n")
+
+    upstream = RawUpstream(empty)
+    try:
+        pair = model("pair-model", [{"name": "empty", "url": upstream.url}, {"name": "b", "url": mock.url}])
+        alone = model("alone-model", [{"name": "empty", "url": upstream.url}])
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [pair, alone]})
+        org_id, key = stack.org()
+        ledger = LedgerCheck(stack, org_id)
+        mark = len(TELEMETRY.text())
+        for stream in (False, True):
+            served = ledger.saw(stack.post(CHAT, {"model": "pair-model", "messages": MESSAGES, "stream": stream}, key))
+            assert served.status_code == 200, served.text
+            assert "error" not in served.text and (not stream or data_events(served.text)[-1] == "[DONE]")
+            refused = ledger.saw(stack.post(CHAT, {"model": "alone-model", "messages": MESSAGES, "stream": stream}, key))
+            assert refused.status_code == 502 and refused.headers["content-type"].startswith("text/plain"), refused.text
+        events = {event.gen_id: event for event in ledger.check()}
+        assert upstream.requests == 4
+        assert TELEMETRY.text()[mark:].count(f'"empty: HTTP {status.split()[0].decode()}"') == 2  # the alone ones
+        statuses = [events[gen_id].status for gen_id in ledger.gen_ids]
+        assert statuses == ["success", "upstream_error"] * 2
+        assert [events[gen_id].upstream for gen_id in ledger.gen_ids][::2] == ["b", "b"]
+        assert all(events[gen_id].cost == 0 for gen_id in ledger.gen_ids[1::2])
+    finally:
+        upstream.close()

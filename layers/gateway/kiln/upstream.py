@@ -3,7 +3,8 @@
 A backend that refuses the connection, times out before answering, or answers 5xx is
 skipped for the model's next one; when none is left the client gets 502 (contract §5).
 A 4xx is the request's own fault: it is passed on at once, never retried elsewhere.
-Once a backend has answered 2xx the exchange is committed to it. The whole request, every
+Once a backend has answered 2xx the exchange is committed to it (a 204 or 205 has no body:
+no completion, no stream, and the next backend is tried). The whole request, every
 backend tried included, shares one deadline: the model's `total` timeout. What a backend
 sends is bounded by the model's `limits` (headers, a buffered body; one SSE event in
 `kiln.sse`). Each outcome is reported to `kiln.health` by its cause.
@@ -314,15 +315,17 @@ class UpstreamClient:
                 raise
             last_timeout = None
             status = response.status
-            if 200 <= status < 300:
+            if 200 <= status < 300 and status not in _NO_BODY:
                 health.answered(model.id, backend, request, client, failed=False, models_backends=enabled)
                 return UpstreamExchange(
                     backend, response, failures, sent_at, health,
                     model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
                     sent_bytes=len(content),
                 )
-            # any answer below 500 means the backend works: the request was at fault, not the backend
-            health.answered(model.id, backend, request, client, failed=status >= 500, models_backends=enabled)
+            # any answer below 500 means the backend works: the request was at fault, not the backend;
+            # a 2xx that has no body is no answer to a completion (a proxy's), counted as a 5xx
+            health.answered(model.id, backend, request, client, failed=status >= 500 or status in _NO_BODY,
+                            models_backends=enabled)
             if 400 <= status < 500:
                 # its message reaches the client; any other answer's body is nobody's: not read
                 raw = await _read_error_body(response, deadline, min(limits.body_bytes, MAX_ERROR_BODY))
@@ -340,6 +343,10 @@ class UpstreamClient:
                 log.exception("could not report a timeout")
         log.warning(json.dumps({"event": "upstream_failed", "model": model.id, "failures": failures}))
         raise UpstreamFailed(BAD_GATEWAY, detail="; ".join(failures))
+
+
+# 2xx statuses that have no body (RFC 9110): no completion, no stream; the next backend is tried
+_NO_BODY = frozenset({204, 205})
 
 
 async def _read_error_body(response: Response, deadline: float, limit: int) -> bytes:
