@@ -240,6 +240,17 @@ def test_a_span_of_93_days_and_offsets_are_accepted(stack, busy_org):
     assert usage["total"]["requests"] == 4 and usage["until"].endswith("Z")
 
 
+def test_a_leap_second_is_an_rfc_3339_time_read_as_the_second_after_it(stack, busy_org):
+    """§10: `since`/`until` are RFC 3339 times, whose seconds run to 60 at a leap second
+    (2016-12-31T23:59:60Z was one): it was a 400. It is read as the next second begins, the
+    moment every clock that does not count leap seconds shows after it."""
+    _, key, _ = busy_org
+    usage = get(stack, "/v1/usage", key, since="2016-12-31T23:59:60Z", until="2017-01-01T08:59:60.5+09:00")
+    assert usage.status_code == 200, usage.text
+    assert (usage.json()["since"], usage.json()["until"]) == ("2017-01-01T00:00:00.000Z", "2017-01-01T00:00:00.500Z")
+    assert get(stack, "/v1/usage", key, since="2016-12-31T23:59:61Z").status_code == 400
+
+
 def test_a_span_before_the_year_1000_is_echoed_in_rfc_3339_and_read_in_order(stack, busy_org):
     """Years before 1000 once lost their leading zero ("999-12-01T…"): not RFC 3339, and a
     read whose lower bound sorted above its upper one (which DynamoDB refuses)."""

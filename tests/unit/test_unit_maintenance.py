@@ -1,5 +1,6 @@
 """kiln.maintenance: the SSM flag and the 503 it produces (contract §6)."""
 
+import json
 from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 
@@ -56,6 +57,18 @@ def test_future_until_gives_http_date_retry_after():
     assert error.status == 503 and error.code == "maintenance"
     assert error.headers == {"Retry-After": "Tue, 01 Dec 2026 03:00:00 GMT"}
     assert error.message == "Upgrading."
+
+
+@pytest.mark.parametrize("until, said", [
+    ("2026-12-01T03:00:00.750Z", "Tue, 01 Dec 2026 03:00:01 GMT"),
+    ("2026-12-24T03:00:00.000001+01:00", "Thu, 24 Dec 2026 02:00:01 GMT"),
+    ("9999-12-31T23:59:59.5Z", "Fri, 31 Dec 9999 23:59:59 GMT"),  # no later second to name
+])
+def test_a_retry_after_date_is_never_before_until(until, said):
+    """§6: an HTTP-date names whole seconds; `until` with a fraction was cut to the second
+    before it, so a client that waited as told came back during the maintenance."""
+    error = parse_flag(json.dumps({"enabled": True, "until": until})).error(60, now=NOW)
+    assert error.headers == {"Retry-After": said}
 
 
 def test_until_with_offset_is_converted_to_gmt():

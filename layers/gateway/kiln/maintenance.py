@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 
 from .errors import Maintenance
@@ -38,10 +38,22 @@ class MaintenanceFlag:
         `until` has passed (or without one) it is a number of seconds."""
         now = now or datetime.now(timezone.utc)
         if self.until is not None and self.until > now:
-            retry_after = format_datetime(self.until.astimezone(timezone.utc), usegmt=True)
+            retry_after = format_datetime(_whole_second_at_or_after(self.until.astimezone(timezone.utc)), usegmt=True)
         else:
             retry_after = str(default_retry_after)
         return Maintenance(self.message or DEFAULT_MESSAGE, retry_after)
+
+
+def _whole_second_at_or_after(moment: datetime) -> datetime:
+    """An HTTP-date names whole seconds: `moment`'s, or the next one's where it has a fraction
+    (a client that waits as told must not come back before it). The last second there is
+    (9999-12-31T23:59:59) has no next one: it is named."""
+    if not moment.microsecond:
+        return moment
+    try:
+        return moment.replace(microsecond=0) + timedelta(seconds=1)
+    except OverflowError:
+        return moment.replace(microsecond=0)
 
 
 def parse_until(text: str) -> datetime:

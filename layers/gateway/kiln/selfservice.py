@@ -183,12 +183,19 @@ _DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[
 
 
 def parse_rfc3339(text: str) -> datetime | None:
-    """An RFC 3339 full-date (midnight UTC) or date-time with its offset; None if it is neither."""
+    """An RFC 3339 full-date (midnight UTC) or date-time with its offset; None if it is neither.
+    A leap second (seconds 60, which RFC 3339 allows and no datetime holds) is read as the
+    next second begins: the moment a clock that does not count leap seconds shows after it."""
     if not (_DATE.fullmatch(text) or _DATE_TIME.fullmatch(text)):
         return None
+    leap = len(text) > 19 and text[17:19] == "60"
+    if leap:
+        text = text[:17] + "59" + text[19:]
     try:
         moment = datetime.fromisoformat(text.replace("z", "Z").replace("Z", "+00:00").replace("t", "T"))
-    except ValueError:
+        if leap:
+            moment += timedelta(seconds=1)
+    except (ValueError, OverflowError):
         return None
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
