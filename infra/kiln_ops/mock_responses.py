@@ -40,6 +40,23 @@ def _words(value: Any) -> int:
     return 0
 
 
+# what one reply may hold: a mock in a developer's process must not take the machine's memory
+MAX_CHOICES = 128  # OpenAI's own bound on `n`
+MAX_REPLY_TOKENS = 100_000  # every choice's together
+
+
+class ReplyTooLarge(ValueError):
+    """A reply the mock does not make: its 400 says why."""
+
+
+def check_size(tokens: int, choices: int) -> None:
+    if choices > MAX_CHOICES:
+        raise ReplyTooLarge(f"n is {choices}: the mock answers at most {MAX_CHOICES} choices")
+    if tokens * choices > MAX_REPLY_TOKENS:
+        raise ReplyTooLarge(f"{tokens} tokens for each of {choices} choices: the mock answers at most "
+                            f"{MAX_REPLY_TOKENS} tokens a request")
+
+
 @dataclass
 class ResponsesReply:
     model: str
@@ -57,6 +74,7 @@ class ResponsesReply:
     @classmethod
     def plan(cls, body: dict, options: Any, sentence: list[str]) -> "ResponsesReply":
         wanted = options.tokens if options.tokens is not None else len(sentence)
+        check_size(wanted, 1)
         tokens = [sentence[i % len(sentence)] for i in range(wanted)]
         limit = body.get("max_output_tokens")
         incomplete = isinstance(limit, int) and not isinstance(limit, bool) and limit < len(tokens)
@@ -66,6 +84,7 @@ class ResponsesReply:
         calls = 0
         if tools and body.get("tool_choice") != "none":
             calls = options.tool_calls if options.tool_calls is not None else 1
+            check_size(len(tokens) + calls, 1)
         items = body.get("input")
         prompt = _words(items) + (3 * len(items) if isinstance(items, list) else 3) + _words(body.get("instructions"))
         cached = min(options.cached_tokens, prompt) if options.cached_tokens is not None else None

@@ -22,7 +22,8 @@ or from the server's own defaults:
                       a client that leaves meanwhile ends the request (counted in `disconnects`)
     ttft_ms           wait before the first token (streams: after the 200 and headers)
     token_delay_ms    wait between tokens
-    tokens=N          reply with N tokens (cut at max_tokens)
+    tokens=N          reply with N tokens (cut at max_tokens; at most 100 000 a request, every
+                      choice's and tool call's together, and `n` at most 128: else a 400)
     cut_after=N       drop the connection after N chunks, the role chunk included (mid-stream failure)
     no_done=true      end the stream cleanly but without [DONE]
     no_usage=true     never report usage, as llama.cpp's server does
@@ -55,7 +56,7 @@ from functools import cache
 from typing import Any
 from urllib.parse import unquote
 
-from .mock_responses import ResponsesReply, word_tokens
+from .mock_responses import ReplyTooLarge, ResponsesReply, check_size, word_tokens
 from .serve import read_body
 
 __all__ = ["MockOptions", "MockUpstream"]
@@ -249,6 +250,8 @@ class MockUpstream:
             return await self._scripted(body, options, send)
         try:
             reply = Reply.plan(chat, body, options)
+        except ReplyTooLarge as too_large:
+            return await _send_json(send, 400, _error(str(too_large), 400))
         except (TypeError, ValueError, AttributeError):
             # fields of types it cannot use: a validation error, as vLLM's is
             return await _send_json(send, 400, _error("Invalid request: a field has the wrong type", 400))
@@ -303,6 +306,8 @@ class MockUpstream:
             return await _send_json(send, 400, _error("'input' is a required property", 400))
         try:
             reply = ResponsesReply.plan(body, options, CHAT_REPLY)
+        except ReplyTooLarge as too_large:
+            return await _send_json(send, 400, _error(str(too_large), 400))
         except (TypeError, ValueError, AttributeError):
             return await _send_json(send, 400, _error("Invalid request: a field has the wrong type", 400))
         if body.get("stream") is True:
@@ -366,6 +371,7 @@ class Reply:
     def plan(cls, chat: bool, body: dict, options: MockOptions) -> "Reply":
         base = CHAT_REPLY if chat else TEXT_REPLY
         wanted = options.tokens if options.tokens is not None else len(base)
+        check_size(wanted, 1)
         tokens = [base[i % len(base)] for i in range(wanted)]
         # as vLLM takes them: chat's max_completion_tokens, then the deprecated max_tokens
         max_tokens = (_read_as_vllm(int, body.get("max_completion_tokens")) if chat else None) \
@@ -382,6 +388,7 @@ class Reply:
         cached = min(options.cached_tokens, prompt) if options.cached_tokens is not None else None
         n = _read_as_vllm(int, body.get("n"))
         n = n if n is not None and n > 0 else 1
+        check_size(len(tokens) + calls, n)
         reply = cls(chat, str(body.get("model")), n, prompt, tokens, finish, tools, calls, cached)
         if options.id:
             reply.id, reply.created = options.id, 1700000000

@@ -136,6 +136,22 @@ def test_n_choices_each_get_the_reply_and_are_all_counted(api):
     assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 36, "total_tokens": 45}
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/chat/completions", chat(n=1_000_000)),
+    ("/chat/completions", chat(n=100, mock={"tokens": 2_000})),
+    ("/completions", completion(mock={"tokens": 10**9})),
+    ("/chat/completions", chat(tools=[WEATHER_TOOL], mock={"tool_calls": 10**9})),
+    ("/responses", {"model": "qwen3-32b", "input": "hi", "mock": {"tokens": 10**9}}),
+])
+def test_a_reply_too_large_to_make_is_a_400_not_the_machines_memory(api, path, body):
+    """`n` of a million through `kiln dev` made the mock build a million replies: 23 GB, and
+    the kernel killed it. As OpenAI bounds `n` at 128, the mock answers at most 128 choices and
+    100 000 tokens a request."""
+    answer = api.post(path, json=body)
+    assert answer.status_code == 400 and "the mock answers at most" in answer.json()["message"], answer.text
+    assert api.post("/chat/completions", json=chat(n=128)).status_code == 200
+
+
 def test_tools_given_means_a_tool_call(api):
     body = api.post("/chat/completions", json=chat(tools=[WEATHER_TOOL])).json()
     (choice,) = body["choices"]
