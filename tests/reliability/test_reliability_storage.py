@@ -455,3 +455,26 @@ def test_a_key_change_cut_short_after_it_landed_is_applied_at_once_by_this_proce
     stack.faults.clear()
     refused = stack.post(CHAT, BODY, created["secret"])
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", refused.text
+
+
+def test_a_request_cut_at_its_deadline_does_not_fail_another_waiting_on_the_same_key_lookup(stack_factory):
+    """Two requests of one key at once share its lookup: a credits read cut at its deadline
+    ended that lookup with its cancellation, and a chat completion waiting on it answered a bare
+    500 (no JSON, no contract shape). The chat is served."""
+    import threading
+
+    stack = stack_factory(answer_deadline_seconds=0.5)
+    org_id, key = stack.org()
+    keys_table = stack.settings.keys_table
+    stack.faults.slow("GetItem", 1.0, when=lambda payload: payload.get("TableName") == keys_table, times=1)
+    answers = {}
+    credits = threading.Thread(target=lambda: answers.setdefault(
+        "credits", stack.http.get("/v1/credits", headers={"Authorization": f"Bearer {key}"}, timeout=30)))
+    credits.start()
+    time.sleep(0.25)
+    chat = stack.post(CHAT, BODY, key)
+    credits.join()
+    assert answers["credits"].status_code == 503 and answers["credits"].json()["error"]["code"] == "storage_unavailable"
+    assert chat.status_code == 200, chat.text
+    assert wait_for_events(stack, org_id, 1)[0].status == "success"
+    assert stack.org_info(org_id).in_flight == 0

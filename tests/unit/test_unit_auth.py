@@ -62,11 +62,13 @@ def test_a_lookup_under_way_when_the_key_is_revoked_does_not_cache_what_it_read(
     async def scenario():
         storage.gate = asyncio.Event()
         early = asyncio.create_task(auth.authenticate(f"Bearer {SECRET}"))  # reads the key while active
-        await asyncio.sleep(0)
+        while storage.reads < 1:
+            await asyncio.sleep(0)
         storage.keys[hash_secret(SECRET)] = KeyEntry("key_1", "acme", False, "")  # revoked meanwhile
         auth.forget_key("key_1")
         late = asyncio.create_task(auth.authenticate(f"Bearer {SECRET}"))  # after the revoke: its own read
-        await asyncio.sleep(0)
+        while storage.reads < 2:
+            await asyncio.sleep(0)
         storage.gate.set()
         assert (await early).key_id == "key_1"  # began before the revoke: may still pass
         with pytest.raises(InvalidApiKey):
@@ -74,5 +76,57 @@ def test_a_lookup_under_way_when_the_key_is_revoked_does_not_cache_what_it_read(
         storage.gate = None
         with pytest.raises(InvalidApiKey):  # and the early read was not cached over the revoke
             await auth.authenticate(f"Bearer {SECRET}")
+
+    asyncio.run(scenario())
+
+
+def test_a_lookup_shared_by_two_requests_outlives_the_first_ones_end():
+    """Two requests of one key at once share its lookup. The first was cut short (its deadline,
+    a client gone): its cancellation became the lookup's outcome, and the second request, a chat
+    completion, got CancelledError, a bare 500. The lookup now runs on its own: the second gets
+    the key, and the key is cached."""
+    storage = SlowStorage()
+    storage.gate = asyncio.Event()
+    auth = Authenticator(storage, cache_seconds=60)
+
+    async def scenario():
+        first = asyncio.ensure_future(auth.authenticate(f"Bearer {SECRET}"))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(auth.authenticate(f"Bearer {SECRET}"))
+        await asyncio.sleep(0.01)
+        first.cancel()  # the first request is cut while the read is under way
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        storage.gate.set()
+        principal = await second
+        assert principal.key_id == "key_1" and storage.reads == 1
+        await auth.authenticate(f"Bearer {SECRET}")
+        assert storage.reads == 1  # cached by the lookup, though its first requester was gone
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_shared_lookup_fails_each_of_its_requests_and_the_next_reads_again():
+    storage = SlowStorage()
+    storage.gate = asyncio.Event()
+    auth = Authenticator(storage, cache_seconds=60)
+    failing = True
+
+    async def org_active(org_id):
+        if failing:
+            raise ConnectionError("storage down")
+        return True
+
+    storage.org_active = org_active
+
+    async def scenario():
+        nonlocal failing
+        waiting = [asyncio.ensure_future(auth.authenticate(f"Bearer {SECRET}")) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        storage.gate.set()
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        assert [type(outcome) for outcome in outcomes] == [ConnectionError] * 3 and storage.reads == 1
+        failing = False
+        assert (await auth.authenticate(f"Bearer {SECRET}")).key_id == "key_1" and storage.reads == 2
 
     asyncio.run(scenario())

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from functools import partial
 from typing import Callable
 
 from .errors import InvalidApiKey, OrganizationDisabled
@@ -96,29 +97,31 @@ class Authenticator:
         cached = self._cached(key_hash)
         if cached is not None:
             return cached[1]
-        pending = self._pending.get(key_hash)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[key_hash] = future
-        forgets = self._forgets
-        try:
-            principal, stale_last_used = await self._load(key_hash)
-            future.set_result(principal)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: the waiters, if any, re-raise it
-            raise
-        finally:
-            if self._pending.get(key_hash) is future:
-                del self._pending[key_hash]
-        if forgets == self._forgets:
+        lookup = self._pending.get(key_hash)
+        if lookup is None:
+            # one lookup per key at a time, in a task of its own: the requests awaiting it share
+            # its outcome, and none of them ending (its deadline, its client gone) ends it for
+            # the others, whose outcome would then be that cancellation
+            lookup = asyncio.ensure_future(self._lookup(key_hash, self._forgets))
+            self._pending[key_hash] = lookup
+            lookup.add_done_callback(partial(self._looked_up, key_hash))
+        return await asyncio.shield(lookup)
+
+    async def _lookup(self, key_hash: str, forgets: int) -> Principal | None:
+        principal, stale_last_used = await self._load(key_hash)
+        if forgets == self._forgets:  # no key was forgotten meanwhile: what was read is current
             self._remember(key_hash, principal)
         if stale_last_used:
             task = asyncio.ensure_future(self._touch(key_hash))
             self._touches.add(task)  # held until done, and not awaited: never on the request's path
             task.add_done_callback(self._touches.discard)
         return principal
+
+    def _looked_up(self, key_hash: str, lookup: asyncio.Future) -> None:
+        if self._pending.get(key_hash) is lookup:
+            del self._pending[key_hash]
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: its requests, if any are left, raise it
 
     async def _touch(self, key_hash: str) -> None:
         try:
