@@ -117,6 +117,8 @@ def test_a_probe_answered_with_a_failure_puts_the_backend_back_and_the_rate_rule
     assert h.state_of(A) == IN_SERVICE and h.candidates("m", PAIR) == ([A, B], False)
     answer(h, A, "r2", "org2")  # it answers 5xx to many: the rate rule takes it out again…
     assert h.state_of(A) == OUT_OF_SERVICE
+    answer(h, A, "sent before", "org2")  # a request sent before that, failing in the cooldown: nothing new
+    assert h.state_of(A) == OUT_OF_SERVICE
     clock.now += 10
     assert h.state_of(A) == OUT_OF_SERVICE  # …for twice the cooldown, as a second ejection in a row
     clock.now += 10

@@ -19,7 +19,9 @@ A backend out of service is skipped for a cooldown (`cooldown` seconds, doubled 
 ejection in a row up to `max_cooldown`); then it is *probing*: one request at a time tries it.
 Any answer puts it back in service: a success, and a 5xx too, which says no more of the
 backend than any other request's (the rate rule decides again; taken out again soon, its
-cooldown is still doubled). A failure of the backend itself takes it out again. A model's last backend in
+cooldown is still doubled). A failure of the backend itself takes it out again. (A 2xx is an
+answer when its headers come: a stream cut after them counts later, by rate.) A request sent
+before the backend went out that fails during its cooldown changes nothing. A model's last backend in
 service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its requests are
 tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
 models, taken out as another model's), those taken out for their answers are tried by every
@@ -196,14 +198,16 @@ class BackendHealth:
                 break
             del answers[oldest]
         if state.out_until is not None:
-            if failed:
-                # a probe answered 5xx (or a 2xx it could not finish): the backend answers, and
-                # one request's answer neither takes a backend out nor keeps it out; the rate rule
-                # decides again, and the streak is kept (out again soon: twice the cooldown)
+            if not failed:
+                self._restore(model_id, state, "a request succeeded")
+            elif now >= state.out_until:
+                # the probe answered 5xx: the backend answers, and one request's answer neither
+                # takes a backend out nor keeps it out; the rate rule decides again, and the streak
+                # is kept (out again soon: twice the cooldown)
                 self._restore(model_id, state, "a probe was answered, if with a failure: the rate rule decides",
                               streak=state.ejections)
-                return
-            self._restore(model_id, state, "a request succeeded")
+            # else: a request sent before the backend went out, answered during its cooldown: it
+            # says nothing new (its failure is in the window the rate rule reads)
             return
         if not failed:
             state.ejections = 0  # served in service: the next ejection is a first one again
