@@ -241,6 +241,32 @@ def test_5xx_from_many_distinct_requests_of_several_orgs_do_eject_a_backend_whil
     assert upstream_failures(mark) == [0]  # sick no longer tried
 
 
+def test_requests_sent_before_a_backend_went_out_do_not_put_it_back_when_they_fail(stack_factory, mock):
+    """A backend that answers 500 after a second, 8 requests of 2 orgs at once: the rate rule
+    takes it out at the 4th failure, and the 4 requests still in flight on it, failing a moment
+    later, put it back in service (then out again): a backend always failing slowly was tried by
+    nearly every request. It stays out for its cooldown; the next request is not sent to it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = mock.url.rsplit("/v1", 1)[0]
+    pair = model("slow-sick-model", [{"name": "sick", "url": f"{base}/x/status=500,headers_delay_ms=1000/v1"},
+                                     {"name": "b", "url": mock.url}])
+    stack, changes = production_health(stack_factory, mock, pair, backend_error_min_requests=4,
+                                       backend_cooldown_seconds=60)
+    orgs = [stack.org(), stack.org()]
+
+    def one(i):
+        return stack.post(CHAT, {"model": "slow-sick-model", "messages": [{"role": "user", "content": f"q{i}"}]},
+                          orgs[i % 2][1]).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, range(8))) == [200] * 8  # each served by b after sick's 500
+    assert changes == [("slow-sick-model", "sick", "out_of_service")]
+    mark = len(TELEMETRY.text())
+    assert one(100) == 200
+    assert upstream_failures(mark) == [0]  # sick not tried
+
+
 def test_a_backend_refusing_connections_is_skipped_then_comes_back_after_it_recovers(stack_factory, mock):
     port = free_port()
     pair = model("recovering-model", [{"name": "flaky", "url": f"http://127.0.0.1:{port}/v1"},
