@@ -115,6 +115,14 @@ def test_bytes_that_are_no_utf8_reach_the_client_as_the_sse_format_reads_them(ba
         assert relay.relayed_tokens == 3 and relay.usage is not None and relay.done
 
 
+def test_the_event_bound_is_on_the_bytes_the_upstream_sent_not_their_replacement():
+    """§5 bounds what an upstream sends: an event within it whose invalid bytes each become a
+    3-byte U+FFFD is relayed, not cut as over the bound."""
+    event = b'data: {"choices":[{"delta":{"content":"' + b"\xff" * 400 + b'"}}]}\n\n'
+    out, relay = relay_all([event], max_event_bytes=len(event))
+    assert out == event.replace(b"\xff", "\ufffd".encode()) and relay.failure is None
+
+
 # -- usage riding on content chunks (continuous usage stats) ---------------------------------------
 
 

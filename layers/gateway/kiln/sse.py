@@ -168,8 +168,6 @@ class SseRelay:
         else:
             complete = data[:end]
         self.bytes_scanned += 2 * len(complete)  # joined, then split
-        if not complete.isascii():  # (whole events: no sequence is cut at their ends)
-            complete = as_utf8(complete)
         out: list[bytes] = []
         # a content chunk after the first, in one `data:` line read as sent, with nothing in it
         # that `_event` reads further (nearly every chunk): relayed and counted here, as
@@ -181,6 +179,8 @@ class SseRelay:
             event = event.strip(b"\n")
             if not event:
                 continue
+            if not event.isascii():  # a whole event: no sequence is cut at its ends; the bound is on what was sent
+                event = as_utf8(event)
             if (plain and event.startswith(b"data:") and b"\n" not in event and len(event) > 5
                     and event[-1] not in b" \t\r\x0b\x0c" and not _READ_FURTHER.search(event)):  # data, not blank
                 self._count_found(_TEXT_DELTA.findall(event))
