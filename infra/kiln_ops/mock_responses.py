@@ -74,10 +74,12 @@ class ResponsesReply:
     @classmethod
     def plan(cls, body: dict, options: Any, sentence: list[str]) -> "ResponsesReply":
         wanted = options.tokens if options.tokens is not None else len(sentence)
-        check_size(wanted, 1)
-        tokens = [sentence[i % len(sentence)] for i in range(wanted)]
         limit = body.get("max_output_tokens")
-        incomplete = isinstance(limit, int) and not isinstance(limit, bool) and limit < len(tokens)
+        limited = isinstance(limit, int) and not isinstance(limit, bool)
+        check_size(limit if limited and 0 <= limit < wanted else wanted, 1)
+        tokens = [sentence[i % len(sentence)] for i in range(min(wanted, limit + 1) if limited and limit > 0
+                                                             else wanted)]
+        incomplete = limited and limit < len(tokens)
         if incomplete:
             tokens = tokens[:limit]
         tools = [tool for tool in body.get("tools") or [] if isinstance(tool, dict) and tool.get("type") == "function"]

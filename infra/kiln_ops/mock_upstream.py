@@ -371,11 +371,12 @@ class Reply:
     def plan(cls, chat: bool, body: dict, options: MockOptions) -> "Reply":
         base = CHAT_REPLY if chat else TEXT_REPLY
         wanted = options.tokens if options.tokens is not None else len(base)
-        check_size(wanted, 1)
-        tokens = [base[i % len(base)] for i in range(wanted)]
         # as vLLM takes them: chat's max_completion_tokens, then the deprecated max_tokens
         max_tokens = (_read_as_vllm(int, body.get("max_completion_tokens")) if chat else None) \
             or _read_as_vllm(int, body.get("max_tokens"))
+        check_size(max_tokens if max_tokens is not None and 0 <= max_tokens < wanted else wanted, 1)
+        tokens = [base[i % len(base)] for i in range(min(wanted, max_tokens + 1) if max_tokens and max_tokens > 0
+                                                         else wanted)]
         finish = "stop"
         if max_tokens is not None and max_tokens < len(tokens):
             tokens, finish = tokens[:max_tokens], "length"

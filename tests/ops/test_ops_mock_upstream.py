@@ -150,6 +150,12 @@ def test_a_reply_too_large_to_make_is_a_400_not_the_machines_memory(api, path, b
     answer = api.post(path, json=body)
     assert answer.status_code == 400 and "the mock answers at most" in answer.json()["message"], answer.text
     assert api.post("/chat/completions", json=chat(n=128)).status_code == 200
+    # a long reply cut short by its max_tokens is the short one
+    cut = api.post("/completions", json=completion(max_tokens=10, mock={"tokens": 10**9})).json()
+    assert cut["usage"]["completion_tokens"] == 10 and cut["choices"][0]["finish_reason"] == "length"
+    cut = api.post("/responses", json={"model": "qwen3-32b", "input": "hi", "max_output_tokens": 10,
+                                       "mock": {"tokens": 10**9}}).json()
+    assert cut["usage"]["output_tokens"] == 10 and cut["status"] == "incomplete"
 
 
 def test_tools_given_means_a_tool_call(api):
