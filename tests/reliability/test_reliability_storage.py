@@ -478,3 +478,30 @@ def test_a_request_cut_at_its_deadline_does_not_fail_another_waiting_on_the_same
     assert chat.status_code == 200, chat.text
     assert wait_for_events(stack, org_id, 1)[0].status == "success"
     assert stack.org_info(org_id).in_flight == 0
+
+
+def test_an_admission_answered_503_after_a_lost_answer_is_taken_back_once_storage_answers_again(stack_factory):
+    """§1: a request refused at admission (503) writes no usage event. Its one admission whose
+    answer was lost had written its lease; storage then refused every write for longer than the
+    take-back's own retry budget, and the take-back gave up: the lease held the org's slot until
+    it expired, then a reclaim billed it as the `abandoned` event of a generation id no client
+    ever saw, counted in /v1/usage as a request and an error. The take-back goes on, in rounds,
+    as a late settle does: once storage answers, the slot is free and there is no event."""
+    stack = stack_factory(storage_retry_attempts=3, lease_ttl_seconds=60.0)
+    org_id, key = stack.org(concurrency=1)
+    admissions = lambda payload: involves_org(org_id)(payload) and "#leases.#gen = :lease" in json.dumps(payload)  # noqa: E731
+    lost = stack.faults.lose("UpdateItem", when=admissions, times=1)  # written, its answer lost
+    # then refused: the admission's two tries left, the take-back's first round and its second
+    throttled = stack.faults.fail("UpdateItem", when=lambda payload: bool(lost) and involves_org(org_id)(payload),
+                                  code="ThrottlingException", times=8)
+    refused = stack.post(CHAT, BODY, key)
+    assert refused.status_code == 503 and "X-Neocloud-Generation-Id" not in refused.headers
+    deadline = time.monotonic() + 10
+    while stack.org_info(org_id).in_flight and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stack.org_info(org_id).in_flight == 0 and len(throttled) >= 8  # well before the lease's 60 s
+    assert stack.events(org_id) == []
+    served = stack.post(CHAT, BODY, key)  # the org's one slot
+    assert served.status_code == 200
+    (event,) = wait_for_events(stack, org_id, 1)
+    assert event.gen_id == served.headers["X-Neocloud-Generation-Id"]

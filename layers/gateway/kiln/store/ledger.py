@@ -52,7 +52,7 @@ import secrets
 import time
 from dataclasses import dataclass, replace
 from decimal import Decimal
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from ..aws import AwsClient, tried_once
 from ..errors import (
@@ -364,7 +364,15 @@ class Ledger:
 
     async def _take_back(self, lease: Lease) -> None:
         """Remove a lease whose admission failed as far as its caller knows (a write that is
-        not there removes nothing); retried within the policy, the next reclaim's if it fails."""
+        not there removes nothing): at once, within the policy; where storage still refuses,
+        in rounds as a late settle goes on (`_take_back_later`). A lease left would hold the
+        org's slot until it expired, then be reclaimed as the `abandoned` event of a generation
+        id no client saw, a request refused with 503 (§1: such a request writes no event)."""
+        if not await self._taken_back(lease):
+            self._go_on_later(self._take_back_later(lease), lease)
+
+    async def _taken_back(self, lease: Lease) -> bool:
+        """One take-back within the policy: False where storage refused it for now."""
         try:
             await self._retried(
                 "take back",
@@ -380,10 +388,28 @@ class Ledger:
                 },
             )
         except ConditionFailed:
-            pass  # the admission was never applied
+            pass  # the admission was never applied, or its lease is gone already
         except Exception as exc:  # noqa: BLE001 - the lease expires and is reclaimed instead
+            if is_transient(exc):
+                return False
             log.warning(json.dumps({"event": "take_back_failed", "org_id": lease.org_id, "generation_id": lease.gen_id,
                                     "detail": type(exc).__name__}))
+        return True
+
+    async def _take_back_later(self, lease: Lease) -> None:
+        """Rounds of the take-back, as `_settle_later`'s of a settle, for twice the lease time
+        (a lease expired but not reclaimed yet is still worth taking back)."""
+        until = time.monotonic() + 2 * self._lease_ttl
+        pause = SETTLE_LATER_PAUSE
+        while time.monotonic() < until:
+            await asyncio.sleep(min(pause, max(0.0, until - time.monotonic())))
+            pause = min(2 * pause, SETTLE_LATER_MAX_PAUSE)
+            async with self._settle_later_turn:
+                if await self._taken_back(lease):
+                    log.info(json.dumps({"event": "taken_back_late", "generation_id": lease.gen_id}))
+                    return
+        log.warning(json.dumps({"event": "take_back_failed", "org_id": lease.org_id, "generation_id": lease.gen_id,
+                                "detail": "storage refused every round: the lease is reclaimed when it expires"}))
 
     # -- renewal ---------------------------------------------------------------------------
 
@@ -523,10 +549,17 @@ class Ledger:
         nothing, for one shorter than the renewal interval. The caller has logged the event
         already (`usage_unsettled`): a replay of that line after this settled is told
         `already_settled`."""
-        if len(self._settling_later) >= MAX_SETTLING_LATER:  # a storm: the log keeps the rest for the replay
+        self._go_on_later(self._settle_later(lease, event), lease)
+
+    def _go_on_later(self, work: Coroutine[Any, Any, None], lease: Lease) -> None:
+        """Run `work` (rounds of a write for `lease`) in a task drain() stops, at most
+        MAX_SETTLING_LATER at once: in a storm, the log keeps the rest (a settle's line is for
+        the replay; a lease not taken back is reclaimed when it expires)."""
+        if len(self._settling_later) >= MAX_SETTLING_LATER:
+            work.close()
             log.error(json.dumps({"event": "settle_later_full", "generation_id": lease.gen_id}))
             return
-        task = asyncio.get_running_loop().create_task(self._settle_later(lease, event))
+        task = asyncio.get_running_loop().create_task(work)
         self._settling_later.add(task)
         task.add_done_callback(self._settling_later.discard)
 
