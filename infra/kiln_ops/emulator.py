@@ -370,7 +370,8 @@ class Faults:
     throttle  a data-plane call gets ProvisionedThroughputExceededException
     lost      a write is applied, then its answer is cut off (the connection closes mid-answer)
     txn_ms    how long a transaction holds its items (always, also at rate 0): a plain write to
-              one of them meanwhile conflicts, and so does another transaction
+              one of them meanwhile conflicts, and so does another transaction (not the time
+              it then waits for its turn at moto, which DynamoDB has no counterpart of)
     index_ms  how long a write takes to reach the tables' global secondary indexes (DynamoDB:
               within about a second): a Query of an index meanwhile leaves out the items it
               wrote (an item created is not found yet; one changed is missing, where DynamoDB
@@ -537,20 +538,24 @@ class FaultyDynamoDB:
                                     CancellationReasons=[{"Code": "TransactionConflict", "Message": "Transaction is ongoing for the item"}
                                                          if reason else {"Code": "None"} for reason in reasons])
         for item in items:
-            self._held[item] = self._held.get(item, 0) + 1
             self._transactional.add(item)
         if faulty:  # a condition check writes nothing
             self._wrote([item for item, entry in zip(items, payload.get("TransactItems") or [], strict=True)
                          if "ConditionCheck" not in entry])
-        try:
-            if self.faults.txn_ms:
-                await asyncio.sleep(self.faults.txn_ms / 1000)
-            answer = await _capture(self._app, scope, body)
-        finally:
+        if self.faults.txn_ms:
+            # its items held for txn_ms, as DynamoDB holds them while a transaction runs; not
+            # while it waits its turn for moto's lock, which DynamoDB has no counterpart of
+            # (held then, a storm's load made one org's item held for seconds on end)
             for item in items:
-                self._held[item] -= 1
-                if not self._held[item]:
-                    del self._held[item]
+                self._held[item] = self._held.get(item, 0) + 1
+            try:
+                await asyncio.sleep(self.faults.txn_ms / 1000)
+            finally:
+                for item in items:
+                    self._held[item] -= 1
+                    if not self._held[item]:
+                        del self._held[item]
+        answer = await _capture(self._app, scope, body)
         if token:
             if answer[0] == 200:
                 self._tokens[token] = (digest, now + _TOKEN_SECONDS, answer)

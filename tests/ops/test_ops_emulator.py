@@ -312,6 +312,31 @@ def test_a_write_meeting_a_transaction_in_flight_conflicts_as_in_dynamodb(faulty
     assert not isinstance(call("UpdateItem", _decrement()), Exception) and _n(client) == "8"  # the item is free again
 
 
+def test_a_transaction_waiting_its_turn_at_moto_holds_nothing(faulty):
+    """A transaction holds its items for txn_ms, as DynamoDB's runs; it held them too while it
+    waited for moto's lock, which DynamoDB has no counterpart of: under a storm's load one org's
+    item was held for seconds on end, and its admissions spent their whole retry budget on
+    conflicts (503s no DynamoDB would give)."""
+    layer, call, client = faulty("txn_ms=50,scope=gateway")
+    moto = layer._app.app._lock  # moto's own turn: one call at a time
+    moto.acquire()
+    try:
+        queued = threading.Thread(target=call, args=("TransactWriteItems", _transaction()))
+        queued.start()
+        time.sleep(0.3)  # its txn_ms are over: it waits for moto alone
+        assert not layer.holding()
+        plain = {}
+        writer = threading.Thread(target=lambda: plain.setdefault("answer", call("UpdateItem", _decrement())))
+        writer.start()
+        time.sleep(0.1)
+    finally:
+        moto.release()
+    queued.join()
+    writer.join()
+    assert not isinstance(plain["answer"], Exception), plain["answer"]
+    assert _n(client) == "8"  # both applied
+
+
 def test_conflicts_at_a_rate_hit_only_items_that_transactions_write(faulty):
     layer, call, client = faulty("conflict=1,seed=7,scope=gateway")
     assert not isinstance(call("UpdateItem", _decrement()), Exception)  # no transaction ever wrote it
