@@ -1001,6 +1001,19 @@ def test_a_key_is_answered_as_it_is_not_as_an_index_that_is_behind_has_it(stack)
     assert again.status_code == 409 and again.json()["error"]["code"] == "key_revoked"
 
 
+def test_any_patch_of_a_revoked_key_is_409_an_empty_one_too(stack):
+    """A PATCH of a revoked key is 409 `key_revoked` (revoking is final); one with nothing in
+    it answered 200 with the key, as if it could still be changed."""
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "gone"}).json()
+    assert call(stack, "DELETE", f"/v1/keys/{key['id']}", admin).status_code == 200
+    for body in ({}, {"label": "gone"}):
+        answer = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, body)
+        assert answer.status_code == 409 and answer.json()["error"]["code"] == "key_revoked", answer.text
+    refused = call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"concurrency": "many"})
+    assert refused.status_code == 400  # a body that is wrong is told first, as for any key
+
+
 def test_a_key_id_no_key_has_is_404_after_the_index_had_time_to_catch_up(stack):
     org_id, admin = management_org(stack)
     other_org, other_admin = management_org(stack)

@@ -739,11 +739,11 @@ class Keyring:
         if attributes.get("concurrency") is not None:
             limit = (await self.org(owner)).concurrency_limit
         changes = validate_changes(attributes, known_models=known_models, org_limit=limit)
-        if not changes:
-            return _info(item)
         before = _info(item)
-        if before.status == "revoked":  # revoking is final: a change would say otherwise
+        if before.status == "revoked":  # revoking is final: a change, even of nothing, would say otherwise
             raise AlreadyRevoked(key_id, before.revoked_at)
+        if not changes:
+            return before
         if changes.get("spend_limit") is not None and before.spend_limit is None:
             await self._room_for_a_limit(owner, changing=key_id)  # one more key with a limit
         # the key's write is conditioned on it not being revoked since it was read
