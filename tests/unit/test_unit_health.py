@@ -112,7 +112,7 @@ def test_a_probe_answered_with_a_failure_puts_the_backend_back_and_the_rate_rule
                                error_min_clients=2)
     h.transport_failed("m", A, PAIR)
     clock.now += 10
-    assert h.claim(A)
+    assert h.claim(A, request="poison")
     answer(h, A, "poison", "org1")  # one org's request the server answers 500 for
     assert h.state_of(A) == IN_SERVICE and h.candidates("m", PAIR) == ([A, B], False)
     answer(h, A, "r2", "org2")  # it answers 5xx to many: the rate rule takes it out again…
@@ -131,6 +131,24 @@ def test_a_probe_answered_with_a_failure_puts_the_backend_back_and_the_rate_rule
     assert h.state_of(A) == PROBING
     assert changes == [("a", OUT_OF_SERVICE), ("a", IN_SERVICE), ("a", OUT_OF_SERVICE), ("a", IN_SERVICE),
                        ("a", OUT_OF_SERVICE)]
+
+
+def test_only_the_probes_own_failure_decides_not_a_request_sent_before_the_backend_went_out():
+    """A request sent before the backend went out, failing after its cooldown (a slow stream cut
+    late) while the probe is under way, put it back in service and let a second request probe
+    it at once. Only the probe's answer decides; another's changes nothing."""
+    h, clock, changes = health(cooldown=10, error_min_requests=2, error_min_clients=2)
+    answer(h, A, "r1", "org1")
+    answer(h, A, "r2", "org2")
+    assert h.state_of(A) == OUT_OF_SERVICE
+    clock.now += 10.5
+    assert h.claim(A, request="probe")
+    clock.now += 0.5
+    answer(h, A, "sent before", "org1")  # failing now: not the probe
+    assert h.state_of(A) == PROBING and not h.claim(A, request="another")  # the probe still decides
+    answer(h, A, "probe", "org2")  # the probe's own 5xx: back, the rate rule decides again
+    assert h.state_of(A) == IN_SERVICE
+    assert changes == [("a", OUT_OF_SERVICE), ("a", IN_SERVICE)]
 
 
 def test_a_probe_that_fails_again_is_reported_each_time():

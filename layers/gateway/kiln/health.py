@@ -21,7 +21,8 @@ Any answer puts it back in service: a success, and a 5xx too, which says no more
 backend than any other request's (the rate rule decides again; taken out again soon, its
 cooldown is still doubled). A failure of the backend itself takes it out again. (A 2xx is an
 answer when its headers come: a stream cut after them counts later, by rate.) A request sent
-before the backend went out that fails during its cooldown changes nothing. A model's last backend in
+before the backend went out that fails, during its cooldown or after, changes nothing: only
+the probe's own answer decides. A model's last backend in
 service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its requests are
 tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
 models, taken out as another model's), those taken out for their answers are tried by every
@@ -83,7 +84,7 @@ class HealthPolicy:
 
 class _State:
     __slots__ = ("backend", "models", "transport_failures", "answers", "out_until", "ejections", "trial_until",
-                 "reason", "unreachable")
+                 "prober", "reason", "unreachable")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -94,6 +95,7 @@ class _State:
         self.out_until: float | None = None  # set while out of service or probing
         self.ejections = 0  # in a row, for the growing cooldown
         self.trial_until = 0.0  # a probe is in flight until then
+        self.prober: str | None = None  # the request probing it (its fingerprint)
         self.reason = ""
         self.unreachable = False  # out of service for failures of the backend itself, not its answers
 
@@ -150,9 +152,10 @@ class BackendHealth:
             return chosen, False
         return [backend for backend in backends if not self._state(backend).unreachable], True
 
-    def claim(self, backend: Backend, *, panic: bool = False) -> bool:
-        """Just before a request tries `backend`: False if another request is probing it (in
-        a panic, never: the request tries it whatever its state, and its outcome counts)."""
+    def claim(self, backend: Backend, *, panic: bool = False, request: str | None = None) -> bool:
+        """Just before the request `request` (a fingerprint) tries `backend`: False if another
+        request is probing it (in a panic, never: the request tries it whatever its state, and
+        its outcome counts)."""
         state = self._state(backend)
         if state.out_until is None or panic:
             return True
@@ -161,13 +164,14 @@ class BackendHealth:
             return False
         # one probe at a time; if it never reports (cancelled), another may go after a cooldown
         state.trial_until = now + self.policy.cooldown
+        state.prober = request
         return True
 
     def released(self, backend: Backend) -> None:
         """The attempt on `backend` ended without an outcome (the request was cancelled)."""
         state = self._states.get((backend.name, backend.url))
         if state is not None:
-            state.trial_until = 0.0
+            state.trial_until, state.prober = 0.0, None
 
     # -- outcomes ---------------------------------------------------------------------------
 
@@ -185,7 +189,9 @@ class BackendHealth:
         """The backend answered the request `request` (a fingerprint) of `client`: `failed` for
         a 5xx, or a 2xx it could not finish (cut, silent, over a bound)."""
         state = self._state(backend, model_id)
-        state.trial_until = 0.0
+        probe = state.out_until is not None and state.prober is not None and request == state.prober
+        if state.out_until is None or probe:
+            state.trial_until, state.prober = 0.0, None
         state.transport_failures = 0
         now = self._clock()
         answers = state.answers
@@ -200,14 +206,14 @@ class BackendHealth:
         if state.out_until is not None:
             if not failed:
                 self._restore(model_id, state, "a request succeeded")
-            elif now >= state.out_until:
+            elif probe:
                 # the probe answered 5xx: the backend answers, and one request's answer neither
                 # takes a backend out nor keeps it out; the rate rule decides again, and the streak
                 # is kept (out again soon: twice the cooldown)
                 self._restore(model_id, state, "a probe was answered, if with a failure: the rate rule decides",
                               streak=state.ejections)
-            # else: a request sent before the backend went out, answered during its cooldown: it
-            # says nothing new (its failure is in the window the rate rule reads)
+            # else: another request's failure (one sent before the backend went out, or a panic's):
+            # it says nothing new, and the probe, if one is under way, goes on deciding
             return
         if not failed:
             state.ejections = 0  # served in service: the next ejection is a first one again
@@ -238,7 +244,7 @@ class BackendHealth:
         state.ejections += 1
         cooldown = min(policy.cooldown * 2 ** (state.ejections - 1), policy.max_cooldown)
         state.out_until = self._clock() + cooldown
-        state.trial_until = 0.0
+        state.trial_until, state.prober = 0.0, None
         state.transport_failures = 0
         state.answers.clear()
         state.reason = reason
@@ -248,7 +254,7 @@ class BackendHealth:
     def _restore(self, model_id: str, state: _State, reason: str, *, streak: int = 0) -> None:
         state.out_until = None
         state.ejections = streak
-        state.trial_until = 0.0
+        state.trial_until, state.prober = 0.0, None
         state.reason = ""
         state.unreachable = False
         self._changed(state, IN_SERVICE, reason)

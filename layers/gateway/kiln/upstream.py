@@ -259,7 +259,7 @@ class UpstreamClient:
                 failures.append(f"{backend.name}: not tried, the model's total time was spent")
                 last_timeout = "total"
                 break
-            if not health.claim(backend, panic=panic):
+            if not health.claim(backend, panic=panic, request=request):
                 continue  # another request is probing it
             content = compact({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
             headers = {
