@@ -6,9 +6,13 @@ import asyncio
 from collections import Counter
 from types import SimpleNamespace
 
+import pytest
+
+from kiln.aws import AwsError
 from kiln.store import ledger as ledger_module
 from kiln.store.errors import StorageError, TransientStorageError
 from kiln.store.ledger import Ledger
+from kiln.store.retry import RetryPolicy
 
 
 def _quick(monkeypatch, cap: int) -> None:
@@ -71,5 +75,80 @@ def test_a_background_settle_stops_at_a_refusal_that_is_not_transient_and_on_clo
         assert calls["refused"] == 1 and calls["throttled"] > 1
         await ledger.drain()  # the process closes: what goes on in the background stops
         assert not ledger._settling_later
+
+    asyncio.run(main())
+
+
+class _Down:
+    """DynamoDB answering every call 500 (a server's fault: the write may have been applied)."""
+
+    def __init__(self) -> None:
+        self.calls = self.after_close = 0
+        self.closed = False
+
+    async def dynamodb(self, operation, payload, **options):
+        self.calls += 1
+        self.after_close += self.closed
+        await asyncio.sleep(0.001)
+        raise AwsError("InternalServerError", "down", {"__type": "x#InternalServerError"}, status=500)
+
+    async def aclose(self):
+        self.closed = True
+
+
+def _down_ledger(aws):
+    return Ledger(aws, orgs_table="o", usage_table="u", lease_ttl=2.0,
+                  retry=RetryPolicy(attempts=3, budget_seconds=0.3, base_seconds=0.01, cap_seconds=0.02))
+
+
+async def _refused(ledger):
+    with pytest.raises(StorageError):
+        await ledger.admit(org_id="org", key_id="k", model="m", endpoint="chat.completions", streamed=False)
+
+
+def test_drain_stops_the_take_backs_a_failing_first_try_starts_while_it_waits(monkeypatch):
+    """An admission refused after a 5xx takes its lease back at once, then in rounds. A first
+    take-back still trying when the process closed started its rounds after drain() had
+    stopped the others: they went on writing to storage after its client was closed."""
+    _quick(monkeypatch, cap=10)
+
+    async def main():
+        aws = _Down()
+        ledger = _down_ledger(aws)
+        await _refused(ledger)
+        assert ledger._background  # the first take-back, within the policy
+        await ledger.drain()
+        await aws.aclose()
+        assert not ledger._taking_back and not ledger._settling_later and not ledger._background
+        await asyncio.sleep(0.2)
+        assert aws.after_close == 0
+
+    asyncio.run(main())
+
+
+def test_take_backs_in_rounds_neither_crowd_out_late_settles_nor_wait_for_their_turn(monkeypatch):
+    """A 5xx storm of refused admissions filled the late settles' bound with take-backs, and a
+    settle that carries a bill was dropped (left to the replay); below the bound, each take-back
+    round held the settles' one-at-a-time turn for a whole retry budget."""
+    _quick(monkeypatch, cap=4)
+    monkeypatch.setattr(ledger_module, "MAX_TAKING_BACK", 4)
+
+    async def main():
+        aws = _Down()
+        ledger = _down_ledger(aws)
+        await asyncio.gather(*[_refused(ledger) for _ in range(6)])
+        while ledger._background:
+            await asyncio.sleep(0.01)
+        assert len(ledger._taking_back) == 4 and not ledger._settling_later  # the bound of their own
+        settled = asyncio.Event()
+
+        async def settle(lease, event):
+            settled.set()
+            return "settled"
+
+        ledger.settle = settle
+        ledger.settle_later(SimpleNamespace(gen_id="billed"), None)
+        await asyncio.wait_for(settled.wait(), 1.0)  # its first round, with take-backs going on
+        await ledger.drain()
 
     asyncio.run(main())

@@ -130,6 +130,7 @@ MAX_FIGURE_READS = 3
 SETTLE_LATER_PAUSE = 1.0
 SETTLE_LATER_MAX_PAUSE = 16.0
 MAX_SETTLING_LATER = 256
+MAX_TAKING_BACK = 256  # leases refused admissions may have written, taken back in rounds
 
 ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
 
@@ -246,6 +247,7 @@ class Ledger:
         self._clock = clock
         self._background: set[asyncio.Task] = set()
         self._settling_later: set[asyncio.Task] = set()  # settle_later's, stopped when the ledger closes
+        self._taking_back: set[asyncio.Task] = set()  # _take_back_later's, stopped alike
         self._settle_later_turn = asyncio.Semaphore(1)
         self._reclaiming: set[str] = set()  # generation ids a reclaim of this process is working on
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
@@ -369,24 +371,26 @@ class Ledger:
         org's slot until it expired, then be reclaimed as the `abandoned` event of a generation
         id no client saw, a request refused with 503 (§1: such a request writes no event)."""
         if not await self._taken_back(lease):
-            self._go_on_later(self._take_back_later(lease), lease)
+            self._go_on_later(self._take_back_later(lease), lease, self._taking_back, MAX_TAKING_BACK,
+                              "take_back_later_full")
 
-    async def _taken_back(self, lease: Lease) -> bool:
-        """One take-back within the policy: False where storage refused it for now."""
+    async def _taken_back(self, lease: Lease, *, once: bool = False) -> bool:
+        """One take-back within the policy (`once`: a single call): False where storage refused
+        it for now."""
+        payload = {
+            "TableName": self._orgs_table,
+            "Key": {ORG.hash_key: {"S": lease.org_id}},
+            "UpdateExpression": "REMOVE #leases.#gen DELETE #key_leases :gen_ids",
+            "ConditionExpression": LEASE_HELD,
+            "ExpressionAttributeNames": {"#leases": ORG.leases, "#gen": lease.gen_id,
+                                         "#key_leases": leases_attribute(lease.key_id)},
+            "ExpressionAttributeValues": {":gen_ids": {"SS": [lease.gen_id]}},
+        }
         try:
-            await self._retried(
-                "take back",
-                "UpdateItem",
-                {
-                    "TableName": self._orgs_table,
-                    "Key": {ORG.hash_key: {"S": lease.org_id}},
-                    "UpdateExpression": "REMOVE #leases.#gen DELETE #key_leases :gen_ids",
-                    "ConditionExpression": LEASE_HELD,
-                    "ExpressionAttributeNames": {"#leases": ORG.leases, "#gen": lease.gen_id,
-                                                 "#key_leases": leases_attribute(lease.key_id)},
-                    "ExpressionAttributeValues": {":gen_ids": {"SS": [lease.gen_id]}},
-                },
-            )
+            if once:
+                await self._call("UpdateItem", payload)
+            else:
+                await self._retried("take back", "UpdateItem", payload)
         except ConditionFailed:
             pass  # the admission was never applied, or its lease is gone already
         except Exception as exc:  # noqa: BLE001 - the lease expires and is reclaimed instead
@@ -397,17 +401,18 @@ class Ledger:
         return True
 
     async def _take_back_later(self, lease: Lease) -> None:
-        """Rounds of the take-back, as `_settle_later`'s of a settle, for twice the lease time
-        (a lease expired but not reclaimed yet is still worth taking back)."""
+        """Rounds of the take-back, one call each, the pauses between them doubling as a late
+        settle's do, for twice the lease time (a lease expired but not reclaimed yet is still
+        worth taking back). They neither wait for the late settles' turn nor count against
+        their bound: those carry bills, and a storm of refused admissions must not delay them."""
         until = time.monotonic() + 2 * self._lease_ttl
         pause = SETTLE_LATER_PAUSE
         while time.monotonic() < until:
             await asyncio.sleep(min(pause, max(0.0, until - time.monotonic())))
             pause = min(2 * pause, SETTLE_LATER_MAX_PAUSE)
-            async with self._settle_later_turn:
-                if await self._taken_back(lease):
-                    log.info(json.dumps({"event": "taken_back_late", "generation_id": lease.gen_id}))
-                    return
+            if await self._taken_back(lease, once=True):
+                log.info(json.dumps({"event": "taken_back_late", "generation_id": lease.gen_id}))
+                return
         log.warning(json.dumps({"event": "take_back_failed", "org_id": lease.org_id, "generation_id": lease.gen_id,
                                 "detail": "storage refused every round: the lease is reclaimed when it expires"}))
 
@@ -549,19 +554,22 @@ class Ledger:
         nothing, for one shorter than the renewal interval. The caller has logged the event
         already (`usage_unsettled`): a replay of that line after this settled is told
         `already_settled`."""
-        self._go_on_later(self._settle_later(lease, event), lease)
+        self._go_on_later(self._settle_later(lease, event), lease, self._settling_later, MAX_SETTLING_LATER,
+                          "settle_later_full")
 
-    def _go_on_later(self, work: Coroutine[Any, Any, None], lease: Lease) -> None:
-        """Run `work` (rounds of a write for `lease`) in a task drain() stops, at most
-        MAX_SETTLING_LATER at once: in a storm, the log keeps the rest (a settle's line is for
-        the replay; a lease not taken back is reclaimed when it expires)."""
-        if len(self._settling_later) >= MAX_SETTLING_LATER:
+    @staticmethod
+    def _go_on_later(work: Coroutine[Any, Any, None], lease: Lease, tasks: set[asyncio.Task], bound: int,
+                     full: str) -> None:
+        """Run `work` (rounds of a write for `lease`) in a task of `tasks`, which drain() stops,
+        at most `bound` at once: in a storm, the log keeps the rest (a settle's line is for the
+        replay; a lease not taken back is reclaimed when it expires), and says so (`full`)."""
+        if len(tasks) >= bound:
             work.close()
-            log.error(json.dumps({"event": "settle_later_full", "generation_id": lease.gen_id}))
+            log.error(json.dumps({"event": full, "generation_id": lease.gen_id}))
             return
         task = asyncio.get_running_loop().create_task(work)
-        self._settling_later.add(task)
-        task.add_done_callback(self._settling_later.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def _settle_later(self, lease: Lease, event: UsageEvent) -> None:
         """Rounds of the settle, each a whole retry budget, one such settle of this process at
@@ -588,11 +596,12 @@ class Ledger:
     async def drain(self) -> None:
         """Wait for the background reclaims started so far (before a loop or client closes);
         the settles going on in the background stop (their events are in the log)."""
-        for task in list(self._settling_later):
-            task.cancel()
-        await asyncio.gather(*list(self._settling_later), return_exceptions=True)
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        # a reclaim or first take-back that fails while this waits may start rounds of its own:
+        # those are stopped too, until nothing is left
+        while self._settling_later or self._taking_back or self._background:
+            for task in (*self._settling_later, *self._taking_back):
+                task.cancel()
+            await asyncio.gather(*self._settling_later, *self._taking_back, *self._background, return_exceptions=True)
 
     # -- settlement ------------------------------------------------------------------------
 
