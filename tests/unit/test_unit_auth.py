@@ -130,3 +130,25 @@ def test_a_failed_shared_lookup_fails_each_of_its_requests_and_the_next_reads_ag
         assert (await auth.authenticate(f"Bearer {SECRET}")).key_id == "key_1" and storage.reads == 2
 
     asyncio.run(scenario())
+
+
+def test_a_lookup_no_request_waits_for_any_more_stops():
+    """Requests of unknown keys cut short (their deadline, a client gone) each left their
+    lookup running on a slow storage: 2 000 of them, 2 000 reads going on. A lookup stops when
+    the last request waiting for it has."""
+    storage = SlowStorage()
+    storage.gate = asyncio.Event()  # never set: storage does not answer
+    auth = Authenticator(storage, cache_seconds=60)
+
+    async def scenario():
+        async def gives_up(secret):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await auth.authenticate(f"Bearer {secret}")
+
+        await asyncio.gather(*[gives_up("sk-kiln-" + f"{index:043d}") for index in range(200)])
+        await asyncio.sleep(0.01)
+        assert storage.reads == 200 and not auth._pending
+        assert not [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    asyncio.run(scenario())

@@ -65,7 +65,7 @@ class Authenticator:
         self._max_entries = max_entries
         self._clock = clock
         self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
-        self._pending: dict[str, asyncio.Future] = {}
+        self._pending: dict[str, _Lookup] = {}
         self._touches: set[asyncio.Task] = set()
         # bumped by forget_key: a lookup that began before a key was forgotten may have read
         # it as it was, and must not put that back in the cache
@@ -102,10 +102,16 @@ class Authenticator:
             # one lookup per key at a time, in a task of its own: the requests awaiting it share
             # its outcome, and none of them ending (its deadline, its client gone) ends it for
             # the others, whose outcome would then be that cancellation
-            lookup = asyncio.ensure_future(self._lookup(key_hash, self._forgets))
+            lookup = _Lookup(asyncio.ensure_future(self._lookup(key_hash, self._forgets)))
             self._pending[key_hash] = lookup
-            lookup.add_done_callback(partial(self._looked_up, key_hash))
-        return await asyncio.shield(lookup)
+            lookup.task.add_done_callback(partial(self._looked_up, key_hash, lookup))
+        lookup.waiting += 1
+        try:
+            return await asyncio.shield(lookup.task)
+        finally:
+            lookup.waiting -= 1
+            if not lookup.waiting:  # no request waits for it any more: it stops, as theirs did
+                lookup.task.cancel()
 
     async def _lookup(self, key_hash: str, forgets: int) -> Principal | None:
         principal, stale_last_used = await self._load(key_hash)
@@ -117,11 +123,11 @@ class Authenticator:
             task.add_done_callback(self._touches.discard)
         return principal
 
-    def _looked_up(self, key_hash: str, lookup: asyncio.Future) -> None:
+    def _looked_up(self, key_hash: str, lookup: "_Lookup", task: asyncio.Future) -> None:
         if self._pending.get(key_hash) is lookup:
             del self._pending[key_hash]
-        if not lookup.cancelled():
-            lookup.exception()  # retrieved: its requests, if any are left, raise it
+        if not task.cancelled():
+            task.exception()  # retrieved: its requests, if any are left, raise it
 
     async def _touch(self, key_hash: str) -> None:
         try:
@@ -173,3 +179,13 @@ def _bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
+
+
+class _Lookup:
+    """A key's lookup under way, and how many requests wait for it."""
+
+    __slots__ = ("task", "waiting")
+
+    def __init__(self, task: asyncio.Future) -> None:
+        self.task = task
+        self.waiting = 0
