@@ -31,6 +31,18 @@ def one(**changes):
     return {"models": [entry]}
 
 
+@pytest.mark.parametrize("value, key", [("sk-up\n", "sk-up"), ("  sk-up\r\n", "sk-up"), ("\n", None), (None, None)])
+def test_a_backends_key_is_read_without_the_blanks_around_it(monkeypatch, value, key):
+    """A key written to its variable from a file keeps the file's newline: sent, it ended the
+    Authorization line and began another; the HTTP client now refuses such a header, which
+    would make every request to the backend fail."""
+    if value is None:
+        monkeypatch.delenv("M_KEY", raising=False)
+    else:
+        monkeypatch.setenv("M_KEY", value)
+    assert Catalog.from_json(json.dumps(one()).encode()).get("m").backends[0].api_key() == key
+
+
 def test_repository_catalog_parses():
     catalog = Catalog.from_json(CATALOG_FILE.read_bytes())
     assert [model.id for model in catalog] == ["qwen3-32b", "gpt-oss-120b"]

@@ -922,3 +922,110 @@ def test_the_request_carries_its_own_length_and_the_first_host_given(given, host
         await http.aclose()
 
     run(main())
+
+
+# -- what h11 refuses, refused here too (a review against h11 and httpx) ---------------------------
+
+
+@pytest.mark.parametrize("headers", [
+    {"authorization": "Bearer k\r\nX-Injected: 1"},  # a value that ends a line and starts another
+    {"authorization": "Bearer k\n"},  # a key read from a file, its newline kept
+    {"x-amz-security-token": "tok\r"},
+    {"x-note": "a\x00b"},
+    {"x-a: b\r\nx-c": "d"},  # a name that is a line and a half
+])
+def test_a_header_that_would_change_the_request_on_the_wire_is_refused_not_sent(headers):
+    """httpx refuses a header name or value holding a line break or a NUL; this client wrote
+    it as given: a second request in the first's headers, or a body the server reads as the
+    start of the next request on the pooled connection."""
+    received = []
+
+    async def handler(reader, writer):
+        received.append(await reader.read(65536))
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            with pytest.raises(ConnectFailed, match="header"):
+                await http.request("POST", url + "/v1/x", headers=headers, body=b"{}")
+            await asyncio.sleep(0.05)
+        await http.aclose()
+        assert received == []  # nothing was sent, not even a connection's worth
+
+    run(main())
+
+
+@pytest.mark.parametrize("path", ["/v1/chat completions", "/v1/caf\u00e9", "/v1/x\ty"])
+def test_a_path_no_request_line_carries_as_written_is_refused(path):
+    async def main():
+        http = client()
+        async with server(lambda reader, writer: asyncio.sleep(0)) as (url, _):
+            with pytest.raises(ConnectFailed):
+                await http.request("POST", url + path, headers={}, body=b"{}")
+        await http.aclose()
+
+    run(main())
+
+
+def test_trailers_are_bounded_and_never_taken_for_headers():
+    """A trailer of 200 MiB was held whole (h11 stops at 16 KiB); a trailer's fields were merged
+    into the response's headers, where one could add an `x-amzn-errortype` the AWS client reads."""
+    async def flood(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: ")
+        for _ in range(64):
+            writer.write(b"a" * 65536)
+            await writer.drain()
+
+    async def adds(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n"
+                     b"X-Amzn-ErrorType: Injected\r\n\r\n")
+        await writer.drain()
+
+    async def endless_extension(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;x=")
+        for _ in range(64):
+            writer.write(b"a" * 65536)
+            await writer.drain()
+
+    async def main():
+        http = client()
+        for flooding in (flood, endless_extension):
+            async with server(flooding) as (url, _):
+                response = await http.request("POST", url, headers={}, body=b"{}")
+                with pytest.raises(ResponseTooLarge):
+                    await response.read(max_bytes=1024)
+        async with server(adds) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"{}")
+            assert await response.read() == b"{}"
+            assert response.header("x-amzn-errortype") is None
+        await http.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("answer", [
+    # HTTP/1.0 with chunked framing: RFC 9112 §6.1, the client closes the connection after it
+    b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    # bytes after the body's end, in the same read: a connection that says more than it was asked
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}H",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}HTTP/1.1 200 OK\r\n",
+])
+def test_an_answer_whose_connection_cannot_be_trusted_again_is_not_reused(answer):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        http = client()
+        async with server(handler) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"{}")
+            assert await response.read() == b"{}"
+            assert http.idle_connections == 0
+        await http.aclose()
+
+    run(main())

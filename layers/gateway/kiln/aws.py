@@ -138,6 +138,14 @@ def _signed_url(url: str) -> tuple[str, str, str]:
     return canonical_host(parts), canonical_uri(parts.path), canonical_query(parts.query)
 
 
+# sent, not signed, as botocore leaves them: a proxy on the way may change or drop them (a
+# user-agent, hop-by-hop fields, tracing), which would make the signature fail
+UNSIGNED_HEADERS = frozenset({
+    "baggage", "connection", "expect", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "traceparent",
+    "tracestate", "trailer", "transfer-encoding", "upgrade", "user-agent", "x-amzn-trace-id",
+})
+
+
 @lru_cache(maxsize=64)
 def _undated(headers: tuple[tuple[str, str], ...], host: str, token: str | None) -> tuple[dict[str, str], str, str, str]:
     """Everything a request's signed headers are but its date, worked out once per set of
@@ -148,7 +156,7 @@ def _undated(headers: tuple[tuple[str, str], ...], host: str, token: str | None)
     sent["host"] = host
     if token:
         sent["x-amz-security-token"] = token  # sent as given, signed trimmed
-    names = sorted([*sent, "x-amz-date"])
+    names = sorted([*(name for name in sent if name not in UNSIGNED_HEADERS), "x-amz-date"])
     at = names.index("x-amz-date")
     before = "".join([_canonical_header(name, sent[name]) for name in names[:at]])
     after = "".join([_canonical_header(name, sent[name]) for name in names[at + 1:]])

@@ -128,7 +128,10 @@ class Backend:
     enabled: bool = True
 
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+        """The key in its variable, without the blanks around it (a key written to the variable
+        from a file keeps the file's newline, which no header can carry); None if unset or blank."""
+        value = os.environ.get(self.api_key_env) if self.api_key_env else None
+        return value.strip() or None if value is not None else None
 
 
 @dataclass(frozen=True)

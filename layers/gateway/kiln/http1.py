@@ -233,7 +233,7 @@ class _Message:
     """httptools' callbacks for one response."""
 
     __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser", "max_headers",
-                 "interim", "relaxed", "coded")
+                 "interim", "relaxed", "coded", "max_header_bytes", "fed", "body_bytes", "chunks")
 
     def __init__(
         self,
@@ -254,10 +254,20 @@ class _Message:
         self.interim = False  # parsing a 1xx answer, which the final one follows
         self.relaxed = False  # the parser goes on past a 1xx that would close the connection
         self.coded = False  # a Transfer-Encoding header came (checked once the headers are in)
+        self.max_header_bytes = MAX_HEADER_BYTES
+        self.fed = 0  # bytes fed to the parser…
+        self.body_bytes = 0  # …of which the body's (the rest frames it: `_fed` bounds it)
+        self.chunks = 0
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # the server goes on past its answer: it says more than it was asked
+            self.keep_alive = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.complete:
-            return  # a message after the answer: never part of it (see on_headers_complete)
+        if self.complete or self.headers_complete:
+            # a message after the answer (see on_headers_complete), or a chunked body's trailer:
+            # neither is a header of the answer (h11 keeps trailers apart, this client drops them)
+            return
         if len(self.headers) <= self.max_headers:  # one more than allowed is kept: the caller sees it and refuses
             name = name.lower()
             if name == b"transfer-encoding":
@@ -288,11 +298,17 @@ class _Message:
             self.relaxed = False
         self.status = status  # the final answer's, whatever the parser reads after it
         self.headers_complete = True
-        # asked now: once the message is complete the parser has reset its flags
-        self.keep_alive = self.parser.should_keep_alive()
+        # asked now: once the message is complete the parser has reset its flags. An HTTP/1.0
+        # answer framed as chunked is faulty framing: its connection is closed after it (RFC 9112 §6.1)
+        self.keep_alive = self.parser.should_keep_alive() and not (
+            self.coded and self.parser.get_http_version() == "1.0")
+
+    def on_chunk_header(self) -> None:
+        self.chunks += 1
 
     def on_body(self, body: bytes) -> None:
         if not self.complete:
+            self.body_bytes += len(body)
             self.pending.append(bytes(body))
 
     def on_message_complete(self) -> None:
@@ -499,7 +515,14 @@ class HttpClient:
             lines = [f"{name}: {value}\r\n" for name, value in headers.items() if name.lower() not in _FRAMING]
             if len(lines) != len(headers):  # a Host or a Content-Length was given: the first Host is sent
                 host = next((value for name, value in headers.items() if name.lower() == "host"), None) or host
-            wire = (f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n{''.join(lines)}"
+            block = "".join(lines)
+            # a line break or a NUL in a name or a value (a key read from a file with its newline)
+            # would end the line where the server reads another header, or another request: refused,
+            # as h11 refuses it (counted over the whole block: one line end a header, no more)
+            if (block.count("\r") != len(lines) or block.count("\n") != len(lines) or "\0" in block
+                    or not host.isprintable()):
+                raise ValueError("a header name or value holds a line break or a NUL")
+            wire = (f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n{block}"
                     "\r\n").encode("latin-1") + body
         except ValueError as exc:  # UnicodeError too: a URL or header no request line can carry
             raise Unaddressable(f"no request can be sent to {url[:200]!r}: {exc}") from None
@@ -535,6 +558,7 @@ class HttpClient:
     ) -> Response:
         message = _Message()
         message.max_headers = max_headers
+        message.max_header_bytes = max_header_bytes
         parser = httptools.HttpResponseParser(message)
         message.parser = parser
         try:
@@ -651,6 +675,8 @@ def _addressed(url: str) -> tuple[_Origin, str, str]:
     """Where a URL's request goes, its request target and its Host, worked out once per URL
     (a gateway calls the same few URLs over and over). ValueError for one no request can be
     sent to as written."""
+    if not url.isprintable():  # urlsplit drops tabs and line breaks: the URL would be another one
+        raise ValueError("a URL with control characters")
     parts = urlsplit(url)
     origin = _Origin(parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
     if not origin.host.isascii():
@@ -659,6 +685,10 @@ def _addressed(url: str) -> tuple[_Origin, str, str]:
         # called as written
         raise ValueError("a host outside ASCII: write it in IDNA (xn--…)")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if not (target.isascii() and target.isprintable()) or " " in target:
+        # a server would read a blank as the request line's end, and bytes outside ASCII as
+        # whatever it decodes them as: percent-encoded, it is one target to every reader
+        raise ValueError("a path or query with blanks, control characters or non-ASCII: percent-encode it")
     return origin, target, canonical_host(parts)
 
 
@@ -704,6 +734,13 @@ def _fed(parser: object, message: _Message, data: bytes) -> ProtocolFailure | No
     Malformed bytes before any of the body raise at once."""
     try:
         _feed(parser, data)
+        message.fed += len(data)
+        # what frames the body (the head, chunk sizes and their extensions, trailers) is bounded
+        # as the head is: a trailer or a chunk size line that never ends was held, or kept the
+        # read timeout from ever firing, however long (h11 stops such a buffer at 16 KiB)
+        framing = message.fed - message.body_bytes
+        if framing > 2 * message.max_header_bytes + CHUNK_FRAMING_BYTES * message.chunks:
+            raise ResponseTooLarge(f"the response's framing (chunk sizes, extensions, trailers) is over {framing} bytes")
     except ProtocolFailure as exc:
         if not (message.headers_complete and (message.complete or message.pending)):
             raise
@@ -723,6 +760,9 @@ def _feed(parser: object, data: bytes) -> None:
 
 
 _PROTOCOL = b"HTTP/"
+# what a chunk's size line and the line end after its data may take (a size in hex and its CRLFs;
+# extensions, which no model server or AWS sends, are held to the rest)
+CHUNK_FRAMING_BYTES = 64
 # the headers the client writes itself, whatever it is given
 _FRAMING = frozenset({"host", "content-length"})
 
