@@ -23,7 +23,7 @@ or from the server's own defaults:
     ttft_ms           wait before the first token (streams: after the 200 and headers)
     token_delay_ms    wait between tokens
     tokens=N          reply with N tokens (cut at max_tokens; at most 100 000 a request, every
-                      choice's and tool call's together, and `n` at most 128: else a 400)
+                      choice's and tool call's together: else a 400)
     cut_after=N       drop the connection after N chunks, the role chunk included (mid-stream failure)
     no_done=true      end the stream cleanly but without [DONE]
     no_usage=true     never report usage, as llama.cpp's server does
