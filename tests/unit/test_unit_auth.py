@@ -152,3 +152,24 @@ def test_a_lookup_no_request_waits_for_any_more_stops():
         assert not [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
 
     asyncio.run(scenario())
+
+
+def test_a_request_coming_as_the_last_one_leaves_reads_anew_not_its_cancellation():
+    """The last request waiting for a lookup left and stopped it; the lookup stayed shared for
+    a loop turn, and a request of the same key coming then got its cancellation: a bare 500."""
+    storage = SlowStorage()
+    storage.gate = asyncio.Event()
+    auth = Authenticator(storage, cache_seconds=60)
+
+    async def scenario():
+        first = asyncio.ensure_future(auth.authenticate(f"Bearer {SECRET}"))
+        while storage.reads < 1:
+            await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.sleep(0)  # the first has left; its lookup's end is not reported yet
+        second = asyncio.ensure_future(auth.authenticate(f"Bearer {SECRET}"))
+        await asyncio.sleep(0.01)
+        storage.gate.set()
+        assert (await second).key_id == "key_1" and storage.reads == 2
+
+    asyncio.run(scenario())

@@ -110,7 +110,9 @@ class Authenticator:
             return await asyncio.shield(lookup.task)
         finally:
             lookup.waiting -= 1
-            if not lookup.waiting:  # no request waits for it any more: it stops, as theirs did
+            if not lookup.waiting:  # no request waits for it any more: it stops, as theirs did,
+                if self._pending.get(key_hash) is lookup:  # and a request coming next reads anew
+                    del self._pending[key_hash]  # (joining it, it would get its cancellation)
                 lookup.task.cancel()
 
     async def _lookup(self, key_hash: str, forgets: int) -> Principal | None:
