@@ -28,8 +28,8 @@ def health(**policy):
     return made, clock, changes
 
 
-def answer(h, backend, request, client, failed=True):
-    h.answered("m", backend, request, client, failed=failed, models_backends=PAIR)
+def answer(h, backend, request, client, failed=True, probe=None):
+    h.answered("m", backend, request, client, failed=failed, models_backends=PAIR, probe=probe)
 
 
 def test_transport_failures_in_a_row_eject_and_any_answer_resets_the_count():
@@ -92,8 +92,8 @@ def test_after_the_cooldown_one_probe_at_a_time_decides_and_the_cooldown_grows()
     clock.now += 10
     assert h.state_of(A) == OUT_OF_SERVICE
     clock.now += 10
-    assert h.claim(A)
-    h.released(A)  # that request was cancelled: another may probe at once
+    probe = h.claim(A)
+    h.released(A, probe)  # that request was cancelled: another may probe at once
     assert h.claim(A)
     h.transport_failed("m", A, PAIR)
     clock.now += 25  # capped at max_cooldown
@@ -112,8 +112,8 @@ def test_a_probe_answered_with_a_failure_puts_the_backend_back_and_the_rate_rule
                                error_min_clients=2)
     h.transport_failed("m", A, PAIR)
     clock.now += 10
-    assert h.claim(A, request="poison")
-    answer(h, A, "poison", "org1")  # one org's request the server answers 500 for
+    probe = h.claim(A)
+    answer(h, A, "poison", "org1", probe=probe)  # one org's request the server answers 500 for
     assert h.state_of(A) == IN_SERVICE and h.candidates("m", PAIR) == ([A, B], False)
     answer(h, A, "r2", "org2")  # it answers 5xx to many: the rate rule takes it out again…
     assert h.state_of(A) == OUT_OF_SERVICE
@@ -142,11 +142,13 @@ def test_only_the_probes_own_failure_decides_not_a_request_sent_before_the_backe
     answer(h, A, "r2", "org2")
     assert h.state_of(A) == OUT_OF_SERVICE
     clock.now += 10.5
-    assert h.claim(A, request="probe")
+    probe = h.claim(A)
     clock.now += 0.5
     answer(h, A, "sent before", "org1")  # failing now: not the probe
-    assert h.state_of(A) == PROBING and not h.claim(A, request="another")  # the probe still decides
-    answer(h, A, "probe", "org2")  # the probe's own 5xx: back, the rate rule decides again
+    answer(h, A, "probe", "org2")  # the same request sent before (an SDK's resend): not the probe either
+    h.released(A)  # another request cancelled: the probe's claim stands
+    assert h.state_of(A) == PROBING and not h.claim(A)  # the probe still decides
+    answer(h, A, "probe", "org2", probe=probe)  # the probe's own 5xx: back, the rate rule decides again
     assert h.state_of(A) == IN_SERVICE
     assert changes == [("a", OUT_OF_SERVICE), ("a", IN_SERVICE)]
 

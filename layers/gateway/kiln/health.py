@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 
 from .catalog import Backend
 
-__all__ = ["BackendHealth", "HealthPolicy", "IN_SERVICE", "OUT_OF_SERVICE", "PROBING"]
+__all__ = ["BackendHealth", "HealthPolicy", "IN_SERVICE", "OUT_OF_SERVICE", "PROBING", "Probe"]
 
 log = logging.getLogger("kiln.health")
 
@@ -95,12 +95,20 @@ class _State:
         self.out_until: float | None = None  # set while out of service or probing
         self.ejections = 0  # in a row, for the growing cooldown
         self.trial_until = 0.0  # a probe is in flight until then
-        self.prober: str | None = None  # the request probing it (its fingerprint)
+        self.prober: Probe | None = None  # the attempt probing it
         self.reason = ""
         self.unreachable = False  # out of service for failures of the backend itself, not its answers
 
 
 StateListener = Callable[[str, Backend, str, str], None]  # (model id, backend, state, reason)
+
+
+class Probe:
+    """The one attempt allowed on a backend out of service once its cooldown is over (`claim`):
+    its answer, and no other request's, decides (two attempts of the same request, an SDK's
+    resend of one body, are two attempts)."""
+
+    __slots__ = ()
 
 
 class BackendHealth:
@@ -152,10 +160,10 @@ class BackendHealth:
             return chosen, False
         return [backend for backend in backends if not self._state(backend).unreachable], True
 
-    def claim(self, backend: Backend, *, panic: bool = False, request: str | None = None) -> bool:
-        """Just before the request `request` (a fingerprint) tries `backend`: False if another
-        request is probing it (in a panic, never: the request tries it whatever its state, and
-        its outcome counts)."""
+    def claim(self, backend: Backend, *, panic: bool = False) -> "bool | Probe":
+        """Just before a request tries `backend`: False if another request is probing it (in a
+        panic, never: the request tries it whatever its state, and its outcome counts); the
+        attempt's Probe if it is the one that probes it (hand it to `answered` and `released`)."""
         state = self._state(backend)
         if state.out_until is None or panic:
             return True
@@ -164,13 +172,14 @@ class BackendHealth:
             return False
         # one probe at a time; if it never reports (cancelled), another may go after a cooldown
         state.trial_until = now + self.policy.cooldown
-        state.prober = request
-        return True
+        state.prober = Probe()
+        return state.prober
 
-    def released(self, backend: Backend) -> None:
-        """The attempt on `backend` ended without an outcome (the request was cancelled)."""
+    def released(self, backend: Backend, probe: "Probe | None" = None) -> None:
+        """The attempt on `backend` ended without an outcome (the request was cancelled): if it
+        was the probe, another request may probe it at once."""
         state = self._states.get((backend.name, backend.url))
-        if state is not None:
+        if state is not None and probe is not None and probe is state.prober:
             state.trial_until, state.prober = 0.0, None
 
     # -- outcomes ---------------------------------------------------------------------------
@@ -185,11 +194,12 @@ class BackendHealth:
                         f"{state.transport_failures} transport failures in a row", unreachable=True)
 
     def answered(self, model_id: str, backend: Backend, request: str, client: str, *, failed: bool,
-                 models_backends: Iterable[Backend]) -> None:
+                 models_backends: Iterable[Backend], probe: "Probe | None" = None) -> None:
         """The backend answered the request `request` (a fingerprint) of `client`: `failed` for
-        a 5xx, or a 2xx it could not finish (cut, silent, over a bound)."""
+        a 5xx, or a 2xx it could not finish (cut, silent, over a bound); `probe`: the attempt's,
+        if `claim` gave it one."""
         state = self._state(backend, model_id)
-        probe = state.out_until is not None and state.prober is not None and request == state.prober
+        probe = state.out_until is not None and probe is not None and probe is state.prober
         if state.out_until is None or probe:
             state.trial_until, state.prober = 0.0, None
         state.transport_failures = 0

@@ -738,9 +738,10 @@ def _fed(parser: object, message: _Message, data: bytes) -> ProtocolFailure | No
         # what frames the body (the head, chunk sizes and their extensions, trailers) is bounded
         # as the head is: a trailer or a chunk size line that never ends was held, or kept the
         # read timeout from ever firing, however long (h11 stops such a buffer at 16 KiB)
-        framing = message.fed - message.body_bytes
-        if framing > 2 * message.max_header_bytes + CHUNK_FRAMING_BYTES * message.chunks:
-            raise ResponseTooLarge(f"the response's framing (chunk sizes, extensions, trailers) is over {framing} bytes")
+        framing, bound = message.fed - message.body_bytes, 2 * message.max_header_bytes + CHUNK_FRAMING_BYTES * message.chunks
+        if framing > bound:
+            raise ResponseTooLarge(f"the response's framing (its head, chunk sizes and extensions, trailers) is over "
+                                   f"{bound} bytes: {CHUNK_FRAMING_BYTES} a chunk and twice the headers' bound")
     except ProtocolFailure as exc:
         if not (message.headers_complete and (message.complete or message.pending)):
             raise

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from .catalog import Backend, ModelEntry
 from .errors import NoBackendAvailable, UpstreamFailed, UpstreamRejected
-from .health import BackendHealth
+from .health import BackendHealth, Probe
 from .http1 import (
     BodyTooLarge,
     ConnectFailed,
@@ -259,8 +259,10 @@ class UpstreamClient:
                 failures.append(f"{backend.name}: not tried, the model's total time was spent")
                 last_timeout = "total"
                 break
-            if not health.claim(backend, panic=panic, request=request):
+            claimed = health.claim(backend, panic=panic)
+            if not claimed:
                 continue  # another request is probing it
+            probe = claimed if isinstance(claimed, Probe) else None  # this attempt probes it
             content = compact({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
             headers = {
                 "content-type": "application/json",
@@ -308,15 +310,17 @@ class UpstreamClient:
                 if _is_backend_failure(exc) and not waited_for_generation:
                     health.transport_failed(model.id, backend, enabled)
                 else:  # an answer that broke its bounds or its framing
-                    health.answered(model.id, backend, request, client, failed=True, models_backends=enabled)
+                    health.answered(model.id, backend, request, client, failed=True, models_backends=enabled,
+                                    probe=probe)
                 continue
             except BaseException:
-                health.released(backend)
+                health.released(backend, probe)
                 raise
             last_timeout = None
             status = response.status
             if 200 <= status < 300 and status not in _NO_BODY:
-                health.answered(model.id, backend, request, client, failed=False, models_backends=enabled)
+                health.answered(model.id, backend, request, client, failed=False, models_backends=enabled,
+                                probe=probe)
                 return UpstreamExchange(
                     backend, response, failures, sent_at, health,
                     model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
@@ -325,7 +329,7 @@ class UpstreamClient:
             # any answer below 500 means the backend works: the request was at fault, not the backend;
             # a 2xx that has no body is no answer to a completion (a proxy's), counted as a 5xx
             health.answered(model.id, backend, request, client, failed=status >= 500 or status in _NO_BODY,
-                            models_backends=enabled)
+                            models_backends=enabled, probe=probe)
             if 400 <= status < 500:
                 # its message reaches the client; any other answer's body is nobody's: not read
                 raw = await _read_error_body(response, deadline, min(limits.body_bytes, MAX_ERROR_BODY))
