@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -408,7 +409,8 @@ class Ledger:
         until = time.monotonic() + 2 * self._lease_ttl
         pause = SETTLE_LATER_PAUSE
         while time.monotonic() < until:
-            await asyncio.sleep(min(pause, max(0.0, until - time.monotonic())))
+            # jittered: the take-backs of a storm of refusals do not come back all at once
+            await asyncio.sleep(min(pause * (0.5 + random.random() / 2), max(0.0, until - time.monotonic())))
             pause = min(2 * pause, SETTLE_LATER_MAX_PAUSE)
             if await self._taken_back(lease, once=True):
                 log.info(json.dumps({"event": "taken_back_late", "generation_id": lease.gen_id}))
