@@ -233,7 +233,7 @@ class _Message:
     """httptools' callbacks for one response."""
 
     __slots__ = ("status", "headers", "headers_complete", "complete", "pending", "keep_alive", "parser", "max_headers",
-                 "interim", "relaxed", "coded", "max_header_bytes", "fed", "body_bytes", "chunks")
+                 "interim", "relaxed", "coded", "max_header_bytes", "fed", "body_bytes", "pieces")
 
     def __init__(
         self,
@@ -257,7 +257,7 @@ class _Message:
         self.max_header_bytes = MAX_HEADER_BYTES
         self.fed = 0  # bytes fed to the parser…
         self.body_bytes = 0  # …of which the body's (the rest frames it: `_fed` bounds it)
-        self.chunks = 0
+        self.pieces = 0  # the body's pieces: at least one a chunk
 
     def on_message_begin(self) -> None:
         if self.complete:  # the server goes on past its answer: it says more than it was asked
@@ -303,12 +303,10 @@ class _Message:
         self.keep_alive = self.parser.should_keep_alive() and not (
             self.coded and self.parser.get_http_version() == "1.0")
 
-    def on_chunk_header(self) -> None:
-        self.chunks += 1
-
     def on_body(self, body: bytes) -> None:
         if not self.complete:
             self.body_bytes += len(body)
+            self.pieces += 1  # each chunk's data comes in one piece at least (its size is not 0)
             self.pending.append(bytes(body))
 
     def on_message_complete(self) -> None:
@@ -738,7 +736,7 @@ def _fed(parser: object, message: _Message, data: bytes) -> ProtocolFailure | No
         # what frames the body (the head, chunk sizes and their extensions, trailers) is bounded
         # as the head is: a trailer or a chunk size line that never ends was held, or kept the
         # read timeout from ever firing, however long (h11 stops such a buffer at 16 KiB)
-        framing, bound = message.fed - message.body_bytes, 2 * message.max_header_bytes + CHUNK_FRAMING_BYTES * message.chunks
+        framing, bound = message.fed - message.body_bytes, 2 * message.max_header_bytes + CHUNK_FRAMING_BYTES * message.pieces
         if framing > bound:
             raise ResponseTooLarge(f"the response's framing (its head, chunk sizes and extensions, trailers) is over "
                                    f"{bound} bytes: {CHUNK_FRAMING_BYTES} a chunk and twice the headers' bound")
