@@ -733,13 +733,16 @@ def _fed(parser: object, message: _Message, data: bytes) -> ProtocolFailure | No
     try:
         _feed(parser, data)
         message.fed += len(data)
-        # what frames the body (the head, chunk sizes and their extensions, trailers) is bounded
-        # as the head is: a trailer or a chunk size line that never ends was held, or kept the
-        # read timeout from ever firing, however long (h11 stops such a buffer at 16 KiB)
-        framing, bound = message.fed - message.body_bytes, 2 * message.max_header_bytes + CHUNK_FRAMING_BYTES * message.pieces
-        if framing > bound:
-            raise ResponseTooLarge(f"the response's framing (its head, chunk sizes and extensions, trailers) is over "
-                                   f"{bound} bytes: {CHUNK_FRAMING_BYTES} a chunk and twice the headers' bound")
+        # what frames a chunked body (the head, chunk sizes and their extensions, trailers) is
+        # bounded as the head is: a trailer or a chunk size line that never ends was held, or kept
+        # the read timeout from ever firing, however long (h11 stops such a buffer at 16 KiB). A
+        # body of a known length has no framing the parser would hold.
+        if message.coded:
+            framing = message.fed - message.body_bytes
+            bound = 2 * message.max_header_bytes + CHUNK_FRAMING_BYTES * message.pieces
+            if framing > bound:
+                raise ResponseTooLarge(f"the response's framing (its head, chunk sizes and extensions, trailers) is "
+                                       f"over {bound} bytes: {CHUNK_FRAMING_BYTES} a chunk, and twice the headers' bound")
     except ProtocolFailure as exc:
         if not (message.headers_complete and (message.complete or message.pending)):
             raise
