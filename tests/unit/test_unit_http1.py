@@ -970,29 +970,22 @@ def test_a_path_no_request_line_carries_as_written_is_refused(path):
 def test_trailers_are_bounded_and_never_taken_for_headers():
     """A trailer of 200 MiB was held whole (h11 stops at 16 KiB); a trailer's fields were merged
     into the response's headers, where one could add an `x-amzn-errortype` the AWS client reads."""
-    async def flood(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: ")
-        for _ in range(64):
-            writer.write(b"a" * 65536)
-            await writer.drain()
+    def endless(head: bytes):
+        async def handler(reader, writer):  # `head`, then 4 MiB of a line that never ends
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + head)
+            for _ in range(64):
+                writer.write(b"a" * 65536)
+                await writer.drain()
 
-    async def adds(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n"
+        return handler
+
+    adds = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n"
                      b"X-Amzn-ErrorType: Injected\r\n\r\n")
-        await writer.drain()
-
-    async def endless_extension(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;x=")
-        for _ in range(64):
-            writer.write(b"a" * 65536)
-            await writer.drain()
 
     async def main():
         http = client()
-        for flooding in (flood, endless_extension):
+        for flooding in (endless(b"2\r\n{}\r\n0\r\nX-T: "), endless(b"2;x=")):  # a trailer, a chunk extension
             async with server(flooding) as (url, _):
                 response = await http.request("POST", url, headers={}, body=b"{}")
                 with pytest.raises(ResponseTooLarge):
@@ -1014,18 +1007,11 @@ def test_trailers_are_bounded_and_never_taken_for_headers():
     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}HTTP/1.1 200 OK\r\n",
 ])
 def test_an_answer_whose_connection_cannot_be_trusted_again_is_not_reused(answer):
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(answer)
-        await writer.drain()
-        await asyncio.sleep(1)
-
     async def main():
         http = client()
-        async with server(handler) as (url, _):
+        async with server(answering(answer, then_wait=1)) as (url, _):
             response = await http.request("POST", url, headers={}, body=b"{}")
-            assert await response.read() == b"{}"
-            assert http.idle_connections == 0
+            assert await response.read() == b"{}" and http.idle_connections == 0
         await http.aclose()
 
     run(main())
