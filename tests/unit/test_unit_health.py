@@ -87,15 +87,16 @@ def test_after_the_cooldown_one_probe_at_a_time_decides_and_the_cooldown_grows()
     h.transport_failed("m", A, PAIR)
     clock.now += 10
     assert h.state_of(A) == PROBING and h.candidates("m", PAIR) == ([A, B], False)
-    assert h.claim(A) and not h.claim(A)  # the second request does not probe at the same time
-    h.transport_failed("m", A, PAIR)  # the probe failed: out again, for twice as long
+    probe = h.claim(A)
+    assert probe and not h.claim(A)  # the second request does not probe at the same time
+    h.transport_failed("m", A, PAIR, probe=probe)  # the probe failed: out again, for twice as long
     clock.now += 10
     assert h.state_of(A) == OUT_OF_SERVICE
     clock.now += 10
     probe = h.claim(A)
     h.released(A, probe)  # that request was cancelled: another may probe at once
-    assert h.claim(A)
-    h.transport_failed("m", A, PAIR)
+    probe = h.claim(A)
+    h.transport_failed("m", A, PAIR, probe=probe)
     clock.now += 25  # capped at max_cooldown
     assert h.claim(A)
     answer(h, A, "probe", "org1", failed=False)
@@ -159,9 +160,32 @@ def test_a_probe_that_fails_again_is_reported_each_time():
     h, clock, changes = health(failure_threshold=1, cooldown=10)
     h.transport_failed("m", A, PAIR)
     clock.now += 10
-    assert h.claim(A)
-    h.transport_failed("m", A, PAIR)
+    h.transport_failed("m", A, PAIR, probe=h.claim(A))
     assert changes == [("a", OUT_OF_SERVICE), ("a", OUT_OF_SERVICE)]
+
+
+def test_a_transport_failure_of_a_request_sent_before_the_backend_went_out_changes_nothing():
+    """A stream sent before the backend went out timed out on its first byte during the cooldown
+    or the probe: it took the backend out again, cooldown doubled, and the probe's own answer was
+    then ignored; a few such, and the cooldown was at its most with no probe ever sent. Only the
+    probe's failure, or a panic's (a model with nothing else, trying it anyway), counts now."""
+    h, clock, changes = health(failure_threshold=1, cooldown=10, max_cooldown=120)
+    h.transport_failed("m", A, PAIR)
+    h.transport_failed("m", A, PAIR)  # sent before: timing out in the cooldown
+    clock.now += 10
+    probe = h.claim(A)
+    h.transport_failed("m", A, PAIR)  # and during the probe
+    assert h.state_of(A) == PROBING and not h.claim(A)
+    answer(h, A, "probe", "org1", probe=probe)  # the probe's 5xx decides: back in service
+    assert h.state_of(A) == IN_SERVICE and changes == [("a", OUT_OF_SERVICE), ("a", IN_SERVICE)]
+    h, _, _ = health(error_min_requests=2, error_min_clients=2)
+    answer(h, A, "r1", "org1")
+    answer(h, A, "r2", "org2")  # out for its answers…
+    assert h.candidates("n", (A,)) == ([A], True)  # …but n has nothing else: a panic tries it
+    h.transport_failed("n", A, (A,))  # a request sent before: nothing
+    assert h.candidates("n", (A,)) == ([A], True)
+    h.transport_failed("n", A, (A,), panic=True)  # the panic's own refusal: out as unreachable
+    assert h.candidates("n", (A,)) == ([], True)
 
 
 def test_a_probe_that_never_reports_does_not_keep_the_backend_out_forever():

@@ -184,9 +184,15 @@ class BackendHealth:
 
     # -- outcomes ---------------------------------------------------------------------------
 
-    def transport_failed(self, model_id: str, backend: Backend, models_backends: Iterable[Backend]) -> None:
-        """Refused, reset before answering, TLS failure, timeout before the first byte."""
+    def transport_failed(self, model_id: str, backend: Backend, models_backends: Iterable[Backend], *,
+                         probe: "Probe | None" = None, panic: bool = False) -> None:
+        """Refused, reset before answering, TLS failure, timeout before the first byte. While the
+        backend is out, only the probe's failure (`probe`) or a panic's takes it out again: a
+        request sent before it went out, timing out later, says nothing new, and took the
+        decision from the probe (its cooldown doubled, up to the most, with no probe sent)."""
         state = self._state(backend, model_id)
+        if state.out_until is not None and not panic and (probe is None or probe is not state.prober):
+            return
         state.trial_until = 0.0
         state.transport_failures += 1
         if state.out_until is not None or state.transport_failures >= self.policy.failure_threshold:
