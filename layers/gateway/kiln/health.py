@@ -205,8 +205,8 @@ class BackendHealth:
         a 5xx, or a 2xx it could not finish (cut, silent, over a bound); `probe`: the attempt's,
         if `claim` gave it one."""
         state = self._state(backend, model_id)
-        probe = state.out_until is not None and probe is not None and probe is state.prober
-        if state.out_until is None or probe:
+        the_probes = state.out_until is not None and probe is not None and probe is state.prober
+        if state.out_until is None or the_probes:
             state.trial_until, state.prober = 0.0, None
         state.transport_failures = 0
         now = self._clock()
@@ -222,7 +222,7 @@ class BackendHealth:
         if state.out_until is not None:
             if not failed:
                 self._restore(model_id, state, "a request succeeded")
-            elif probe:
+            elif the_probes:
                 # the probe answered 5xx: the backend answers, and one request's answer neither
                 # takes a backend out nor keeps it out; the rate rule decides again, and the streak
                 # is kept (out again soon: twice the cooldown)
