@@ -497,9 +497,9 @@ def test_stats_count_requests_and_keep_the_bodies(api, root):
 
 
 def test_stats_report_the_most_requests_in_flight_at_once(api, root, mock):
-    def slow() -> None:
+    def slow() -> None:  # long enough for the three to be in flight at once on a loaded machine
         with httpx.Client(base_url=mock.url, timeout=10) as client:
-            client.post("/chat/completions", json=chat(stream=True, mock={"ttft_ms": 300}))
+            client.post("/chat/completions", json=chat(stream=True, mock={"ttft_ms": 2000}))
 
     threads = [threading.Thread(target=slow) for _ in range(3)]
     for thread in threads:
