@@ -55,6 +55,16 @@ def check_size(tokens: int, choices: int) -> None:
                             f"{MAX_REPLY_TOKENS} tokens a request")
 
 
+def reply_tokens(sentence: list[str], wanted: int, limit: int | None) -> tuple[list[str], bool]:
+    """`wanted` tokens, `sentence` over and over, cut at `limit` (a request's max tokens) as a
+    slice cuts them; and whether they were cut. Only the tokens kept are made, and they are
+    bounded (a negative limit, which a server refuses, is held to the tokens wanted)."""
+    cut = limit is not None and limit < wanted
+    kept = range(wanted)[:limit] if cut else range(wanted)
+    check_size(len(kept) if limit is None or limit >= 0 else wanted, 1)
+    return [sentence[i % len(sentence)] for i in kept], cut
+
+
 @dataclass
 class ResponsesReply:
     model: str
@@ -73,13 +83,8 @@ class ResponsesReply:
     def plan(cls, body: dict, options: Any, sentence: list[str]) -> "ResponsesReply":
         wanted = options.tokens if options.tokens is not None else len(sentence)
         limit = body.get("max_output_tokens")
-        limited = isinstance(limit, int) and not isinstance(limit, bool)
-        check_size(limit if limited and 0 <= limit < wanted else wanted, 1)
-        tokens = [sentence[i % len(sentence)] for i in range(min(wanted, limit + 1) if limited and limit > 0
-                                                             else wanted)]
-        incomplete = limited and limit < len(tokens)
-        if incomplete:
-            tokens = tokens[:limit]
+        tokens, incomplete = reply_tokens(sentence, wanted,
+                                          limit if isinstance(limit, int) and not isinstance(limit, bool) else None)
         tools = [tool for tool in body.get("tools") or [] if isinstance(tool, dict) and tool.get("type") == "function"]
         calls = 0
         if tools and body.get("tool_choice") != "none":

@@ -56,7 +56,7 @@ from functools import cache
 from typing import Any
 from urllib.parse import unquote
 
-from .mock_responses import ReplyTooLarge, ResponsesReply, check_size, word_tokens
+from .mock_responses import ReplyTooLarge, ResponsesReply, check_size, reply_tokens, word_tokens
 from .serve import read_body
 
 __all__ = ["MockOptions", "MockUpstream"]
@@ -374,12 +374,8 @@ class Reply:
         # as vLLM takes them: chat's max_completion_tokens, then the deprecated max_tokens
         max_tokens = (_read_as_vllm(int, body.get("max_completion_tokens")) if chat else None) \
             or _read_as_vllm(int, body.get("max_tokens"))
-        check_size(max_tokens if max_tokens is not None and 0 <= max_tokens < wanted else wanted, 1)
-        tokens = [base[i % len(base)] for i in range(min(wanted, max_tokens + 1) if max_tokens and max_tokens > 0
-                                                         else wanted)]
-        finish = "stop"
-        if max_tokens is not None and max_tokens < len(tokens):
-            tokens, finish = tokens[:max_tokens], "length"
+        tokens, cut = reply_tokens(base, wanted, max_tokens)
+        finish = "length" if cut else "stop"
         tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
         calls = 0
         if chat and tools and body.get("tool_choice") != "none":
