@@ -53,7 +53,7 @@ import secrets
 import time
 from dataclasses import dataclass, replace
 from decimal import Decimal
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Iterator, TypeVar
 
 from ..aws import AwsClient, tried_once
 from ..errors import (
@@ -406,12 +406,9 @@ class Ledger:
         settle's do, for twice the lease time (a lease expired but not reclaimed yet is still
         worth taking back). They neither wait for the late settles' turn nor count against
         their bound: those carry bills, and a storm of refused admissions must not delay them."""
-        until = time.monotonic() + 2 * self._lease_ttl
-        pause = SETTLE_LATER_PAUSE
-        while time.monotonic() < until:
-            # jittered: the take-backs of a storm of refusals do not come back all at once
-            await asyncio.sleep(min(pause * (0.5 + random.random() / 2), max(0.0, until - time.monotonic())))
-            pause = min(2 * pause, SETTLE_LATER_MAX_PAUSE)
+        # jittered: the take-backs of a storm of refusals do not come back all at once
+        for pause in self._round_pauses(jitter=True):
+            await asyncio.sleep(pause)
             if await self._taken_back(lease, once=True):
                 log.info(json.dumps({"event": "taken_back_late", "generation_id": lease.gen_id}))
                 return
@@ -577,11 +574,8 @@ class Ledger:
         """Rounds of the settle, each a whole retry budget, one such settle of this process at
         a time (a storage storm is not met with a storm of retries), the pauses between them
         doubling up to SETTLE_LATER_MAX_PAUSE."""
-        until = time.monotonic() + 2 * self._lease_ttl
-        pause = SETTLE_LATER_PAUSE
-        while time.monotonic() < until:
-            await asyncio.sleep(min(pause, max(0.0, until - time.monotonic())))
-            pause = min(2 * pause, SETTLE_LATER_MAX_PAUSE)
+        for pause in self._round_pauses():
+            await asyncio.sleep(pause)
             try:
                 async with self._settle_later_turn:
                     outcome = await self.settle(lease, event)
@@ -594,6 +588,16 @@ class Ledger:
             log.warning(json.dumps({"event": "usage_settled_late", "generation_id": lease.gen_id, "outcome": outcome}))
             return
         log.error(json.dumps({"event": "settle_later_gave_up", "generation_id": lease.gen_id}))
+
+    def _round_pauses(self, *, jitter: bool = False) -> Iterator[float]:
+        """The waits before each round of a write gone on later: from SETTLE_LATER_PAUSE,
+        doubling up to SETTLE_LATER_MAX_PAUSE (`jitter`: each a random half to whole of it),
+        for twice the lease time."""
+        until = time.monotonic() + 2 * self._lease_ttl
+        pause = SETTLE_LATER_PAUSE
+        while (left := until - time.monotonic()) > 0:
+            yield min(pause * (0.5 + random.random() / 2) if jitter else pause, left)
+            pause = min(2 * pause, SETTLE_LATER_MAX_PAUSE)
 
     async def drain(self) -> None:
         """Wait for the background reclaims started so far (before a loop or client closes);
