@@ -131,7 +131,9 @@ class Backend:
         """The key in its variable, without the blanks around it (a key written to the variable
         from a file keeps the file's newline, which no header can carry); None if unset or blank."""
         value = os.environ.get(self.api_key_env) if self.api_key_env else None
-        return value.strip() or None if value is not None else None
+        if value is None:
+            return None
+        return value.strip() or None
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ from .upstream import UpstreamStreamError
 
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES", "DONE", "KEEPALIVE", "EventTooLarge", "SseRelay", "as_utf8", "data_of", "error_event",
-    "is_done",
-    "is_error_object", "parse_json", "usage_event",
+    "is_done", "is_error_object", "parse_json", "usage_event",
 ]
 
 # the catalog's default (kiln.catalog.Limits.event_bytes); each model may set its own
