@@ -68,6 +68,7 @@ class Gateway:
             )),
         )
         self.ledger = ledger_of(self.aws, settings, clock=clock)
+        self._settling: set[asyncio.Task[Any]] = set()  # settles in flight, which aclose waits for
         self._ssm_once = tried_once(self.aws)
         # the one storage interface of the request path (keys, orgs through the ledger, usage)
         self.store = DynamoStorage(
@@ -196,19 +197,37 @@ class Gateway:
         replay-usage` reads back to settle it later. Its cost is written as a string of the
         exact decimal: a log formatter that parses the message as JSON (Powertools does) would
         turn a number into a float and lose digits.
+
+        `aclose` waits for the settles in flight; one cancelled all the same (a loop torn down
+        with it) leaves its record too.
         """
+        task = asyncio.current_task()
+        if task is not None:
+            self._settling.add(task)
         try:
             return await self.ledger.settle(lease, event)
+        except asyncio.CancelledError:
+            self._keep_unsettled(lease, event, "cancelled before its settle ended")
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever happened, keep the event
-            usage = {**event.as_dict(), "cost": decimal_text(event.cost)}
-            record = {"event": UNSETTLED, "reason": f"{type(exc).__name__}: {exc}", "usage": usage,
-                      "spend_figure": lease.spend_figure}
-            unsettled_log.error(dumps(record).decode())
+            self._keep_unsettled(lease, event, f"{type(exc).__name__}: {exc}")
             if is_transient(exc):  # refusals that say nothing of it: it goes on in the background
                 self.ledger.settle_later(lease, event)
             return "unsettled"
+        finally:
+            self._settling.discard(task)
+
+    @staticmethod
+    def _keep_unsettled(lease: Lease, event: UsageEvent, reason: str) -> None:
+        usage = {**event.as_dict(), "cost": decimal_text(event.cost)}
+        record = {"event": UNSETTLED, "reason": reason, "usage": usage, "spend_figure": lease.spend_figure}
+        unsettled_log.error(dumps(record).decode())
 
     async def aclose(self) -> None:
+        """Close, once the settles in flight have ended (a server stopping cancels its requests
+        but not their settles, which run in tasks of their own: kiln.shielded)."""
+        while self._settling:
+            await asyncio.wait(set(self._settling))
         await self.ledger.drain()
         await self.upstream.aclose()
         await self.aws.aclose()
