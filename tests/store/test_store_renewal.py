@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from decimal import Decimal
 
 import pytest
@@ -16,6 +17,9 @@ class FakeLedger:
     """Records renewals; fails the ones listed, says the lease is gone from `gone_after` on."""
 
     renew_seconds = 0.01
+
+    def now(self) -> float:  # the clock of the expiries it writes (100.0 and on; LEASE's is 60.0)
+        return 0.0
 
     def __init__(self, *, failures: int = 0, gone_after: int | None = None) -> None:
         self.renewed: list[tuple] = []
@@ -138,5 +142,89 @@ def test_renewals_stop_at_their_limit_and_the_lease_is_left_to_expire():
         await asyncio.sleep(0.1)
         assert 1 <= renewed == len(ledger.renewed)  # it renewed, then stopped by itself
         await keeper.stop()
+
+    asyncio.run(main())
+
+
+class ClockedLedger(FakeLedger):
+    """A ledger whose clock the test reads: each renewal that lands writes now + `ttl`."""
+
+    def __init__(self, *, ttl: float, renew_seconds: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.renew_seconds = renew_seconds
+        self.ttl = ttl
+        self.started = time.monotonic()
+        self.attempts: list[float] = []  # when each renewal was tried, on this clock
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    async def renew(self, lease, progress=None):
+        self.attempts.append(self.now())
+        await super().renew(lease, progress)
+        return self.now() + self.ttl
+
+
+def test_renewals_that_keep_failing_stop_the_request_before_its_lease_expires():
+    """§4: a lease is never reclaimed while its request runs. Storage out for most of a TTL lets
+    the lease expire and any admission of the org reclaim it: the request is told to stop
+    before then (a tenth of an interval before the expiry), once, and renewing stops. Before this a
+    failed renewal was tried again only an interval later, and the request ran on without its slot."""
+
+    async def main():
+        ledger = ClockedLedger(ttl=1.2, renew_seconds=0.4, failures=1000)
+        lease = Lease("gen-1", "org", "key", "m", "chat.completions", True, 0.0, 1.2)
+        told: list[float] = []
+        keeper = LeaseKeeper(ledger, lease, on_lost=lambda: told.append(ledger.now()))
+        keeper.start()
+        await asyncio.sleep(1.6)
+        assert keeper.lost and len(told) == 1
+        assert 0.8 <= told[0] < 1.2  # before the expiry (1.2), a tenth of an interval to spare (at 1.16)
+        # tried again a quarter interval after each failure, not an interval: at 0.4, 0.5, 0.6, …
+        assert len([at for at in ledger.attempts if at < 1.1]) >= 5
+        attempts = len(ledger.attempts)
+        await asyncio.sleep(0.3)
+        assert len(ledger.attempts) == attempts  # no renewal after giving up
+        await keeper.stop()
+
+    asyncio.run(main())
+
+
+def test_a_renewal_that_lands_in_time_keeps_the_request_running():
+    async def main():
+        ledger = ClockedLedger(ttl=1.2, renew_seconds=0.4, failures=3)
+        lease = Lease("gen-1", "org", "key", "m", "chat.completions", True, 0.0, 1.2)
+        told: list[float] = []
+        async with LeaseKeeper(ledger, lease, on_lost=lambda: told.append(ledger.now())) as keeper:
+            await asyncio.sleep(2.0)  # three failures (0.4, 0.5, 0.6), then renewals that land
+            assert not keeper.lost and keeper.renewals >= 3 and told == []
+
+    asyncio.run(main())
+
+
+def test_a_lease_found_gone_tells_the_request_once():
+    async def main():
+        ledger = FakeLedger(gone_after=1)
+        told: list[str] = []
+        async with LeaseKeeper(ledger, LEASE, on_lost=lambda: told.append("gone")) as keeper:
+            while not keeper.lost:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+        assert told == ["gone"]
+
+    asyncio.run(main())
+
+
+def test_a_request_that_stopped_is_not_told_its_lease_is_lost():
+    async def main():
+        ledger = ClockedLedger(ttl=0.3, renew_seconds=0.1, failures=1000)
+        lease = Lease("gen-1", "org", "key", "m", "chat.completions", True, 0.0, 0.3)
+        told: list[str] = []
+        keeper = LeaseKeeper(ledger, lease, on_lost=lambda: told.append("lost"))
+        keeper.start()
+        await asyncio.sleep(0.15)  # a renewal failed: its last chance is armed
+        await keeper.stop()
+        await asyncio.sleep(0.4)
+        assert told == [] and not keeper.lost
 
     asyncio.run(main())

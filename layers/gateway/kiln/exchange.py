@@ -22,7 +22,7 @@ from .apis import ModelApi
 from .auth import Principal
 from .departure import ClientLeft, unless_the_client_leaves
 from .echo import Echoes
-from .errors import GatewayError, InternalError, NoBackendAvailable, UpstreamFailed, UpstreamRejected
+from .errors import GatewayError, InternalError, NoBackendAvailable, StorageUnavailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
 from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
@@ -54,6 +54,12 @@ def _echoes_of(call: ModelCall) -> Echoes:
 STREAM_CUT = "The model backend failed while streaming the response."
 GATEWAY_CUT = "The gateway failed while streaming the response."
 INVALID_ANSWER = "Bad gateway: the model backend returned an invalid response."
+SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
+             "Please retry.")
+
+
+class _LeaseLost(Exception):
+    """The request's lease could not be kept (kiln.store.renewal): it stops where it is."""
 
 
 class Exchange:
@@ -76,9 +82,15 @@ class Exchange:
         self._upstream: UpstreamExchange | None = None
         self._relay_state: SseRelay | None = None
         # renews the lease while the request runs, recording what it has relayed (§4)
-        self._keeper = LeaseKeeper(gateway.ledger, lease, progress=self._progress,
+        self._keeper = LeaseKeeper(gateway.ledger, lease, progress=self._progress, on_lost=self._lease_lost,
                                    max_seconds=call.model.timeouts.total + gateway.ledger.lease_ttl)
         self._settled = False
+        # what a lost lease stops: the task waiting for the model server (every way out of
+        # `respond` but a stream's settles first, and a settled request is not cancelled), then
+        # the stream's response
+        self._worker: asyncio.Task | None = None
+        self._response: RelayResponse | None = None
+        self._lease_gone = False
         self._sent_to: list[str] = []  # the backends the request went to, as it went
 
     @property
@@ -90,6 +102,7 @@ class Exchange:
         `receive`: the request's ASGI channel, its body read: a stream's client that leaves
         while the model server has not answered yet stops the wait (§7), its slot released."""
         self._keeper.start()
+        self._worker = asyncio.current_task()  # until the response is made, or the request settled
         try:
             # a stream's client that leaves is noticed from here on (§7); a buffered request
             # runs to its answer, which alone says what the model generated (docs/design.md)
@@ -110,7 +123,10 @@ class Exchange:
             # the upstream's part is bounded by the model's total time (kiln.http1, _relay); the
             # client's by the same, plus one keep-alive interval for the last bytes
             deadline = upstream.sent_at + self.call.model.timeouts.total + self.gateway.settings.keepalive_seconds
-            return RelayResponse(self._relay(upstream), self.gen_id, on_close=self._never_relayed, deadline=deadline)
+            self._worker = None  # this task sends the stream from here: the response is interrupted instead
+            self._response = RelayResponse(self._relay(upstream), self.gen_id, on_close=self._never_relayed,
+                                           deadline=deadline)
+            return self._response
         try:
             return await self._buffered(upstream)
         except GatewayError as error:
@@ -119,6 +135,19 @@ class Exchange:
             return await self._crashed(exc)
         finally:
             await upstream.aclose()
+
+    def _lease_lost(self) -> None:
+        """The lease could not be kept: the request stops rather than run on without its slot,
+        its org over its limit (§4). A wait for the model server is cancelled, and so is a
+        stream's (its relay then ends it with the error event); a stream held by a client that
+        does not read is closed as if the client had left."""
+        if self._settled:
+            return
+        self._lease_gone = True
+        if self._worker is not None:
+            self._worker.cancel()
+        elif self._response is not None:
+            self._response.interrupt()
 
     async def _never_relayed(self) -> None:
         """The stream's response ended before its body ran (the client left first): settle it."""
@@ -164,6 +193,8 @@ class Exchange:
         await self._settle("client_disconnected", http_status=None, usage=usage, cost=self._price(usage), error=error)
 
     async def _crashed(self, exc: BaseException) -> Response:
+        if isinstance(exc, asyncio.CancelledError) and self._lease_gone and self._lease_lost_cancel_only():
+            return await self._stopped_for_its_lease()
         if isinstance(exc, asyncio.CancelledError):  # the server is stopping, or the client left
             await self._settle("client_disconnected", http_status=None, error="cancelled before the answer was sent")
             raise exc
@@ -173,6 +204,25 @@ class Exchange:
         if not isinstance(exc, Exception):
             raise exc
         return error_response(InternalError("The gateway failed to process the request."), self.gen_id)
+
+    def _lease_lost_cancel_only(self) -> bool:
+        """Whether the cancellation this task got is the lost lease's alone (taken back if so)."""
+        task = asyncio.current_task()
+        return task is not None and task.uncancel() == 0
+
+    async def _stopped_for_its_lease(self) -> Response:
+        """503 for a request stopped before its answer: billed for its prompt, if a model server
+        was sent it (as a client that leaves is)."""
+        error = StorageUnavailable(SLOT_LOST)
+        self.record.error_code = error.code
+        reason = "its lease could not be kept: storage unavailable"
+        if self._sent_to:
+            usage = self._fallback_usage(0)
+            await self._settle("gateway_error", http_status=error.status, usage=usage, cost=self._price(usage),
+                               error=reason)
+        else:
+            await self._settle("gateway_error", http_status=error.status, error=reason)
+        return error_response(error, self.gen_id)
 
     async def _settle(
         self,
@@ -292,6 +342,8 @@ class Exchange:
             sent_at = time.monotonic()
             while True:
                 piece = await upstream.next_piece(sent_at + keepalive)
+                if self._lease_gone:
+                    raise _LeaseLost()
                 now = time.monotonic()
                 if now > deadline:
                     raise UpstreamStreamError("exceeded the model's total time")
@@ -320,16 +372,28 @@ class Exchange:
         except UpstreamStreamError as exc:
             upstream.broke()
             status, failure = "stream_interrupted", str(exc)
-        except (asyncio.CancelledError, GeneratorExit):
-            late = time.monotonic() > deadline
-            await self._end_stream(upstream, relay, "client_disconnected",
-                                   "the client did not read the stream within the model's total time" if late
-                                   else "the client disconnected")
+        except _LeaseLost:
+            upstream.broke()
+            status, failure = "lease_lost", "its lease could not be kept: storage unavailable"
+        except asyncio.CancelledError:
+            if not (self._lease_gone and self._lease_lost_cancel_only()):
+                await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
+                raise
+            upstream.broke()
+            status, failure = "lease_lost", "its lease could not be kept: storage unavailable"
+        except GeneratorExit:
+            await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
             raise
         except Exception as exc:  # a fault of ours: still settle, still end the stream clearly
             log.exception("stream %s failed inside the gateway", self.gen_id)
             status, failure = "gateway_error", f"gateway error: {type(exc).__name__}"
         yield LastPiece(await self._end_stream(upstream, relay, status, failure))
+
+    @staticmethod
+    def _why_cut(deadline: float) -> str:
+        if time.monotonic() > deadline:
+            return "the client did not read the stream within the model's total time"
+        return "the client disconnected"
 
     async def _end_stream(self, upstream: UpstreamExchange, relay: SseRelay, status: str, error: str | None) -> bytes:
         """Close the upstream, settle, and return the stream's last bytes; never raises.
@@ -355,6 +419,8 @@ class Exchange:
                 log.exception("stream %s: its last event could not be written", self.gen_id)
                 status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
         settled = "upstream_error" if status == "success" and relay.upstream_failed else status
+        if status == "lease_lost":
+            settled = "gateway_error"
         await self._settle(
             settled, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )
@@ -362,7 +428,10 @@ class Exchange:
             return tail
         if status == "client_disconnected":
             return b""
-        return self.call.api.stream_error(GATEWAY_CUT if status == "gateway_error" else STREAM_CUT, relay)
+        return self.call.api.stream_error(_CUT_MESSAGES.get(status, STREAM_CUT), relay)
+
+
+_CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST}  # else: the model server's failure
 
 
 def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:

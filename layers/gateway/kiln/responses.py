@@ -43,7 +43,10 @@ class RelayResponse(Response):
     close the upstream request and settle). A failed write closes the generator the same way.
     `on_close` runs last, whatever happened: a generator that never started (the client
     left before the first byte) never ran its own clean-up, and this is its owner's chance.
-    A `deadline` ends the stream the same way when the client reads too slowly to finish by then.
+    A `deadline` ends the stream the same way when the client reads too slowly to finish by then,
+    and so does `interrupt()`, for its owner: a generator waiting for its source is cancelled
+    there (it may then end the stream as it likes); one waiting for the client's reading is
+    closed, as for a client that left.
     """
 
     media_type = "text/event-stream"
@@ -59,6 +62,7 @@ class RelayResponse(Response):
         self.body_iterator = body
         self.on_close = on_close
         self.deadline = deadline  # time.monotonic() by which the stream is over, whatever the client reads
+        self._end: Callable[[], None] | None = None  # ends the stream while it is sent
         self.status_code = 200
         self.background = None
         self.init_headers(
@@ -95,6 +99,7 @@ class RelayResponse(Response):
 
         listener = loop.create_task(listen())
         timer = None if self.deadline is None else loop.call_later(max(0.0, self.deadline - time.monotonic()), end)
+        self._end = end
         try:
             await streamer
         except asyncio.CancelledError:
@@ -102,12 +107,18 @@ class RelayResponse(Response):
             if not (cut and streamer.cancelled()) or (current is not None and current.cancelling()):
                 raise  # not the stream's own end: the request itself was cancelled
         finally:
+            self._end = None
             if timer is not None:
                 timer.cancel()
             listener.cancel()
             await self.body_iterator.aclose()
             if self.on_close is not None:
                 await self.on_close()
+
+    def interrupt(self) -> None:
+        """End the stream now, if it is being sent (see the class's docstring)."""
+        if self._end is not None:
+            self._end()
 
     async def _send_body(self, send: Send) -> None:
         try:

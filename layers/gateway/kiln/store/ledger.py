@@ -257,6 +257,10 @@ class Ledger:
     def lease_ttl(self) -> float:
         return self._lease_ttl
 
+    def now(self) -> float:
+        """The clock leases' expiries are written by (seconds since the epoch)."""
+        return self._clock()
+
     # -- admission -------------------------------------------------------------------------
 
     async def admit(self, *, org_id: str, key_id: str, model: str, endpoint: str, streamed: bool,

@@ -1,6 +1,7 @@
 """Keeping a running request's lease alive, off the request's own path.
 
-    async with LeaseKeeper(ledger, lease, progress=lambda: (prompt_tokens, completion_tokens, cost)):
+    async with LeaseKeeper(ledger, lease, progress=lambda: (prompt_tokens, completion_tokens, cost),
+                           on_lost=stop_the_request):
         ...  # the request runs; its lease is renewed every `ledger.renew_seconds`
 
 Every `renew_seconds` a task of its own renews the lease (`Ledger.renew`): a later expiry
@@ -8,11 +9,16 @@ and what `progress()` says the request has relayed so far, so that if the gatewa
 request's `abandoned` event is billed for those tokens. Until a renewal is due only a timer
 of the event loop waits (`loop.call_later`): a request shorter than `renew_seconds`, which
 is nearly every one, costs no task and no renewal at all. Nothing here ever raises into
-the request: a renewal that fails is logged and the next one tries again; a lease found gone
-(reclaimed after it expired) is logged and renewal stops, and the request's settle then
-replaces its `abandoned` event. Leaving the block, normally, by an exception or by cancellation, stops
-the renewals; `stop()` does the same earlier (call it right before the settle, so that no
-renewal races it).
+the request: a renewal that fails is logged and tried again sooner (a quarter of the interval).
+
+A request never outlives its lease (contract §4): once its lease expires, any admission of
+its org may reclaim it, and the request would run on without a slot, its org over its limit.
+So when renewals keep failing until the lease is a tenth of an interval from its expiry
+(storage out for most of a TTL), or a renewal finds the lease gone (reclaimed all the same: a clock
+far ahead elsewhere), renewing stops and `on_lost` is called, once: the request stops, and
+its settle then replaces the `abandoned` event a reclaim may write. Leaving the block,
+normally, by an exception or by cancellation, stops the renewals; `stop()` does the same
+earlier (call it right before the settle, so that no renewal races it).
 """
 
 from __future__ import annotations
@@ -39,10 +45,12 @@ class LeaseKeeper:
         progress: Callable[[], Progress | None] | None = None,
         renew_seconds: float | None = None,
         max_seconds: float | None = None,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
         self._ledger = ledger
         self._lease = lease
         self._progress = progress
+        self._on_lost = on_lost
         self._interval = renew_seconds if renew_seconds is not None else ledger.renew_seconds
         # a safety net: no request runs longer than its model allows, so a keeper still running
         # past that belongs to a request whose end was never seen; its lease then simply expires
@@ -50,9 +58,10 @@ class LeaseKeeper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # waiting for the next renewal
         self._task: asyncio.Task | None = None  # a renewal in flight
+        self._last_chance: asyncio.TimerHandle | None = None  # after a failed renewal: when to give up
         self.renewals = 0  # renewals that landed
         self.expires = lease.expires  # the lease's expiry as last written
-        self.lost = False  # the lease was found gone: no more renewals
+        self.lost = False  # the lease was found gone, or could not be kept: no more renewals
         self._over = False  # lost, or past the limit: never renewed again
 
     async def __aenter__(self) -> "LeaseKeeper":
@@ -66,15 +75,14 @@ class LeaseKeeper:
     def start(self) -> None:
         if self._timer is None and self._task is None and not self._over and self._interval > 0:
             self._loop = asyncio.get_running_loop()
-            self._schedule()
+            self._schedule(self._interval)
 
     async def stop(self) -> None:
         """Stop renewing (idempotent). A renewal in flight is cancelled: harmless, since a
         renewal never brings back a lease that is gone."""
         self._progress = None  # read by no renewal after this; it holds the request that made it
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+        self._on_lost = None
+        self._stop_timers()
         task, self._task = self._task, None
         if task is None or task.done():
             return
@@ -87,10 +95,16 @@ class LeaseKeeper:
         except Exception:  # noqa: BLE001 - _renew logs its own failures; nothing may reach the request
             pass
 
-    def _schedule(self) -> None:
+    def _stop_timers(self) -> None:
+        for timer in (self._timer, self._last_chance):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._last_chance = None
+
+    def _schedule(self, delay: float) -> None:
         assert self._loop is not None
         # the callback runs in a copy of this context: the renewal's log lines keep the request's ids
-        self._timer = self._loop.call_later(self._interval, self._due)
+        self._timer = self._loop.call_later(delay, self._due)
 
     def _due(self) -> None:
         """The timer fired: a renewal is due (unless the keeper has run past its limit)."""
@@ -106,19 +120,54 @@ class LeaseKeeper:
         progress = self._read_progress()
         try:
             expires = await self._ledger.renew(self._lease, progress)
-        except Exception as exc:  # noqa: BLE001 - the next renewal tries again
+        except Exception as exc:  # noqa: BLE001 - tried again sooner, until the lease's last chance
             log.warning(json.dumps({"event": "lease_renewal_failed", "gen_id": self._lease.gen_id,
                                     "detail": f"{type(exc).__name__}: {exc}"}))
+            landed = False
         else:
             if expires is None:
-                self.lost = self._over = True
-                log.warning(json.dumps({"event": "lease_lost", "gen_id": self._lease.gen_id}))
+                self._lose("lease_lost")
                 return
             self.expires = expires
             self.renewals += 1
-        if self._task is asyncio.current_task():  # not stopped meanwhile: wait for the next one
-            self._task = None
-            self._schedule()
+            landed = True
+        if self._task is not asyncio.current_task() or self._over:  # stopped meanwhile
+            return
+        self._task = None
+        if landed:
+            if self._last_chance is not None:
+                self._last_chance.cancel()
+                self._last_chance = None
+            self._schedule(self._interval)
+            return
+        if self._last_chance is None:
+            assert self._loop is not None
+            # a tenth of an interval before the expiry as last written (by the ledger's clock):
+            # room for the request to stop, and for clocks elsewhere a little ahead
+            left = self.expires - self._interval / 10 - self._ledger.now()
+            if left <= 0:
+                self._lose("lease_not_kept")
+                return
+            self._last_chance = self._loop.call_later(left, self._lose, "lease_not_kept")
+        self._schedule(self._interval / 4)
+
+    def _lose(self, why: str) -> None:
+        """The lease is gone, or will expire before a renewal can land: no more renewals, and
+        the request is told to stop (`on_lost`, once)."""
+        if self._over:
+            return
+        self.lost = self._over = True
+        self._stop_timers()
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()  # a renewal still trying: too late to keep the lease
+        log.warning(json.dumps({"event": why, "gen_id": self._lease.gen_id}))
+        on_lost, self._on_lost = self._on_lost, None
+        if on_lost is not None:
+            try:
+                on_lost()
+            except Exception:  # noqa: BLE001 - nothing here may reach the request
+                log.exception("lease %s: the request could not be told its lease is lost", self._lease.gen_id)
 
     def _read_progress(self) -> Progress | None:
         if self._progress is None:
