@@ -232,6 +232,10 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
         table_name = op["TableName"]
         table = self.get_table(table_name)
         if op_type == "Put":
+            for name in (table.hash_key_attr, table.range_key_attr):
+                if name is not None and name not in op["Item"]:  # DynamoDB's answer, not a 500
+                    raise MockValidationException(
+                        f"One or more parameter values were invalid: Missing the key {name} in the item")
             key = {table.hash_key_attr: op["Item"][table.hash_key_attr]}
             if table.range_key_attr is not None:
                 key[table.range_key_attr] = op["Item"][table.range_key_attr]

@@ -79,13 +79,26 @@ def unsettled_records(lines: Iterable[str], unreadable: list[str] | None = None
                 figure = record.get("spend_figure")
                 try:
                     event = UsageEvent.from_dict(record["usage"])
+                    _check_identity(event)
                 except (ArithmeticError, TypeError, ValueError) as exc:  # a cost that is no number, say
                     if unreadable is not None:
-                        unreadable.append(f"line {number}: {type(exc).__name__}")
+                        unreadable.append(f"line {number}: {exc if isinstance(exc, _NoIdentity) else type(exc).__name__}")
                     continue
                 yield event, figure if isinstance(figure, str) else None
         if not found and UNSETTLED in line and unreadable is not None:  # cut short, say
             unreadable.append(f"line {number}: it names {UNSETTLED} but holds no whole record of one")
+
+
+class _NoIdentity(ValueError):
+    pass
+
+
+def _check_identity(event: UsageEvent) -> None:
+    """What names the event and its lease must be text: DynamoDB keys nothing else."""
+    for name in ("gen_id", "org_id", "key_id"):
+        value = getattr(event, name)
+        if not isinstance(value, str) or not value:
+            raise _NoIdentity(f"its {name} is {'empty' if value == '' else type(value).__name__}, not a string")
 
 
 def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:

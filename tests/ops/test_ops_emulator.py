@@ -517,6 +517,17 @@ def test_a_transaction_with_a_value_no_expression_uses_is_refused_as_dynamodb_re
     assert stack.org_info(org_id).credits == 1
 
 
+def test_a_transaction_putting_an_item_without_its_key_is_refused_as_dynamodb_refuses_it(stack):
+    """The emulator answered HTTP 500 (a KeyError), which every client retries as DynamoDB's own
+    failure: fifty times over for a replayed event with no generation id."""
+    client = stack.tables.client
+    put = {"Put": {"TableName": stack.settings.usage_table, "Item": {"org_id": {"S": "org-x"}}}}
+    with pytest.raises(client.exceptions.ClientError) as refused:
+        client.transact_write_items(TransactItems=[put])
+    assert refused.value.response["Error"]["Code"] == "ValidationException"
+    assert "Missing the key gen_id" in refused.value.response["Error"]["Message"]
+
+
 def test_parameter_reads_beyond_ssm_tps_in_a_second_are_throttled_as_parameter_store_throttles_them():
     """Parameter Store answers GetParameter at 40 per second per account and Region by default,
     and ThrottlingException ("Rate exceeded") beyond: `ssm_tps` makes the local SSM do the same,

@@ -21,6 +21,7 @@ from ..errors import StorageUnavailable
 __all__ = [
     "AlreadyRevoked",
     "ConditionFailed",
+    "NothingHeld",
     "RecordExists",
     "RecordNotFound",
     "StorageError",
@@ -73,6 +74,12 @@ class TransientStorageError(StorageError):
     def __init__(self, message: str, code: str | None = None, *, maybe_applied: bool = False) -> None:
         super().__init__(message, code)
         self.maybe_applied = maybe_applied
+
+
+class NothingHeld(StorageError):
+    """A settle of a generation whose lease is not held and whose event is not there: one this
+    storage never admitted (a record edited by hand, or from elsewhere). Not retried; the
+    caller keeps the record."""
 
 
 class UnstorableValue(StorageError):

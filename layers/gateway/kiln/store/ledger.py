@@ -69,6 +69,7 @@ from .clock import iso_ms, to_the_ms
 from .codec import exact_sum, number, to_item, within_digits
 from .errors import (
     ConditionFailed,
+    NothingHeld,
     StorageError,
     TransactionCancelled,
     TransientStorageError,
@@ -701,7 +702,10 @@ class Ledger:
         succeeded, not that the event was replaced already."""
         for _ in range(MAX_EVENT_READS):
             found = await self._read_event(event.gen_id)
-            if found is None or found.get(USAGE.status, {}).get("S") != "abandoned":
+            if found is None:  # no lease was reclaimed, nothing settled: it was never held here
+                raise NothingHeld(f"neither its lease nor its usage event is in org {str(event.org_id)[:80]!r}: "
+                                  "an unknown org or generation")
+            if found.get(USAGE.status, {}).get("S") != "abandoned":
                 return "already_settled"
             outcome = await self._replace_abandoned(lease, event, found, org, request_token=request_token)
             if outcome is not None:
