@@ -52,6 +52,16 @@ def test_to_json_round_trips_through_parse_flag(year):
     assert parse_flag(flag.to_json()) == flag
 
 
+def test_a_switch_written_with_a_fraction_keeps_it():
+    """`kiln admin maintenance on --until …T03:00:00.5Z` wrote 03:00:00, and Retry-After named the
+    second before `until`: the fraction is kept, so the answer names 03:00:01 (operations.md)."""
+    flag = MaintenanceFlag(True, datetime(2027, 1, 1, 3, 0, 0, 500000, tzinfo=timezone.utc))
+    assert parse_flag(flag.to_json()) == flag
+    assert parse_flag(flag.to_json()).error(60, now=NOW).headers == {"Retry-After": "Fri, 01 Jan 2027 03:00:01 GMT"}
+    assert json.loads(MaintenanceFlag(True, datetime(2027, 1, 1, 3, tzinfo=timezone.utc)).to_json())["until"] == \
+        "2027-01-01T03:00:00Z"  # a whole second is written as before
+
+
 def test_future_until_gives_http_date_retry_after():
     error = parse_flag('{"enabled": true, "until": "2026-12-01T03:00:00Z", "message": "Upgrading."}').error(60, now=NOW)
     assert error.status == 503 and error.code == "maintenance"

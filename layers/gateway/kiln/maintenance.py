@@ -27,8 +27,9 @@ class MaintenanceFlag:
     def to_json(self) -> str:
         document: dict = {"enabled": self.enabled}
         if self.until is not None:
-            # isoformat writes the year in four digits; strftime's %Y does not below year 1000
-            document["until"] = self.until.astimezone(timezone.utc).replace(microsecond=0, tzinfo=None).isoformat() + "Z"
+            # isoformat writes the year in four digits (strftime's %Y does not below year 1000),
+            # and a fraction of a second where there is one: Retry-After must not name the second before
+            document["until"] = self.until.astimezone(timezone.utc).replace(tzinfo=None).isoformat() + "Z"
         if self.message:
             document["message"] = self.message
         return json.dumps(document)
