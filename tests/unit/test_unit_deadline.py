@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.deadline import LAMBDA_MARGIN_SECONDS, bounded, deadline_of
-from kiln.errors import StorageUnavailable
+from kiln.errors import RequestTimeout, StorageUnavailable
 
 
 def lambda_context(remaining):
@@ -32,7 +32,11 @@ def test_the_deadline_is_the_setting_or_what_lambda_leaves_less_its_margin(scope
 def request(method: str = "GET", path: str = "/v1/usage", deadline: float = 0.05) -> Request:
     app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(
         settings=SimpleNamespace(answer_deadline_seconds=deadline))))
-    return Request({"type": "http", "method": method, "path": path, "query_string": b"", "headers": [], "app": app})
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    return Request({"type": "http", "method": method, "path": path, "query_string": b"", "headers": [], "app": app},
+                   receive)
 
 
 @pytest.mark.parametrize("method, path, said", [
@@ -43,6 +47,8 @@ def request(method: str = "GET", path: str = "/v1/usage", deadline: float = 0.05
 ])
 def test_work_past_its_deadline_is_a_503_that_says_what_may_have_been_written(method, path, said):
     async def slow(request: Request) -> Response:
+        if method in ("POST", "PATCH"):
+            await request.body()  # as every handler reads its body before it calls storage
         await asyncio.sleep(5)
         return Response(b"late")
 
@@ -64,3 +70,35 @@ def test_work_within_its_deadline_is_answered_as_it_was():
         return Response(b"ok")
 
     assert asyncio.run(bounded(quick)(request())).body == b"ok"
+
+
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_a_body_still_arriving_at_the_deadline_is_a_408_not_storages_503(method):
+    """A client that sends its body slowly: a key's change cut at the deadline while its body
+    was still coming was answered 503 storage_unavailable, "a key may have been made", with
+    nothing asked of storage, nothing written. It is 408 request_timeout, as the server answers
+    a body that does not arrive on the model endpoints."""
+    async def receive():
+        await asyncio.sleep(5)
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def handler(request: Request) -> Response:
+        return Response(await request.body())
+
+    app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(
+        settings=SimpleNamespace(answer_deadline_seconds=0.05))))
+    slow = Request({"type": "http", "method": method, "path": "/v1/keys", "query_string": b"", "headers": [],
+                    "app": app}, receive)
+    with pytest.raises(RequestTimeout) as raised:
+        asyncio.run(bounded(handler)(slow))
+    assert raised.value.status == 408 and raised.value.code == "request_timeout"
+
+
+def test_work_past_the_deadline_after_its_body_arrived_is_still_storages_503():
+    async def handler(request: Request) -> Response:
+        await request.body()
+        await asyncio.sleep(5)
+        return Response(b"late")
+
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(bounded(handler)(request("POST", "/v1/keys")))

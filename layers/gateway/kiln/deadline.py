@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .errors import StorageUnavailable
+from .errors import RequestTimeout, StorageUnavailable
 
 __all__ = ["LAMBDA_MARGIN_SECONDS", "bounded", "deadline_of"]
 
@@ -25,6 +25,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 # what is kept of an invocation's time for the answer to reach API Gateway (and a log line)
 LAMBDA_MARGIN_SECONDS = 3.0
 _WRITES = frozenset({"POST", "PATCH", "PUT", "DELETE"})
+_WITH_BODY = frozenset({"POST", "PATCH", "PUT"})
 
 
 def deadline_of(scope: dict[str, Any], configured: float) -> float:
@@ -41,21 +42,45 @@ def deadline_of(scope: dict[str, Any], configured: float) -> float:
 
 
 def bounded(handler: Handler) -> Handler:
-    """`handler`, answered 503 once its request's deadline passes (KILN_ANSWER_DEADLINE_SECONDS)."""
+    """`handler`, answered 503 once its request's deadline passes (KILN_ANSWER_DEADLINE_SECONDS);
+    408 `request_timeout` instead while the request's body is still arriving (a client that sends
+    it slowly: nothing was asked of storage yet, nor written)."""
 
     async def handle(request: Request) -> Response:
         seconds = deadline_of(request.scope, request.app.state.gateway.settings.answer_deadline_seconds)
+        arrived = _Arrival(request)
         timer = asyncio.timeout(seconds)
         try:
             async with timer:
-                return await handler(request)
+                return await handler(arrived.request)
         except TimeoutError:
             if not timer.expired():  # a timeout of the work's own, not the deadline
                 raise
+            if not arrived.whole:
+                raise RequestTimeout("The request's body did not arrive in time.") from None
             raise StorageUnavailable(_late(request, seconds)) from None
 
     handle.__name__ = handle.__qualname__ = getattr(handler, "__name__", "handle")
     return handle
+
+
+class _Arrival:
+    """The request, telling whether its body has arrived whole (a request without one has)."""
+
+    def __init__(self, request: Request) -> None:
+        self.whole = request.method not in _WITH_BODY
+        if self.whole:
+            self.request = request
+            return
+        receive = request.receive
+
+        async def received() -> Any:
+            message = await receive()
+            if message.get("type") != "http.request" or not message.get("more_body", False):
+                self.whole = True
+            return message
+
+        self.request = Request(request.scope, received)
 
 
 def _late(request: Request, seconds: float) -> str:

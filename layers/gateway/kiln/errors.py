@@ -128,6 +128,12 @@ class RequestTooLarge(GatewayError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The request's body did not arrive in time (the local server says the same, kiln_ops.serve)."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class InvalidApiKey(GatewayError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
