@@ -8,7 +8,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
-__all__ = ["bounded_int", "non_negative", "usd"]
+__all__ = ["bounded_int", "http_url", "non_negative", "usd"]
 
 
 def bounded_int(what: str, low: int, high: int | None = None) -> Callable[[str], int]:
@@ -23,6 +23,20 @@ def bounded_int(what: str, low: int, high: int | None = None) -> Callable[[str],
         return value
 
     return parse
+
+
+def http_url(text: str) -> str:
+    """An http(s) URL with a host, as a client can call it."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - a port that is no number raises here
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"not an http(s) URL: {text!r}")
+    return text
 
 
 def non_negative(text: str) -> float:

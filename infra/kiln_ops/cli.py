@@ -7,12 +7,12 @@ import os
 import sys
 
 from .admin import BROKEN_PIPE, add_admin_parser, run_admin
-from .argtypes import bounded_int, non_negative
+from .argtypes import bounded_int, http_url, non_negative
 
 __all__ = ["main"]
 
 
-_port = bounded_int("a port number", 0, 65535)
+_port = bounded_int("a port number", 1, 65535)  # printed for clients to call: never 0
 
 FAULTS_HELP = (
     "DynamoDB under contention, e.g. conflict=0.5,throttle=0.05,lost=0.05,txn_ms=5,seed=7,scope=gateway: "
@@ -44,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     dev = commands.add_parser("dev", help="run the whole stack locally (gateway + embedded AWS + mock model server)")
     dev.add_argument("--host", default="127.0.0.1", help="address to serve the gateway on (default 127.0.0.1)")
     dev.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000)")
-    dev.add_argument("--upstream-url", help="serve every model from this OpenAI-compatible server (…/v1) instead of the mock")
+    dev.add_argument("--upstream-url", type=http_url, help="serve every model from this OpenAI-compatible server (…/v1) instead of the mock")
     dev.add_argument("--mock-token-delay-ms", type=non_negative, default=20.0, help="the mock's delay between tokens (default 20)")
-    dev.add_argument("--aws-endpoint-url", help="use this DynamoDB/SSM endpoint instead of starting the embedded AWS")
+    dev.add_argument("--aws-endpoint-url", type=http_url, help="use this DynamoDB/SSM endpoint instead of starting the embedded AWS")
     dev.add_argument("--faults", type=_faults, help="the embedded AWS's fault mode: " + FAULTS_HELP)
 
     mock = commands.add_parser("mock-upstream", help="an OpenAI-compatible model server with fault injection")

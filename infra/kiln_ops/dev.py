@@ -30,7 +30,7 @@ import httpx
 
 from kiln.catalog import Catalog
 
-__all__ = ["local_catalog", "read_exports", "run_dev", "wait_until_up"]
+__all__ = ["base_url", "local_catalog", "read_exports", "run_dev", "wait_until_up"]
 
 DEMO_ORG = "demo"
 DEMO_CREDITS = Decimal("10")
@@ -39,7 +39,21 @@ FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "te
 
 
 def _child(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", *args], start_new_session=False)
+    # a child goes with its parent, even one killed outright (SIGKILL): none is left running for
+    # ever, holding its port, unseen by the next `kiln dev`
+    return subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", *args], start_new_session=False,
+                            preexec_fn=_stop_with_the_parent)
+
+
+def _stop_with_the_parent() -> None:
+    """In the child, before it runs: SIGTERM when the process that started it ends (Linux)."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the parent's own handlers still stop it
+        pass
 
 
 def wait_until_up(url: str, what: str, child: subprocess.Popen | None, timeout: float = 30.0, who: str = "kiln dev") -> None:
@@ -78,14 +92,22 @@ def run_dev(
     aws_endpoint_url: str | None,
     faults: Any = None,
 ) -> int:
-    from kiln.settings import Settings
+    from kiln.settings import Settings, SettingsError
 
     from .provision import aws_clients, provision
     from .serve import free_port, serve
     from .template import repo_root
 
+    try:  # a bad setting is said before anything starts
+        Settings.from_env()
+    except SettingsError as exc:
+        print(f"kiln dev: {exc}", file=sys.stderr)
+        return 2
+
     children: list[subprocess.Popen] = []
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the children on the way out
+    # stop the children on the way out, the terminal closed (SIGHUP) included
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
 
     def stop_children(*_: Any) -> None:
         for child in children:
@@ -123,11 +145,15 @@ def run_dev(
         os.environ.setdefault("POWERTOOLS_METRICS_DISABLED", "true")
         settings = replace(Settings.from_env(), aws_endpoint_url=aws_endpoint_url)
         catalog_json = local_catalog(repo_root() / "infra" / "catalog.json", upstream_url)
-        dynamodb, ssm = aws_clients(settings)
-        created = provision(settings, catalog_json=catalog_json, dynamodb=dynamodb, ssm=ssm, replace_catalog=True)
-        for line in created:
-            print(f"kiln dev: created {line}", file=sys.stderr)
-        secret, management = _demo_keys(settings)
+        try:
+            dynamodb, ssm = aws_clients(settings)
+            created = provision(settings, catalog_json=catalog_json, dynamodb=dynamodb, ssm=ssm, replace_catalog=True)
+            for line in created:
+                print(f"kiln dev: {line}", file=sys.stderr)
+            secret, management = _demo_keys(settings)
+        except _AWS_FAILURES as exc:
+            raise SystemExit(f"kiln dev: the AWS endpoint {aws_endpoint_url} could not be used: "
+                             f"{str(exc) or type(exc).__name__}") from None
 
         exports = {
             **settings.to_env(),
@@ -137,7 +163,7 @@ def run_dev(
             "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"],
             "KILN_API_KEY": secret,
             "KILN_MANAGEMENT_KEY": management,  # manages the demo org's keys (/v1/keys), calls no model
-            "KILN_BASE_URL": f"http://{_display_host(host)}:{port}/v1",
+            "KILN_BASE_URL": base_url(host, port),
             "KILN_UPSTREAM_URL": upstream_url,
         }
         os.environ.update(exports)
@@ -165,6 +191,17 @@ def run_dev(
         return 0
     finally:
         stop_children()
+
+
+def _aws_failures() -> tuple[type[BaseException], ...]:
+    """What a DynamoDB/SSM endpoint that cannot be used raises, through botocore or pynamodb."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from pynamodb.exceptions import PynamoDBException
+
+    return BotoCoreError, ClientError, PynamoDBException
+
+
+_AWS_FAILURES = _aws_failures()
 
 
 def local_catalog(path: Path, upstream_url: str) -> str:
@@ -210,8 +247,13 @@ def _cannot_listen(host: str, port: int) -> str | None:
     return None
 
 
-def _display_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+def base_url(host: str, port: int) -> str:
+    """Where clients call the gateway served on host:port: a wildcard address is called on
+    loopback, and an IPv6 address in brackets, as a URL holds it."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/v1"
 
 
 def _print_exports(exports: dict[str, str]) -> None:

@@ -42,7 +42,7 @@ def aws_clients(settings: Settings, session: Any = None) -> tuple[Any, Any]:
 
 
 def provision(settings: Settings, *, catalog_json: str, dynamodb: Any, ssm: Any, replace_catalog: bool = False) -> list[str]:
-    """Create missing tables and parameters; returns what was created."""
+    """Create missing tables and parameters; returns what it did ("created table …", "replaced parameter …")."""
     created: list[str] = []
     existing = set()
     for page in dynamodb.get_paginator("list_tables").paginate():
@@ -52,15 +52,16 @@ def provision(settings: Settings, *, catalog_json: str, dynamodb: Any, ssm: Any,
         if name not in existing:
             dynamodb.create_table(**create_table_kwargs(logical_id, name))
             dynamodb.get_waiter("table_exists").wait(TableName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 60})
-            created.append(f"table {name}")
+            created.append(f"created table {name}")
     # In AWS these are written by operators, never by the stack (template.yaml): here, by the local stack.
     initial = {"maintenance_parameter": '{"enabled": false}', "catalog_parameter": catalog_json}
     for field, value in initial.items():
         name = getattr(settings, field)
-        overwrite = replace_catalog and field == "catalog_parameter"
-        if overwrite or not _parameter_exists(ssm, name):
+        there = _parameter_exists(ssm, name)
+        if not there or (replace_catalog and field == "catalog_parameter"):
             ssm.put_parameter(Name=name, Value=value, Type="String", Overwrite=True, Tier="Advanced")
-            created.append(f"parameter {name}")
+            # one that was there is replaced (the local catalog, pointed at this start's model server)
+            created.append(f"{'replaced' if there else 'created'} parameter {name}")
     return created
 
 

@@ -145,3 +145,63 @@ def test_kiln_dev_on_a_port_already_taken_says_so_before_starting_anything(tmp_p
     assert "export " not in done.stdout and not (tmp_path / ".kiln" / "dev.env").exists()  # no exports that lead nowhere
     assert "kiln dev: created" not in done.stderr  # nothing provisioned, no emulator or mock started
     assert time.monotonic() - started < 15
+
+
+def _kiln_dev(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
+    return subprocess.run([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, cwd=tmp_path, env={**base, **(env or {})}, timeout=60)
+
+
+@pytest.mark.parametrize("args, env, said", [
+    (["--aws-endpoint-url", "notaurl"], {}, "--aws-endpoint-url: not an http(s) URL"),
+    (["--upstream-url", "notaurl"], {}, "--upstream-url: not an http(s) URL"),
+    (["--port", "0"], {}, "a port number must be 1-65535"),
+    ([], {"KILN_LEASE_TTL_SECONDS": "abc"}, "KILN_LEASE_TTL_SECONDS"),
+    ([], {"KILN_LEASE_RENEW_SECONDS": "100"}, "must be less than KILN_LEASE_TTL_SECONDS"),
+])
+def test_kiln_dev_refuses_a_bad_flag_or_setting_in_one_line_before_starting_anything(tmp_path, args, env, said):
+    """Each gave a traceback, a setting's only after the embedded AWS and the mock had started;
+    --port 0 printed `ready on http://127.0.0.1:0/v1`, a URL that leads nowhere."""
+    done = _kiln_dev(tmp_path, *args, env=env)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "export " not in done.stdout and "kiln dev: created" not in done.stderr
+
+
+def test_kiln_dev_against_an_aws_endpoint_that_does_not_answer_says_so_in_one_line(tmp_path):
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    done = _kiln_dev(tmp_path, "--aws-endpoint-url", url)
+    assert done.returncode == 1, done.stderr
+    assert f"kiln dev: the AWS endpoint {url} could not be used" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "export " not in done.stdout
+
+
+def test_kiln_dev_prints_an_ipv6_host_as_a_url_can_hold_it():
+    from kiln_ops.dev import base_url
+
+    assert base_url("::1", 8000) == "http://[::1]:8000/v1"
+    assert base_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/v1"
+    assert base_url("localhost", 8000) == "http://localhost:8000/v1"
+
+
+def test_the_stacks_children_go_when_kiln_dev_is_killed(tmp_path):
+    """A `kiln dev` killed outright (SIGKILL, or a closed terminal's SIGHUP) left the embedded AWS
+    and the mock running for ever, and the next `kiln dev` never noticed them."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
+    for how in (signal.SIGKILL, signal.SIGHUP):
+        process = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(port)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env)
+        exports = read_exports(process.stdout)
+        assert exports, "kiln dev did not start"
+        process.send_signal(how)
+        process.wait(timeout=15)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (_port_open(exports["AWS_ENDPOINT_URL"])
+                                               or _port_open(exports["KILN_UPSTREAM_URL"])):
+            time.sleep(0.1)
+        assert not _port_open(exports["AWS_ENDPOINT_URL"]), how
+        assert not _port_open(exports["KILN_UPSTREAM_URL"]), how
