@@ -18,6 +18,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.pagination import SyncCursorPage
 
 from kiln.aws import AwsClient
 from kiln.errors import KeySpendLimitExceeded
@@ -1286,3 +1287,54 @@ def test_a_change_that_cannot_read_the_keys_spend_is_not_made(stack):
     shown = call(stack, "GET", f"/v1/keys/{key['id']}", admin).json()
     assert (shown["spend_period"], Decimal(str(shown["spend"]))) == ("day", key_spent(stack, org_id, key["id"]))
     assert figures_of_key(stack, org_id, key["id"]) == before
+
+
+def test_the_keys_list_comes_in_pages_the_openai_sdk_walks(stack):
+    """GET /v1/keys answered every key of the org in one body: 2 500 keys made a megabyte, and at
+    about 14 000 the body passed Lambda's 6 MB, where API Gateway answers its own 502. The list
+    now comes in pages (`limit`, at most 100, `after` the last id seen, `has_more`), OpenAI's
+    list shape, which the SDK's cursor pages walk."""
+    org_id, admin = management_org(stack)
+    for number in range(5):
+        create_key(stack.tables, org_id, label=f"k{number}")
+    everything = call(stack, "GET", "/v1/keys", admin).json()
+    ids = [item["id"] for item in everything["data"]]
+    assert len(ids) == 7 and everything["has_more"] is False
+    assert (everything["object"], everything["first_id"], everything["last_id"]) == ("list", ids[0], ids[-1])
+    created = [item["created_at"] for item in everything["data"]]
+    assert created == sorted(created)  # oldest first
+
+    first = call(stack, "GET", "/v1/keys?limit=3", admin).json()
+    assert [item["id"] for item in first["data"]] == ids[:3] and first["has_more"] is True
+    rest = call(stack, "GET", f"/v1/keys?limit=3&after={first['last_id']}", admin).json()
+    assert [item["id"] for item in rest["data"]] == ids[3:6] and rest["has_more"] is True
+    last = call(stack, "GET", f"/v1/keys?limit=3&after={rest['last_id']}", admin).json()
+    assert [item["id"] for item in last["data"]] == ids[6:] and last["has_more"] is False
+
+    class Listed(openai.BaseModel):
+        id: str
+
+    page = sdk(stack, admin).get_api_list("/keys", model=Listed, page=SyncCursorPage[Listed],
+                                          options={"params": {"limit": 2}})
+    assert [item.id for item in page] == ids  # iterating, the SDK follows after= to the end
+
+
+@pytest.mark.parametrize("query, param", [
+    ("limit=0", "limit"), ("limit=101", "limit"), ("limit=ten", "limit"), ("limit=1&limit=2", "limit"),
+    ("after=key_0000000000000000", "after"), ("after=", "after"),
+])
+def test_a_keys_page_asked_for_wrongly_is_a_400_naming_its_parameter(stack, query, param):
+    _, admin = management_org(stack)
+    answer = call(stack, "GET", f"/v1/keys?{query}", admin)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param and answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_another_orgs_key_as_a_cursor_is_refused_as_an_unknown_one(stack):
+    _, admin = management_org(stack)
+    other_org, _ = stack.org()
+    theirs = create_key(stack.tables, other_org).key_id
+    answer = call(stack, "GET", f"/v1/keys?after={theirs}", admin)
+    mine = call(stack, "GET", "/v1/keys?after=key_0000000000000000", admin)
+    assert answer.status_code == 400 and answer.json() == mine.json() | {"error": {
+        **mine.json()["error"], "message": mine.json()["error"]["message"].replace("key_0000000000000000", theirs)}}

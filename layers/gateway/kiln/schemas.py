@@ -174,6 +174,12 @@ SELF_SERVICE: dict[str, dict[str, Any]] = {
             _query("group_by", {"type": "string", "enum": ["day", "model", "key"]}, "one row per day (default), model or key"),
         ]
     },
+    "keys.list": {
+        "parameters": [
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "keys in the page (default 100)"),
+            _query("after", {"type": "string"}, "the last key id of the page before (its last_id)"),
+        ]
+    },
     "keys.create": _body(_KEY_ATTRIBUTES),
     "keys.update": _body(_KEY_ATTRIBUTES),
 }

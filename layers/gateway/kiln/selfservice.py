@@ -280,12 +280,43 @@ async def _create(gateway: Gateway, request: Request, record: RequestRecord) -> 
     return json_response(dumps(document), status=201)
 
 
+# a page of keys: 100 of the largest a catalog allows (every model in the allowlist) is under a
+# megabyte, far inside the 6 MB a buffered Lambda function may answer
+MAX_KEYS_PAGE = 100
+
+
+def keys_page(query: Any) -> tuple[int, str | None]:
+    """`limit` (1 to 100, default 100) and `after` (the id of the last key of the page before),
+    as OpenAI's list endpoints take them."""
+    for name in ("limit", "after"):
+        if len(query.getlist(name)) > 1:
+            raise InvalidValue(f"{name} may be given once.", param=name)
+    text = query.get("limit")
+    limit = MAX_KEYS_PAGE
+    if text is not None:
+        limit = int(text) if text.isascii() and text.isdigit() and len(text) <= 4 else 0
+        if not 1 <= limit <= MAX_KEYS_PAGE:
+            raise InvalidValue(f"limit must be an integer from 1 to {MAX_KEYS_PAGE}; got {shortened(text)!r}.",
+                               param="limit")
+    return limit, query.get("after")
+
+
 async def _list(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
+    """The org's keys, oldest first, a page at a time (`has_more`: ask again `after` the last id)."""
     principal, _ = await _checks(gateway, request, record, management=True)
+    limit, after = keys_page(request.query_params)
     keyring = _keyring(gateway)
-    keys = await gateway.storage(keyring.list(principal.org_id))
-    shown = await gateway.storage(keyring.describe(principal.org_id, keys))
-    return json_response(dumps({"object": "list", "data": shown}))
+    keys = sorted(await gateway.storage(keyring.list(principal.org_id)), key=lambda key: (key.created_at, key.key_id))
+    start = 0
+    if after is not None:
+        start = next((index + 1 for index, key in enumerate(keys) if key.key_id == after), -1)
+        if start < 0:  # an unknown id and another org's are told alike
+            raise InvalidValue(f"after names no key of this organization: {shortened(after)!r}.", param="after")
+    page = keys[start:start + limit]
+    shown = await gateway.storage(keyring.describe(principal.org_id, page))
+    return json_response(dumps({"object": "list", "data": shown, "first_id": page[0].key_id if page else None,
+                                "last_id": page[-1].key_id if page else None,
+                                "has_more": start + limit < len(keys)}))
 
 
 async def _one(gateway: Gateway, principal: Principal, key_id: str, action: Awaitable[Any]) -> Response:
