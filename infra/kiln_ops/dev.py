@@ -105,6 +105,7 @@ def run_dev(
         return 2
 
     children: list[subprocess.Popen] = []
+    written: str | None = None  # the exports in .kiln/dev.env, removed on the way out
     # stop the children on the way out, the terminal closed (SIGHUP) included
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
@@ -167,7 +168,7 @@ def run_dev(
             "KILN_UPSTREAM_URL": upstream_url,
         }
         os.environ.update(exports)
-        _print_exports(exports)
+        written = _print_exports(exports)
 
         from .app import combined_app
 
@@ -191,6 +192,8 @@ def run_dev(
         return 0
     finally:
         stop_children()
+        if written is not None:
+            _forget_exports(written)
 
 
 def _aws_failures() -> tuple[type[BaseException], ...]:
@@ -256,15 +259,28 @@ def base_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/v1"
 
 
-def _print_exports(exports: dict[str, str]) -> None:
-    lines = [f"export {name}={_quote(value)}" for name, value in exports.items()]
-    env_dir = Path(".kiln")
+DEV_ENV = Path(".kiln") / "dev.env"
+
+
+def _print_exports(exports: dict[str, str]) -> str:
+    """Print the exports and write them to .kiln/dev.env; what was written."""
+    written = "\n".join(f"export {name}={_quote(value)}" for name, value in exports.items()) + "\n"
     try:
-        env_dir.mkdir(exist_ok=True)
-        (env_dir / "dev.env").write_text("\n".join(lines) + "\n")
+        DEV_ENV.parent.mkdir(exist_ok=True)
+        DEV_ENV.write_text(written)
     except OSError:
         pass
-    print("\n".join(lines), flush=True)
+    print(written, end="", flush=True)
+    return written
+
+
+def _forget_exports(written: str) -> None:
+    """Remove .kiln/dev.env if it still holds this stack's exports (not a later kiln dev's)."""
+    try:
+        if DEV_ENV.read_text() == written:
+            DEV_ENV.unlink()
+    except OSError:
+        pass
 
 
 def _quote(value: str) -> str:

@@ -103,6 +103,8 @@ def test_kiln_dev_serves_a_working_stack_and_prints_how_to_call_it(dev_stack):
     time.sleep(0.5)
     assert not _port_open(exports["AWS_ENDPOINT_URL"])  # the embedded AWS went with it
     assert not _port_open(exports["KILN_UPSTREAM_URL"])  # and the mock model server
+    # and its exports, which would lead a shell that sources them to a stack that is gone
+    assert not (Path(cwd) / ".kiln" / "dev.env").exists()
 
 
 def test_kiln_dev_against_an_existing_aws_endpoint_and_upstream(aws, mock, tmp_path):
