@@ -23,7 +23,7 @@ from .store.storage import Storage
 __all__ = ["LAST_USED_RESOLUTION_SECONDS", "Authenticator", "Principal"]
 
 log = logging.getLogger("kiln.auth")
-INVALID_KEY = "Incorrect API key provided. You can find your API key in your Kiln console."
+INVALID_KEY = "Incorrect API key provided. Check the key, or ask your organization's administrator for one."
 # A key's last_used_at is written at most this often, off the request path.
 LAST_USED_RESOLUTION_SECONDS = 600
 
