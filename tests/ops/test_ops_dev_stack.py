@@ -160,7 +160,7 @@ def _kiln_dev(tmp_path, *args: str, env: dict[str, str] | None = None) -> subpro
     (["--upstream-url", "notaurl"], {}, "--upstream-url: not an http(s) URL"),
     (["--port", "0"], {}, "a port number must be 1-65535"),
     ([], {"KILN_LEASE_TTL_SECONDS": "abc"}, "KILN_LEASE_TTL_SECONDS"),
-    ([], {"KILN_LEASE_RENEW_SECONDS": "100"}, "must be less than KILN_LEASE_TTL_SECONDS"),
+    ([], {"KILN_LEASE_RENEW_SECONDS": "100"}, "must be at most half of KILN_LEASE_TTL_SECONDS"),
 ])
 def test_kiln_dev_refuses_a_bad_flag_or_setting_in_one_line_before_starting_anything(tmp_path, args, env, said):
     """Each gave a traceback, a setting's only after the embedded AWS and the mock had started;

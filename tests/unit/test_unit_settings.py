@@ -61,6 +61,9 @@ def test_region_and_endpoint_precedence():
         ("KILN_MAX_BODY_BYTES", "-1"),
         ("KILN_STORAGE_RETRY_ATTEMPTS", "0"),
         ("KILN_LEASE_RENEW_SECONDS", "60"),  # not below the default lease TTL
+        # above half of it: a renewal that fails has no room to be tried again before the lease
+        # expires, and the request is stopped then (kiln.store.renewal)
+        ("KILN_LEASE_RENEW_SECONDS", "30.5"),
         ("KILN_MAINTENANCE_RETRY_AFTER_SECONDS", "-5"),
         ("KILN_KEEPALIVE_SECONDS", "0"),
         ("KILN_LEASE_TTL_SECONDS", "soon"),
@@ -93,6 +96,7 @@ def test_to_env_round_trips_non_default_settings():
         catalog_cache_seconds=0.0,
         auth_cache_seconds=1.5,
         lease_ttl_seconds=30.0,
+        lease_renew_seconds=10.0,
         keepalive_seconds=0.1,
         max_body_bytes=4096,
         maintenance_retry_after_seconds=0,

@@ -88,7 +88,7 @@ class Settings:
     )
     lease_renew_seconds: float = setting(
         20.0,
-        "a running request renews its lease this often (must be below the TTL); a request shorter "
+        "a running request renews its lease this often (at most half the TTL); a request shorter "
         "than this costs no renewal",
         minimum=0.001,
     )
@@ -160,10 +160,12 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
         env = os.environ if env is None else env
         settings = cls(**{declared.name: _read(env, declared) for declared in fields(cls)})
-        if not settings.lease_renew_seconds < settings.lease_ttl_seconds:
+        if not settings.lease_renew_seconds <= settings.lease_ttl_seconds / 2:
+            # a renewal that fails is tried again before the lease expires (kiln.store.renewal)
             raise SettingsError(
-                f"KILN_LEASE_RENEW_SECONDS ({settings.lease_renew_seconds:g}) must be less than "
-                f"KILN_LEASE_TTL_SECONDS ({settings.lease_ttl_seconds:g})"
+                f"KILN_LEASE_RENEW_SECONDS ({settings.lease_renew_seconds:g}) must be at most half of "
+                f"KILN_LEASE_TTL_SECONDS ({settings.lease_ttl_seconds:g}): a renewal that fails needs room to "
+                "be tried again before the lease expires"
             )
         return settings
 
