@@ -87,7 +87,7 @@ class Exchange:
         self._settled = False
         # what a lost lease stops: the task waiting for the model server (every way out of
         # `respond` but a stream's settles first, and a settled request is not cancelled), then
-        # the stream's response
+        # the stream's response (kiln.responses.RelayResponse.interrupt)
         self._worker: asyncio.Task | None = None
         self._response: RelayResponse | None = None
         self._lease_gone = False
@@ -139,8 +139,9 @@ class Exchange:
     def _lease_lost(self) -> None:
         """The lease could not be kept: the request stops rather than run on without its slot,
         its org over its limit (§4). A wait for the model server is cancelled, and so is a
-        stream's (its relay then ends it with the error event); a stream held by a client that
-        does not read is closed as if the client had left."""
+        stream's (its relay then ends it with the error event; one not begun yet looks at
+        `_lease_gone` first); a stream held by a client that does not read is closed as if the
+        client had left."""
         if self._settled:
             return
         self._lease_gone = True
@@ -237,6 +238,9 @@ class Exchange:
         if self._settled:
             return
         self._settled = True
+        # nothing stops a settled request: what it kept for that goes (a stream's response holds
+        # its body, which holds this exchange: a cycle left to the collector)
+        self._worker = self._response = None
         event = UsageEvent(
             gen_id=self.gen_id,
             org_id=self.lease.org_id,
@@ -340,10 +344,10 @@ class Exchange:
             # that trickles an event no faster than that), and the read it interrupted loses
             # nothing (kiln.http1).
             sent_at = time.monotonic()
+            if self._lease_gone:  # lost before the response could be interrupted; from here on, it is
+                raise _LeaseLost()
             while True:
                 piece = await upstream.next_piece(sent_at + keepalive)
-                if self._lease_gone:
-                    raise _LeaseLost()
                 now = time.monotonic()
                 if now > deadline:
                     raise UpstreamStreamError("exceeded the model's total time")
