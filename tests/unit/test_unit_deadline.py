@@ -94,6 +94,17 @@ def test_a_body_still_arriving_at_the_deadline_is_a_408_not_storages_503(method)
     assert raised.value.status == 408 and raised.value.code == "request_timeout"
 
 
+def test_storage_slow_before_the_body_is_read_is_storages_503_not_the_clients_408():
+    """The maintenance switch is read before the body: a slow read of it cut at the deadline
+    is storage's, whether the body, there whole all along, was read or not."""
+    async def handler(request: Request) -> Response:
+        await asyncio.sleep(5)  # the switch's read
+        return Response(await request.body())
+
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(bounded(handler)(request("POST", "/v1/keys")))
+
+
 def test_work_past_the_deadline_after_its_body_arrived_is_still_storages_503():
     async def handler(request: Request) -> Response:
         await request.body()

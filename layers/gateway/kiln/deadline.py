@@ -43,8 +43,8 @@ def deadline_of(scope: dict[str, Any], configured: float) -> float:
 
 def bounded(handler: Handler) -> Handler:
     """`handler`, answered 503 once its request's deadline passes (KILN_ANSWER_DEADLINE_SECONDS);
-    408 `request_timeout` instead while the request's body is still arriving (a client that sends
-    it slowly: nothing was asked of storage yet, nor written)."""
+    408 `request_timeout` instead when it is cut while waiting for the request's body (a client
+    that sends it slowly: nothing was written)."""
 
     async def handle(request: Request) -> Response:
         seconds = deadline_of(request.scope, request.app.state.gateway.settings.answer_deadline_seconds)
@@ -56,7 +56,7 @@ def bounded(handler: Handler) -> Handler:
         except TimeoutError:
             if not timer.expired():  # a timeout of the work's own, not the deadline
                 raise
-            if not arrived.whole:
+            if arrived.waiting:
                 raise RequestTimeout("The request's body did not arrive in time.") from None
             raise StorageUnavailable(_late(request, seconds)) from None
 
@@ -65,19 +65,20 @@ def bounded(handler: Handler) -> Handler:
 
 
 class _Arrival:
-    """The request, telling whether its body has arrived whole (a request without one has)."""
+    """The request, telling whether it is waiting for its body to arrive (cut there, the client
+    was too slow; anywhere else, storage was). On Lambda the body is handed over whole."""
 
     def __init__(self, request: Request) -> None:
-        self.whole = request.method not in _WITH_BODY
-        if self.whole:
+        self.waiting = False
+        if request.method not in _WITH_BODY:
             self.request = request
             return
         receive = request.receive
 
         async def received() -> Any:
-            message = await receive()
-            if message.get("type") != "http.request" or not message.get("more_body", False):
-                self.whole = True
+            self.waiting = True
+            message = await receive()  # cut here by the deadline, it says so still
+            self.waiting = False
             return message
 
         self.request = Request(request.scope, received)
