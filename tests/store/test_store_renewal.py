@@ -228,3 +228,28 @@ def test_a_request_that_stopped_is_not_told_its_lease_is_lost():
         assert told == [] and not keeper.lost
 
     asyncio.run(main())
+
+
+def test_a_renewal_slow_to_answer_stops_the_request_before_the_lease_expires():
+    """A renewal can be slow rather than fail (retried within its budget, a slow answer): the
+    expiry was watched only once a renewal had failed, so a renewal still waiting let the lease
+    expire under the running request."""
+
+    class SlowLedger(ClockedLedger):
+        async def renew(self, lease, progress=None):
+            self.attempts.append(self.now())
+            await asyncio.sleep(5)  # no answer within the lease's life
+            return self.now() + self.ttl
+
+    async def main():
+        ledger = SlowLedger(ttl=1.2, renew_seconds=0.4)
+        lease = Lease("gen-1", "org", "key", "m", "chat.completions", True, 0.0, 1.2)
+        told: list[float] = []
+        keeper = LeaseKeeper(ledger, lease, on_lost=lambda: told.append(ledger.now()))
+        keeper.start()
+        await asyncio.sleep(1.6)
+        assert keeper.lost and len(told) == 1 and 0.8 <= told[0] < 1.2, told
+        assert not [task for task in asyncio.all_tasks() if task.get_name().startswith("lease-")]  # given up
+        await keeper.stop()
+
+    asyncio.run(main())

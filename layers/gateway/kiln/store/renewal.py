@@ -13,12 +13,13 @@ the request: a renewal that fails is logged and tried again sooner (a quarter of
 
 A request never outlives its lease (contract §4): once its lease expires, any admission of
 its org may reclaim it, and the request would run on without a slot, its org over its limit.
-So when renewals keep failing until the lease is a tenth of an interval from its expiry
-(storage out for most of a TTL), or a renewal finds the lease gone (reclaimed all the same: a clock
-far ahead elsewhere), renewing stops and `on_lost` is called, once: the request stops, and
-its settle then replaces the `abandoned` event a reclaim may write. Leaving the block,
-normally, by an exception or by cancellation, stops the renewals; `stop()` does the same
-earlier (call it right before the settle, so that no renewal races it).
+So when no renewal has landed (failed, or still waiting for an answer) by a tenth of an
+interval before the lease's expiry (storage out, or slow, for most of a TTL), or a renewal
+finds the lease gone (reclaimed all the same: a clock far ahead elsewhere), renewing stops
+and `on_lost` is called, once: the request stops, and its settle then replaces the
+`abandoned` event a reclaim may write. Leaving the block, normally, by an exception or by
+cancellation, stops the renewals; `stop()` does the same earlier (call it right before the
+settle, so that no renewal races it).
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class LeaseKeeper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # waiting for the next renewal
         self._task: asyncio.Task | None = None  # a renewal in flight
-        self._last_chance: asyncio.TimerHandle | None = None  # after a failed renewal: when to give up
+        # from a renewal's start until one lands: when to give up, a tenth of an interval before
+        # the expiry as last written (by the ledger's clock), room for the request to stop and
+        # for clocks elsewhere a little ahead
+        self._last_chance: asyncio.TimerHandle | None = None
         self.renewals = 0  # renewals that landed
         self.expires = lease.expires  # the lease's expiry as last written
         self.lost = False  # the lease was found gone, or could not be kept: no more renewals
@@ -114,6 +118,14 @@ class LeaseKeeper:
             self._over = True
             return
         assert self._loop is not None
+        if self._last_chance is None:
+            # a renewal may be slow rather than fail (retried within its budget, or waiting on a
+            # slow answer): from its start the expiry is watched, not only once it has failed
+            left = self.expires - self._interval / 10 - self._ledger.now()
+            if left <= 0:
+                self._lose("lease_not_kept")
+                return
+            self._last_chance = self._loop.call_later(left, self._lose, "lease_not_kept")
         self._task = self._loop.create_task(self._renew(), name=f"lease-{self._lease.gen_id}")
 
     async def _renew(self) -> None:
@@ -139,17 +151,8 @@ class LeaseKeeper:
                 self._last_chance.cancel()
                 self._last_chance = None
             self._schedule(self._interval)
-            return
-        if self._last_chance is None:
-            assert self._loop is not None
-            # a tenth of an interval before the expiry as last written (by the ledger's clock):
-            # room for the request to stop, and for clocks elsewhere a little ahead
-            left = self.expires - self._interval / 10 - self._ledger.now()
-            if left <= 0:
-                self._lose("lease_not_kept")
-                return
-            self._last_chance = self._loop.call_later(left, self._lose, "lease_not_kept")
-        self._schedule(self._interval / 4)
+        else:  # the last chance, set when this renewal began, still stands
+            self._schedule(self._interval / 4)
 
     def _lose(self, why: str) -> None:
         """The lease is gone, or will expire before a renewal can land: no more renewals, and
