@@ -7,11 +7,13 @@ records what the request has relayed so far (what an `abandoned` event would bil
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from decimal import Decimal
 
-from support import LedgerCheck, data_events
+from support import LedgerCheck, catalog_for_tests, data_events, wait_for_events
 
 CHAT = "/v1/chat/completions"
 LEASE_TTL = 1.0
@@ -244,3 +246,60 @@ def test_renewals_failing_for_less_than_a_lease_lives_keep_the_stream(stack_fact
     assert mock.stats["max_in_flight_by_tag"][org_id] == 1
     events = ledger.check(timeout=10)
     assert [event.status for event in events if event.gen_id == answer.headers["x-neocloud-generation-id"]] == ["success"]
+
+
+def test_streams_stopped_for_their_leases_take_no_model_server_out_of_service(stack_factory, mock):
+    """A lost lease is storage's failure: the streams it stopped were counted as their backend's
+    failures (by rate, across orgs), and a DynamoDB outage on a busy gateway took a healthy model
+    server out of service."""
+    catalog = catalog_for_tests(mock.url)
+    base = mock.url.rsplit("/v1", 1)[0]
+    catalog["models"].append({
+        "id": "two-backends", "owned_by": "kiln-tests", "created": 1, "context_length": 4096,
+        "pricing": {"input": "1", "output": "2"},
+        "backends": [{"name": "a", "url": f"{base}/x/token_delay_ms=250/v1"},
+                     {"name": "b", "url": f"{base}/x/token_delay_ms=251/v1"}],
+    })
+    stack = stack_factory(catalog=catalog, **SCALED, backend_error_min_requests=4, backend_error_min_clients=2)
+    orgs = [stack.org(concurrency=1) for _ in range(6)]
+    _org_writes_throttled_for_all(stack, start=0.5, seconds=2.5)
+    body = {"model": "two-backends", "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "mock": {"tokens": 30}}
+    answers: list = []
+    streams = [threading.Thread(target=lambda k=k: answers.append(stack.post(CHAT, body, k))) for _, k in orgs]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        stream.join(timeout=20)
+    stack.faults.clear()
+    stopped = [answer for answer in answers if "concurrency slot" in str(data_events(answer.text)[-1])]
+    assert len(stopped) >= 4, [data_events(answer.text)[-1] for answer in answers]
+    assert all(row["state"] == "in_service" for row in stack.gateway.upstream.health.snapshot())
+
+
+def test_a_stream_its_client_does_not_read_is_closed_for_its_lease_as_the_gateways_failure(stack_factory, mock):
+    """A stream blocked writing to a client that reads nothing, when its lease cannot be kept: it
+    is closed as if the client had left, but its usage event says what happened (gateway_error,
+    the lease), not that the client disconnected."""
+    stack = stack_factory(**SCALED, keepalive_seconds=0.5)
+    org_id, key = stack.org(concurrency=1)
+    t0 = time.monotonic()
+    stack.faults.fail("UpdateItem", when=lambda payload: org_id in str(payload) and 4.0 <= time.monotonic() - t0 < 7.0)
+    body = json.dumps({"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                       "mock": {"endless": True, "token_delay_ms": 0, "tag": org_id}}).encode()
+    host, port = stack.url.removeprefix("http://").split(":")
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect((host, int(port)))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+                       + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert client.recv(12) == b"HTTP/1.1 200"  # then it reads nothing more
+        (event,) = wait_for_events(stack, org_id, 1, timeout=14)
+    assert (event.status, event.error) == ("gateway_error", "its lease could not be kept: storage unavailable")
+    assert event.completion_tokens > 0 and stack.org_info(org_id).in_flight == 0
+
+
+def _org_writes_throttled_for_all(stack, start: float, seconds: float) -> None:
+    t0 = time.monotonic()
+    stack.faults.fail("UpdateItem", when=lambda payload: "#exp" in str(payload)
+                      and start <= time.monotonic() - t0 < start + seconds)

@@ -54,6 +54,7 @@ def _echoes_of(call: ModelCall) -> Echoes:
 STREAM_CUT = "The model backend failed while streaming the response."
 GATEWAY_CUT = "The gateway failed while streaming the response."
 INVALID_ANSWER = "Bad gateway: the model backend returned an invalid response."
+LEASE_NOT_KEPT = "its lease could not be kept: storage unavailable"  # what its usage event says
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
 
@@ -216,13 +217,12 @@ class Exchange:
         was sent it (as a client that leaves is)."""
         error = StorageUnavailable(SLOT_LOST)
         self.record.error_code = error.code
-        reason = "its lease could not be kept: storage unavailable"
         if self._sent_to:
             usage = self._fallback_usage(0)
             await self._settle("gateway_error", http_status=error.status, usage=usage, cost=self._price(usage),
-                               error=reason)
+                               error=LEASE_NOT_KEPT)
         else:
-            await self._settle("gateway_error", http_status=error.status, error=reason)
+            await self._settle("gateway_error", http_status=error.status, error=LEASE_NOT_KEPT)
         return error_response(error, self.gen_id)
 
     async def _settle(
@@ -376,17 +376,18 @@ class Exchange:
         except UpstreamStreamError as exc:
             upstream.broke()
             status, failure = "stream_interrupted", str(exc)
-        except _LeaseLost:
-            upstream.broke()
-            status, failure = "lease_lost", "its lease could not be kept: storage unavailable"
+        except _LeaseLost:  # storage's failure, not the model server's: its health is not told
+            status, failure = "lease_lost", LEASE_NOT_KEPT
         except asyncio.CancelledError:
             if not (self._lease_gone and self._lease_lost_cancel_only()):
                 await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
                 raise
-            upstream.broke()
-            status, failure = "lease_lost", "its lease could not be kept: storage unavailable"
-        except GeneratorExit:
-            await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
+            status, failure = "lease_lost", LEASE_NOT_KEPT
+        except GeneratorExit:  # the client left, or, not reading, was cut for a lost lease
+            if self._lease_gone:
+                await self._end_stream(upstream, relay, "lease_lost", LEASE_NOT_KEPT)
+            else:
+                await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
             raise
         except Exception as exc:  # a fault of ours: still settle, still end the stream clearly
             log.exception("stream %s failed inside the gateway", self.gen_id)
