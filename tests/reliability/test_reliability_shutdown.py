@@ -93,6 +93,38 @@ def test_a_server_that_stops_with_a_settle_in_flight_finishes_it_before_closing(
     assert stack.org_info(org_id).leases == {}
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "buffered"])
+def test_a_request_still_waiting_when_the_server_stops_is_settled_before_it_closes(stack_factory, stream):
+    """uvicorn cancels the requests still running and closes the app at once: a request waiting
+    for the model server then began its settle only after the gateway had looked for settles
+    to wait for, found none and closed its clients: no event, the lease left. Closing now waits
+    for every request admitted to settle."""
+    stack = stack_factory()
+    faults = StorageFaults()
+    settings = stack.settings
+
+    def owned_gateway() -> Gateway:
+        http = FaultInjectingHttp(faults)
+        return Gateway(settings, aws=AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=http))
+
+    server = ServerThread(combined_app(owned_gateway, observer()), timeout_graceful_shutdown=0.2).start()
+    org_id, key = stack.org()
+    faults.slow("TransactWriteItems", 1.0, when=involves_org(org_id), times=1)  # its settle, once it begins
+    waiting = {"token_delay_ms": 300, "tokens": 40} if stream else {"headers_delay_ms": 8000}
+    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": stream, "mock": waiting}
+    client = threading.Thread(target=_post_ignoring_a_cut, args=(server.url, key, body))
+    client.start()
+    deadline = time.monotonic() + 10
+    while not stack.org_info(org_id).leases and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # the model server still working on it
+    server.stop()  # SIGTERM
+    client.join(timeout=15)
+    (event,) = wait_for_events(stack, org_id, 1)
+    assert event.status == "client_disconnected"  # the server cut it: billed as a client gone
+    assert stack.org_info(org_id).leases == {}
+
+
 def test_a_settle_cancelled_all_the_same_leaves_its_event_in_the_log(stack_factory):
     """Should a settle be cancelled after all (a loop torn down with it in flight), its event goes
     to the log as `usage_unsettled`, which `kiln admin replay-usage` settles: never lost."""

@@ -86,6 +86,7 @@ class Exchange:
         self._keeper = LeaseKeeper(gateway.ledger, lease, progress=self._progress, on_lost=self._lease_lost,
                                    max_seconds=call.model.timeouts.total + gateway.ledger.lease_ttl)
         self._settled = False
+        gateway.unsettled += 1  # until its settle ends (the gateway's close waits for it)
         # what a lost lease stops: the task waiting for the model server (every way out of
         # `respond` but a stream's settles first, and a settled request is not cancelled), then
         # the stream's response (kiln.responses.RelayResponse.interrupt)
@@ -268,8 +269,11 @@ class Exchange:
         await to_the_end(self._stop_keeper_and_settle(event))
 
     async def _stop_keeper_and_settle(self, event: UsageEvent) -> None:
-        await self._keeper.stop()  # no renewal may race the settle
-        await self.gateway.settle(self.lease, event)
+        try:
+            await self._keeper.stop()  # no renewal may race the settle
+            await self.gateway.settle(self.lease, event)
+        finally:
+            self.gateway.unsettled -= 1
 
     def _price(self, usage: TokenUsage) -> Decimal:
         return cost_of(usage, self.call.model.pricing)

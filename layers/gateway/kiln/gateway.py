@@ -34,6 +34,7 @@ from .upstream_key import UpstreamKey, parse_key
 __all__ = ["UNSETTLED", "Gateway"]
 
 UNSETTLED = "usage_unsettled"
+CLOSE_MARGIN_SECONDS = 5.0  # what closing waits for settles beyond one settle's retry budget
 
 T = TypeVar("T")
 log = logging.getLogger("kiln.gateway")
@@ -68,7 +69,7 @@ class Gateway:
             )),
         )
         self.ledger = ledger_of(self.aws, settings, clock=clock)
-        self._settling: set[asyncio.Task[Any]] = set()  # settles in flight, which aclose waits for
+        self.unsettled = 0  # requests admitted and not settled yet (kiln.exchange), which aclose waits for
         self._ssm_once = tried_once(self.aws)
         # the one storage interface of the request path (keys, orgs through the ledger, usage)
         self.store = DynamoStorage(
@@ -198,12 +199,9 @@ class Gateway:
         exact decimal: a log formatter that parses the message as JSON (Powertools does) would
         turn a number into a float and lose digits.
 
-        `aclose` waits for the settles in flight; one cancelled all the same (a loop torn down
-        with it) leaves its record too.
+        `aclose` waits for the requests admitted to settle; one cancelled all the same (a loop
+        torn down with it) leaves its record too.
         """
-        task = asyncio.current_task()
-        if task is not None:
-            self._settling.add(task)
         try:
             return await self.ledger.settle(lease, event)
         except asyncio.CancelledError:
@@ -214,8 +212,6 @@ class Gateway:
             if is_transient(exc):  # refusals that say nothing of it: it goes on in the background
                 self.ledger.settle_later(lease, event)
             return "unsettled"
-        finally:
-            self._settling.discard(task)
 
     @staticmethod
     def _keep_unsettled(lease: Lease, event: UsageEvent, reason: str) -> None:
@@ -224,10 +220,13 @@ class Gateway:
         unsettled_log.error(dumps(record).decode())
 
     async def aclose(self) -> None:
-        """Close, once the settles in flight have ended (a server stopping cancels its requests
-        but not their settles, which run in tasks of their own: kiln.shielded)."""
-        while self._settling:
-            await asyncio.wait(set(self._settling))
+        """Close, once the requests admitted have settled (a server that stops cancels its
+        requests and closes the app at once: each then settles in a task of its own,
+        kiln.shielded), or a settle's retry budget and more has passed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.settings.storage_retry_seconds + CLOSE_MARGIN_SECONDS
+        while self.unsettled and loop.time() < give_up:
+            await asyncio.sleep(0.01)
         await self.ledger.drain()
         await self.upstream.aclose()
         await self.aws.aclose()
