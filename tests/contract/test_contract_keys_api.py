@@ -1338,3 +1338,30 @@ def test_another_orgs_key_as_a_cursor_is_refused_as_an_unknown_one(stack):
     mine = call(stack, "GET", "/v1/keys?after=key_0000000000000000", admin)
     assert answer.status_code == 400 and answer.json() == mine.json() | {"error": {
         **mine.json()["error"], "message": mine.json()["error"]["message"].replace("key_0000000000000000", theirs)}}
+
+
+def test_a_page_after_a_key_another_environment_just_made_is_served(mock):
+    """The list comes through an eventually consistent index. The environment that made the
+    keys fills the lag with what it wrote; another (here: that memory emptied) could not find a
+    cursor made a moment ago in its list, and answered 400 for a valid `after`."""
+    from kiln.store import keyring as keyring_module
+    from support import EmulatorProcess, make_stack
+
+    emulator = EmulatorProcess(faults="index_ms=1000,scope=gateway")  # DynamoDB's lag: about a second
+    try:
+        stack = make_stack(emulator.url, mock)
+        try:
+            org_id, _ = stack.org()
+            admin = stack.key(org_id, role="management")
+            time.sleep(1.2)  # the management key is in the index
+            for number in range(4):
+                assert call(stack, "POST", "/v1/keys", admin, {"label": f"k{number}"}).status_code == 201
+            first = call(stack, "GET", "/v1/keys?limit=3", admin).json()
+            assert first["has_more"] is True
+            keyring_module._recent_writes.clear()  # another Lambda environment: it wrote nothing
+            second = call(stack, "GET", f"/v1/keys?limit=3&after={first['last_id']}", admin)
+            assert second.status_code == 200, second.text
+        finally:
+            stack.close()
+    finally:
+        emulator.stop()

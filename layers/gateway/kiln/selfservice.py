@@ -306,17 +306,29 @@ async def _list(gateway: Gateway, request: Request, record: RequestRecord) -> Re
     principal, _ = await _checks(gateway, request, record, management=True)
     limit, after = keys_page(request.query_params)
     keyring = _keyring(gateway)
-    keys = sorted(await gateway.storage(keyring.list(principal.org_id)), key=lambda key: (key.created_at, key.key_id))
-    start = 0
+    keys = sorted(await gateway.storage(keyring.list(principal.org_id)), key=_listed_order)
     if after is not None:
-        start = next((index + 1 for index, key in enumerate(keys) if key.key_id == after), -1)
-        if start < 0:  # an unknown id and another org's are told alike
+        # the cursor is read by its id, not looked for in the list: the list comes through an
+        # index that may not hold yet a key another environment made a moment ago
+        cursor = await gateway.storage(_key_or_none(keyring, after, principal.org_id))
+        if cursor is None:  # an unknown id and another org's are told alike
             raise InvalidValue(f"after names no key of this organization: {shortened(after)!r}.", param="after")
-    page = keys[start:start + limit]
+        keys = [key for key in keys if _listed_order(key) > _listed_order(cursor)]
+    page = keys[:limit]
     shown = await gateway.storage(keyring.describe(principal.org_id, page))
     return json_response(dumps({"object": "list", "data": shown, "first_id": page[0].key_id if page else None,
-                                "last_id": page[-1].key_id if page else None,
-                                "has_more": start + limit < len(keys)}))
+                                "last_id": page[-1].key_id if page else None, "has_more": len(keys) > limit}))
+
+
+def _listed_order(key: Any) -> tuple[str, str]:
+    return key.created_at, key.key_id
+
+
+async def _key_or_none(keyring: Keyring, key_id: str, org_id: str) -> Any:
+    try:
+        return await keyring.get(key_id, org_id=org_id)
+    except RecordNotFound:
+        return None
 
 
 async def _one(gateway: Gateway, principal: Principal, key_id: str, action: Awaitable[Any]) -> Response:
