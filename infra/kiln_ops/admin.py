@@ -613,7 +613,7 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
     for problem in unreadable:
         print(f"kiln admin: {args.file}, {problem}: a usage_unsettled record that is no usage event", file=sys.stderr)
     for problem in failures:
-        print(f"kiln admin: not settled: {problem}", file=sys.stderr)
+        print(f"kiln admin: {problem}", file=sys.stderr)
     total = sum(outcomes.values())
     details = ", ".join(f"{count} {outcome.replace('_', ' ')}" for outcome, count in sorted(outcomes.items()))
     if unreadable:
@@ -621,8 +621,11 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
     out(f"replayed {total} unsettled usage events" + (f": {details}" if details else ""))
     if failures or unreadable or outcomes.get("not_tried"):
         stopped = (f"; storage still failing, {outcomes['not_tried']} not tried" if outcomes.get("not_tried") else "")
-        raise AdminError(f"{len(failures)} not settled, {len(unreadable)} unreadable{stopped}: the others are "
-                         "settled; replaying the same lines again settles what it can and changes nothing else")
+        found = (f", {outcomes['not_found']} not found (an unknown org or generation, or an event past the usage "
+                 "retention: a replay cannot settle those)" if outcomes.get("not_found") else "")
+        raise AdminError(f"{outcomes.get('not_settled', 0)} not settled{found}, {len(unreadable)} unreadable{stopped}: "
+                         "the others are settled; replaying the same lines again settles what it can and changes "
+                         "nothing else")
 
 
 def _read_catalog_file(path: str) -> tuple[str, str | None, Any]:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 from kiln.gateway import UNSETTLED
 from kiln.store import Lease, Ledger, UsageEvent
 from kiln.store.clock import epoch_of
-from kiln.store.errors import is_transient, translate_storage_error
+from kiln.store.errors import NothingHeld, is_transient, translate_storage_error
 
 __all__ = ["lease_of", "replay", "unsettled_events", "unsettled_records"]
 
@@ -94,8 +94,9 @@ class _NoIdentity(ValueError):
 
 
 def _check_identity(event: UsageEvent) -> None:
-    """What names the event and its lease must be text: DynamoDB keys nothing else."""
-    for name in ("gen_id", "org_id", "key_id"):
+    """What names the event and its lease, and when it was made, must be text: DynamoDB keys
+    nothing else, and the event's time is stored as written."""
+    for name in ("gen_id", "org_id", "key_id", "created_at"):
         value = getattr(event, name)
         if not isinstance(value, str) or not value:
             raise _NoIdentity(f"its {name} is {'empty' if value == '' else type(value).__name__}, not a string")
@@ -120,9 +121,10 @@ def lease_of(event: UsageEvent, spend_figure: str | None = None) -> Lease:
 async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent, str | None]],
                  failures: list[str] | None = None) -> Counter:
     """Settle each event (alone, or with the spend figure its lease named); counts of the
-    outcomes ("settled", "replaced_abandoned", "already_settled", "not_settled"). An event
-    that cannot be settled (storage still failing, a cost DynamoDB cannot store) does not stop
-    the others: it is counted, and said in `failures` (its generation id and why) when given."""
+    outcomes ("settled", "replaced_abandoned", "already_settled", "not_found", "not_settled"). An
+    event that cannot be settled (storage still failing, a cost DynamoDB cannot store), or that
+    finds neither its lease nor its event (`not_found`), does not stop the others: it is
+    counted, and said in `failures` (which, its generation id and why) when given."""
     outcomes: Counter = Counter()
     records = list(records)
     storage_down = 0  # events in a row refused because storage still fails
@@ -137,11 +139,16 @@ async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent
             # operator is to be told "already settled"
             outcomes[await ledger.settle(lease, event, request_token=False)] += 1
             storage_down = 0
+        except NothingHeld as exc:  # nothing to settle here: a replay again would find the same
+            outcomes["not_found"] += 1
+            storage_down = 0
+            if failures is not None:
+                failures.append(f"not found: {str(event.gen_id)[:80]}: {exc}")
         except Exception as exc:  # noqa: BLE001 - each event is the operator's to see, the rest go on
             outcomes["not_settled"] += 1
             storage_down = storage_down + 1 if is_transient(translate_storage_error(exc)) else 0
             if failures is not None:
-                failures.append(f"{str(event.gen_id)[:80]}: {str(exc)[:300] or type(exc).__name__}")
+                failures.append(f"not settled: {str(event.gen_id)[:80]}: {str(exc)[:300] or type(exc).__name__}")
     return outcomes
 
 

@@ -510,8 +510,8 @@ def test_an_admission_answered_503_after_a_lost_answer_is_taken_back_once_storag
 def test_a_replay_of_what_was_never_held_is_not_called_settled(stack_factory, tmp_path, capsys):
     """A logged line edited by hand, or from another stack: an unknown generation, an unknown
     org. Neither its lease nor its event is there; the replay said "already settled", and the
-    operator believed it billed. Each is now named as not settled, and a line whose generation
-    id is no string is unreadable (it was sent, and the emulator answered 500 fifty times)."""
+    operator believed it billed. Each is now named as not found, and a line whose generation id
+    or time is no string is unreadable (it was sent, and the emulator answered 500 fifty times)."""
     stack = stack_factory(storage_retry_seconds=0.5)
     org_id, key = stack.org(credits="1")
     mark = len(TELEMETRY.text())
@@ -519,20 +519,32 @@ def test_a_replay_of_what_was_never_held_is_not_called_settled(stack_factory, tm
     logged = stack.post(CHAT, BODY, key)
     stack.faults.clear()
     (line,) = [line for line in TELEMETRY.text()[mark:].splitlines() if "usage_unsettled" in line]
-    unknown_generation, unknown_org, no_id = json.loads(line), json.loads(line), json.loads(line)
+    unknown_generation, unknown_org, no_id, no_time = (json.loads(line) for _ in range(4))
     unknown_generation["message"]["usage"]["gen_id"] = "gen-nowhere"
     unknown_org["message"]["usage"].update(gen_id="gen-elsewhere", org_id="org-nowhere")
     no_id["message"]["usage"]["gen_id"] = None
+    no_time["message"]["usage"]["created_at"] = 123
     exported = tmp_path / "unsettled.log"
-    exported.write_text("\n".join(json.dumps(record) for record in (unknown_generation, unknown_org, no_id))
+    exported.write_text("\n".join(json.dumps(record) for record in (unknown_generation, unknown_org, no_id, no_time))
                         + "\n" + line + "\n")
     lines: list[str] = []
     args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
     assert run_admin(args, settings=stack.settings, out=lines.append) == 1
     err = capsys.readouterr().err
-    assert "not settled: gen-nowhere" in err and "not settled: gen-elsewhere" in err and "line 3" in err, err
-    assert "neither its lease nor its usage event" in err
-    assert lines == ["replayed 3 unsettled usage events: 2 not settled, 1 settled, 1 unreadable"]
+    assert "not found: gen-nowhere" in err and "not found: gen-elsewhere" in err, err
+    assert "line 3: its gen_id is NoneType" in err and "line 4: its created_at is int" in err, err
+    assert "a replay cannot settle those" in err
+    assert lines == ["replayed 3 unsettled usage events: 2 not found, 1 settled, 2 unreadable"]
     (event,) = stack.events(org_id)
     assert event.gen_id == logged.headers["X-Neocloud-Generation-Id"]
+    assert stack.org_info(org_id).credits == Decimal(1) - event.cost
+
+    # settled, then its event expired (the usage retention): replayed again, nothing is billed,
+    # and the operator is told it may be that, not only an unknown generation
+    stack.dynamodb.delete_item(TableName=stack.settings.usage_table, Key={"gen_id": {"S": event.gen_id}})
+    exported.write_text(line + "\n")
+    again: list[str] = []
+    assert run_admin(args, settings=stack.settings, out=again.append) == 1
+    assert "past the usage retention" in capsys.readouterr().err
+    assert again == ["replayed 1 unsettled usage events: 1 not found"]
     assert stack.org_info(org_id).credits == Decimal(1) - event.cost

@@ -23,7 +23,6 @@ from .store.storage import Storage
 __all__ = ["LAST_USED_RESOLUTION_SECONDS", "Authenticator", "Principal"]
 
 log = logging.getLogger("kiln.auth")
-INVALID_KEY = "Incorrect API key provided. Check the key, or ask your organization's administrator for one."
 # A key's last_used_at is written at most this often, off the request path.
 LAST_USED_RESOLUTION_SECONDS = 600
 
@@ -74,10 +73,10 @@ class Authenticator:
     async def authenticate(self, authorization: str | None) -> Principal:
         key_hash = _key_hash(authorization)
         if key_hash is None:
-            raise InvalidApiKey(INVALID_KEY)
+            raise InvalidApiKey()
         principal = await self._principal(key_hash)
         if principal is None or not principal.key_active:
-            raise InvalidApiKey(INVALID_KEY)
+            raise InvalidApiKey()
         if not principal.org_active:
             raise OrganizationDisabled("Your organization is disabled. Contact support.")
         return principal

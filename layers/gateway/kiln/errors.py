@@ -93,6 +93,10 @@ def shortened(text: str) -> str:
     return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS] + "…"
 
 
+# what a missing, malformed, unknown or revoked key is told (auth, and an admission that finds no org)
+INVALID_KEY = "Incorrect API key provided. Check the key, or ask your organization's administrator for one."
+
+
 class GatewayError(Exception):
     status: int = 500
     type: str = "server_error"
@@ -136,6 +140,9 @@ class RequestTimeout(GatewayError):
 
 class InvalidApiKey(GatewayError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+    def __init__(self, message: str = INVALID_KEY) -> None:
+        super().__init__(message)
 
 
 class OrganizationDisabled(GatewayError):

@@ -349,7 +349,7 @@ class Ledger:
         """Why an admission was refused, from the org item as it was: the org's checks first,
         then the key's (contract §2 step 5, §10)."""
         if not old:
-            return InvalidApiKey("Incorrect API key provided.")
+            return InvalidApiKey()
         if old.get(ORG.status, {}).get("S") != "active":
             return OrganizationDisabled("Your organization is disabled. Contact support.")
         if Decimal(old.get(ORG.credits, {}).get("N", "0")) <= 0:
@@ -620,8 +620,9 @@ class Ledger:
         """Release the lease, debit `event.cost`, write the event; retried within the policy.
 
         Returns "settled", "replaced_abandoned" or "already_settled". Raises StorageError
-        only after the retry budget is spent (or UnstorableValue, never sent); the caller
-        must then keep the event (log it). `request_token` (a ClientRequestToken made from
+        only after the retry budget is spent (or UnstorableValue, never sent; or NothingHeld,
+        where neither the lease nor an event of the generation is there); the caller must
+        then keep the event (log it). `request_token` (a ClientRequestToken made from
         the generation id) is for the gateway's own settle; a replay of an event logged
         earlier goes without, to be told "already_settled" rather than DynamoDB's silent
         repeat of a success.
@@ -702,9 +703,9 @@ class Ledger:
         succeeded, not that the event was replaced already."""
         for _ in range(MAX_EVENT_READS):
             found = await self._read_event(event.gen_id)
-            if found is None:  # no lease was reclaimed, nothing settled: it was never held here
-                raise NothingHeld(f"neither its lease nor its usage event is in org {str(event.org_id)[:80]!r}: "
-                                  "an unknown org or generation")
+            if found is None:  # never held here, or settled and its event expired since
+                raise NothingHeld(f"neither a lease nor a usage event of it is in org {str(event.org_id)[:80]!r}: "
+                                  "an unknown org or generation, or an event past the usage retention")
             if found.get(USAGE.status, {}).get("S") != "abandoned":
                 return "already_settled"
             outcome = await self._replace_abandoned(lease, event, found, org, request_token=request_token)
