@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import httpx
 
@@ -42,18 +42,27 @@ def _child(args: list[str]) -> subprocess.Popen:
     # a child goes with its parent, even one killed outright (SIGKILL): none is left running for
     # ever, holding its port, unseen by the next `kiln dev`
     return subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", *args], start_new_session=False,
-                            preexec_fn=_stop_with_the_parent)
+                            preexec_fn=_stopping_with(os.getpid()))
 
 
-def _stop_with_the_parent() -> None:
-    """In the child, before it runs: SIGTERM when the process that started it ends (Linux)."""
+def _stopping_with(parent: int) -> Callable[[], None] | None:
+    """What the child runs before it starts: SIGTERM for it when `parent` ends (Linux's
+    PR_SET_PDEATHSIG, looked up here, not between fork and exec); None where there is none
+    (the parent's own handlers still stop its children)."""
     try:
         import ctypes
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the parent's own handlers still stop it
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    set_parent_death_signal = 1
+
+    def stop_with_the_parent() -> None:
+        prctl(set_parent_death_signal, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent ended before the signal was asked for
+            os._exit(1)
+
+    return stop_with_the_parent
 
 
 def wait_until_up(url: str, what: str, child: subprocess.Popen | None, timeout: float = 30.0, who: str = "kiln dev") -> None:
@@ -191,6 +200,9 @@ def run_dev(
     except KeyboardInterrupt:
         return 0
     finally:
+        # a second Ctrl-C or SIGTERM while the children stop must not cut the clean-up short
+        for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop_signal, signal.SIG_IGN)
         stop_children()
         if written is not None:
             _forget_exports(written)
@@ -253,7 +265,8 @@ def _cannot_listen(host: str, port: int) -> str | None:
 def base_url(host: str, port: int) -> str:
     """Where clients call the gateway served on host:port: a wildcard address is called on
     loopback, and an IPv6 address in brackets, as a URL holds it."""
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    shown = host.removeprefix("[").removesuffix("]")
+    shown = "127.0.0.1" if shown in ("0.0.0.0", "::") else shown
     if ":" in shown:
         shown = f"[{shown}]"
     return f"http://{shown}:{port}/v1"

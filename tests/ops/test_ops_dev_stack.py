@@ -184,7 +184,7 @@ def test_kiln_dev_against_an_aws_endpoint_that_does_not_answer_says_so_in_one_li
 def test_kiln_dev_prints_an_ipv6_host_as_a_url_can_hold_it():
     from kiln_ops.dev import base_url
 
-    assert base_url("::1", 8000) == "http://[::1]:8000/v1"
+    assert base_url("::1", 8000) == base_url("[::1]", 8000) == "http://[::1]:8000/v1"
     assert base_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/v1"
     assert base_url("localhost", 8000) == "http://localhost:8000/v1"
 
@@ -207,3 +207,26 @@ def test_the_stacks_children_go_when_kiln_dev_is_killed(tmp_path):
             time.sleep(0.1)
         assert not _port_open(exports["AWS_ENDPOINT_URL"]), how
         assert not _port_open(exports["KILN_UPSTREAM_URL"]), how
+
+
+def test_a_second_stop_signal_while_the_children_stop_does_not_cut_the_clean_up_short(tmp_path):
+    """Children slow to stop (here: each takes 2 s on SIGTERM), and a second SIGTERM meanwhile:
+    it ended `kiln dev` in the middle of its clean-up, its exports file left behind."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, signal, time\n"
+        "if b'emulator' in open('/proc/self/cmdline', 'rb').read() or "
+        "b'mock-upstream' in open('/proc/self/cmdline', 'rb').read():\n"
+        "    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), os._exit(0)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    process = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(free_port())],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env)
+    assert read_exports(process.stdout), "kiln dev did not start"
+    assert (tmp_path / ".kiln" / "dev.env").exists()
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the children are stopping
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 0
+    assert not (tmp_path / ".kiln" / "dev.env").exists()
