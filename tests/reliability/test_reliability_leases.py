@@ -7,11 +7,14 @@ records what the request has relayed so far (what an `abandoned` event would bil
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
 import time
 from decimal import Decimal
+
+import httpx
 
 from support import LedgerCheck, catalog_for_tests, data_events, wait_for_events
 
@@ -303,3 +306,33 @@ def _org_writes_throttled_for_all(stack, start: float, seconds: float) -> None:
     t0 = time.monotonic()
     stack.faults.fail("UpdateItem", when=lambda payload: "#exp" in str(payload)
                       and start <= time.monotonic() - t0 < start + seconds)
+
+
+def test_a_stream_whose_start_is_held_when_its_lease_is_lost_says_so(stack_factory, mock, monkeypatch):
+    """The response's start held (writing paused: a pipelined client that has not read its
+    earlier answer) when the lease is lost: the stream's body never ran, and it was settled as
+    a client that left before the stream began. It says what happened."""
+    from kiln import responses
+
+    send_body = responses.RelayResponse._send_body
+
+    async def held(self, send):
+        async def paused(message):
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(4)  # the transport's writing paused
+            await send(message)
+        await send_body(self, paused)
+
+    monkeypatch.setattr(responses.RelayResponse, "_send_body", held)
+    stack = stack_factory(**SCALED)
+    org_id, key = stack.org(concurrency=1)
+    _org_writes_throttled(stack, org_id, start=0.2, seconds=4.0)
+    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "mock": {"token_delay_ms": 100, "tokens": 60}}
+    try:
+        stack.post(CHAT, body, key)
+    except httpx.HTTPError:  # the stream is closed before it began
+        pass
+    (event,) = wait_for_events(stack, org_id, 1, timeout=14)
+    stack.faults.clear()
+    assert (event.status, event.error) == ("gateway_error", "its lease could not be kept: storage unavailable")

@@ -135,12 +135,15 @@ def test_renewals_stop_at_their_limit_and_the_lease_is_left_to_expire():
 
     async def main():
         ledger = FakeLedger()
-        keeper = LeaseKeeper(ledger, LEASE, max_seconds=0.05)
+        told: list[str] = []
+        keeper = LeaseKeeper(ledger, LEASE, max_seconds=0.05, on_lost=lambda: told.append("stop"))
         keeper.start()
         await asyncio.sleep(0.3)
         renewed = len(ledger.renewed)
         await asyncio.sleep(0.1)
         assert 1 <= renewed == len(ledger.renewed)  # it renewed, then stopped by itself
+        # and a request still running all the same is told to stop: it would outlive its lease
+        assert told == ["stop"] and keeper.lost
         await keeper.stop()
 
     asyncio.run(main())

@@ -57,6 +57,8 @@ INVALID_ANSWER = "Bad gateway: the model backend returned an invalid response."
 LEASE_NOT_KEPT = "its lease could not be kept: storage unavailable"  # what its usage event says
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
+# a stream's last event, by how it ended (any other: the model server's failure)
+_CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST}
 
 
 class _LeaseLost(Exception):
@@ -87,9 +89,9 @@ class Exchange:
                                    max_seconds=call.model.timeouts.total + gateway.ledger.lease_ttl)
         self._settled = False
         gateway.unsettled += 1  # until its settle ends (the gateway's close waits for it)
-        # what a lost lease stops: the task waiting for the model server (every way out of
-        # `respond` but a stream's settles first, and a settled request is not cancelled), then
-        # the stream's response (kiln.responses.RelayResponse.interrupt)
+        # what a lost lease stops: the task waiting for the model server, until `respond` hands
+        # a stream's response over (every other way out of it settles first, and a settled
+        # request is stopped no more), then that response (kiln.responses.RelayResponse.interrupt)
         self._worker: asyncio.Task | None = None
         self._response: RelayResponse | None = None
         self._lease_gone = False
@@ -153,11 +155,17 @@ class Exchange:
             self._response.interrupt()
 
     async def _never_relayed(self) -> None:
-        """The stream's response ended before its body ran (the client left first): settle it."""
+        """The stream's response ended before its body ran (the client left first, or its lease
+        was lost while the response's start waited on a client that does not read): settle it."""
         if self._settled:
             return
         if self._upstream is not None:
             await self._upstream.aclose()
+        if self._lease_gone:
+            usage = self._fallback_usage(0)
+            await self._settle("gateway_error", http_status=None, usage=usage, cost=self._price(usage),
+                               error=LEASE_NOT_KEPT)
+            return
         await self._settle_left("the client left before the stream began")
 
     # -- the ways an exchange ends ---------------------------------------------------------
@@ -196,9 +204,10 @@ class Exchange:
         await self._settle("client_disconnected", http_status=None, usage=usage, cost=self._price(usage), error=error)
 
     async def _crashed(self, exc: BaseException) -> Response:
-        if isinstance(exc, asyncio.CancelledError) and self._lease_gone and self._lease_lost_cancel_only():
-            return await self._stopped_for_its_lease()
-        if isinstance(exc, asyncio.CancelledError):  # the server is stopping, or the client left
+        if isinstance(exc, asyncio.CancelledError):
+            if self._cancelled_for_the_lease():
+                return await self._stopped_for_its_lease()
+            # the server is stopping, or the client left
             await self._settle("client_disconnected", http_status=None, error="cancelled before the answer was sent")
             raise exc
         log.exception("request %s failed inside the gateway", self.gen_id, exc_info=exc)
@@ -208,8 +217,11 @@ class Exchange:
             raise exc
         return error_response(InternalError("The gateway failed to process the request."), self.gen_id)
 
-    def _lease_lost_cancel_only(self) -> bool:
-        """Whether the cancellation this task got is the lost lease's alone (taken back if so)."""
+    def _cancelled_for_the_lease(self) -> bool:
+        """Whether the cancellation this task got is the lost lease's, and no other's. It is
+        then taken back (`uncancel`): the task goes on, to end the request as it should."""
+        if not self._lease_gone:
+            return False
         task = asyncio.current_task()
         return task is not None and task.uncancel() == 0
 
@@ -383,7 +395,7 @@ class Exchange:
         except _LeaseLost:  # storage's failure, not the model server's: its health is not told
             status, failure = "lease_lost", LEASE_NOT_KEPT
         except asyncio.CancelledError:
-            if not (self._lease_gone and self._lease_lost_cancel_only()):
+            if not self._cancelled_for_the_lease():
                 await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
                 raise
             status, failure = "lease_lost", LEASE_NOT_KEPT
@@ -439,8 +451,6 @@ class Exchange:
             return b""
         return self.call.api.stream_error(_CUT_MESSAGES.get(status, STREAM_CUT), relay)
 
-
-_CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST}  # else: the model server's failure
 
 
 def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:

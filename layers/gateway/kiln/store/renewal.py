@@ -54,7 +54,7 @@ class LeaseKeeper:
         self._on_lost = on_lost
         self._interval = renew_seconds if renew_seconds is not None else ledger.renew_seconds
         # a safety net: no request runs longer than its model allows, so a keeper still running
-        # past that belongs to a request whose end was never seen; its lease then simply expires
+        # past that belongs to a request whose end was never seen; its lease then expires
         self._until = time.monotonic() + max_seconds if max_seconds is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # waiting for the next renewal
@@ -114,8 +114,9 @@ class LeaseKeeper:
         """The timer fired: a renewal is due (unless the keeper has run past its limit)."""
         self._timer = None
         if self._until is not None and time.monotonic() > self._until:
-            log.warning(json.dumps({"event": "lease_renewal_limit", "gen_id": self._lease.gen_id}))
-            self._over = True
+            # a request whose end was never seen: its lease is left to expire, and the request,
+            # should it run all the same, is told to stop like one whose lease is lost
+            self._lose("lease_renewal_limit")
             return
         assert self._loop is not None
         if self._last_chance is None:
