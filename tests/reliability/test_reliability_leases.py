@@ -151,33 +151,41 @@ def _others_while(stack, ledger, key: str, org_id: str, running: threading.Threa
     return statuses
 
 
+def _through_an_outage(stack, mock, stream: bool, options: dict, seconds: float = 2.5):
+    """An org limited to one sends a request (the mock's `options`) while its item's writes are
+    throttled from 0.5 s on for `seconds`, and another request every 0.15 s: the answer, its
+    usage event and the others' statuses, once the ledger adds up. The org never had two
+    requests at the model server."""
+    org_id, key = stack.org(concurrency=1)
+    ledger = LedgerCheck(stack, org_id)
+    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": stream,
+            "mock": {**options, "tag": org_id}}
+    _org_writes_throttled(stack, org_id, start=0.5, seconds=seconds)
+    answers: list = []
+    running = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, body, key))))
+    running.start()
+    statuses = _others_while(stack, ledger, key, org_id, running)
+    running.join(timeout=20)
+    stack.faults.clear()
+    assert mock.stats["max_in_flight_by_tag"][org_id] == 1, "the org went over its limit at the model server"
+    (answer,) = answers
+    events = ledger.check(timeout=10)
+    (event,) = [event for event in events if event.gen_id == answer.headers["x-neocloud-generation-id"]]
+    assert stack.org_info(org_id).in_flight == 0
+    return answer, event, statuses
+
+
 def test_a_stream_whose_lease_cannot_be_kept_stops_before_its_org_goes_over_its_limit(stack_factory, mock):
     """§4: a lease is never reclaimed while its request runs, and §2: the org's limit. With its
     org's item throttled for longer than a lease lives, the stream's renewals could not land: its
     lease expired, the first admission after the outage reclaimed it as `abandoned`, and the
     stream ran on without a slot, a second request of an org limited to one at the model server.
     The stream now stops before its lease expires, with the §5 error event, billed what it relayed."""
-    stack = stack_factory(**SCALED)
-    org_id, key = stack.org(concurrency=1)
-    ledger = LedgerCheck(stack, org_id)
-    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
-            "mock": {"token_delay_ms": 250, "tokens": 30, "tag": org_id}}
-    _org_writes_throttled(stack, org_id, start=0.5, seconds=2.5)
-    answers: list = []
-    streaming = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, body, key))))
-    streaming.start()
-    _others_while(stack, ledger, key, org_id, streaming)
-    streaming.join(timeout=20)
-    stack.faults.clear()
-    assert mock.stats["max_in_flight_by_tag"][org_id] == 1, "the org went over its limit at the model server"
-    (answer,) = answers
+    answer, stopped, _ = _through_an_outage(stack_factory(**SCALED), mock, True, {"token_delay_ms": 250, "tokens": 30})
     last = data_events(answer.text)[-1]
     assert answer.status_code == 200 and last != "[DONE]"
     assert "concurrency slot" in last["error"]["message"]
-    events = ledger.check(timeout=10)
-    (stopped,) = [event for event in events if event.gen_id == answer.headers["x-neocloud-generation-id"]]
     assert stopped.status == "gateway_error" and stopped.completion_tokens > 0 and stopped.cost > 0
-    assert stack.org_info(org_id).in_flight == 0
 
 
 def test_a_stream_waiting_on_a_silent_model_server_is_stopped_in_its_wait(stack_factory, mock):
@@ -185,45 +193,16 @@ def test_a_stream_waiting_on_a_silent_model_server_is_stopped_in_its_wait(stack_
     keep-alive interval longer than the outage: the relay is stopped in its wait, not at its
     next piece, and the org never has a second request at the model server."""
     stack = stack_factory(**SCALED, keepalive_seconds=30.0)
-    org_id, key = stack.org(concurrency=1)
-    ledger = LedgerCheck(stack, org_id)
-    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
-            "mock": {"ttft_ms": 8000, "tag": org_id}}
-    _org_writes_throttled(stack, org_id, start=0.5, seconds=2.5)
-    answers: list = []
-    streaming = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, body, key))))
-    streaming.start()
-    _others_while(stack, ledger, key, org_id, streaming)
-    streaming.join(timeout=20)
-    stack.faults.clear()
-    assert mock.stats["max_in_flight_by_tag"][org_id] == 1, "the org went over its limit at the model server"
-    (answer,) = answers
+    answer, stopped, _ = _through_an_outage(stack, mock, True, {"ttft_ms": 8000})
     assert "concurrency slot" in data_events(answer.text)[-1]["error"]["message"]
-    events = ledger.check(timeout=10)
-    (stopped,) = [event for event in events if event.gen_id == answer.headers["x-neocloud-generation-id"]]
     assert stopped.status == "gateway_error" and stopped.duration_ms < 3000
 
 
 def test_a_buffered_request_whose_lease_cannot_be_kept_is_answered_503(stack_factory, mock):
     """The same outage while a buffered request waits for its whole answer: it is stopped (its
     request to the model server closed) and answered 503 `storage_unavailable`, billed its prompt."""
-    stack = stack_factory(**SCALED)
-    org_id, key = stack.org(concurrency=1)
-    ledger = LedgerCheck(stack, org_id)
-    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}],
-            "mock": {"headers_delay_ms": 7000, "tag": org_id}}
-    _org_writes_throttled(stack, org_id, start=0.5, seconds=2.5)
-    answers: list = []
-    waiting = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, body, key))))
-    waiting.start()
-    _others_while(stack, ledger, key, org_id, waiting)
-    waiting.join(timeout=20)
-    stack.faults.clear()
-    assert mock.stats["max_in_flight_by_tag"][org_id] == 1, "the org went over its limit at the model server"
-    (answer,) = answers
+    answer, stopped, _ = _through_an_outage(stack_factory(**SCALED), mock, False, {"headers_delay_ms": 7000})
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "storage_unavailable"
-    events = ledger.check(timeout=10)
-    (stopped,) = [event for event in events if event.gen_id == answer.headers["x-neocloud-generation-id"]]
     assert stopped.status == "gateway_error" and stopped.http_status == 503 and stopped.prompt_tokens > 0
 
 
@@ -231,24 +210,10 @@ def test_renewals_failing_for_less_than_a_lease_lives_keep_the_stream(stack_fact
     """An outage of the org's writes shorter than a lease's life (1.2 s: 36 s at full scale) from
     the first renewal on: the renewals, tried again sooner after a failure, keep the lease; the
     stream ends with [DONE] and the org's other requests are refused all along."""
-    stack = stack_factory(**SCALED)
-    org_id, key = stack.org(concurrency=1)
-    ledger = LedgerCheck(stack, org_id)
-    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
-            "mock": {"token_delay_ms": 250, "tokens": 16, "tag": org_id}}
-    _org_writes_throttled(stack, org_id, start=0.5, seconds=1.2)
-    answers: list = []
-    streaming = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, body, key))))
-    streaming.start()
-    statuses = _others_while(stack, ledger, key, org_id, streaming)
-    streaming.join(timeout=20)
-    stack.faults.clear()
-    (answer,) = answers
-    assert data_events(answer.text)[-1] == "[DONE]"
+    answer, event, statuses = _through_an_outage(stack_factory(**SCALED), mock, True,
+                                                 {"token_delay_ms": 250, "tokens": 16}, seconds=1.2)
+    assert data_events(answer.text)[-1] == "[DONE]" and event.status == "success"
     assert set(statuses[:-1]) <= {429, 503}, statuses  # the last may be sent after the stream's settle
-    assert mock.stats["max_in_flight_by_tag"][org_id] == 1
-    events = ledger.check(timeout=10)
-    assert [event.status for event in events if event.gen_id == answer.headers["x-neocloud-generation-id"]] == ["success"]
 
 
 def test_streams_stopped_for_their_leases_take_no_model_server_out_of_service(stack_factory, mock):

@@ -69,14 +69,7 @@ def test_a_server_that_stops_with_a_settle_in_flight_finishes_it_before_closing(
     nothing). Closing the gateway now waits for the settles in flight (§4: settled on every path)."""
     stack = stack_factory()
     faults = StorageFaults()
-    settings = stack.settings
-
-    def owned_gateway() -> Gateway:
-        http = FaultInjectingHttp(faults)
-        return Gateway(settings, aws=AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=http))
-
-    # the app makes its gateway and closes it at the server's lifespan shutdown, as a function does
-    server = ServerThread(combined_app(owned_gateway, observer()), timeout_graceful_shutdown=0.2).start()
+    server = _server_owning_its_gateway(stack, faults)
     org_id, key = stack.org()
     held = faults.slow("TransactWriteItems", 1.0, when=involves_org(org_id), times=1)  # the settle
     body = {"model": "gpt-oss-120b", "messages": [{"role": "user", "content": "x"}], "stream": stream}
@@ -101,13 +94,7 @@ def test_a_request_still_waiting_when_the_server_stops_is_settled_before_it_clos
     for every request admitted to settle."""
     stack = stack_factory()
     faults = StorageFaults()
-    settings = stack.settings
-
-    def owned_gateway() -> Gateway:
-        http = FaultInjectingHttp(faults)
-        return Gateway(settings, aws=AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=http))
-
-    server = ServerThread(combined_app(owned_gateway, observer()), timeout_graceful_shutdown=0.2).start()
+    server = _server_owning_its_gateway(stack, faults)
     org_id, key = stack.org()
     faults.slow("TransactWriteItems", 1.0, when=involves_org(org_id), times=1)  # its settle, once it begins
     waiting = {"token_delay_ms": 300, "tokens": 40} if stream else {"headers_delay_ms": 8000}
@@ -156,6 +143,18 @@ def test_a_settle_cancelled_all_the_same_leaves_its_event_in_the_log(stack_facto
     (line,) = [json.loads(line) for line in TELEMETRY.text()[mark:].splitlines() if UNSETTLED in line]
     usage = line["message"]["usage"]  # Powertools puts the record's JSON under "message"
     assert usage["gen_id"] == gen_id and usage["cost"] == "0.000001"
+
+
+def _server_owning_its_gateway(stack, faults: StorageFaults) -> ServerThread:
+    """A server whose app makes its gateway (its storage calls through `faults`) and closes it at
+    the server's lifespan shutdown, as a function does; it gives its requests 0.2 s to end."""
+    settings = stack.settings
+
+    def owned_gateway() -> Gateway:
+        http = FaultInjectingHttp(faults)
+        return Gateway(settings, aws=AwsClient(region=settings.region, endpoint_url=settings.aws_endpoint_url, http=http))
+
+    return ServerThread(combined_app(owned_gateway, observer()), timeout_graceful_shutdown=0.2).start()
 
 
 def _post_ignoring_a_cut(url: str, key: str, body: dict) -> None:
