@@ -223,13 +223,16 @@ class MockUpstream:
             stats.leave(options.tag)
 
     async def _headers_delayed(self, options: MockOptions, receive: Any) -> bool:
-        """Wait `headers_delay_ms`; False if the client left meanwhile (counted, as vLLM
-        aborts a request whose client has gone)."""
-        if not options.headers_delay_ms:
+        return await self._waited(options.headers_delay_ms, receive)
+
+    async def _waited(self, milliseconds: float, receive: Any) -> bool:
+        """Wait; False if the client left meanwhile (counted, as vLLM aborts a request whose
+        client has gone: it is in flight no longer)."""
+        if not milliseconds:
             return True
         async with _disconnect_watch(receive) as gone:
             try:
-                await asyncio.wait_for(gone.wait(), options.headers_delay_ms / 1000)
+                await asyncio.wait_for(gone.wait(), milliseconds / 1000)
             except asyncio.TimeoutError:
                 return True
         self.stats.disconnects += 1
@@ -239,7 +242,9 @@ class MockUpstream:
         if not await self._headers_delayed(options, receive):
             return
         if options.header_bytes or options.body_bytes or options.event_bytes or options.endless:
-            return await _hostile(options, receive, send)
+            if await _hostile(options, receive, send):
+                self.stats.disconnects += 1
+            return
         if options.status is not None and options.status >= 400:
             if options.plain_text:
                 return await _send_text(send, options.status, options.message or "Internal Server Error")
@@ -257,10 +262,8 @@ class MockUpstream:
             return await _send_json(send, 400, _error("Invalid request: a field has the wrong type", 400))
         if body.get("stream") is True:
             return await self._stream(reply, body, options, receive, send)
-        if options.ttft_ms:
-            await asyncio.sleep(options.ttft_ms / 1000)
-        if options.token_delay_ms:
-            await asyncio.sleep(options.token_delay_ms * reply.length / 1000)
+        if not await self._waited(options.ttft_ms + options.token_delay_ms * reply.length, receive):
+            return
         answer = reply.buffered()
         if options.no_usage:
             answer.pop("usage")
@@ -312,8 +315,8 @@ class MockUpstream:
             return await _send_json(send, 400, _error("Invalid request: a field has the wrong type", 400))
         if body.get("stream") is True:
             return await self._stream_events(reply.events(), b"", options, receive, send)
-        if options.ttft_ms:
-            await asyncio.sleep(options.ttft_ms / 1000)
+        if not await self._waited(options.ttft_ms, receive):
+            return
         self.stats.completed += 1
         await _send_json(send, 200, reply.response("completed"))
 
@@ -508,8 +511,9 @@ async def _send_text(send: Any, status: int, text: str) -> None:
     await send({"type": "http.response.body", "body": text.encode()})
 
 
-async def _hostile(options: MockOptions, receive: Any, send: Any) -> None:
-    """A model server that sends without end or bound; it stops once the client has left."""
+async def _hostile(options: MockOptions, receive: Any, send: Any) -> bool:
+    """A model server that sends without end or bound; it stops once the client has left
+    (True then)."""
     stream = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
     async with _disconnect_watch(receive) as gone:
         if options.header_bytes:
@@ -531,9 +535,13 @@ async def _hostile(options: MockOptions, receive: Any, send: Any) -> None:
                             "choices": [{"index": 0, "delta": {"content": "more"}, "finish_reason": None}]})
             while not gone.is_set():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await asyncio.sleep(options.token_delay_ms / 1000)
+                try:  # the client's leaving ends the wait
+                    await asyncio.wait_for(gone.wait(), options.token_delay_ms / 1000)
+                except asyncio.TimeoutError:
+                    pass
         if not gone.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return gone.is_set()
 
 
 @asynccontextmanager

@@ -318,6 +318,22 @@ def test_headers_delay_holds_back_even_the_status(api, mock):
     assert response.status_code == 200 and time.monotonic() - start >= 0.2
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/chat/completions", chat(mock={"ttft_ms": 3000})),
+    ("/chat/completions", chat(mock={"token_delay_ms": 1000})),
+    ("/responses", {"model": "m", "input": "x", "mock": {"ttft_ms": 3000}}),
+    ("/chat/completions", chat(stream=True, mock={"endless": True, "token_delay_ms": 3000})),
+])
+def test_a_client_gone_during_a_wait_ends_the_request_there(api, mock, path, body):
+    """A buffered answer's wait before its tokens, and an endless stream's between them, went on
+    after the client had left: the request stayed in flight for the whole wait, more than a
+    gateway that had closed it had at the model server, as vLLM, which aborts it, never is."""
+    with pytest.raises(httpx.ReadTimeout):
+        api.post(path, json=body, timeout=0.3)
+    seen = mock.wait_for(lambda s: s["in_flight"] == 0, timeout=1.5)  # well before the wait's end
+    assert seen["disconnects"] == 1 and seen["completed"] == 0
+
+
 def test_ttft_sends_the_headers_at_once_and_the_first_token_late(api):
     with api.stream("POST", "/chat/completions", json=chat(stream=True, mock={"ttft_ms": 400})) as response:
         assert response.status_code == 200  # the headers are in…
@@ -528,10 +544,11 @@ def test_stats_count_a_client_that_disconnects_mid_stream(api, mock, root):
 
 
 def test_reset_while_a_request_is_in_flight_never_counts_below_zero(api, root, mock):
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up; the mock keeps the request 300 ms
-        api.post("/chat/completions", json=chat(mock={"ttft_ms": 300}), timeout=0.05)
-    assert stats(root)["in_flight"] == 1
+    waiting = threading.Thread(target=lambda: api.post("/chat/completions", json=chat(mock={"ttft_ms": 300})))
+    waiting.start()  # its client waits for the answer, 300 ms away
+    mock.wait_for(lambda s: s["in_flight"] == 1, timeout=3)
     httpx.post(f"{root}/mock/reset", timeout=10)
+    waiting.join(timeout=5)
     mock.wait_for(lambda s: s["completed"] == 1, timeout=3)  # the stale request finished…
     time.sleep(0.05)  # …and left `_answer` (in_flight is decremented right after the last send)
     assert stats(root)["in_flight"] >= 0
