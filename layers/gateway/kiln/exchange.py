@@ -162,9 +162,7 @@ class Exchange:
         if self._upstream is not None:
             await self._upstream.aclose()
         if self._lease_gone:
-            usage = self._fallback_usage(0)
-            await self._settle("gateway_error", http_status=None, usage=usage, cost=self._price(usage),
-                               error=LEASE_NOT_KEPT)
+            await self._settle_unanswered("gateway_error", http_status=None, error=LEASE_NOT_KEPT)
             return
         await self._settle_left("the client left before the stream began")
 
@@ -194,14 +192,20 @@ class Exchange:
         return Response(status_code=499)  # goes nowhere: the connection is closed
 
     async def _settle_left(self, error: str) -> None:
-        """A client gone before anything was relayed: billed as a stream it left is, for what
-        was relayed (nothing) and the prompt, if a model server was sent it (none was, for a
-        client that left before the request went upstream)."""
+        """A client gone before anything was relayed: billed as a stream it left is."""
+        await self._settle_unanswered("client_disconnected", http_status=None, error=error,
+                                      unsent=error + ", before it was sent")
+
+    async def _settle_unanswered(self, status: str, *, http_status: int | None, error: str,
+                                 unsent: str | None = None) -> None:
+        """A request ended before anything was relayed: billed for what was relayed (nothing)
+        and the prompt, if a model server was sent it (none was, for one that ended before the
+        request went upstream: `unsent` is then its error, if given)."""
         if not self._sent_to:
-            await self._settle("client_disconnected", http_status=None, error=error + ", before it was sent")
+            await self._settle(status, http_status=http_status, error=unsent or error)
             return
         usage = self._fallback_usage(0)
-        await self._settle("client_disconnected", http_status=None, usage=usage, cost=self._price(usage), error=error)
+        await self._settle(status, http_status=http_status, usage=usage, cost=self._price(usage), error=error)
 
     async def _crashed(self, exc: BaseException) -> Response:
         if isinstance(exc, asyncio.CancelledError):
@@ -230,12 +234,7 @@ class Exchange:
         was sent it (as a client that leaves is)."""
         error = StorageUnavailable(SLOT_LOST)
         self.record.error_code = error.code
-        if self._sent_to:
-            usage = self._fallback_usage(0)
-            await self._settle("gateway_error", http_status=error.status, usage=usage, cost=self._price(usage),
-                               error=LEASE_NOT_KEPT)
-        else:
-            await self._settle("gateway_error", http_status=error.status, error=LEASE_NOT_KEPT)
+        await self._settle_unanswered("gateway_error", http_status=error.status, error=LEASE_NOT_KEPT)
         return error_response(error, self.gen_id)
 
     async def _settle(
@@ -450,7 +449,6 @@ class Exchange:
         if status == "client_disconnected":
             return b""
         return self.call.api.stream_error(_CUT_MESSAGES.get(status, STREAM_CUT), relay)
-
 
 
 def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
