@@ -200,14 +200,19 @@ def parse_rfc3339(text: str) -> datetime | None:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
+def _each_once(query: Any, *names: str) -> None:
+    """400 for a query parameter given twice: a proxy that reads the first of two would see
+    another request than the one answered."""
+    for name in names:
+        if len(query.getlist(name)) > 1:
+            raise InvalidValue(f"{name} may be given once.", param=name)
+
+
 def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
     """`since`, `until` and `group_by` of a usage request, with their defaults: until now, since
     30 days before `until`, by day. The span is half-open and at most 93 days long; its ends are
-    read to the millisecond, as events store time. Each parameter may be given once: a proxy
-    that reads the first of two would see another request than the one answered."""
-    for name in ("since", "until", "group_by"):
-        if len(query.getlist(name)) > 1:
-            raise InvalidValue(f"{name} may be given once.", param=name)
+    read to the millisecond, as events store time. Each parameter may be given once."""
+    _each_once(query, "since", "until", "group_by")
     moments: dict[str, datetime | None] = {}
     for name in ("since", "until"):
         text = query.get(name)
@@ -288,9 +293,7 @@ MAX_KEYS_PAGE = 100
 def keys_page(query: Any) -> tuple[int, str | None]:
     """`limit` (1 to 100, default 100) and `after` (the id of the last key of the page before),
     as OpenAI's list endpoints take them."""
-    for name in ("limit", "after"):
-        if len(query.getlist(name)) > 1:
-            raise InvalidValue(f"{name} may be given once.", param=name)
+    _each_once(query, "limit", "after")
     text = query.get("limit")
     limit = MAX_KEYS_PAGE
     if text is not None:
