@@ -222,24 +222,20 @@ class MockUpstream:
         finally:
             stats.leave(options.tag)
 
-    async def _headers_delayed(self, options: MockOptions, receive: Any) -> bool:
-        return await self._waited(options.headers_delay_ms, receive)
-
     async def _waited(self, milliseconds: float, receive: Any) -> bool:
         """Wait; False if the client left meanwhile (counted, as vLLM aborts a request whose
         client has gone: it is in flight no longer)."""
         if not milliseconds:
             return True
         async with _disconnect_watch(receive) as gone:
-            try:
-                await asyncio.wait_for(gone.wait(), milliseconds / 1000)
-            except asyncio.TimeoutError:
-                return True
+            await _unless_gone(gone, milliseconds)
+        if not gone.is_set():
+            return True
         self.stats.disconnects += 1
         return False
 
     async def _answer(self, chat: bool, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
-        if not await self._headers_delayed(options, receive):
+        if not await self._waited(options.headers_delay_ms, receive):
             return
         if options.header_bytes or options.body_bytes or options.event_bytes or options.endless:
             if await _hostile(options, receive, send):
@@ -297,7 +293,7 @@ class MockUpstream:
 
     async def _respond(self, body: dict, options: MockOptions, receive: Any, send: Any) -> None:
         """POST /v1/responses, as vLLM serves it (kiln_ops.mock_responses)."""
-        if not await self._headers_delayed(options, receive):
+        if not await self._waited(options.headers_delay_ms, receive):
             return
         if options.status is not None and options.status >= 400:
             if options.plain_text:
@@ -341,10 +337,7 @@ class MockUpstream:
             for index, event in enumerate(events):
                 delay = options.ttft_ms if index == 0 else options.token_delay_ms
                 if delay:
-                    try:
-                        await asyncio.wait_for(gone.wait(), delay / 1000)
-                    except asyncio.TimeoutError:
-                        pass
+                    await _unless_gone(gone, delay)
                 if gone.is_set():
                     self.stats.disconnects += 1
                     return
@@ -535,13 +528,18 @@ async def _hostile(options: MockOptions, receive: Any, send: Any) -> bool:
                             "choices": [{"index": 0, "delta": {"content": "more"}, "finish_reason": None}]})
             while not gone.is_set():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                try:  # the client's leaving ends the wait
-                    await asyncio.wait_for(gone.wait(), options.token_delay_ms / 1000)
-                except asyncio.TimeoutError:
-                    pass
+                await _unless_gone(gone, options.token_delay_ms)
         if not gone.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return gone.is_set()
+
+
+async def _unless_gone(gone: asyncio.Event, milliseconds: float) -> None:
+    """Wait `milliseconds`, or until the client has gone (`gone`, of _disconnect_watch)."""
+    try:
+        await asyncio.wait_for(gone.wait(), milliseconds / 1000)
+    except asyncio.TimeoutError:
+        pass
 
 
 @asynccontextmanager
