@@ -101,6 +101,9 @@ def run_dev(
     aws_endpoint_url: str | None,
     faults: Any = None,
 ) -> int:
+    from botocore.exceptions import BotoCoreError, ClientError
+    from pynamodb.exceptions import PynamoDBException
+
     from kiln.settings import Settings, SettingsError
 
     from .provision import aws_clients, provision
@@ -161,7 +164,7 @@ def run_dev(
             for line in created:
                 print(f"kiln dev: {line}", file=sys.stderr)
             secret, management = _demo_keys(settings)
-        except _AWS_FAILURES as exc:
+        except (BotoCoreError, ClientError, PynamoDBException) as exc:  # an endpoint that cannot be used
             raise SystemExit(f"kiln dev: the AWS endpoint {aws_endpoint_url} could not be used: "
                              f"{str(exc) or type(exc).__name__}") from None
 
@@ -206,17 +209,6 @@ def run_dev(
         stop_children()
         if written is not None:
             _forget_exports(written)
-
-
-def _aws_failures() -> tuple[type[BaseException], ...]:
-    """What a DynamoDB/SSM endpoint that cannot be used raises, through botocore or pynamodb."""
-    from botocore.exceptions import BotoCoreError, ClientError
-    from pynamodb.exceptions import PynamoDBException
-
-    return BotoCoreError, ClientError, PynamoDBException
-
-
-_AWS_FAILURES = _aws_failures()
 
 
 def local_catalog(path: Path, upstream_url: str) -> str:
