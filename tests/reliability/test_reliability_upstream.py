@@ -518,6 +518,43 @@ def test_a_shared_backend_taken_out_as_unreachable_leaves_the_model_it_is_the_la
     ledger.check()
 
 
+def test_a_shared_backend_out_for_first_byte_timeouts_is_still_tried_for_a_model_it_is_the_last_of(
+        stack_factory, mock):
+    """§5: 503 `no_backend_available` is for a model whose every backend is unreachable
+    (refused, TLS, connect timeout). A backend whose streams time out before their first byte
+    answers its connections: taken out as pair-model's, it is still tried for solo-model,
+    whose only backend it is, and serves it."""
+    answer = json.dumps({"id": "x", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+    def streams_hang(conn: socket.socket, body: bytes) -> None:
+        if json.loads(body).get("stream"):
+            time.sleep(1.5)  # past the first byte's bound
+            return
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer)
+
+    upstream = RawUpstream(streams_hang)
+    try:
+        timeouts = {"connect": 1, "first_byte": 0.3, "idle": 5, "total": 10}
+        pair = model("pair-model", [{"name": "slow", "url": upstream.url}, {"name": "b", "url": mock.url}],
+                     timeouts=timeouts)
+        solo = model("solo-model", [{"name": "slow", "url": upstream.url}], timeouts=timeouts)
+        stack, changes = production_health(stack_factory, mock, pair, solo, backend_cooldown_seconds=60)
+        org_id, key = stack.org()
+        ledger = LedgerCheck(stack, org_id)
+        for i in range(3):  # no first byte in time from slow each time, served by b
+            body = {"model": "pair-model", "stream": True, "messages": [{"role": "user", "content": f"hi {i}"}]}
+            assert ledger.saw(stack.post(CHAT, body, key)).status_code == 200
+        assert ("pair-model", "slow", "out_of_service") in changes
+        response = ledger.saw(stack.post(CHAT, {"model": "solo-model", "messages": MESSAGES}, key))
+        assert response.status_code == 200, (response.status_code, response.text)
+        ledger.check()
+    finally:
+        upstream.close()
+
+
 @pytest.mark.parametrize("bad_url", ["http://a..b.example.com/v1", "http://ex\u0000ample.com/v1",
                                      "http://127.0.0.1:9/\u30e2\u30c7\u30eb"])
 def test_a_backend_url_no_request_can_be_sent_to_fails_over_not_500(stack_factory, mock, bad_url):

@@ -218,6 +218,24 @@ def test_every_backend_out_of_service_as_unreachable_means_none_is_tried():
     assert h.candidates("n", (A,)) == ([A], False)
 
 
+def test_a_shared_backend_out_for_failures_that_reached_it_is_still_tried_for_a_model_it_is_the_last_of():
+    """§5: 503 no_backend_available only when every backend is unreachable (refused, TLS, connect
+    timeout). A backend taken out as m's for resets and first-byte timeouts answers its
+    connections: for n, whose only backend it is, every request tries it (a panic), and gets 502 if
+    it fails; a streak mixing refusals with such failures does not make it unreachable either."""
+    for kinds in ((False, False, False), (True, False, True)):
+        h, _, _ = health(failure_threshold=3)
+        for unreachable in kinds:
+            h.transport_failed("m", A, PAIR, unreachable=unreachable)
+        assert h.state_of(A) == OUT_OF_SERVICE
+        assert h.candidates("n", (A,)) == ([A], True), kinds
+    h, clock, _ = health(failure_threshold=1, cooldown=10)
+    h.transport_failed("m", A, PAIR, unreachable=False)
+    clock.now += 10
+    h.transport_failed("m", A, PAIR, probe=h.claim(A))  # its probe refused: unreachable now
+    assert h.candidates("n", (A,)) == ([], True)
+
+
 def test_the_snapshot_and_the_metric_say_each_backends_state():
     h, _, _ = health(failure_threshold=1)
     h.transport_failed("m", A, PAIR)

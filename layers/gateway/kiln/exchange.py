@@ -215,7 +215,9 @@ class Exchange:
             await self._settle("client_disconnected", http_status=None, error="cancelled before the answer was sent")
             raise exc
         log.exception("request %s failed inside the gateway", self.gen_id, exc_info=exc)
-        await self._settle("gateway_error", http_status=500, error=type(exc).__name__)
+        # nothing was relayed: billed the prompt, if a model server was sent it (never zero for
+        # the gateway's own failure, as for a client's leaving)
+        await self._settle_unanswered("gateway_error", http_status=500, error=type(exc).__name__)
         self.record.error_code = InternalError.code
         if not isinstance(exc, Exception):
             raise exc

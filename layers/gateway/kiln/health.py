@@ -27,7 +27,8 @@ service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its
 tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
 models, taken out as another model's), those taken out for their answers are tried by every
 request (a panic: they answer, a model is not taken away by another model's requests); those
-taken out as unreachable are not, and the model answers 503 `no_backend_available` (§5).
+taken out as unreachable (their connections refused, failed in TLS or not made in time, each
+time) are not, and the model answers 503 `no_backend_available` (§5).
 
 State is per process (a Lambda execution environment, or `kiln dev`): every state change is
 logged (`"event": "backend_state"`) and sent as the `BackendInService` metric (1 in service,
@@ -83,13 +84,14 @@ class HealthPolicy:
 
 
 class _State:
-    __slots__ = ("backend", "models", "transport_failures", "answers", "out_until", "ejections", "trial_until",
-                 "prober", "reason", "unreachable")
+    __slots__ = ("backend", "models", "transport_failures", "failures_unreachable", "answers", "out_until",
+                 "ejections", "trial_until", "prober", "reason", "unreachable")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.models: set[str] = set()
         self.transport_failures = 0
+        self.failures_unreachable = False  # every transport failure in the count was a connection not made
         # request fingerprint -> (when, client, failed), oldest first
         self.answers: dict[str, tuple[float, str, bool]] = {}
         self.out_until: float | None = None  # set while out of service or probing
@@ -97,7 +99,7 @@ class _State:
         self.trial_until = 0.0  # a probe is in flight until then
         self.prober: Probe | None = None  # the attempt probing it
         self.reason = ""
-        self.unreachable = False  # out of service for failures of the backend itself, not its answers
+        self.unreachable = False  # out of service for connections it did not take (§5's 503), not its answers
 
 
 StateListener = Callable[[str, Backend, str, str], None]  # (model id, backend, state, reason)
@@ -185,19 +187,22 @@ class BackendHealth:
     # -- outcomes ---------------------------------------------------------------------------
 
     def transport_failed(self, model_id: str, backend: Backend, models_backends: Iterable[Backend], *,
-                         probe: "Probe | None" = None, panic: bool = False) -> None:
-        """Refused, reset before answering, TLS failure, timeout before the first byte. While the
-        backend is out, only the probe's failure (`probe`) or a panic's takes it out again: a
-        request sent before it went out, timing out later, says nothing new, and took the
-        decision from the probe (its cooldown doubled, up to the most, with no probe sent)."""
+                         unreachable: bool = True, probe: "Probe | None" = None, panic: bool = False) -> None:
+        """Refused, reset before answering, TLS failure, timeout before the first byte;
+        `unreachable` when no connection was made (refused, TLS, connect timeout): a backend out
+        for those alone is not tried in a panic (§5's 503). While the backend is out, only the
+        probe's failure (`probe`) or a panic's takes it out again: a request sent before it went
+        out, timing out later, says nothing new, and took the decision from the probe (its
+        cooldown doubled, up to the most, with no probe sent)."""
         state = self._state(backend, model_id)
         if state.out_until is not None and not panic and (probe is None or probe is not state.prober):
             return
         state.trial_until = 0.0
+        state.failures_unreachable = unreachable and (state.failures_unreachable or not state.transport_failures)
         state.transport_failures += 1
         if state.out_until is not None or state.transport_failures >= self.policy.failure_threshold:
-            self._eject(model_id, state, models_backends,
-                        f"{state.transport_failures} transport failures in a row", unreachable=True)
+            self._eject(model_id, state, models_backends, f"{state.transport_failures} transport failures in a row",
+                        unreachable=state.failures_unreachable)
 
     def answered(self, model_id: str, backend: Backend, request: str, client: str, *, failed: bool,
                  models_backends: Iterable[Backend], probe: "Probe | None" = None) -> None:

@@ -308,7 +308,8 @@ class UpstreamClient:
                 # backend failed, so it counts as a failed answer (by rate, over clients).
                 waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime)
                 if _is_backend_failure(exc) and not waited_for_generation:
-                    health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic)
+                    health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic,
+                                            unreachable=isinstance(exc, (ConnectFailed, ConnectTimeout)))
                 else:  # an answer that broke its bounds or its framing
                     health.answered(model.id, backend, request, client, failed=True, models_backends=enabled,
                                     probe=probe)
