@@ -110,6 +110,52 @@ def test_validation_comes_before_admission(stack):
     assert stack.events(org_id) == []
 
 
+WRITES = ("PutItem", "UpdateItem", "DeleteItem", "TransactWriteItems", "BatchWriteItem")
+
+
+def writes_since(stack, mark: int, settle: float = 0.3) -> list:
+    """The DynamoDB writes the gateway sent since the `mark`-th call (its own bookkeeping, made
+    off the request's path, given `settle` seconds to be sent)."""
+    time.sleep(settle)
+    return [(op, payload.get("TableName")) for op, payload in stack.faults.calls[mark:] if op in WRITES]
+
+
+def test_invalid_requests_and_reads_cost_no_write_and_an_admitted_request_records_the_keys_use(stack):
+    """§2: an invalid request must not cost a DynamoDB write; §10: the self-service endpoints
+    are read-only. A key's first use (a key not used for ten minutes) wrote its `last_used_at`
+    whatever the request was: a 404, a 400, a model outside its allowlist, `GET /v1/key`. It is
+    recorded by requests that write anyway: an admitted request, a key management's change."""
+    org_id, key = stack.org()
+    narrow = stack.key(org_id, models=["qwen3-32b"])
+    manager = stack.key(org_id, role="management")
+    mark = len(stack.faults.calls)
+    assert stack.post(CHAT, {"model": "not-a-model", "messages": [{"role": "user", "content": "x"}]}, key).status_code == 404
+    assert stack.post(CHAT, {"model": "gpt-oss-120b", "messages": []}, key).status_code == 400
+    assert stack.post(CHAT, GOOD, narrow).status_code == 404  # outside its allowlist
+    assert stack.post(CHAT, GOOD, manager).status_code == 403  # a management key
+    for path in ("/v1/models", "/v1/key", "/v1/credits", "/v1/usage", "/v1/generations/gen-0", "/v1/keys"):
+        answered = stack.http.get(path, headers={"Authorization": f"Bearer {manager}"})
+        assert answered.status_code in (200, 404), (path, answered.text)
+    assert writes_since(stack, mark) == []
+
+    def last_used(secret: str) -> str | None:
+        deadline = time.monotonic() + 5
+        while True:  # written off the request's path
+            used = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"}).json()["last_used_at"]
+            if used or time.monotonic() > deadline:
+                return used
+            time.sleep(0.05)
+
+    assert last_used(narrow) is None and last_used(manager) is None
+    assert stack.post(CHAT, GOOD, key).status_code == 200
+    assert last_used(key) is not None
+    key_id = stack.http.get("/v1/key", headers={"Authorization": f"Bearer {narrow}"}).json()["id"]
+    changed = stack.http.patch(f"/v1/keys/{key_id}", json={"label": "narrow"},
+                               headers={"Authorization": f"Bearer {manager}"})
+    assert changed.status_code == 200, changed.text
+    assert last_used(manager) is not None and last_used(narrow) is None
+
+
 @pytest.mark.parametrize("path, body, param", [
     (CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "tool_choice": 5,
             "response_format": {"type": "json_object"}}, "response_format"),

@@ -23,7 +23,9 @@ from .store.storage import Storage
 __all__ = ["LAST_USED_RESOLUTION_SECONDS", "Authenticator", "Principal"]
 
 log = logging.getLogger("kiln.auth")
-# A key's last_used_at is written at most this often, off the request path.
+# A key's last_used_at is written at most this often, off the request path, and only by a
+# request that writes anyway (an admission, a key's change): an invalid request, or a read,
+# costs no write (contract §2, §10).
 LAST_USED_RESOLUTION_SECONDS = 600
 
 
@@ -66,6 +68,8 @@ class Authenticator:
         self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
         self._pending: dict[str, _Lookup] = {}
         self._touches: set[asyncio.Task] = set()
+        # keys whose last_used_at is due for an update, by id: their hash, until they are `used`
+        self._due: OrderedDict[str, str] = OrderedDict()
         # bumped by forget_key: a lookup that began before a key was forgotten may have read
         # it as it was, and must not put that back in the cache
         self._forgets = 0
@@ -118,11 +122,20 @@ class Authenticator:
         principal, stale_last_used = await self._load(key_hash)
         if forgets == self._forgets:  # no key was forgotten meanwhile: what was read is current
             self._remember(key_hash, principal)
-        if stale_last_used:
-            task = asyncio.ensure_future(self._touch(key_hash))
-            self._touches.add(task)  # held until done, and not awaited: never on the request's path
-            task.add_done_callback(self._touches.discard)
+        if stale_last_used and principal is not None:
+            self._due[principal.key_id] = key_hash
+            while len(self._due) > self._max_entries:
+                self._due.popitem(last=False)
         return principal
+
+    def used(self, principal: Principal) -> None:
+        """The key did what writes anyway (its request was admitted, it changed a key): its
+        last_used_at, if due, is written in a task of its own, never on the request's path."""
+        key_hash = self._due.pop(principal.key_id, None)
+        if key_hash is not None:
+            task = asyncio.ensure_future(self._touch(key_hash))
+            self._touches.add(task)  # held until done, and not awaited
+            task.add_done_callback(self._touches.discard)
 
     def _looked_up(self, key_hash: str, lookup: "_Lookup", task: asyncio.Future) -> None:
         if self._pending.get(key_hash) is lookup:

@@ -69,6 +69,7 @@ async def complete(request: Request, api: ModelApi) -> Response:
     except GatewayError as error:
         record.error_code = error.code
         return error_response(error)
+    gateway.auth.used(principal)
     return await Exchange(gateway, principal, call, lease, record).respond(request.receive)  # 6
 
 

@@ -280,6 +280,7 @@ async def _create(gateway: Gateway, request: Request, record: RequestRecord) -> 
     keyring = _keyring(gateway)
     known = await _known_models(gateway, body)
     issued = await gateway.storage(_answer(keyring.create(principal.org_id, body, known_models=known)))
+    gateway.auth.used(principal)
     # a new key has spent nothing: no read of its events
     document = {**key_object(issued, {}, keyring.clock(), spend=Decimal(0)), "secret": issued.secret}
     return json_response(dumps(document), status=201)
@@ -357,9 +358,11 @@ async def _update(gateway: Gateway, request: Request, record: RequestRecord) -> 
         return await _keyring(gateway).update(key_id, body, org_id=principal.org_id, known_models=known)
 
     try:
-        return await _one(gateway, principal, key_id, update())
+        answer = await _one(gateway, principal, key_id, update())
     finally:  # this process applies the change at once, others within the cache time; also one cut short
         gateway.auth.forget_key(key_id)
+    gateway.auth.used(principal)
+    return answer
 
 
 async def _revoke(gateway: Gateway, request: Request, record: RequestRecord) -> Response:
@@ -374,9 +377,11 @@ async def _revoke(gateway: Gateway, request: Request, record: RequestRecord) -> 
             return await keyring.get(key_id, org_id=principal.org_id)
 
     try:
-        return await _one(gateway, principal, key_id, revoke())
+        answer = await _one(gateway, principal, key_id, revoke())
     finally:
         gateway.auth.forget_key(key_id)
+    gateway.auth.used(principal)
+    return answer
 
 
 # the handlers by route name (kiln.endpoints), bound by kiln.web
