@@ -457,6 +457,13 @@ def wait_for_events(stack: Stack, org_id: str, count: int, timeout: float = 5.0)
         time.sleep(0.02)
 
 
+def assert_a_plain_429(response: httpx.Response) -> None:
+    """§8: a 429 carries no rate-limit headers; §1: no generation id before admission."""
+    assert response.status_code == 429
+    assert not [h for h in response.headers if h.lower().startswith(("x-ratelimit", "retry-after"))], response.headers
+    assert "X-Neocloud-Generation-Id" not in response.headers
+
+
 def sse_events(text: str) -> Iterator[str]:
     """The raw events of an SSE body, in order (comments included)."""
     for block in text.split("\n\n"):

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from kiln.store.keyspend import period_name, resets_at
-from support import LedgerCheck, check_key_figures
+from support import LedgerCheck, assert_a_plain_429, check_key_figures
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x y z"}]}
@@ -146,7 +146,9 @@ def test_a_key_concurrency_of_2_refuses_exactly_one_of_3_while_the_org_has_slots
 
     responses = asyncio.run(three())
     assert sorted(response.status_code for response in responses) == [200, 200, 429]
-    refused = next(response for response in responses if response.status_code == 429).json()["error"]
+    refused_response = next(response for response in responses if response.status_code == 429)
+    assert_a_plain_429(refused_response)
+    refused = refused_response.json()["error"]
     assert refused["code"] == "rate_limit_exceeded" and "its limit" in refused["message"]
     assert "This key already has 2 requests in flight" in refused["message"]
     assert stack.org_info(org_id).concurrency_limit == 8  # the org had slots left

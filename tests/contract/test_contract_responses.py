@@ -17,7 +17,8 @@ import openai
 import pytest
 from openai.types.responses import ResponseErrorEvent
 
-from support import LedgerCheck, sse_events
+from kiln.store.orgs import set_status
+from support import LedgerCheck, assert_a_plain_429, sse_events
 
 RESPONSES = "/v1/responses"
 MODEL = "gpt-oss-120b"  # $0.035 / $0.07 per million tokens, $0.0175 cached
@@ -201,6 +202,39 @@ def test_keepalives_while_the_model_server_is_silent(stack_factory):
     assert streamed[-1].type == "response.completed"
 
 
+@pytest.mark.parametrize("value, streams", [(True, True), ("true", True), (1, True), (False, False), ("false", False),
+                                            (0, False)])
+def test_stream_is_read_as_for_chat_and_forwarded_as_a_boolean(stack, org, mock, value, streams):
+    """§9: `stream` as in §3, its spellings read alike and forwarded as a boolean."""
+    response = stack.post(RESPONSES, {**BODY, "stream": value}, org[1])
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream" if streams else "application/json")
+    assert mock.last_body()["stream"] is streams
+
+
+def test_a_stream_spelled_as_nothing_the_gateway_reads_is_400_invalid_type(stack, org, mock):
+    response = stack.post(RESPONSES, {**BODY, "stream": "maybe"}, org[1])
+    assert response.status_code == 400
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("invalid_type", "stream")
+    assert mock.stats["requests"] == 0
+
+
+def test_the_same_keys_and_credits_answer_as_for_chat(stack, org):
+    """§9: the same order of checks, keys and 402 bodies: 401 for no key or an unknown one,
+    403 for a disabled org, 402 out of credits with no generation id and no event."""
+    for headers in ({}, {"Authorization": "Bearer sk-kiln-" + "A" * 43}):
+        response = stack.http.post(RESPONSES, json=BODY, headers=headers)
+        assert (response.status_code, response.json()["error"]["code"]) == (401, "invalid_api_key")
+    broke_id, broke = stack.org(credits="0")
+    response = stack.post(RESPONSES, BODY, broke)
+    assert (response.status_code, response.json()["error"]["code"]) == (402, "insufficient_credits")
+    assert "X-Neocloud-Generation-Id" not in response.headers and stack.events(broke_id) == []
+    disabled_id, disabled = stack.org()
+    set_status(stack.tables, disabled_id, "disabled")
+    response = stack.post(RESPONSES, {"model": "not-a-model"}, disabled)
+    assert (response.status_code, response.json()["error"]["code"]) == (403, "organization_disabled")
+
+
 def test_the_ninth_request_in_flight_is_429(stack, org):
     ledger = LedgerCheck(stack, org[0])
     slow = {**BODY, "stream": True, "mock": {"ttft_ms": 1500}}
@@ -212,7 +246,8 @@ def test_the_ninth_request_in_flight_is_429(stack, org):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     ninth = stack.post(RESPONSES, BODY, org[1])
-    assert ninth.status_code == 429 and ninth.json()["error"]["code"] == "rate_limit_exceeded"
+    assert_a_plain_429(ninth)
+    assert ninth.json()["error"]["code"] == "rate_limit_exceeded"
     for thread in threads:
         thread.join()
     assert len(ledger.check()) == 8

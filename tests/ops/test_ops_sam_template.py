@@ -288,9 +288,15 @@ def test_api_gateways_own_errors_answer_in_the_contracts_error_shape(response, s
         assert body["error"]["message"]
 
 
-def test_a_throttled_client_is_told_when_to_retry():
-    responses = rest_api_body(deployed({"InvokeMode": "streaming"}))["x-amazon-apigateway-gateway-responses"]
-    assert responses["THROTTLED"]["responseParameters"]["gatewayresponse.header.Retry-After"] == "'1'"
+def test_a_429_of_api_gateways_own_carries_no_rate_limit_headers():
+    """§8: a 429 carries no rate-limit headers, the stage's throttling included (the SDKs
+    back off on the status alone)."""
+    for mode in ({"InvokeMode": "streaming"}, {"InvokeMode": "buffered"}):
+        responses = rest_api_body(deployed(mode))["x-amazon-apigateway-gateway-responses"]
+        for name, answer in responses.items():
+            if str(answer.get("statusCode")) == "429":
+                headers = {header.rsplit(".", 1)[-1].lower() for header in answer.get("responseParameters", {})}
+                assert not {h for h in headers if h == "retry-after" or "ratelimit" in h}, (name, headers)
 
 
 def test_function_urls_only_when_asked_for_and_public_only_when_said(cfn, mode):
