@@ -34,7 +34,16 @@ CLIENTS_JS := tests/clients/js
 $(CLIENTS_JS)/node_modules/.package-lock.json: $(CLIENTS_JS)/package-lock.json
 	cd $(CLIENTS_JS) && npm ci --no-audit --no-fund --loglevel=error
 
-setup: $(BIN)/.installed $(EXAMPLES_JS)/node_modules/.package-lock.json $(CLIENTS_JS)/node_modules/.package-lock.json
+# the OpenAI Agents SDK, a real client of /v1/responses, in an environment of its own (its
+# dependencies are not the gateway's); tests/clients/test_clients_openai_agents.py runs it
+AGENTS_HOME := .tools/agents
+$(AGENTS_HOME)/.installed: tests/clients/py/requirements.txt | $(BIN)/.installed
+	$(PYTHON) -m venv $(AGENTS_HOME)
+	$(BIN)/uv pip install --quiet --python $(AGENTS_HOME)/bin/python -r tests/clients/py/requirements.txt
+	@touch $@
+
+setup: $(BIN)/.installed $(EXAMPLES_JS)/node_modules/.package-lock.json $(CLIENTS_JS)/node_modules/.package-lock.json \
+       $(AGENTS_HOME)/.installed
 
 dev: setup
 	$(BIN)/kiln dev $(ARGS)
