@@ -124,6 +124,25 @@ def test_a_chat_style_error_in_a_responses_stream_ends_it_with_the_one_error_eve
     assert record.status == "stream_interrupted"
 
 
+@pytest.mark.parametrize("error", [{"message": "boom: secret prompt", "type": "server_error"}, "boom", {}])
+@pytest.mark.parametrize("kind", ["response.completed", "response.incomplete", "response.failed"])
+def test_a_final_event_carrying_an_error_ends_the_stream_with_the_one_error_event(stack, ledger, kind, error):
+    """Both SDKs raise on any event whose `error` is set, the final one included: a final event
+    with an error was relayed as the end of a success (cost added, the server's message with it),
+    billed as one, and the client's SDK raised the server's message. The stream now ends with
+    the gateway's one error event, settled as the failure it is."""
+    final = {"type": kind, "sequence_number": 1, "error": error,
+             "response": {"id": "r", "object": "response", "status": kind.split(".")[1], "output": [],
+                          "usage": {"input_tokens": 4, "output_tokens": 2}}}
+    body = {"model": MODEL, "input": "hi", "stream": True,
+            "mock": {"raw_events": [DELTA, json.dumps(final)], "no_done": True}}
+    response = post(stack, ledger, body)
+    assert blocks(response.text)[-1].startswith("event: error"), blocks(response.text)[-1][:200]
+    assert "boom" not in response.text
+    (record,) = ledger.check()
+    assert record.status == "stream_interrupted" and record.cost > 0
+
+
 @pytest.mark.parametrize("numbered", [
     ([], None, 0),  # cut before any event: the gateway's is the first
     ([7, 8, 9], None, 10),  # one past the last the server gave

@@ -527,14 +527,15 @@ class ResponsesRelay(SseRelay):
                 # not relayed
                 return self._failed("it sent an event that is not JSON the gateway can read")
             kind = data.get("type") if isinstance(data, dict) else None
+            if kind == "error" or is_error_object(data, streamed=True):
+                # the stream ends with the gateway's one error event (§9), whether the server
+                # wrote the Responses API's error event or chat's (`{"error": {...}}`), or put
+                # an error on any other event, the final one included: the SDKs raise on it
+                return self._failed("the model server sent an error event")
             if kind in FINAL_EVENTS:
                 if not isinstance(data.get("response"), dict):
                     return self._failed(f"its final event ({kind}) has no response object")
                 return self._final(event, data)
-            if kind == "error" or is_error_object(data, streamed=True):
-                # the stream ends with the gateway's one error event (§9), whether the server
-                # wrote the Responses API's error event or chat's (`{"error": {...}}`)
-                return self._failed("the model server sent an error event")
             number = data.get("sequence_number") if isinstance(data, dict) else None
             self.next_sequence = number + 1 if type(number) is int and number >= 0 else self.next_sequence + 1
             if isinstance(kind, str) and kind.startswith("response."):
