@@ -11,6 +11,8 @@ import random
 import string
 import tracemalloc
 
+import pytest
+
 from kiln.apis import responses
 from support import LedgerCheck
 
@@ -237,6 +239,30 @@ def test_what_a_stream_remembers_stays_bounded_however_many_items_and_parts_it_s
         tracemalloc.stop()
     # and every text still counted: one token at least each
     assert relay.fewest_tokens >= 2 * responses.MAX_ITEMS * 2 * responses.MAX_ITEM_PARTS
+
+
+@pytest.mark.parametrize("kind", ["delta", "done", "escaped-delta"])
+def test_what_a_stream_remembers_stays_bounded_however_long_its_item_ids(kind):
+    """Every event within its 1 MiB bound, each item with a 128 KiB id: the relay kept each id
+    whole, a gigabyte for one stream of a thousand items with 1 MiB ids. Past MAX_ID_BYTES an id is
+    remembered by its digest; items are still told apart and their texts counted."""
+    relay = responses.ResponsesRelay(max_event_bytes=1 << 20)
+    tracemalloc.start()
+    try:
+        for item in range(200):
+            item_id = f"{item:06d}" + "i" * (128 * 1024)
+            event = {"type": "response.output_text.delta", "item_id": item_id, "delta": "x y"}
+            if kind == "done":
+                event = {"type": "response.output_text.done", "item_id": item_id, "text": "x y"}
+            payload = json.dumps(event).encode()
+            if kind == "escaped-delta":  # read as JSON: an escape may spell anything
+                payload = payload.replace(b'"x y"', b'"x \\u0079"')
+            relay.feed(b"data: " + payload + b"\n\n")
+        retained, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert retained <= 8 << 20, f"{retained / 2**20:.0f} MiB retained by one stream's relay"
+    assert relay.fewest_tokens >= 200  # a token at least, each item's
 
 
 # -- hostile: many items under one id -----------------------------------------------------------

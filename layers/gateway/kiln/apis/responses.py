@@ -12,6 +12,7 @@ the usage under `response.usage`: that event is held back, settled, and sent wit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any, Collection, Iterator
@@ -58,6 +59,9 @@ _READ = re.compile(_WHOLE + rb"|" + _ERROR.pattern + rb"|" + _IN_BAND_ERROR.patt
 # distinct texts given apart of one item; past them, texts count as they come (more, never less)
 MAX_ITEMS = 1_000
 MAX_ITEM_PARTS = 32
+# an item's id is remembered as itself up to this length, past it by a digest (an id as long as
+# an event, a thousand times over, would be a gigabyte)
+MAX_ID_BYTES = 256
 MAX_SEEN_TEXTS = 4_096
 # the deltas' text a stream's relay keeps to find the texts given whole in (past it, what those
 # hold beyond it counts again), and the bytes it may search for them
@@ -588,14 +592,19 @@ def _id_of(item: dict[str, Any]) -> Any:
 
 def _item_key(item_id: Any) -> Any:
     """An item's id as the relay keys it (its JSON form: the same whether read or as sent); None: no id."""
-    return dumps(item_id) if isinstance(item_id, str) and item_id else None
+    return _bounded(dumps(item_id)) if isinstance(item_id, str) and item_id else None
 
 
 def _raw_item(payload: bytes) -> bytes:
     """A delta's item id as sent (an event with no escape: its JSON form is what was sent);
     b"": none given (the deltas of no id are one item)."""
     found = _ITEM_ID.search(payload)
-    return b'"' + found.group(1) + b'"' if found else b""
+    return _bounded(b'"' + found.group(1) + b'"') if found else b""
+
+
+def _bounded(key: bytes) -> bytes:
+    """An id's JSON form, or past MAX_ID_BYTES its digest (which no JSON form starts like)."""
+    return key if len(key) <= MAX_ID_BYTES else b"#" + hashlib.blake2b(key, digest_size=16).digest()
 
 
 API = ResponsesApi()
