@@ -9,6 +9,7 @@ from dataclasses import replace
 from decimal import Decimal
 
 import httpx
+import pytest
 
 from conftest import involves_org
 from kiln.aws import AwsClient
@@ -548,3 +549,38 @@ def test_a_replay_of_what_was_never_held_is_not_called_settled(stack_factory, tm
     assert "past the usage retention" in capsys.readouterr().err
     assert again == ["replayed 1 unsettled usage events: 1 not found"]
     assert stack.org_info(org_id).credits == Decimal(1) - event.cost
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"input": "hi"}),
+], ids=["chat", "responses"])
+@pytest.mark.parametrize("tokens, ends", [(5, "done"), (1000, "error")], ids=["ended-well", "ran-into-total"])
+def test_a_stream_whose_settle_is_slow_near_its_deadline_still_ends_in_its_last_event(stack_factory, mock, path,
+                                                                                         body, tokens, ends):
+    """§4: a stream ends with its last event or the error event, never a cut connection. Its
+    client's deadline (the model's total time, and a keep-alive interval) once cut it in the
+    middle of its settle, slow on storage but well within its budget: the client got an
+    incomplete body (an SDK retrying it pays twice), though the usage was recorded. The
+    deadline now cuts only a client that does not read."""
+    from support import LedgerCheck, catalog_for_tests, sse_events
+
+    catalog = catalog_for_tests(mock.url)
+    catalog["models"].append({"id": "short-total", "owned_by": "t", "created": 1, "context_length": 4096,
+                              "pricing": {"input": "1", "output": "2"}, "timeouts": {"total": 2},
+                              "backends": [{"name": "b", "url": mock.url}]})
+    stack = stack_factory(catalog=catalog, keepalive_seconds=1)
+    org_id, key = stack.org()
+    ledger = LedgerCheck(stack, org_id)
+    stack.faults.slow("TransactWriteItems", 3.5, when=involves_org(org_id), times=1)  # the settle
+    request = {**body, "model": "short-total", "stream": True, "mock": {"tokens": tokens, "token_delay_ms": 100}}
+    with stack.http.stream("POST", path, json=request, headers={"Authorization": f"Bearer {key}"}) as response:
+        ledger.gen_ids.append(response.headers["X-Neocloud-Generation-Id"])
+        text = "".join(response.iter_text())  # raises if the body is cut short
+    last = [block for block in sse_events(text) if not block.startswith(":")][-1]
+    if ends == "done":
+        assert last in ("data: [DONE]",) or last.startswith("event: response.completed"), last[:200]
+    else:
+        assert "upstream_error" in last, last[:200]
+    (event,) = ledger.check(timeout=10)
+    assert event.status == ("success" if ends == "done" else "stream_interrupted")

@@ -194,3 +194,49 @@ def test_a_client_that_stops_reading_is_cut_at_the_deadline():
 
     asyncio.run(main())
     assert seen == ["closed", "over in True"]
+
+
+def test_the_deadline_waits_for_a_body_at_work_and_cuts_only_a_write_the_client_holds():
+    """The deadline is for a client that reads too slowly: a body still at work when it passes
+    (its settle, slow on storage, at the end of a stream that ran to the model's total time)
+    goes on, and its last piece goes out; the connection was once cut in the middle of it,
+    the response never ended. A write the client then holds past the deadline is still cut."""
+    import time
+
+    async def settles_slowly():
+        yield b"data: a\n\n"
+        await asyncio.sleep(0.3)  # past the deadline: the settle, waiting on storage
+        yield LastPiece(b"data: [DONE]\n\n")
+
+    sent: list[dict] = []
+
+    async def reads(message):
+        sent.append(message)
+
+    asyncio.run(RelayResponse(settles_slowly(), "gen-1", deadline=time.monotonic() + 0.1)(
+        {"type": "http"}, _client_stays, reads))
+    bodies = [(m["body"], m["more_body"]) for m in sent if m["type"] == "http.response.body"]
+    assert bodies == [(b"data: a\n\n", True), (b"data: [DONE]\n\n", False)]
+
+    seen: list[str] = []
+
+    async def last_piece_held():
+        try:
+            yield b"data: a\n\n"
+            await asyncio.sleep(0.3)
+            yield LastPiece(b"data: [DONE]\n\n")
+        finally:
+            seen.append("closed")
+
+    async def holds_the_last(message):
+        if message["type"] == "http.response.body" and not message["more_body"]:
+            await asyncio.sleep(30)  # the client reads nothing more: the write waits
+
+    async def main():
+        started = time.monotonic()
+        await RelayResponse(last_piece_held(), "gen-1", deadline=time.monotonic() + 0.1)(
+            {"type": "http"}, _client_stays, holds_the_last)
+        seen.append(f"over in {time.monotonic() - started < 2}")
+
+    asyncio.run(main())
+    assert seen == ["closed", "over in True"]

@@ -7,7 +7,7 @@ import time
 from typing import AsyncGenerator, Awaitable, Callable, Mapping
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from .departure import disconnected
 from .errors import GatewayError
@@ -15,6 +15,8 @@ from .errors import GatewayError
 __all__ = ["GENERATION_HEADER", "LastPiece", "RelayResponse", "error_response", "json_response"]
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
+# past a stream's deadline, how often it looks again for a write its client holds
+_RECHECK_SECONDS = 0.25
 
 
 def _generation_headers(gen_id: str | None) -> dict[str, str]:
@@ -43,7 +45,8 @@ class RelayResponse(Response):
     close the upstream request and settle). A failed write closes the generator the same way.
     `on_close` runs last, whatever happened: a generator that never started (the client
     left before the first byte) never ran its own clean-up, and this is its owner's chance.
-    A `deadline` ends the stream the same way when the client reads too slowly to finish by then,
+    A `deadline` ends the stream the same way when the client reads too slowly to finish by then
+    (a write it holds is cut; a body still at work, its settle slow, is not),
     and so does `interrupt()`, for its owner: a generator waiting for its source is cancelled
     there (it may then end the stream as it likes); one waiting for the client's reading is
     closed, as for a client that left.
@@ -63,6 +66,7 @@ class RelayResponse(Response):
         self.on_close = on_close
         self.deadline = deadline  # time.monotonic() by which the stream is over, whatever the client reads
         self._end: Callable[[], None] | None = None  # ends the stream while it is sent
+        self._writing = False  # a write to the client is under way
         self.status_code = 200
         self.background = None
         self.init_headers(
@@ -97,8 +101,17 @@ class RelayResponse(Response):
             await disconnected(receive)
             end()
 
+        def overdue() -> None:
+            # past the deadline, only a write the client holds is cut: a body still at work (its
+            # settle, slow on storage) goes on, and its last piece goes out
+            nonlocal timer
+            if self._writing:
+                end()
+            elif not streamer.done():
+                timer = loop.call_later(_RECHECK_SECONDS, overdue)
+
         listener = loop.create_task(listen())
-        timer = None if self.deadline is None else loop.call_later(max(0.0, self.deadline - time.monotonic()), end)
+        timer = None if self.deadline is None else loop.call_later(max(0.0, self.deadline - time.monotonic()), overdue)
         self._end = end
         try:
             await streamer
@@ -122,12 +135,20 @@ class RelayResponse(Response):
 
     async def _send_body(self, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await self._write(send, {"type": "http.response.start", "status": self.status_code,
+                                     "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 ended = isinstance(chunk, LastPiece)
-                await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+                await self._write(send, {"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
                 if ended:
                     return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._write(send, {"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass  # the client went away mid-write; the generator is closed by the caller
+
+    async def _write(self, send: Send, message: Message) -> None:
+        self._writing = True  # a client that does not read holds it
+        try:
+            await send(message)
+        finally:
+            self._writing = False
