@@ -7,7 +7,7 @@ import time
 from typing import AsyncGenerator, Awaitable, Callable, Mapping
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from .departure import disconnected
 from .errors import GatewayError
@@ -66,7 +66,6 @@ class RelayResponse(Response):
         self.on_close = on_close
         self.deadline = deadline  # time.monotonic() by which the stream is over, whatever the client reads
         self._end: Callable[[], None] | None = None  # ends the stream while it is sent
-        self._writing = False  # a write to the client is under way
         self.status_code = 200
         self.background = None
         self.init_headers(
@@ -103,12 +102,15 @@ class RelayResponse(Response):
 
         def overdue() -> None:
             # past the deadline, only a write the client holds is cut: a body still at work (its
-            # settle, slow on storage) goes on, and its last piece goes out
+            # settle, slow on storage: the generator runs, awaiting inside) goes on, and its last
+            # piece goes out
             nonlocal timer
-            if self._writing:
-                end()
-            elif not streamer.done():
+            if streamer.done():
+                return
+            if getattr(self.body_iterator, "ag_running", False):
                 timer = loop.call_later(_RECHECK_SECONDS, overdue)
+            else:
+                end()
 
         listener = loop.create_task(listen())
         timer = None if self.deadline is None else loop.call_later(max(0.0, self.deadline - time.monotonic()), overdue)
@@ -135,20 +137,12 @@ class RelayResponse(Response):
 
     async def _send_body(self, send: Send) -> None:
         try:
-            await self._write(send, {"type": "http.response.start", "status": self.status_code,
-                                     "headers": self.raw_headers})
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 ended = isinstance(chunk, LastPiece)
-                await self._write(send, {"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+                await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
                 if ended:
                     return
-            await self._write(send, {"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass  # the client went away mid-write; the generator is closed by the caller
-
-    async def _write(self, send: Send, message: Message) -> None:
-        self._writing = True  # a client that does not read holds it
-        try:
-            await send(message)
-        finally:
-            self._writing = False
