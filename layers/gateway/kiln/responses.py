@@ -66,6 +66,7 @@ class RelayResponse(Response):
         self.on_close = on_close
         self.deadline = deadline  # time.monotonic() by which the stream is over, whatever the client reads
         self._end: Callable[[], None] | None = None  # ends the stream while it is sent
+        self._timer: asyncio.TimerHandle | None = None  # the deadline's
         self.status_code = 200
         self.background = None
         self.init_headers(
@@ -100,20 +101,9 @@ class RelayResponse(Response):
             await disconnected(receive)
             end()
 
-        def overdue() -> None:
-            # past the deadline, only a write the client holds is cut: a body still at work (its
-            # settle, slow on storage: the generator runs, awaiting inside) goes on, and its last
-            # piece goes out
-            nonlocal timer
-            if streamer.done():
-                return
-            if getattr(self.body_iterator, "ag_running", False):
-                timer = loop.call_later(_RECHECK_SECONDS, overdue)
-            else:
-                end()
-
         listener = loop.create_task(listen())
-        timer = None if self.deadline is None else loop.call_later(max(0.0, self.deadline - time.monotonic()), overdue)
+        if self.deadline is not None:
+            self._timer = loop.call_later(max(0.0, self.deadline - time.monotonic()), self._overdue, streamer, end)
         self._end = end
         try:
             await streamer
@@ -123,12 +113,24 @@ class RelayResponse(Response):
                 raise  # not the stream's own end: the request itself was cancelled
         finally:
             self._end = None
-            if timer is not None:
-                timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             listener.cancel()
             await self.body_iterator.aclose()
             if self.on_close is not None:
                 await self.on_close()
+
+    def _overdue(self, streamer: asyncio.Task, end: Callable[[], None]) -> None:
+        """Past the deadline, only a write the client holds is cut: a body still at work (its
+        settle, slow on storage: the generator runs, awaiting inside) goes on, and its last
+        piece goes out."""
+        if streamer.done():
+            return
+        if getattr(self.body_iterator, "ag_running", False):
+            self._timer = asyncio.get_running_loop().call_later(_RECHECK_SECONDS, self._overdue, streamer, end)
+        else:
+            end()
 
     def interrupt(self) -> None:
         """End the stream now, if it is being sent (see the class's docstring)."""
