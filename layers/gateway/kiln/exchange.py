@@ -55,6 +55,7 @@ STREAM_CUT = "The model backend failed while streaming the response."
 GATEWAY_CUT = "The gateway failed while streaming the response."
 INVALID_ANSWER = "Bad gateway: the model backend returned an invalid response."
 LEASE_NOT_KEPT = "its lease could not be kept: storage unavailable"  # what its usage event says
+EVENT_NOT_MADE = "gateway error: its usage event could not be made whole"
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
 # a stream's last event, by how it ended (any other: the model server's failure)
@@ -161,8 +162,8 @@ class Exchange:
             return
         if self._upstream is not None:
             await self._upstream.aclose()
-        if self._lease_gone:
-            await self._settle_unanswered("gateway_error", http_status=None, error=LEASE_NOT_KEPT)
+        if self._lease_gone:  # the gateway's failure, before any answer: billed nothing
+            await self._settle("gateway_error", http_status=None, error=LEASE_NOT_KEPT)
             return
         await self._settle_left("the client left before the stream began")
 
@@ -192,20 +193,20 @@ class Exchange:
         return Response(status_code=499)  # goes nowhere: the connection is closed
 
     async def _settle_left(self, error: str) -> None:
-        """A client gone before anything was relayed: billed as a stream it left is."""
-        await self._settle_unanswered("client_disconnected", http_status=None, error=error,
-                                      unsent=error + ", before it was sent")
-
-    async def _settle_unanswered(self, status: str, *, http_status: int | None, error: str,
-                                 unsent: str | None = None) -> None:
-        """A request ended before anything was relayed: billed for what was relayed (nothing)
-        and the prompt, if a model server was sent it (none was, for one that ended before the
-        request went upstream: `unsent` is then its error, if given)."""
+        """A client gone before anything was relayed: billed for what was relayed (nothing) and
+        the prompt, if a model server was sent it, as a stream it left is. (A request the gateway
+        or the model servers failed before any answer is billed nothing: the client is told to
+        try again, and an SDK's retries would pay for the same failure each time.)"""
         if not self._sent_to:
-            await self._settle(status, http_status=http_status, error=unsent or error)
+            await self._settle("client_disconnected", http_status=None, error=error + ", before it was sent")
             return
-        usage = self._fallback_usage(0)
-        await self._settle(status, http_status=http_status, usage=usage, cost=self._price(usage), error=error)
+        try:
+            usage = self._fallback_usage(0)
+            cost = self._price(usage)
+        except Exception:  # noqa: BLE001 - a bug here must not skip the settle
+            log.exception("request %s: its prompt could not be priced", self.gen_id)
+            usage, cost = None, Decimal(0)
+        await self._settle("client_disconnected", http_status=None, usage=usage, cost=cost, error=error)
 
     async def _crashed(self, exc: BaseException) -> Response:
         if isinstance(exc, asyncio.CancelledError):
@@ -215,9 +216,7 @@ class Exchange:
             await self._settle("client_disconnected", http_status=None, error="cancelled before the answer was sent")
             raise exc
         log.exception("request %s failed inside the gateway", self.gen_id, exc_info=exc)
-        # nothing was relayed: billed the prompt, if a model server was sent it (never zero for
-        # the gateway's own failure, as for a client's leaving)
-        await self._settle_unanswered("gateway_error", http_status=500, error=type(exc).__name__)
+        await self._settle("gateway_error", http_status=500, error=type(exc).__name__)  # its failure: billed nothing
         self.record.error_code = InternalError.code
         if not isinstance(exc, Exception):
             raise exc
@@ -232,11 +231,10 @@ class Exchange:
         return task is not None and task.uncancel() == 0
 
     async def _stopped_for_its_lease(self) -> Response:
-        """503 for a request stopped before its answer: billed for its prompt, if a model server
-        was sent it (as a client that leaves is)."""
+        """503 for a request stopped before its answer, the gateway's failure: billed nothing."""
         error = StorageUnavailable(SLOT_LOST)
         self.record.error_code = error.code
-        await self._settle_unanswered("gateway_error", http_status=error.status, error=LEASE_NOT_KEPT)
+        await self._settle("gateway_error", http_status=error.status, error=LEASE_NOT_KEPT)
         return error_response(error, self.gen_id)
 
     async def _settle(
@@ -251,11 +249,30 @@ class Exchange:
     ) -> None:
         if self._settled:
             return
+        try:
+            event = self._event(status, http_status, usage, cost, finish_reason=finish_reason, error=error)
+        except Exception:  # noqa: BLE001 - a bug here must not leave the request unsettled
+            log.exception("request %s: its usage event could not be made as it was", self.gen_id)
+            try:  # what it is billed, without what describes it
+                event = self._event(status, http_status, usage, cost, error=EVENT_NOT_MADE, described=False)
+            except BaseException:
+                self._settled = True
+                await to_the_end(self._give_up())
+                raise
         self._settled = True
         # nothing stops a settled request: what it kept for that goes (a stream's response holds
         # its body, which holds this exchange: a cycle left to the collector)
         self._worker = self._response = None
-        event = UsageEvent(
+        self.record.usage = event
+        # A settle must finish even when this task is cancelled (the client left, or a server
+        # that stops): it runs in a task of its own, which this one waits for whatever it is told.
+        await to_the_end(self._stop_keeper_and_settle(event))
+
+    def _event(self, status: str, http_status: int | None, usage: TokenUsage | None, cost: Decimal, *,
+               finish_reason: str | None = None, error: str | None = None, described: bool = True) -> UsageEvent:
+        """The request's usage event; not `described`: what it is billed, without what tells
+        how it went (its finish, timings, upstream)."""
+        fields = dict(
             gen_id=self.gen_id,
             org_id=self.lease.org_id,
             created_at=iso_ms(self.lease.started),
@@ -270,16 +287,22 @@ class Exchange:
             completion_tokens=usage.completion_tokens if usage else None,
             cached_tokens=usage.cached_tokens if usage else None,
             usage_source=usage.source if usage else None,
-            finish_reason=_stored_finish_reason(finish_reason),
-            ttfb_ms=self.ttfb_ms,
-            duration_ms=int((time.monotonic() - self.started) * 1000),
-            upstream=self.upstream_name,
             error=error[:500] if error else None,
         )
-        self.record.usage = event
-        # A settle must finish even when this task is cancelled (the client left, or a server
-        # that stops): it runs in a task of its own, which this one waits for whatever it is told.
-        await to_the_end(self._stop_keeper_and_settle(event))
+        if described:
+            fields.update(finish_reason=_stored_finish_reason(finish_reason), ttfb_ms=self.ttfb_ms,
+                          duration_ms=int((time.monotonic() - self.started) * 1000), upstream=self.upstream_name)
+        return UsageEvent(**fields)
+
+    async def _give_up(self) -> None:
+        """No usage event could be made: the lease is left to expire, and a later admission
+        reclaims it as `abandoned` (billed what its last renewal recorded), as a dead gateway's."""
+        try:
+            await self._keeper.stop()
+        finally:
+            self.gateway.unsettled -= 1
+            log.error(json.dumps({"event": "request_unsettled", "generation_id": self.gen_id,
+                                  "org_id": self.lease.org_id}))
 
     async def _stop_keeper_and_settle(self, event: UsageEvent) -> None:
         try:
@@ -432,7 +455,11 @@ class Exchange:
             log.exception("stream %s could not be billed as reported", self.gen_id)
             status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
             usage = self._fallback_usage(relay.relayed_tokens)
-        cost = self._price(usage)
+        try:
+            cost = self._price(usage)
+        except Exception as exc:  # noqa: BLE001 - as above: settled, billed nothing it cannot price
+            log.exception("stream %s could not be priced", self.gen_id)
+            status, error, cost = "gateway_error", f"gateway error: {type(exc).__name__}", Decimal(0)
         tail = b""
         if status == "success":
             try:
