@@ -236,6 +236,24 @@ def test_a_shared_backend_out_for_failures_that_reached_it_is_still_tried_for_a_
     assert h.candidates("n", (A,)) == ([], True)
 
 
+def test_a_panics_failed_try_of_a_backend_it_reached_changes_nothing():
+    """A backend out for resets or first-byte timeouts is tried in a panic by a model it is the
+    last of. Each such try that failed the same way ejected it again: its cooldown doubled to
+    the most within a few requests, and each was reported as a new state change. Only a
+    panic's connection not made says something new: the backend is unreachable."""
+    h, clock, changes = health(failure_threshold=3, cooldown=10, max_cooldown=120)
+    for _ in range(3):
+        h.transport_failed("m", A, PAIR, unreachable=False)
+    out_for = h.snapshot()[0]["out_for_seconds"]
+    for _ in range(10):
+        assert h.candidates("n", (A,)) == ([A], True)
+        h.transport_failed("n", A, (A,), unreachable=False, panic=True)
+    assert changes == [("a", OUT_OF_SERVICE)] and h.snapshot()[0]["out_for_seconds"] == out_for
+    h.transport_failed("n", A, (A,), unreachable=True, panic=True)
+    assert h.candidates("n", (A,)) == ([], True)
+    assert changes[1:] == [("a", OUT_OF_SERVICE)] * 2  # a change, told to each model it serves
+
+
 def test_the_snapshot_and_the_metric_say_each_backends_state():
     h, _, _ = health(failure_threshold=1)
     h.transport_failed("m", A, PAIR)

@@ -32,8 +32,12 @@ class FakeHttp:
         answer = self.answers[url.split("/v1")[0]]
         if isinstance(answer, BaseException):
             raise answer
-        if answer == "hang":
+        if answer == "hang":  # sent, and no answer
+            options["on_sending"]()
             await asyncio.sleep(60)
+        if answer == "no connection":  # a connection never made (its SYNs dropped)
+            await asyncio.sleep(options["connect_timeout"])
+            raise ConnectTimeout("no connection in time")
         return Response.complete(*answer)
 
     async def aclose(self):
@@ -126,3 +130,26 @@ def test_a_buffered_answer_not_in_time_is_a_failed_answer_not_the_backends_failu
                                       client="org-a"))
     assert health.state_of(A) == IN_SERVICE and ended == ["total"] * 3
 
+
+
+@pytest.mark.parametrize("connect", [0.05, 1.0], ids=["connect-timeout-first", "first-byte-bound-first"])
+def test_a_backend_no_connection_is_made_to_is_unreachable_whichever_bound_ends_the_wait(connect):
+    """§5: a model whose every backend is unreachable (refused, TLS, connect timeout) and out
+    of service answers 503. A stream's attempt is bounded by the first byte's time too: with a
+    connect timeout longer than it, a connection never made ended as a first-byte timeout, and
+    the backend, though never reached, was tried for every request of a model it is the last of."""
+    upstream, health, _ = client({"http://a": "no connection", "http://b": (200, b"{}")}, failure_threshold=3)
+    pair = model(A, B, connect=connect, first_byte=0.1, total=5)
+    for i in range(3):
+        assert asyncio.run(upstream.open(pair, "/chat/completions", {"n": i}, stream=True)).backend == B
+    assert health.state_of(A) == OUT_OF_SERVICE
+    assert health.candidates("solo", (A,)) == ([], True)  # unreachable: not tried, 503
+
+
+def test_a_backend_that_took_the_request_and_did_not_answer_in_time_is_not_unreachable():
+    upstream, health, _ = client({"http://a": "hang", "http://b": (200, b"{}")}, failure_threshold=3)
+    for i in range(3):
+        assert asyncio.run(upstream.open(model(A, B, first_byte=0.05), "/chat/completions", {"n": i},
+                                         stream=True)).backend == B
+    assert health.state_of(A) == OUT_OF_SERVICE
+    assert health.candidates("solo", (A,)) == ([A], True)  # reached: tried in a panic

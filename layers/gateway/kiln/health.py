@@ -25,10 +25,12 @@ before the backend went out that fails, during its cooldown or after, changes no
 the probe's own answer decides. A model's last backend in
 service is never ejected (Envoy's `max_ejection_percent` / panic threshold): its requests are
 tried and get 502 if it fails. If every backend of a model is out anyway (a backend shared by
-models, taken out as another model's), those taken out for their answers are tried by every
-request (a panic: they answer, a model is not taken away by another model's requests); those
-taken out as unreachable (their connections refused, failed in TLS or not made in time, each
-time) are not, and the model answers 503 `no_backend_available` (§5).
+models, taken out as another model's), those taken out for their answers, or for failures
+after they took the connection, are tried by every request (a panic: they answer, a model is
+not taken away by another model's requests; a panic's try that fails changes nothing, but a
+connection it could not make); those taken out as unreachable (their connections refused,
+failed in TLS or not made in time, each time) are not, and the model answers 503
+`no_backend_available` (§5).
 
 State is per process (a Lambda execution environment, or `kiln dev`): every state change is
 logged (`"event": "backend_state"`) and sent as the `BackendInService` metric (1 in service,
@@ -195,7 +197,11 @@ class BackendHealth:
         out, timing out later, says nothing new, and took the decision from the probe (its
         cooldown doubled, up to the most, with no probe sent)."""
         state = self._state(backend, model_id)
-        if state.out_until is not None and not panic and (probe is None or probe is not state.prober):
+        if state.out_until is not None and (probe is None or probe is not state.prober) and not (
+                panic and unreachable):
+            # out already: a request sent before it went out says nothing new, nor does a panic's
+            # try that reached it (it was out for such failures, or its answers); only a panic's
+            # connection not made marks it unreachable
             return
         state.trial_until = 0.0
         state.failures_unreachable = unreachable and (state.failures_unreachable or not state.transport_failures)

@@ -245,6 +245,8 @@ class UpstreamClient:
         if not enabled:
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
         health = self.health
+        if sent is None:
+            sent = []  # whether each attempt made its connection is read from it
         timeouts, limits = model.timeouts, model.limits
         started = time.monotonic()
         deadline = started + timeouts.total
@@ -277,6 +279,7 @@ class UpstreamClient:
             # only arrives when generation is done, so it may take what is left of the total.
             budget = min(timeouts.first_byte, remaining) if stream else remaining
             sent_at = time.monotonic()
+            written = len(sent)
             try:
                 try:
                     async with asyncio.timeout(budget):
@@ -289,7 +292,7 @@ class UpstreamClient:
                             read_timeout=timeouts.idle,
                             head_timeout=None,  # bounded by the budget above
                             max_header_bytes=limits.header_bytes,
-                            on_sending=None if sent is None else partial(sent.append, backend.name),
+                            on_sending=partial(sent.append, backend.name),
                         )
                 except TimeoutError:
                     raise _NoHeadersInTime("no response headers in time") from None
@@ -305,11 +308,16 @@ class UpstreamClient:
                     last_timeout = None
                 # A buffered answer's headers come when its generation is done: a wait for them
                 # that outlasts the total says what the request asked for as much as that the
-                # backend failed, so it counts as a failed answer (by rate, over clients).
-                waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime)
+                # backend failed, so it counts as a failed answer (by rate, over clients). A
+                # wait cut before a connection was even made (the attempt's budget shorter than
+                # the connect timeout) is the backend's: unreachable, as a connect timeout.
+                connected = len(sent) > written
+                waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime) and connected
                 if _is_backend_failure(exc) and not waited_for_generation:
+                    unreachable = isinstance(exc, (ConnectFailed, ConnectTimeout)) or (
+                        isinstance(exc, Timeout) and not connected)
                     health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic,
-                                            unreachable=isinstance(exc, (ConnectFailed, ConnectTimeout)))
+                                            unreachable=unreachable)
                 else:  # an answer that broke its bounds or its framing
                     health.answered(model.id, backend, request, client, failed=True, models_backends=enabled,
                                     probe=probe)
