@@ -157,6 +157,37 @@ def test_invalid_requests_and_reads_cost_no_write_and_an_admitted_request_record
     assert last_used(manager) is not None and last_used(narrow) is None
 
 
+def test_a_key_refused_at_admission_is_used_and_many_requests_at_once_record_it_once(stack):
+    """A key whose requests reach admission and are refused (402 out of credits, 429 at its
+    limit) is used: admission wrote for it. And concurrent requests of one key, each looking
+    it up (no cache), wrote its last use twice or more: a lookup that read it before the
+    first write landed made it due again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys_table = stack.settings.keys_table
+
+    def touches_since(mark: int) -> int:
+        time.sleep(0.3)  # written off the request's path
+        return sum(1 for op, payload in stack.faults.calls[mark:]
+                   if op == "UpdateItem" and payload.get("TableName") == keys_table)
+
+    def last_used(secret: str):
+        return stack.http.get("/v1/key", headers={"Authorization": f"Bearer {secret}"}).json()["last_used_at"]
+
+    _, broke = stack.org(credits="0")
+    mark = len(stack.faults.calls)
+    assert stack.post(CHAT, GOOD, broke).status_code == 402
+    assert touches_since(mark) == 1 and last_used(broke) is not None
+
+    org_id, key = stack.org()
+    mark = len(stack.faults.calls)
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(lambda i: stack.post(
+            CHAT, {**GOOD, "messages": [{"role": "user", "content": f"hi {i}"}]}, key).status_code, range(24)))
+    assert set(statuses) <= {200, 429} and 200 in statuses
+    assert touches_since(mark) == 1
+
+
 @pytest.mark.parametrize("path, body, param", [
     (CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "tool_choice": 5,
             "response_format": {"type": "json_object"}}, "response_format"),

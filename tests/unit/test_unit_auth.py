@@ -173,3 +173,29 @@ def test_a_request_coming_as_the_last_one_leaves_reads_anew_not_its_cancellation
         assert (await second).key_id == "key_1" and storage.reads == 2
 
     asyncio.run(scenario())
+
+
+def test_a_keys_last_use_is_written_once_though_lookups_read_it_stale_before_the_write_lands():
+    """Each lookup that read a last use older than ten minutes made the key due again, and the
+    write, made only once the request goes to admission, had not landed yet: two lookups (a
+    cache entry that expired, another environment's, no cache) made two writes. This process
+    writes it once in ten minutes."""
+    storage = SlowStorage()
+    storage.keys[hash_secret(SECRET)] = KeyEntry("key_1", "acme", True, "2020-01-01T00:00:00.000Z")  # stale
+    touches: list[str] = []
+
+    async def touch_key(key_hash: str, when: str) -> None:
+        touches.append(key_hash)
+        await asyncio.sleep(0.05)  # not landed yet: the next lookup still reads it stale
+
+    storage.touch_key = touch_key
+    auth = Authenticator(storage, cache_seconds=0)  # every request looks its key up
+
+    async def scenario():
+        for _ in range(3):
+            auth.used(await auth.authenticate(f"Bearer {SECRET}"))
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    assert len(touches) == 1

@@ -70,6 +70,9 @@ class Authenticator:
         self._touches: set[asyncio.Task] = set()
         # keys whose last_used_at is due for an update, by id: their hash, until they are `used`
         self._due: OrderedDict[str, str] = OrderedDict()
+        # when this process last wrote a key's last_used_at, by id: a lookup that read it before
+        # that write landed does not make it due again
+        self._touched: OrderedDict[str, float] = OrderedDict()
         # bumped by forget_key: a lookup that began before a key was forgotten may have read
         # it as it was, and must not put that back in the cache
         self._forgets = 0
@@ -123,16 +126,22 @@ class Authenticator:
         if forgets == self._forgets:  # no key was forgotten meanwhile: what was read is current
             self._remember(key_hash, principal)
         if stale_last_used and principal is not None:
-            self._due[principal.key_id] = key_hash
-            while len(self._due) > self._max_entries:
-                self._due.popitem(last=False)
+            touched = self._touched.get(principal.key_id)
+            if touched is None or self._clock() - touched >= LAST_USED_RESOLUTION_SECONDS:
+                self._due[principal.key_id] = key_hash
+                while len(self._due) > self._max_entries:
+                    self._due.popitem(last=False)
         return principal
 
     def used(self, principal: Principal) -> None:
-        """The key did what writes anyway (its request was admitted, it changed a key): its
-        last_used_at, if due, is written in a task of its own, never on the request's path."""
+        """The key does what writes anyway (its request goes to admission, it changes a key):
+        its last_used_at, if due, is written in a task of its own, never on the request's path."""
         key_hash = self._due.pop(principal.key_id, None)
         if key_hash is not None:
+            self._touched[principal.key_id] = self._clock()
+            self._touched.move_to_end(principal.key_id)
+            while len(self._touched) > self._max_entries:
+                self._touched.popitem(last=False)
             task = asyncio.ensure_future(self._touch(key_hash))
             self._touches.add(task)  # held until done, and not awaited
             task.add_done_callback(self._touches.discard)

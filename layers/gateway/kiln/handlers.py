@@ -56,6 +56,7 @@ async def complete(request: Request, api: ModelApi) -> Response:
             raise ManagementKeyForbidden(MANAGEMENT_KEY_ON_A_MODEL)
         call = normalize(api, body, catalog, principal.may_use)  # 4
         record.model = call.model.id
+        gateway.auth.used(principal)  # admission writes, admitted or refused: the key's use is recorded
         lease = await gateway.storage(  # 5
             gateway.ledger.admit(
                 org_id=principal.org_id,
@@ -69,7 +70,6 @@ async def complete(request: Request, api: ModelApi) -> Response:
     except GatewayError as error:
         record.error_code = error.code
         return error_response(error)
-    gateway.auth.used(principal)
     return await Exchange(gateway, principal, call, lease, record).respond(request.receive)  # 6
 
 
