@@ -453,3 +453,21 @@ def test_the_search_for_whole_texts_is_linear_and_bounded_against_a_short_deltas
     assert sum(searched) <= responses.MAX_SEARCHED_BYTES + responses.LINEAR_SEARCH_BYTES
     assert len(searched) <= 32 * 2 * 12, len(searched)  # the 32 distinct texts' searches, once each
     assert relay.relayed_tokens >= 1300 * len(odd) / 4 / 2  # each time counted, ~half of it as bytes beyond the deltas
+
+
+@pytest.mark.parametrize("spelled", ['msg\\/1', "m" * 300 + "\\/1"], ids=["short", "past-the-digest-length"])
+def test_an_item_id_with_an_escaped_slash_is_one_item_in_its_deltas_and_its_done_event(spelled):
+    """A delta not parsed was keyed by its id as sent (`"msg\\/1"`), the done event, parsed, by
+    its id as `dumps` writes it (`"msg/1"`): one item counted as two, its text twice over, so
+    an honest usage fell below the relay's floor and was not believed."""
+    def counted(item_id: str) -> tuple[int, int]:
+        relay = ResponsesRelay(max_event_bytes=1 << 20)
+        words = ["Hello", " there", ",", " how", " are", " you", " to", "day", "?"]
+        for word in words:
+            relay.feed(('data: {"type":"response.output_text.delta","item_id":"' + item_id + '","delta":"'
+                        + word + '"}\n\n').encode())
+        relay.feed(('data: {"type":"response.output_text.done","item_id":"' + item_id + '","text":"'
+                    + "".join(words) + '"}\n\n').encode())
+        return relay.relayed_tokens, relay.fewest_tokens
+
+    assert counted(spelled) == counted(spelled.replace("\\/", "_"))

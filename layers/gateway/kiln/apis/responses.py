@@ -596,10 +596,10 @@ def _item_key(item_id: Any) -> Any:
 
 
 def _raw_item(payload: bytes) -> bytes:
-    """A delta's item id as sent (an event with no escape: its JSON form is what was sent);
-    b"": none given (the deltas of no id are one item)."""
+    """A delta's item id as sent (an event with no `\\u` escape: its JSON form is what was sent,
+    but for a `\\/`, written as `dumps` writes it); b"": none given (the deltas of no id are one item)."""
     found = _ITEM_ID.search(payload)
-    return _bounded(b'"' + found.group(1) + b'"') if found else b""
+    return _bounded(b'"' + _canonical(found.group(1)) + b'"') if found else b""
 
 
 def _bounded(key: bytes) -> bytes:
