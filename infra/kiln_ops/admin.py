@@ -163,7 +163,9 @@ def add_admin_parser(subparsers: Any) -> None:
         "replay-usage", help="settle the usage events the gateway logged as usage_unsettled (storage was down)"
     )
     replay.add_argument("file", nargs="?", default="-", help="exported log lines (default: standard input)")
-    replay.set_defaults(run=_replay_usage, writes=True)
+    replay.set_defaults(run=_replay_usage, writes=True,
+                        on_interrupt="the events it settled stand; replaying the same lines again settles the "
+                                     "others and changes nothing else")
 
     catalog = groups.add_parser("catalog", help="the model catalog (SSM parameter)").add_subparsers(
         dest="action", required=True
@@ -249,6 +251,7 @@ KEY_FLAGS = ("label", "role", "models", "concurrency", "spend_limit", "spend_per
 
 # the status of a command whose output's reader left (128 + SIGPIPE), as a shell reports it
 BROKEN_PIPE = 141
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str], None] = print) -> int:
@@ -264,6 +267,12 @@ def run_admin(args: argparse.Namespace, settings: Any = None, out: Callable[[str
         return 0
     except BrokenPipeError:  # its reader left (`| head`): stop there, as a Unix command does
         return BROKEN_PIPE
+    except KeyboardInterrupt:  # Ctrl-C: one line, what stands, never a traceback
+        said = getattr(args, "on_interrupt", None) or (
+            "what it changed before it stopped stands: look (show or list) before making it again"
+            if getattr(args, "writes", False) else "it changed nothing")
+        print(f"kiln admin: interrupted; {said}", file=sys.stderr)
+        return INTERRUPTED
     except (AdminError, SettingsError, StackNotFound, ValueError) as exc:
         print(f"kiln admin: {exc}", file=sys.stderr)
         return 1
@@ -603,7 +612,9 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
         lines = sys.stdin
     else:
         try:
-            lines = open(args.file, encoding="utf-8")
+            # a line that is no UTF-8 (another program's, in the same log) is not a record: read
+            # as the standard input is, it cannot stop the others
+            lines = open(args.file, encoding="utf-8", errors="surrogateescape")
         except OSError as exc:
             raise AdminError(f"cannot read {args.file}: {exc.strerror}") from None
     unreadable: list[str] = []

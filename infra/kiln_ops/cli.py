@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from .admin import BROKEN_PIPE, add_admin_parser, run_admin
 from .argtypes import bounded_int, http_url, non_negative
@@ -37,8 +38,18 @@ def _faults(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a value of `--` (`--label=--`, or `-- --` for an amount) is a usage error:
+    Python's argparse drops the `--` and hands the option's type an empty list."""
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        if arg_strings == ["--"] and action.nargs in (None, argparse.OPTIONAL):
+            self.error(f"argument {'/'.join(action.option_strings) or action.dest}: '--' is not a value")
+        return super()._get_values(action, arg_strings)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="Kiln gateway: local stack and operator tools.")
+    parser = _Parser(prog="kiln", description="Kiln gateway: local stack and operator tools.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     dev = commands.add_parser("dev", help="run the whole stack locally (gateway + embedded AWS + mock model server)")

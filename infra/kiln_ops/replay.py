@@ -15,6 +15,7 @@ written as a JSON number is read as a Decimal, never through a float.
 from __future__ import annotations
 
 import json
+import secrets
 from collections import Counter
 from decimal import Decimal
 from typing import Any, Iterable, Iterator
@@ -127,6 +128,7 @@ async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent
     counted, and said in `failures` (which, its generation id and why) when given."""
     outcomes: Counter = Counter()
     records = list(records)
+    run = f"replay {secrets.token_hex(8)}"  # this run's tokens: its retries are recognised, no one else's
     storage_down = 0  # events in a row refused because storage still fails
     for index, record in enumerate(records):
         event, figure = record if isinstance(record, tuple) else (record, None)
@@ -135,9 +137,9 @@ async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent
             break
         try:
             lease = lease_of(event, figure)
-            # no ClientRequestToken: DynamoDB would repeat an earlier success silently, and the
-            # operator is to be told "already settled"
-            outcomes[await ledger.settle(lease, event, request_token=False)] += 1
+            # tokens of this run's own: a retry after a lost answer is told it succeeded, while an
+            # earlier success (the gateway's, another run's) is "already settled", not repeated
+            outcomes[await ledger.settle(lease, event, request_token=run)] += 1
             storage_down = 0
         except NothingHeld as exc:  # nothing to settle here: a replay again would find the same
             outcomes["not_found"] += 1

@@ -1176,3 +1176,39 @@ def test_an_org_limit_its_item_could_not_hold_leases_for_is_refused(admin, stack
     too_many = admin("orgs", "set-limit", org_id, "1000")
     assert too_many.code == 2 and "1-500" in too_many.err
     assert "500" in " ".join(admin("orgs", "show", org_id).lines)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["admin", "credits", "add", "org-x", "--", "--"], "usd"),
+    (["admin", "keys", "create", "org-x", "--label=--"], "--label"),
+])
+def test_a_value_of_double_dash_is_a_usage_error(argv, option, capsys):
+    """Python's argparse drops a `--` value and hands its type an empty list: the command ended
+    in "AttributeError: 'list' object has no attribute 'is_finite'" (exit 1)."""
+    from kiln_ops.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert f"argument {option}: '--' is not a value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["admin", "replay-usage", "-"], "the events it settled stand; replaying the same lines again settles the others"),
+    (["admin", "credits", "add", "org-x", "5"], "what it changed before it stopped stands"),
+    (["admin", "orgs", "list"], "it changed nothing"),
+])
+def test_ctrl_c_is_one_line_saying_what_stands_never_a_traceback(argv, said, stack, capsys):
+    """Ctrl-C during a long replay-usage printed a 40-line KeyboardInterrupt traceback and no
+    word of what had been settled."""
+    from kiln_ops.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    args.run = interrupted
+    assert run_admin(args, settings=stack.settings, out=lambda line: None) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("kiln admin: interrupted; ") and said in err and "Traceback" not in err, err

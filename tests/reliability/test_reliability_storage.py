@@ -584,3 +584,41 @@ def test_a_stream_whose_settle_is_slow_near_its_deadline_still_ends_in_its_last_
         assert "upstream_error" in last, last[:200]
     (event,) = ledger.check(timeout=10)
     assert event.status == ("success" if ends == "done" else "stream_interrupted")
+
+
+def test_a_replay_reads_a_log_with_bytes_that_are_no_utf8_and_calls_what_it_settled_settled(
+        stack_factory, tmp_path, capsys):
+    """Two operators' surprises. A log export with one byte that is no UTF-8 anywhere (another
+    program's line) made replay-usage settle nothing: one line, the codec's error, no file or
+    line named. And under lost answers, the replay's own retry found its first try applied and
+    called the event "already settled", as if someone else had settled it."""
+    from kiln.store import with_ledger
+    from kiln_ops.replay import replay, unsettled_records
+
+    stack = stack_factory(storage_retry_seconds=0.5)
+    org_id, key = stack.org(credits="1")
+    mark = len(TELEMETRY.text())
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code=REFUSED)
+    logged = [stack.post(CHAT, BODY, key) for _ in range(3)]
+    stack.faults.clear()
+    unsettled = [line for line in TELEMETRY.text()[mark:].splitlines() if "usage_unsettled" in line]
+    assert len(unsettled) == 3
+    exported = tmp_path / "unsettled.log"
+    exported.write_bytes(unsettled[0].encode() + b"\nSTART RequestId: caf\xe9 Version: $LATEST\n"
+                         + unsettled[1].encode() + b"\n")
+    lines: list[str] = []
+    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
+    assert run_admin(args, settings=stack.settings, out=lines.append) == 0, capsys.readouterr().err
+    assert lines == ["replayed 2 unsettled usage events: 2 settled"]
+
+    faults = StorageFaults()
+    faults.lose("TransactWriteItems", times=1)  # the third's settle applied, its answer lost
+    records = list(unsettled_records(unsettled))
+    outcomes = with_ledger(stack.settings, lambda ledger: replay(ledger, records[2:]), http=FaultInjectingHttp(faults))
+    assert faults.count("TransactWriteItems") >= 2 and outcomes == {"settled": 1}, outcomes
+    events = stack.events(org_id)
+    assert {event.gen_id for event in events} == {r.headers["X-Neocloud-Generation-Id"] for r in logged}
+    assert stack.org_info(org_id).credits == Decimal(1) - sum(event.cost for event in events)
+    assert stack.org_info(org_id).in_flight == 0
+    again = with_ledger(stack.settings, lambda ledger: replay(ledger, records))  # another run
+    assert again == {"already_settled": 3}

@@ -616,7 +616,7 @@ class Ledger:
 
     # -- settlement ------------------------------------------------------------------------
 
-    async def settle(self, lease: Lease, event: UsageEvent, *, request_token: bool = True) -> str:
+    async def settle(self, lease: Lease, event: UsageEvent, *, request_token: bool | str = True) -> str:
         """Release the lease, debit `event.cost`, write the event; retried within the policy.
 
         Returns "settled", "replaced_abandoned" or "already_settled". Raises StorageError
@@ -624,8 +624,9 @@ class Ledger:
         where neither the lease nor an event of the generation is there); the caller must
         then keep the event (log it). `request_token` (a ClientRequestToken made from
         the generation id) is for the gateway's own settle; a replay of an event logged
-        earlier goes without, to be told "already_settled" rather than DynamoDB's silent
-        repeat of a success.
+        earlier gives a text of its own run to make it with (or False: none), so that its own
+        retry after a lost answer is told it succeeded, and the gateway's earlier success, or
+        another run's, is told "already_settled" rather than repeated silently by DynamoDB.
         """
         event = self._kept(event)
         figures: tuple[str, ...] = (lease.spend_figure,) if lease.spend_figure is not None else ()
@@ -651,7 +652,7 @@ class Ledger:
         raise AssertionError("unreachable: the last attempt is not conditioned on the marker")
 
     def _settle_payload(self, lease: Lease, event: UsageEvent, figures: tuple[str, ...], marker: str | None, *,
-                        attempt: int, request_token: bool) -> dict[str, Any]:
+                        attempt: int, request_token: bool | str) -> dict[str, Any]:
         """The settle's transaction, adding the cost to `figures`, conditioned on the lease being
         held and (but on the last attempt) on the key's marker: on the first, what the lease
         assumes or none; after reading it, what was read (None: no marker)."""
@@ -676,6 +677,8 @@ class Ledger:
             # each attempt after reading the marker is another transaction: its own token (a
             # retry of one after a lost answer, within the retry policy, keeps it)
             text = lease.gen_id if attempt == 0 else "|".join((lease.gen_id, str(attempt), str(marker), *figures))
+            if isinstance(request_token, str):  # a replay's run
+                text = f"{request_token}|{text}"
             payload["ClientRequestToken"] = client_token("s", text)
         return payload
 
@@ -692,7 +695,7 @@ class Ledger:
         return (answer or {}).get("Item") or {}
 
     async def _settle_late(self, lease: Lease, event: UsageEvent, org: dict[str, Any] | None = None, *,
-                           request_token: bool = True) -> str:
+                           request_token: bool | str = True) -> str:
         """The lease is gone: this settle already happened, or the lease expired and was
         reclaimed as `abandoned` (already billed for its last renewal). Replace that event,
         debiting only the difference, added to the key's figures as `org` (the org item read
@@ -714,7 +717,7 @@ class Ledger:
         raise StorageError("settle cancelled: the abandoned event kept changing")
 
     async def _replace_abandoned(self, lease: Lease, event: UsageEvent, found: dict[str, Any],
-                                 org: dict[str, Any] | None, *, request_token: bool) -> str | None:
+                                 org: dict[str, Any] | None, *, request_token: bool | str) -> str | None:
         """`_settle_late`'s write, replacing the abandoned event `found` as read: None when it
         changed since (`kiln admin keys tally` added an event of an older version to its
         key's tally: the difference is then all the tally needs)."""
