@@ -467,6 +467,11 @@ KEY_COLUMNS = ("key_id", "prefix", "status", "created_at", "last_used_at", "revo
 
 
 def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import valid_org_id
+
+    if not valid_org_id(args.org):  # no org has it: DynamoDB would refuse an empty key's query
+        raise AdminError(f"org {args.org[:80]!r} not found")
+
     async def describe(keyring: Any) -> list[dict[str, Any]]:
         # each key's spend this period: its figure (a key with a limit), else its tally
         # (kiln.store.tally), every key's read in batches

@@ -1212,3 +1212,24 @@ def test_ctrl_c_is_one_line_saying_what_stands_never_a_traceback(argv, said, sta
     assert run_admin(args, settings=stack.settings, out=lambda line: None) == 130
     err = capsys.readouterr().err
     assert err.startswith("kiln admin: interrupted; ") and said in err and "Traceback" not in err, err
+
+
+def test_a_maintenance_message_in_korean_is_stored_and_shown_as_written(admin, stack):
+    """The switch was written with every character escaped (`\\ud55c`: 6 bytes where UTF-8 takes
+    3), so 680 Korean characters were over SSM's 4 KB, and the command echoed them escaped."""
+    message = "서버 점검 중입니다. " * 100  # 1 200 characters, 3 000 bytes of UTF-8
+    result = admin("maintenance", "on", "--message", message)
+    assert result.code == 0, result.err
+    assert message in result.lines[0]
+    try:
+        _, secret = stack.org()
+        answered = stack.post("/v1/chat/completions", CHAT, secret)
+        assert answered.status_code == 503 and answered.json()["error"]["message"] == message
+    finally:
+        assert admin("maintenance", "off").code == 0
+
+
+def test_keys_list_of_an_org_id_no_org_can_have_is_not_found(admin):
+    """`keys list ""` answered DynamoDB's ValidationException (an empty key in a query)."""
+    for org_id in ("", "_x", "Acme"):
+        assert_fails(admin("keys", "list", org_id), f"org {org_id!r} not found")

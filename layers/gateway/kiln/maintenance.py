@@ -32,7 +32,7 @@ class MaintenanceFlag:
             document["until"] = self.until.astimezone(timezone.utc).replace(tzinfo=None).isoformat() + "Z"
         if self.message:
             document["message"] = self.message
-        return json.dumps(document)
+        return json.dumps(document, ensure_ascii=False)  # a message as written: UTF-8, not escaped
 
     def error(self, default_retry_after: int, now: datetime | None = None) -> Maintenance:
         """The 503 to answer while enabled. Retry-After is the HTTP-date of `until`; once

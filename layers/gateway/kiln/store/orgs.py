@@ -97,7 +97,7 @@ def _check_credits(amount: Decimal) -> None:
 
 def create_org(tables: Tables, org_id: str, *, concurrency: int, credits: Decimal) -> OrgInfo:
     if not valid_org_id(org_id):
-        raise ValueError("org ids are 1-63 characters: lower-case letters, digits, '-' and '_'")
+        raise ValueError("org ids are 1-63 characters: lower-case letters, digits, '-' and '_', the first a letter or a digit")
     _check_limit(concurrency)
     if not credits.is_finite() or credits < 0:
         raise ValueError("credits must be a non-negative amount of USD")
