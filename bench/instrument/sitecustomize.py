@@ -137,7 +137,7 @@ if os.environ.get("BENCH_PROBE") == "1":
             return
         original = cls.call
 
-        async def call(self, service, operation, payload):
+        async def call(self, service, operation, payload, **options):
             record = {
                 "service": service,
                 "op": operation,
@@ -151,7 +151,7 @@ if os.environ.get("BENCH_PROBE") == "1":
                 "error": None,
             }
             token = _AWS_CALL.set(record)
-            timed = _StepCpu(original(self, service, operation, payload))
+            timed = _StepCpu(original(self, service, operation, payload, **options))
             try:
                 return await timed
             except BaseException as exc:
