@@ -163,6 +163,9 @@ def add_admin_parser(subparsers: Any) -> None:
         "replay-usage", help="settle the usage events the gateway logged as usage_unsettled (storage was down)"
     )
     replay.add_argument("file", nargs="?", default="-", help="exported log lines (default: standard input)")
+    replay.add_argument(
+        "--progress", action="store_true", help="report progress on stderr even when it is not a terminal"
+    )
     replay.set_defaults(run=_replay_usage, writes=True,
                         on_interrupt="the events it settled stand; replaying the same lines again settles the "
                                      "others and changes nothing else")
@@ -625,7 +628,16 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
     unreadable: list[str] = []
     failures: list[str] = []
     records = list(unsettled_records(lines, unreadable))
-    outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, records, failures))
+    show_progress = args.progress or sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        if show_progress:
+            end = "\r" if sys.stderr.isatty() else "\n"
+            print(f"kiln admin: {done} of {total} usage events replayed…", end=end, file=sys.stderr, flush=True)
+
+    outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, records, failures, progress))
+    if show_progress and sys.stderr.isatty():
+        print(file=sys.stderr)
     for problem in unreadable:
         print(f"kiln admin: {args.file}, {problem}: a usage_unsettled record that is no usage event", file=sys.stderr)
     for problem in failures:

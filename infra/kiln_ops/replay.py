@@ -18,7 +18,7 @@ import json
 import secrets
 from collections import Counter
 from decimal import Decimal
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from kiln.gateway import UNSETTLED
 from kiln.store import Lease, Ledger, UsageEvent
@@ -120,17 +120,20 @@ def lease_of(event: UsageEvent, spend_figure: str | None = None) -> Lease:
 
 
 async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent, str | None]],
-                 failures: list[str] | None = None) -> Counter:
+                 failures: list[str] | None = None, progress: Callable[[int, int], None] | None = None) -> Counter:
     """Settle each event (alone, or with the spend figure its lease named); counts of the
     outcomes ("settled", "replaced_abandoned", "already_settled", "not_found", "not_settled"). An
     event that cannot be settled (storage still failing, a cost DynamoDB cannot store), or that
     finds neither its lease nor its event (`not_found`), does not stop the others: it is
-    counted, and said in `failures` (which, its generation id and why) when given."""
+    counted, and said in `failures` (which, its generation id and why) when given. `progress`
+    is told (events done, events in all) every PROGRESS_EVERY events and at the end."""
     outcomes: Counter = Counter()
     records = list(records)
     run = f"replay {secrets.token_hex(8)}"  # this run's tokens: its retries are recognised, no one else's
     storage_down = 0  # events in a row refused because storage still fails
     for index, record in enumerate(records):
+        if progress is not None and index and index % PROGRESS_EVERY == 0:
+            progress(index, len(records))
         event, figure = record if isinstance(record, tuple) else (record, None)
         if storage_down >= _STORAGE_DOWN_STOP:
             outcomes["not_tried"] = len(records) - index  # each would wait out its retries in turn
@@ -151,8 +154,12 @@ async def replay(ledger: Ledger, records: Iterable[UsageEvent | tuple[UsageEvent
             storage_down = storage_down + 1 if is_transient(translate_storage_error(exc)) else 0
             if failures is not None:
                 failures.append(f"not settled: {str(event.gen_id)[:80]}: {str(exc)[:300] or type(exc).__name__}")
+    if progress is not None:
+        progress(sum(count for outcome, count in outcomes.items() if outcome != "not_tried"), len(records))
     return outcomes
 
 
+# How often a replay says how far it got.
+PROGRESS_EVERY = 100
 # After this many events in a row refused by storage that still fails, the rest are not tried.
 _STORAGE_DOWN_STOP = 3

@@ -587,7 +587,7 @@ def test_a_stream_whose_settle_is_slow_near_its_deadline_still_ends_in_its_last_
 
 
 def test_a_replay_reads_a_log_with_bytes_that_are_no_utf8_and_calls_what_it_settled_settled(
-        stack_factory, tmp_path, capsys):
+        stack_factory, tmp_path, capsys, monkeypatch):
     """Two operators' surprises. A log export with one byte that is no UTF-8 anywhere (another
     program's line) made replay-usage settle nothing: one line, the codec's error, no file or
     line named. And under lost answers, the replay's own retry found its first try applied and
@@ -607,9 +607,10 @@ def test_a_replay_reads_a_log_with_bytes_that_are_no_utf8_and_calls_what_it_sett
     exported.write_bytes(unsettled[0].encode() + b"\nSTART RequestId: caf\xe9 Version: $LATEST\n"
                          + unsettled[1].encode() + b"\n")
     lines: list[str] = []
-    args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
+    args = build_parser().parse_args(["admin", "replay-usage", "--progress", str(exported)])
     assert run_admin(args, settings=stack.settings, out=lines.append) == 0, capsys.readouterr().err
     assert lines == ["replayed 2 unsettled usage events: 2 settled"]
+    assert "kiln admin: 2 of 2 usage events replayed…" in capsys.readouterr().err  # --progress, at the end
 
     faults = StorageFaults()
     faults.lose("TransactWriteItems", times=1)  # the third's settle applied, its answer lost
@@ -620,5 +621,8 @@ def test_a_replay_reads_a_log_with_bytes_that_are_no_utf8_and_calls_what_it_sett
     assert {event.gen_id for event in events} == {r.headers["X-Neocloud-Generation-Id"] for r in logged}
     assert stack.org_info(org_id).credits == Decimal(1) - sum(event.cost for event in events)
     assert stack.org_info(org_id).in_flight == 0
-    again = with_ledger(stack.settings, lambda ledger: replay(ledger, records))  # another run
-    assert again == {"already_settled": 3}
+    told: list[tuple[int, int]] = []
+    monkeypatch.setattr("kiln_ops.replay.PROGRESS_EVERY", 1)
+    again = with_ledger(stack.settings, lambda ledger: replay(ledger, records, progress=lambda *done: told.append(done)))
+    assert again == {"already_settled": 3}  # another run
+    assert told == [(1, 3), (2, 3), (3, 3)]  # how far it got, as it goes
