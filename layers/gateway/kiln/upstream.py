@@ -314,10 +314,10 @@ class UpstreamClient:
                 connected = len(sent) > written
                 waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime) and connected
                 if _is_backend_failure(exc) and not waited_for_generation:
-                    unreachable = isinstance(exc, (ConnectFailed, ConnectTimeout)) or (
-                        isinstance(exc, Timeout) and not connected)
+                    # refused, TLS, a connect timeout, or any bound that ended the wait first: no
+                    # connection was made (kiln.http1 writes the request only on one)
                     health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic,
-                                            unreachable=unreachable)
+                                            unreachable=not connected)
                 else:  # an answer that broke its bounds or its framing
                     health.answered(model.id, backend, request, client, failed=True, models_backends=enabled,
                                     probe=probe)
