@@ -26,3 +26,16 @@ def test_a_keys_spend_is_the_exact_sum_of_its_events_costs():
     for cost in ("123456.000000000000001", "0.000000000000000000000000000007"):
         spend.add("key_1", "2026-12-06T00:00:00.000Z", Decimal(cost))
     assert spend.of("key_1") == Decimal("123456.000000000000001000000000000007")
+
+
+def test_progress_says_each_count_once_and_the_last_count_whatever_it_is():
+    """`kiln admin usage --progress` prints what it was told: the count of a span of exactly 1 000
+    events was said twice, the second time as if more had been read."""
+    from kiln.usage_report import PROGRESS_EVERY
+
+    for total, said in ((0, [0]), (3, [3]), (PROGRESS_EVERY, [PROGRESS_EVERY]),
+                        (2 * PROGRESS_EVERY + 1, [PROGRESS_EVERY, 2 * PROGRESS_EVERY, 2 * PROGRESS_EVERY + 1])):
+        told: list[int] = []
+        summary = summarize((_event(n, "0.1") for n in range(total)), "model", told.append)
+        assert told == said
+        assert summary.total.requests == total

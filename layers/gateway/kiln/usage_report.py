@@ -90,15 +90,19 @@ class KeySpend:
         return self.spent.get(key_id, Decimal(0))
 
 
+PROGRESS_EVERY = 500  # events read between two reports of progress
+
+
 def summarize(events: Iterable[UsageEvent], by: str, progress: Callable[[int], None] | None = None) -> Summary:
     summary = Summary(by)
     GROUPINGS[by]  # noqa: B018 - an unknown grouping fails before any event is read
+    count = 0
     for count, event in enumerate(events, 1):
         summary.add(event)
-        if progress is not None and count % 500 == 0:
+        if progress is not None and count % PROGRESS_EVERY == 0:
             progress(count)
-    if progress is not None:
-        progress(summary.total.requests)
+    if progress is not None and (count == 0 or count % PROGRESS_EVERY):  # the last count, said once
+        progress(count)
     return summary
 
 
