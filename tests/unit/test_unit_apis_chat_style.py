@@ -404,6 +404,11 @@ def test_a_completion_may_echo_its_prompts_and_a_chat_reply_its_last_message():
     assert texts(COMPLETIONS, {"prompt": [LONG, "ab", [1, 2], 5], "echo": 1}) == (LONG, "ab", "", "")
     assert texts(COMPLETIONS, {"prompt": [1, 2, 3], "echo": True}) == ()  # token ids: text it cannot know
     assert texts(COMPLETIONS, {"prompt": {"x": 1}, "echo": True}) == ()
+    # what the texts of choices echoing token ids may hold of them, in tokens: each id, once a choice
+    assert COMPLETIONS.echoes({"prompt": [1, 2, 3], "echo": True, "n": "2"}).unseen_tokens == 6
+    assert COMPLETIONS.echoes({"prompt": [[1, 2], [3], "ab"], "echo": True, "n": 2}).unseen_tokens == 6
+    assert COMPLETIONS.echoes({"prompt": [1, 2, 3], "n": 2}).unseen_tokens == 0  # no echo
+    assert COMPLETIONS.echoes({"prompt": ["ab", True, 1.0], "echo": True}).unseen_tokens == 0
     continued = [{"role": "user", "content": "go on"}, {"role": "assistant", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert texts(CHAT, {"messages": continued, "echo": True}) == ("a\nb", "ab")

@@ -7,7 +7,9 @@ completion. Only an echo that is there is taken off: each choice's text, as it c
 against the texts the request may have echoed, and from the first character that matches none,
 the text is the model's (a choice that starts otherwise, a server that ignores `echo`: all of
 it). Text the gateway cannot know, such as a prompt of token ids written back as text, is never
-taken off.
+taken off: those tokens (`unseen_tokens`, at most the ids each choice may echo) are what the
+replies' texts may hold of the prompt beyond what the model wrote, and are taken off the
+counts instead.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ _OVER = None  # a choice whose echo is over (taken off, or never there)
 class Echoes:
     """The texts a request's replies may start with, and where each choice stands in them."""
 
-    def __init__(self, texts: Sequence[Any], *, per_prompt: int | None = None) -> None:
+    def __init__(self, texts: Sequence[Any], *, per_prompt: int | None = None, unseen_tokens: int = 0) -> None:
         """`texts`: what every choice may echo; with `per_prompt` (a batch of prompts, `n`
         choices each), each prompt is echoed by its own choices only: choice i by prompt
         i // n, as vLLM orders them. A prompt that is no text (token ids) echoes nothing the
-        gateway can know. Each choice is matched against its own few texts, so the matching
-        costs time linear in the reply, however many prompts a batch holds."""
+        gateway can know: `unseen_tokens`, the tokens all choices together may echo of such
+        prompts. Each choice is matched against its own few texts, so the matching costs time
+        linear in the reply, however many prompts a batch holds."""
+        self.unseen_tokens = unseen_tokens
         self._texts = tuple(text if isinstance(text, str) else "" for text in texts)
         self._every = tuple(index for index, text in enumerate(self._texts) if text)
         self._per_prompt = per_prompt

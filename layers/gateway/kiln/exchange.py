@@ -336,6 +336,12 @@ class Exchange:
         return self._prompt_estimate
 
     def _billable(self, reported: Any, completion_count: Callable[[], int], completion_floor: int = 0) -> TokenUsage:
+        """The usage to bill (kiln.metering.billable_usage); the replies' texts counted less what
+        they may echo of a prompt the gateway holds as token ids, not text (kiln.echo)."""
+        if unseen := self._echoes.unseen_tokens:
+            completion_floor = max(completion_floor - unseen, 0)
+            counted = completion_count
+            completion_count = lambda: max(counted() - unseen, 0)  # noqa: E731 - as it was given, a callable
         usage, problems = billable_usage(
             self.call.api.reported_usage(reported), self.bounds, prompt_estimate=self.prompt_estimate,
             completion_count=completion_count, completion_floor=completion_floor,

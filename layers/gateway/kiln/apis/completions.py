@@ -7,7 +7,7 @@ from typing import Any
 from .. import schemas
 from ..echo import Echoes
 from ..lax import server_bool, server_int
-from ..metering import estimate_prompt_tokens, fewest_prompt_text_tokens
+from ..metering import MAX_CHOICES, estimate_prompt_tokens, fewest_prompt_text_tokens
 from .base import ChatStyleApi
 
 __all__ = ["API", "CompletionsApi"]
@@ -31,18 +31,23 @@ class CompletionsApi(ChatStyleApi):
         return estimate_prompt_tokens(body, chat=False)
 
     def echoes(self, body: dict[str, Any]) -> Echoes:
-        """With `echo`, each reply starts with its prompt (a prompt of token ids comes back as
-        text the gateway cannot know: never taken off); a batch's choices are its prompts', `n`
-        each, in order."""
+        """With `echo`, each reply starts with its prompt; a batch's choices are its prompts',
+        `n` each, in order. A prompt of token ids comes back as text the gateway cannot know:
+        never taken off the texts, its ids (once per choice) are taken off the counts."""
         if not server_bool(body.get("echo")):
             return Echoes(())
         prompt = body.get("prompt")
+        n = server_int(body.get("n"))  # as the model server reads it: "2" and 2.0 are 2 choices
+        per_prompt = min(n, MAX_CHOICES) if n is not None and n >= 1 else 1
         if isinstance(prompt, str):
             return Echoes([prompt])
-        if not isinstance(prompt, list) or not any(isinstance(item, str) for item in prompt):
-            return Echoes(())  # token ids, of one prompt or several
-        n = server_int(body.get("n"))  # as the model server reads it: "2" and 2.0 are 2 choices
-        return Echoes(prompt, per_prompt=n if n is not None and n >= 1 else 1)
+        if not isinstance(prompt, list):
+            return Echoes(())
+        # token ids: of one prompt, or of a batch's prompts
+        unseen = (_token_ids(prompt) + sum(_token_ids(item) for item in prompt if isinstance(item, list))) * per_prompt
+        if not any(isinstance(item, str) for item in prompt):
+            return Echoes((), unseen_tokens=unseen)
+        return Echoes(prompt, per_prompt=per_prompt, unseen_tokens=unseen)
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
         """Each prompt string's text, and a token per token id; none with vLLM's
@@ -59,6 +64,11 @@ class CompletionsApi(ChatStyleApi):
             elif isinstance(item, list):
                 total += sum(1 for token in item if type(token) is int)
         return total
+
+
+def _token_ids(prompt: list[Any]) -> int:
+    """The token ids of a prompt given as ids: what its echo is, in tokens."""
+    return sum(1 for token in prompt if type(token) is int)
 
 
 API = CompletionsApi()
