@@ -78,6 +78,36 @@ def test_an_upstream_4xx_with_a_long_message_keeps_its_shape_and_its_code(stack,
     assert_settled(stack, org_id, "upstream_rejected", 400)
 
 
+# found by a hostile model server: its codes were the gateway's word on the caller's key and org
+
+@pytest.mark.parametrize("status, code", [(401, "invalid_api_key"), (402, "insufficient_credits"),
+                                          (429, "rate_limit_exceeded"), (403, "organization_disabled"),
+                                          (400, "maintenance"), (404, "generation_not_found")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_servers_code_is_never_one_the_gateway_says_of_the_key_org_or_itself(stack, org, stream, status, code):
+    """A client branches on `error.code` (§5: codes are stable API): a model server's (or a
+    misconfigured backend's) `invalid_api_key` told a client with a good key that its key was
+    bad, a `insufficient_credits` that its org was out of credits. The status and the message
+    are the server's (§5); such a code is none, and the usage event keeps it as the server's."""
+    org_id, key = org
+    raw = json.dumps({"error": {"message": "from the model server", "type": "x", "code": code}})
+    response = stack.post(CHAT, chat(stream=stream, mock={"status": status, "plain_text": True, "message": raw}), key)
+    assert response.status_code == status, response.text
+    assert response.json()["error"] == {"message": "from the model server", "type": "invalid_request_error",
+                                        "param": None, "code": None}
+    assert_settled(stack, org_id, "upstream_rejected", status)
+    assert stack.events(org_id)[0].error == f"upstream HTTP {status} {code}"
+
+
+@pytest.mark.parametrize("code", ["context_length_exceeded", "invalid_value", "invalid_type"])
+def test_a_model_servers_code_of_the_request_is_passed_on(stack, org, code):
+    org_id, key = org
+    raw = json.dumps({"error": {"message": "no", "param": "max_tokens", "code": code}})
+    response = stack.post(CHAT, chat(mock={"status": 400, "plain_text": True, "message": raw}), key)
+    assert response.status_code == 400
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (code, "max_tokens")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_upstream_4xx_whose_message_no_utf8_can_carry_is_passed_on_as_its_text(stack, org, stream):
     """A lone surrogate escape in the error's message can be written in no UTF-8 body: the

@@ -283,12 +283,17 @@ class StorageUnavailable(GatewayError):
 
 
 class UpstreamRejected(GatewayError):
-    """The model server answered 4xx: same status, its message in the contract's shape."""
+    """The model server answered 4xx: same status, its message in the contract's shape. Its
+    code is passed on unless it is one of the gateway's own that speak of the caller's key, org,
+    limits or the gateway (`RESERVED_CODES`): clients branch on those (§5), and a model
+    server's `invalid_api_key` or `insufficient_credits` is not the gateway's word on the key
+    or the org. Such a code is null to the client, kept in `upstream_code` (the usage event)."""
 
     type = "invalid_request_error"
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message, param=param, code=code)
+        super().__init__(message, param=param, code=None if code in RESERVED_CODES else code)
+        self.upstream_code = code
         self.status = status
         self.backend: str | None = None  # the backend that answered so
 
@@ -313,6 +318,22 @@ class UpstreamFailed(GatewayError):
 
 class InternalError(GatewayError):
     status, type, code = 500, "server_error", "internal_error"
+
+
+def _own_codes(root: type[GatewayError]) -> frozenset[str]:
+    """Every code the gateway answers with of its own but those that speak of a request's content
+    (400): a 400 `invalid_value` from the model server says the same of the same request."""
+    codes, classes = set(), [root]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if cls is not UpstreamRejected and cls.code is not None and cls.status != 400:
+            codes.add(cls.code)
+    return frozenset(codes)
+
+
+# with those API Gateway answers with (template.yaml) and a stream's error event
+RESERVED_CODES = _own_codes(GatewayError) | {"function_unavailable", "gateway_timeout", "upstream_error"}
 
 
 def _describe_upstream_error(raw: bytes) -> tuple[str, str | None, str | None]:

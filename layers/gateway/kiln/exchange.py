@@ -180,7 +180,7 @@ class Exchange:
             # its code is the model server's own text: counted under the gateway's word for it,
             # logged beside it only if it is a word
             self.record.error_code = "upstream_rejected"
-            self.record.upstream_code = short_word(error.code)
+            self.record.upstream_code = short_word(error.upstream_code)
         else:
             self.record.error_code = error.code
         await self._settle(status, http_status=error.status, error=_stored_error(error))
@@ -527,6 +527,6 @@ def _stored_error(error: GatewayError) -> str:
     """What the usage event keeps of an error: never a model server's message, which may quote
     the prompt (§4), only its status and error code; the gateway's own words otherwise."""
     if isinstance(error, UpstreamRejected):
-        word = short_word(error.code)  # a code that is not a word may be any text: not kept
+        word = short_word(error.upstream_code)  # a code that is not a word may be any text: not kept
         return f"upstream HTTP {error.status} {word}" if word else f"upstream HTTP {error.status}"
     return error.detail or error.message
