@@ -4,7 +4,10 @@ uvicorn waits for a request's headers and body as long as the client likes (a cl
 sends one byte a minute holds a connection for ever) and answers a malformed request with a
 plain-text 400. The protocol here bounds both waits (`header_timeout`, `body_timeout`: 408
 in the contract's JSON error shape, or a plain close when nothing was received) and answers
-what httptools cannot parse (bad framing, oversized or invalid headers) with a JSON 400.
+what httptools cannot parse (bad framing, oversized or invalid headers) or HTTP/1.1 forbids (no
+Host, two) with a JSON 400. It declines an upgrade offer (h2c, WebSocket: the request answered as
+HTTP/1.1), keeps trailer fields out of the headers, and bounds a pipelined request's wait only
+from when the answer before it ends, never writing into that answer.
 What it cannot do: a request whose method or URL uvicorn's own code refuses after parsing
 (a non-ASCII path) still gets uvicorn's answer, and a client that stops reading a response
 is bounded only by the app's own write timeouts. The deployed functions run uvicorn behind
@@ -15,12 +18,14 @@ the whole request before the function is invoked, so no slow client reaches it t
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import threading
 import time
 from typing import Any, Callable
 
+import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -31,6 +36,11 @@ HEADER_TIMEOUT = 10.0
 BODY_TIMEOUT = 30.0
 # The most a request's line and headers may take (API Gateway takes 10 KiB of headers)
 MAX_HEAD_BYTES = 64 * 1024
+# Headers the Lambda Web Adapter sets in AWS (the invocation's ids): locally no one does, and a
+# client's own are not taken for them
+_AWS_SET = frozenset((b"x-amzn-request-context", b"x-amzn-lambda-context"))
+# RFC 3986's host (an IP literal, or a name of unreserved, sub-delims and %-escapes) and port
+_HOST = re.compile(rb"(\[[0-9A-Za-z:.%~_-]*\]|[A-Za-z0-9\-._~!$&'()*+,;=%]*)(:[0-9]*)?")
 
 
 async def read_body(receive: Any) -> bytes:
@@ -66,6 +76,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._read_timer: Any = None
         self._received = False
         self._head_open, self._head_bytes = False, 0
+        self._answering: Any = None  # the request whose app runs (others wait behind it, unread)
+        self._resuming = False  # reading the body of a request whose upgrade offer was declined
         self._arm(self.header_timeout, "headers")
 
     def _arm(self, seconds: float, what: str) -> None:
@@ -87,11 +99,36 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._received = True
         inside = self._head_open  # a head begun in an earlier read, not finished
         counted = self._head_bytes
-        super().data_received(data)
+        self._feed(data)
         if inside and self._head_open and not self.transport.is_closing():
             self._head_bytes = counted + max(len(data), self._head_bytes - counted)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.send_400_response("request head too large")
+
+    def _feed(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade as offer:
+            self._decline_upgrade(data[offer.args[0]:])
+
+    def _decline_upgrade(self, rest: bytes) -> None:
+        """A request that offers an upgrade (h2c, which curl --http2 and Java's HttpClient offer
+        on http: URLs; a WebSocket) is answered as HTTP/1.1, as RFC 9110 §7.8 allows. The
+        parser took the offer for a switch: it ended the request at its head and stopped. The
+        request's body, and what follows it, are read by a new parser, told the body's framing."""
+        cycle = self.cycle
+        self.parser = httptools.HttpRequestParser(self)
+        framing = _body_framing(self.headers)
+        if framing and cycle is not None and not cycle.response_complete:
+            cycle.more_body = True  # its body is still to come
+            self._resuming = True
+            self._arm(self.body_timeout, "body")
+            rest = b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n" + rest
+        if rest:
+            self._feed(rest)
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
@@ -99,35 +136,58 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             raise ValueError("request head too large")  # the parser's error: answered as a 400
 
     def on_url(self, url: bytes) -> None:
+        if self._resuming:
+            return
         self._count_head(len(url))
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._resuming:
+            return
         self._count_head(len(name) + len(value) + 4)
+        if not self._head_open:
+            return  # a trailer field: never merged into the headers (RFC 9110 §6.5.1)
+        if name.lower() in _AWS_SET:
+            return
         super().on_header(name, value)
 
     def on_message_begin(self) -> None:
+        if self._resuming:
+            return
         self._head_open, self._head_bytes = True, 0
         super().on_message_begin()
         if self._read_timer is None:  # a kept-alive connection's next request
             self._arm(self.header_timeout, "headers")
 
     def on_headers_complete(self) -> None:
-        codings = [coding.strip().lower() for name, value in self.headers if name == b"transfer-encoding"
-                   for coding in value.split(b",")]
-        if codings and codings != [b"chunked"]:
-            # a body in a coding not decoded here (RFC 9112 §6.1) would be read as another body
-            # than the one sent: raised, it is the parser's error, answered as invalid framing
-            raise ValueError("a transfer coding other than chunked")
+        if self._resuming:
+            return
+        _check_framing(self.headers, self.parser.get_http_version())
         self._head_open = False
         super().on_headers_complete()
-        self._arm(self.body_timeout, "body")
+        if self.pipeline and self.pipeline[0][0] is self.cycle:
+            # queued behind a request still answered, unread: its body's time starts with it
+            self._disarm()
+        else:
+            self._arm(self.body_timeout, "body")
         if self.scope.get("http_version") == "1.0" and self.cycle is not None:
             _close_delimited(self.cycle)
 
     def on_message_complete(self) -> None:
+        self._resuming = False
         super().on_message_complete()
         self._disarm()
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        cycle = self.cycle
+        if (cycle is self._answering and cycle.more_body and not cycle.response_complete
+                and self._read_timer is None and not self.transport.is_closing()):
+            self._arm(self.body_timeout, "body")  # a queued request now read: its body's time starts
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -137,16 +197,22 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._read_timer = None
         if self.transport.is_closing():
             return
-        cycle = self.cycle
-        if (cycle is None or cycle.response_complete) and what == "headers" and not self._received:
+        answering = self._answering if self._answering is not None and not self._answering.response_complete else None
+        late = self.cycle if what == "body" else None  # the request whose body is late (a head: none yet)
+        if answering is not None and late is not answering:
+            # a later request's head or body is late while an earlier one is answered (pipelined):
+            # that answer goes on whole, and the connection closes after it, the late one unread
+            answering.keep_alive = False
+            return
+        if answering is None and what == "headers" and not self._received:
             self.transport.close()  # an idle connection that never sent a byte
             return
-        if cycle is None or cycle.response_complete or not cycle.response_started:
+        if answering is None or not answering.response_started:
             self.transport.write(_error_response(
                 408, "Request Timeout", f"The request's {what} did not arrive in time.", "request_timeout"))
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True  # the app sees the client gone, and its answer goes nowhere
-            cycle.message_event.set()
+        if answering is not None:
+            answering.disconnected = True  # the app sees the client gone, and its answer goes nowhere
+            answering.message_event.set()
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -154,6 +220,28 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.transport.write(_error_response(
             400, "Bad Request", "The request is not valid HTTP/1.1 (framing or headers).", "invalid_http_request"))
         self.transport.close()
+
+
+def _check_framing(headers: list[tuple[bytes, bytes]], version: str) -> None:
+    """What HTTP/1.1 asks a server to refuse (raised: the parser's error, answered as a 400):
+    a body in a transfer coding not decoded here (it would be read as another body than the one
+    sent), a transfer coding in HTTP/1.0, which has none (RFC 9112 §6.1), and an HTTP/1.1
+    request without one valid Host, or any with two (§3.2)."""
+    codings = [coding.strip().lower() for name, value in headers if name == b"transfer-encoding"
+               for coding in value.split(b",")]
+    if codings and (codings != [b"chunked"] or version == "1.0"):
+        raise ValueError("a transfer coding other than chunked, or any in HTTP/1.0")
+    hosts = [value for name, value in headers if name == b"host"]
+    if len(hosts) > 1 or (version == "1.1" and not hosts) or (hosts and not _HOST.fullmatch(hosts[0])):
+        raise ValueError("no Host, two, or one that is no host")
+
+
+def _body_framing(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """A request's body framing, as a header line (none: it has no body)."""
+    if any(name == b"transfer-encoding" for name, _ in headers):
+        return b"transfer-encoding: chunked"  # the only coding _check_framing lets through
+    lengths = [value for name, value in headers if name == b"content-length"]
+    return b"content-length: " + lengths[0] if lengths and lengths[0].strip(b"0") else None
 
 
 def _close_delimited(cycle: Any) -> None:
@@ -198,6 +286,7 @@ def _config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
         access_log=False,
         timeout_keep_alive=75,
         http=protocol,
+        ws="none",  # no WebSocket: an Upgrade offer is declined, the request answered as HTTP/1.1
         **options,
     )
 

@@ -183,3 +183,155 @@ def test_a_stream_to_an_http_1_1_client_is_still_chunked(streaming_server):
     answer = exchange(streaming_server, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     head, _, body = answer.partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in head.lower() and body.endswith(b"0\r\n\r\n")
+
+
+# -- found by a hostile client, on raw sockets ---------------------------------------------------
+
+async def slow_or_echo(scope, receive, send):
+    """/slow: a stream that takes longer than the body timeout; anything else: echo."""
+    import asyncio
+
+    if scope["type"] != "http":
+        return
+    if scope["path"] != "/slow":
+        return await echo(scope, receive, send)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for piece in range(6):
+        await send({"type": "http.response.body", "body": b"data: %d\n\n" % piece, "more_body": True})
+        await asyncio.sleep(0.15)
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+async def headers_seen(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    body = json.dumps([[name.decode(), value.decode()] for name, value in scope["headers"]]).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    running = ServerThread(slow_or_echo, header_timeout=0.3, body_timeout=0.3).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def headers_server():
+    running = ServerThread(headers_seen).start()
+    yield running
+    running.stop()
+
+
+def answers(received: bytes) -> list[tuple[int, bytes]]:
+    """The answers on one connection, in order: (status, body as sent, chunked or not)."""
+    found = []
+    while received:
+        head, _, rest = received.partition(b"\r\n\r\n")
+        status = int(head.split(b" ")[1])
+        fields = dict(line.split(b": ", 1) for line in head.lower().split(b"\r\n")[1:])
+        if b"content-length" in fields:
+            size = int(fields[b"content-length"])
+            body, received = rest[:size], rest[size:]
+        else:  # chunked: up to the last chunk
+            body, _, received = rest.partition(b"\r\n0\r\n\r\n")
+        found.append((status, body))
+    return found
+
+
+def test_a_request_pipelined_behind_a_long_stream_is_answered_after_it_and_never_inside_it(slow_server):
+    """The second request waits, unread, while the first's stream runs: its body timer ran
+    from its head, and a 408 was written into the middle of the first request's stream."""
+    stream_request = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+    second_head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"
+    received = exchange(slow_server, stream_request + second_head, b"ok", pause=0.2)
+    assert b"408" not in received
+    (first_status, first_body), (second_status, second_body) = answers(received)
+    assert first_status == 200 and first_body.endswith(b"data: [DONE]\n\n")
+    assert (second_status, second_body) == (200, b"ok")
+
+
+def test_a_request_pipelined_behind_a_stream_still_has_its_body_bounded_once_it_is_read(slow_server):
+    stream_request = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+    second = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc"
+    (first_status, first_body), (second_status, _) = answers(exchange(slow_server, stream_request + second))
+    assert first_status == 200 and first_body.endswith(b"data: [DONE]\n\n")
+    assert second_status == 408
+
+
+@pytest.mark.parametrize("upgrade", [b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n",
+                                     b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                                     b"Sec-WebSocket-Version: 13\r\n"],
+                         ids=["h2c", "websocket"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-write", "body-apart"])
+def test_an_upgrade_offered_with_a_request_is_ignored_and_its_body_read(server, upgrade, split):
+    """curl --http2 and Java's HttpClient offer h2c on http: URLs (RFC 9110 §7.8 lets a server
+    ignore the offer). The parser took the offer for a switch: the body was dropped (400 "the
+    body is empty"), and, sent apart, answered again as a second, malformed request."""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\n" + upgrade + b"Content-Length: 7\r\n\r\n"
+    parts = (head, b'{"a":1}') if split else (head + b'{"a":1}',)
+    with socket.create_connection((server.host, server.port), timeout=5) as raw:
+        for part in parts:
+            raw.sendall(part)
+            time.sleep(0.05)
+        first = raw.recv(65536)
+        assert answers(first) == [(200, b'{"a":1}')]
+        # and the connection goes on as HTTP/1.1
+        raw.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        rest = b""
+        while chunk := raw.recv(65536):
+            rest += chunk
+    assert answers(rest) == [(200, b"ok")]
+
+
+def test_an_upgrade_offered_with_a_chunked_body_and_a_request_behind_it(server):
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nTransfer-Encoding: chunked\r\n\r\n"
+    following = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+    received = exchange(server, head + b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n" + following)
+    assert answers(received) == [(200, b"abcde"), (200, b"ok")]
+
+
+def test_trailer_fields_are_not_taken_for_headers(headers_server):
+    """RFC 9110 §6.5.1: a trailer is not merged into the header section. A key sent only in
+    a chunked body's trailer authenticated the request, depending on how TCP split it."""
+    received = exchange(headers_server, b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                        b"Connection: close\r\n\r\n2\r\n{}\r\n0\r\nAuthorization: Bearer sk-x\r\n\r\n")
+    ((status, body),) = answers(received)
+    assert status == 200 and "authorization" not in [name for name, _ in json.loads(body)]
+
+
+def test_the_ids_the_functions_get_from_aws_are_not_taken_from_a_client(headers_server):
+    """In AWS the Web Adapter sets x-amzn-request-context and x-amzn-lambda-context; locally
+    no one does, and a client's own made the request log's lambda_request_id and api_request_id."""
+    received = exchange(headers_server, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                        b"X-Amzn-Request-Context: {\"requestId\":\"forged\"}\r\n"
+                                        b"x-amzn-lambda-context: {\"request_id\":\"forged\"}\r\nX-Other: kept\r\n\r\n")
+    ((status, body),) = answers(received)
+    names = [name for name, _ in json.loads(body)]
+    assert status == 200 and "x-other" in names and not [name for name in names if name.startswith("x-amzn-")]
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n",  # no Host (RFC 9112 §3.2)
+    b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\nConnection: close\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a b/c@d:99\r\nConnection: close\r\n\r\n",
+    b"GET / HTTP/1.0\r\nHost: x\r\nHost: y\r\n\r\n",
+    # HTTP/1.0 has no chunked coding (RFC 9112 §6.1): framing a 1.0 request by it is faulty
+    b"POST / HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+])
+def test_requests_whose_host_or_framing_http_1_1_forbids_get_a_json_400(server, request_bytes):
+    status, error = json_error(exchange(server, request_bytes))
+    assert status == 400 and error["code"] == "invalid_http_request"
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET / HTTP/1.0\r\n\r\n",  # HTTP/1.0 needs no Host
+    b"GET / HTTP/1.1\r\nHost: \r\nConnection: close\r\n\r\n",  # empty: allowed (RFC 9112 §3.2)
+    b"GET / HTTP/1.1\r\nHost: [::1]:8000\r\nConnection: close\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: api.example-1.com.\r\nConnection: close\r\n\r\n",
+])
+def test_requests_with_a_host_http_allows_are_served(server, request_bytes):
+    assert exchange(server, request_bytes).startswith(b"HTTP/1.1 200")
