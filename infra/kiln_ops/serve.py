@@ -106,29 +106,39 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 self.send_400_response("request head too large")
 
     def _feed(self, data: bytes) -> None:
-        self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.send_400_response("Invalid HTTP request received.")
-        except httptools.HttpParserUpgrade as offer:
-            self._decline_upgrade(data[offer.args[0]:])
+        while data and not self.transport.is_closing():
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+                return
+            except httptools.HttpParserError:
+                self.send_400_response("Invalid HTTP request received.")
+                return
+            except httptools.HttpParserUpgrade as offer:
+                data = self._decline_upgrade(data[offer.args[0]:])
 
-    def _decline_upgrade(self, rest: bytes) -> None:
+    def _decline_upgrade(self, rest: bytes) -> bytes:
         """A request that offers an upgrade (h2c, which curl --http2 and Java's HttpClient offer
         on http: URLs; a WebSocket) is answered as HTTP/1.1, as RFC 9110 §7.8 allows. The
         parser took the offer for a switch: it ended the request at its head and stopped. The
-        request's body, and what follows it, are read by a new parser, told the body's framing."""
+        request's body, and what follows it, are read by a new parser, told the body's framing:
+        what to feed it is returned."""
         cycle = self.cycle
         self.parser = httptools.HttpRequestParser(self)
+        # as uvicorn's own parser: a request after one that closes the connection is not an error
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         framing = _body_framing(self.headers)
         if framing and cycle is not None and not cycle.response_complete:
             cycle.more_body = True  # its body is still to come
             self._resuming = True
-            self._arm(self.body_timeout, "body")
+            if not self._queued(cycle):  # a queued request's body's time starts when it is read
+                self._arm(self.body_timeout, "body")
             rest = b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n" + rest
-        if rest:
-            self._feed(rest)
+        return rest
+
+    def _queued(self, cycle: Any) -> bool:
+        """Whether the request waits, unread, behind one still answered."""
+        return any(waiting is cycle for waiting, _ in self.pipeline)
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
@@ -156,7 +166,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return
         self._head_open, self._head_bytes = True, 0
         super().on_message_begin()
-        if self._read_timer is None:  # a kept-alive connection's next request
+        if self._read_timer is None and not self.pipeline:  # a kept-alive connection's next request
+            # (behind a queued request the connection is not read: the head's time starts when it is)
             self._arm(self.header_timeout, "headers")
 
     def on_headers_complete(self) -> None:
@@ -165,7 +176,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         _check_framing(self.headers, self.parser.get_http_version())
         self._head_open = False
         super().on_headers_complete()
-        if self.pipeline and self.pipeline[0][0] is self.cycle:
+        if self._queued(self.cycle):
             # queued behind a request still answered, unread: its body's time starts with it
             self._disarm()
         else:
@@ -183,11 +194,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # reads the connection again, and starts a queued request
+        if self._read_timer is not None or self.transport.is_closing():
+            return
+        # what was waiting, unread, behind the answer now ends: a head's or a body's time starts
         cycle = self.cycle
-        if (cycle is self._answering and cycle.more_body and not cycle.response_complete
-                and self._read_timer is None and not self.transport.is_closing()):
-            self._arm(self.body_timeout, "body")  # a queued request now read: its body's time starts
+        if self._head_open:
+            self._arm(self.header_timeout, "headers")
+        elif cycle is not None and cycle.more_body and not cycle.response_complete:
+            self._arm(self.body_timeout, "body")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -335,3 +335,66 @@ def test_requests_whose_host_or_framing_http_1_1_forbids_get_a_json_400(server, 
 ])
 def test_requests_with_a_host_http_allows_are_served(server, request_bytes):
     assert exchange(server, request_bytes).startswith(b"HTTP/1.1 200")
+
+
+# found in review: what waits unread behind an answer, and upgrade offers among pipelined requests
+
+async def slow_unread(scope, receive, send):
+    """/slow: a buffered-like answer that takes 0.9 s and never calls receive(); else echo."""
+    import asyncio
+
+    if scope["type"] != "http":
+        return
+    if scope["path"] != "/slow":
+        return await echo(scope, receive, send)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    for piece in range(3):
+        await asyncio.sleep(0.3)
+        await send({"type": "http.response.body", "body": b"s%d;" % piece, "more_body": True})
+    await send({"type": "http.response.body", "body": b"end"})
+
+
+@pytest.fixture(scope="module")
+def unread_server():
+    running = ServerThread(slow_unread, header_timeout=0.3, body_timeout=0.3).start()
+    yield running
+    running.stop()
+
+
+UPGRADE = b"Connection: upgrade\r\nUpgrade: h2c\r\n"
+SLOW = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_a_head_begun_behind_a_queued_request_has_its_time_from_when_it_is_read(unread_server):
+    """The connection is not read while a queued request waits: the rest of a third head
+    cannot come in, and its header timer closed the connection, the complete second unanswered."""
+    received = exchange(unread_server, SLOW + b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\naPOST /b HTTP/1.1\r\nHo",
+                        b"st: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\nb", pause=0.2)
+    assert [status for status, _ in answers(received)] == [200, 200, 200]
+    assert answers(received)[1:] == [(200, b"a"), (200, b"b")]
+
+
+def test_a_queued_upgrade_offer_has_its_body_read_when_its_turn_comes(unread_server):
+    received = exchange(unread_server, SLOW + b"POST /u HTTP/1.1\r\nHost: x\r\n" + UPGRADE + b"Content-Length: 5\r\n\r\n",
+                        b"hello", b"POST /after HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                        pause=0.2)
+    assert answers(received)[1:] == [(200, b"hello"), (200, b"ok")]
+
+
+def test_many_upgrade_offers_in_one_read_are_each_answered(server):
+    """Each declined offer's rest was fed on recursively: some 500 in one read overflowed the stack."""
+    offer = b"GET / HTTP/1.1\r\nHost: x\r\n" + UPGRADE + b"\r\n"
+    received = exchange(server, offer * 600 + b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nConnection: close\r\n\r\nlast")
+    found = answers(received)
+    assert len(found) == 601 and found[-1] == (200, b"last")
+
+
+def test_after_a_declined_offer_a_request_that_closes_the_connection_is_answered_and_nothing_after_it(unread_server):
+    """uvicorn's parser lets bytes follow a request that closes the connection; the one made for
+    a declined offer did not: a 400 was written into the answer still going out."""
+    received = exchange(unread_server, b"GET /slow HTTP/1.1\r\nHost: x\r\n" + UPGRADE + b"\r\n",
+                        b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGET /d HTTP/1.1\r\nHost: x\r\n\r\n",
+                        pause=0.35)
+    assert b"400" not in received
+    (first_status, first_body), second = answers(received)
+    assert first_status == 200 and first_body.endswith(b"3\r\nend") and second == (200, b"")
