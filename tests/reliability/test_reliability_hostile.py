@@ -1062,6 +1062,29 @@ def test_each_choice_echoing_a_prompt_of_token_ids_is_not_billed_again(stack, le
     assert (event.usage_source, event.completion_tokens) == ("upstream", 4)
 
 
+# found in review: the ids came off for every choice asked for, and off any choice's count
+
+def test_an_echo_of_token_ids_comes_off_only_the_choices_that_came(stack, ledger):
+    """n 100, one choice sent, no usage: 100 × 400 ids came off its 40 000 tokens, billed 0."""
+    answer = _completion("y" * 160000, None)
+    body = {"model": MODEL, "prompt": list(range(400)), "echo": True, "n": 100, "mock": {"raw_body": answer}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "estimated" and event.completion_tokens >= 40000 - 400
+
+
+def test_an_echo_of_token_ids_comes_off_only_the_choice_of_that_prompt(stack, ledger):
+    """A batch of a 400-id prompt and a 1-id prompt: only the second's choice came, with 1 600
+    characters reported as 0 tokens; the first prompt's 400 ids are no choice's to take off."""
+    answer = json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+                         "usage": {"prompt_tokens": 401, "completion_tokens": 0, "total_tokens": 401},
+                         "choices": [{"index": 1, "text": "z" * 1600, "logprobs": None, "finish_reason": "length"}]})
+    body = {"model": MODEL, "prompt": [list(range(400)), [7]], "echo": True, "mock": {"raw_body": answer}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == "capped" and event.completion_tokens >= 1600 // 128 - 1
+
+
 def test_an_echo_a_server_ignores_takes_nothing_off_its_reply(stack, ledger):
     """n choices of a server that never repeats the prompt: every delta is the model's."""
     deltas = [_text_chunk(" w", choices=[{"index": i % 8, "text": " w", "logprobs": None, "finish_reason": None}])

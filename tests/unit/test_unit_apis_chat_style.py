@@ -404,11 +404,20 @@ def test_a_completion_may_echo_its_prompts_and_a_chat_reply_its_last_message():
     assert texts(COMPLETIONS, {"prompt": [LONG, "ab", [1, 2], 5], "echo": 1}) == (LONG, "ab", "", "")
     assert texts(COMPLETIONS, {"prompt": [1, 2, 3], "echo": True}) == ()  # token ids: text it cannot know
     assert texts(COMPLETIONS, {"prompt": {"x": 1}, "echo": True}) == ()
-    # what the texts of choices echoing token ids may hold of them, in tokens: each id, once a choice
-    assert COMPLETIONS.echoes({"prompt": [1, 2, 3], "echo": True, "n": "2"}).unseen_tokens == 6
-    assert COMPLETIONS.echoes({"prompt": [[1, 2], [3], "ab"], "echo": True, "n": 2}).unseen_tokens == 6
-    assert COMPLETIONS.echoes({"prompt": [1, 2, 3], "n": 2}).unseen_tokens == 0  # no echo
-    assert COMPLETIONS.echoes({"prompt": ["ab", True, 1.0], "echo": True}).unseen_tokens == 0
+    # what the texts of choices echoing token ids may hold of them: each choice that comes, its
+    # own prompt's ids, at most what its own texts count
+    def unseen(body, choices):
+        echoes = COMPLETIONS.echoes(body)
+        echoes.answer({"choices": [{"index": index, "text": text} for index, text in choices]})
+        return echoes.unseen_floor, echoes.unseen_count
+
+    long = "w" * 1280  # 10 tokens at the fewest, 320 by the estimate
+    assert unseen({"prompt": [1, 2, 3], "echo": True, "n": "2"}, [(0, long), (1, long)]) == (6, 6)
+    assert unseen({"prompt": [1, 2, 3], "echo": True, "n": 100}, [(5, long)]) == (3, 3)  # one choice came
+    assert unseen({"prompt": list(range(50)), "echo": True}, [(0, long)]) == (10, 50)  # no more than it holds
+    assert unseen({"prompt": [[1, 2], [3], "ab"], "echo": True, "n": 2}, [(2, long), (4, long)]) == (1, 1)
+    assert unseen({"prompt": [1, 2, 3], "n": 2}, [(0, long)]) == (0, 0)  # no echo
+    assert unseen({"prompt": ["ab", True, 1.0], "echo": True}, [(0, long), (1, long)]) == (0, 0)
     continued = [{"role": "user", "content": "go on"}, {"role": "assistant", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert texts(CHAT, {"messages": continued, "echo": True}) == ("a\nb", "ab")

@@ -7,14 +7,15 @@ completion. Only an echo that is there is taken off: each choice's text, as it c
 against the texts the request may have echoed, and from the first character that matches none,
 the text is the model's (a choice that starts otherwise, a server that ignores `echo`: all of
 it). Text the gateway cannot know, such as a prompt of token ids written back as text, is never
-taken off: those tokens (`unseen_tokens`, at most the ids each choice may echo) are what the
-replies' texts may hold of the prompt beyond what the model wrote, and are taken off the
-counts instead.
+taken off the text: each choice that comes with such a prompt has its prompt's ids taken off
+its own counts instead, at most what that choice's texts count (`unseen_floor`, `unseen_count`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Hashable, Sequence
+
+from .metering import TOKEN_BYTES, estimate_text_tokens, fewest_tokens
 
 __all__ = ["MAX_TRACKED_CHOICES", "Echoes"]
 
@@ -28,22 +29,51 @@ _OVER = None  # a choice whose echo is over (taken off, or never there)
 class Echoes:
     """The texts a request's replies may start with, and where each choice stands in them."""
 
-    def __init__(self, texts: Sequence[Any], *, per_prompt: int | None = None, unseen_tokens: int = 0) -> None:
+    def __init__(self, texts: Sequence[Any], *, per_prompt: int | None = None, ids: Sequence[int] = ()) -> None:
         """`texts`: what every choice may echo; with `per_prompt` (a batch of prompts, `n`
         choices each), each prompt is echoed by its own choices only: choice i by prompt
         i // n, as vLLM orders them. A prompt that is no text (token ids) echoes nothing the
-        gateway can know: `unseen_tokens`, the tokens all choices together may echo of such
-        prompts. Each choice is matched against its own few texts, so the matching costs time
-        linear in the reply, however many prompts a batch holds."""
-        self.unseen_tokens = unseen_tokens
+        gateway can know: `ids`, the token ids of each prompt (of the one prompt every choice
+        echoes, without `per_prompt`). Each choice is matched against its own few texts, so the
+        matching costs time linear in the reply, however many prompts a batch holds."""
         self._texts = tuple(text if isinstance(text, str) else "" for text in texts)
         self._every = tuple(index for index, text in enumerate(self._texts) if text)
         self._per_prompt = per_prompt
+        self._ids = tuple(ids)
         # choice index → (the texts it may still be echoing, how far into them), or _OVER
         self._choices: dict[Hashable, tuple[tuple[int, ...], int] | None] = {}
+        # choice index → [its prompt's ids, the fewest tokens and the count of its texts so far]
+        self._unseen: dict[Hashable, list[int]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._every)
+        return bool(self._every) or any(self._ids)
+
+    @property
+    def unseen_floor(self) -> int:
+        """What the choices' texts may hold of prompts of token ids, against their fewest tokens."""
+        return sum(min(ids, fewest) for ids, fewest, _ in self._unseen.values())
+
+    @property
+    def unseen_count(self) -> int:
+        """The same, against the count of their tokens."""
+        return sum(min(ids, count) for ids, _, count in self._unseen.values())
+
+    def _note_unseen(self, key: Hashable, text: str) -> None:
+        """A piece of a choice whose prompt is token ids: what it counts, for that choice alone."""
+        noted = self._unseen.get(key)
+        if noted is None:
+            if self._per_prompt is None:
+                prompt = 0
+            elif type(key) is int and key >= 0:
+                prompt = key // self._per_prompt
+            else:
+                return
+            if prompt >= len(self._ids) or not self._ids[prompt] or len(self._unseen) >= MAX_TRACKED_CHOICES:
+                return
+            noted = self._unseen[key] = [self._ids[prompt], 0, 0]
+        if text:
+            noted[1] += fewest_tokens(text)
+            noted[2] += 1 if len(text) <= TOKEN_BYTES else estimate_text_tokens(text)
 
     def _candidates(self, key: Hashable) -> tuple[int, ...]:
         if self._per_prompt is None:
@@ -58,6 +88,8 @@ class Echoes:
         echo is over). A piece within the echo is nothing of the model's; should a later piece
         leave every echoed text, the pieces held as echo are given back as the model's."""
         key = choice if isinstance(choice, (int, str)) and not isinstance(choice, bool) else None
+        if self._ids:
+            self._note_unseen(key, text)
         state = self._choices.get(key, ())
         if state is _OVER:
             return text

@@ -337,9 +337,10 @@ class Exchange:
 
     def _billable(self, reported: Any, completion_count: Callable[[], int], completion_floor: int = 0) -> TokenUsage:
         """The usage to bill (kiln.metering.billable_usage); the replies' texts counted less what
-        they may echo of a prompt the gateway holds as token ids, not text (kiln.echo)."""
-        if unseen := self._echoes.unseen_tokens:
+        each may echo of a prompt the gateway holds as token ids, not text (kiln.echo)."""
+        if unseen := self._echoes.unseen_floor:
             completion_floor = max(completion_floor - unseen, 0)
+        if unseen := self._echoes.unseen_count:
             counted = completion_count
             completion_count = lambda: max(counted() - unseen, 0)  # noqa: E731 - as it was given, a callable
         usage, problems = billable_usage(

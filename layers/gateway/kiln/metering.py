@@ -47,6 +47,8 @@ CHARS_PER_TOKEN = 4
 # spaces or punctuation), in characters or in bytes as sent: a text is at least its length
 # over this many tokens, however it was tokenized.
 LONGEST_TOKEN = 128
+# the longest text a single token is (as sent, escapes included): longer deltas hold several
+TOKEN_BYTES = 16
 # What a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3
 # The content parts whose `text` a model reads as text (chat's, the Responses API's).

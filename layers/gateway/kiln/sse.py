@@ -15,7 +15,7 @@ from typing import Any, Collection
 
 from .echo import Echoes
 from .jsonio import dumps, loads_strict
-from .metering import TokenUsage, estimate_text_tokens, fewest_tokens
+from .metering import TOKEN_BYTES, TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
@@ -42,8 +42,6 @@ _TEXT_DELTA = re.compile(
 MAX_NAMED_CALLS = 10_000
 # a name as sent, read from the bytes where the chunk is no JSON the gateway reads
 _NAME = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
-# the longest text a single token is (as sent, escapes included): longer deltas hold several
-TOKEN_BYTES = 16
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 # what an error the upstream sends in the stream looks like (vLLM: {"error": {...}}; older
 # servers: {"object": "error", ...}; the OpenAI SDKs raise on any "error" that is not null or

@@ -7,7 +7,7 @@ from typing import Any
 from .. import schemas
 from ..echo import Echoes
 from ..lax import server_bool, server_int
-from ..metering import MAX_CHOICES, estimate_prompt_tokens, fewest_prompt_text_tokens
+from ..metering import estimate_prompt_tokens, fewest_prompt_text_tokens
 from .base import ChatStyleApi
 
 __all__ = ["API", "CompletionsApi"]
@@ -37,17 +37,15 @@ class CompletionsApi(ChatStyleApi):
         if not server_bool(body.get("echo")):
             return Echoes(())
         prompt = body.get("prompt")
-        n = server_int(body.get("n"))  # as the model server reads it: "2" and 2.0 are 2 choices
-        per_prompt = min(n, MAX_CHOICES) if n is not None and n >= 1 else 1
         if isinstance(prompt, str):
             return Echoes([prompt])
         if not isinstance(prompt, list):
             return Echoes(())
-        # token ids: of one prompt, or of a batch's prompts
-        unseen = (_token_ids(prompt) + sum(_token_ids(item) for item in prompt if isinstance(item, list))) * per_prompt
-        if not any(isinstance(item, str) for item in prompt):
-            return Echoes((), unseen_tokens=unseen)
-        return Echoes(prompt, per_prompt=per_prompt, unseen_tokens=unseen)
+        if not any(isinstance(item, (str, list)) for item in prompt):
+            return Echoes((), ids=[_token_ids(prompt)])  # one prompt of token ids
+        n = server_int(body.get("n"))  # as the model server reads it: "2" and 2.0 are 2 choices
+        return Echoes(prompt, per_prompt=n if n is not None and n >= 1 else 1,
+                      ids=[_token_ids(item) if isinstance(item, list) else 0 for item in prompt])
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
         """Each prompt string's text, and a token per token id; none with vLLM's
