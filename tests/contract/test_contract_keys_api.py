@@ -814,12 +814,12 @@ def test_two_changes_at_once_leave_the_org_item_as_the_key_is_stored(stack, star
         dynamodb = keyring._aws.dynamodb
         raced = []
 
-        async def racing(operation, payload):
+        async def racing(operation, payload, **options):
             if operation == "TransactWriteItems" and not raced:  # the other change, between
                 revoke = theirs == "DELETE"
                 raced.append(call(stack, "DELETE" if revoke else "PATCH", f"/v1/keys/{key['id']}", admin,
                                   None if revoke else theirs).status_code)
-            return await dynamodb(operation, payload)
+            return await dynamodb(operation, payload, **options)
 
         keyring._aws.dynamodb = racing
         try:
@@ -1054,7 +1054,8 @@ def test_a_failure_to_remove_the_figures_does_not_undo_the_revocation(stack, cap
 
 def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
     """What template.yaml grants the function that serves /v1/keys on the orgs table: an
-    UpdateItem naming only org_id, key_spend:* and key_period:* attributes, returning nothing."""
+    UpdateItem naming only org_id, key_spend:*, key_period:* and limited_keys attributes,
+    returning nothing."""
     org_id, admin = management_org(stack)
     made = call(stack, "POST", "/v1/keys", admin, {"label": "job"}).json()
     assert stack.post(CHAT, BODY, made["secret"]).status_code == 200  # something to seed a limit with
@@ -1062,19 +1063,23 @@ def test_key_management_writes_nothing_of_an_org_but_its_keys_figures(stack):
     for method, body in (("PATCH", {"spend_limit": "1", "spend_period": "day"}), ("PATCH", {"spend_period": "month"}),
                          ("PATCH", {"spend_limit": None}), ("PATCH", {"spend_limit": "2"}), ("DELETE", None)):
         assert call(stack, method, f"/v1/keys/{made['id']}", admin, body).status_code == 200
+    limited = call(stack, "POST", "/v1/keys", admin, {"spend_limit": "3"})
+    assert limited.status_code == 201 and call(stack, "DELETE", f"/v1/keys/{limited.json()['id']}", admin).status_code == 200
     # its own updates, and the org's part of the transactions that change a key's spend with it
     updates = [payload for operation, payload in stack.faults.calls[mark:] if operation == "UpdateItem"]
     updates += [item["Update"] for operation, payload in stack.faults.calls[mark:] if operation == "TransactWriteItems"
                 for item in payload["TransactItems"] if "Update" in item]
-    # updates, and checks of a key item: what IAM grants
+    # updates, checks of a key item and puts of one: what IAM grants
     assert not [item for operation, payload in stack.faults.calls[mark:] if operation == "TransactWriteItems"
                 for item in payload["TransactItems"] if set(item) != {"Update"} and not (
-                    set(item) == {"ConditionCheck"} and item["ConditionCheck"]["TableName"] == stack.settings.keys_table)]
+                    set(item) in ({"ConditionCheck"}, {"Put"})
+                    and next(iter(item.values()))["TableName"] == stack.settings.keys_table)]
     writes = [payload for payload in updates if payload["TableName"] == stack.settings.orgs_table]
     assert writes  # seeding, moving and removing figures were written
     for payload in writes:
         names = set(payload.get("ExpressionAttributeNames", {}).values())
-        assert all(name == "org_id" or name.startswith(("key_spend:", "key_period:")) for name in names), payload
+        assert all(name in ("org_id", "limited_keys") or name.startswith(("key_spend:", "key_period:"))
+                   for name in names), payload
         assert payload.get("ReturnValues", "NONE") == "NONE"
 
 
@@ -1099,6 +1104,48 @@ def test_an_org_has_at_most_so_many_active_keys_with_a_spend_limit(stack, monkey
     assert stack.post(CHAT, BODY, limited[1]["secret"]).status_code == 200  # the org is served all along
     assert call(stack, "DELETE", f"/v1/keys/{limited[2]['id']}", admin).status_code == 200
     assert call(stack, "PATCH", f"/v1/keys/{free['id']}", admin, {"spend_limit": 1}).json()["spend_limit"] == 1
+
+
+# found by a hostile client: the cap held only against one call at a time (20 at once from 95: 115)
+
+@pytest.mark.parametrize("conflicts", [False, True], ids=["plain", "transactions conflicting"])
+def test_limits_set_at_once_never_pass_the_cap(stack, monkeypatch, conflicts):
+    """Keys made with a limit, and limits given to keys without one, all at once: each counted
+    on the org item in the transaction that writes it, conditioned on the room left, so the
+    cap holds however many calls race for it (and whatever their transactions meet)."""
+    import concurrent.futures
+
+    import kiln.store.keyring as keyring
+
+    monkeypatch.setattr(keyring, "MAX_LIMITED_KEYS", 6)
+    org_id, admin = management_org(stack)
+    free = [call(stack, "POST", "/v1/keys", admin, {"label": f"free {n}"}).json()["id"] for n in range(6)]
+    assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
+    if conflicts:  # a settle holding the org item: cancelled, and tried again
+        stack.faults.fail("TransactWriteItems", code="TransactionCanceledException", times=8,
+                          reasons=["None", "TransactionConflict"])
+
+    def one(n: int):
+        if n < 6:
+            return call(stack, "PATCH", f"/v1/keys/{free[n]}", admin, {"spend_limit": 2}).status_code
+        return call(stack, "POST", "/v1/keys", admin, {"spend_limit": 3}).status_code
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            statuses = list(pool.map(one, range(12)))
+    finally:
+        stack.faults.clear()
+    assert set(statuses) <= {200, 201, 400}, statuses
+    assert sum(status in (200, 201) for status in statuses) == 5, statuses  # the room left: 6 - 1
+    keys = call(stack, "GET", "/v1/keys?limit=100", admin).json()["data"]
+    assert sum(key["spend_limit"] is not None and key["status"] == "active" for key in keys) == 6
+    assert int(org_item_of(stack, org_id)["limited_keys"]["N"]) == 6
+    # and room made (a revocation, a limit removed) is room again, once each
+    limited = [key["id"] for key in keys if key["spend_limit"] is not None]
+    assert call(stack, "DELETE", f"/v1/keys/{limited[0]}", admin).status_code == 200
+    assert call(stack, "PATCH", f"/v1/keys/{limited[1]}", admin, {"spend_limit": None}).status_code == 200
+    assert [call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code for _ in range(3)] == [201, 201, 400]
+    assert int(org_item_of(stack, org_id)["limited_keys"]["N"]) == 6
 
 
 def org_item_of(stack, org_id: str) -> dict:

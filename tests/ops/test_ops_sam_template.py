@@ -447,11 +447,11 @@ def test_each_role_grants_only_what_its_function_calls(cfn):
     assert granted(cfn, "ModelsRole", "dynamodb:UpdateItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
     assert granted(cfn, "GenerationsRole", "dynamodb:UpdateItem") == [
         {"Fn::GetAtt": ["KeysTable", "Arn"]}, {"Fn::GetAtt": ["OrgsTable", "Arn"]}]
-    # on the org item, only the keys' spend figures: never credits, limits or leases
+    # on the org item, only the keys' spend figures and their count: never credits, limits or leases
     (figures,) = [statement for statement in statements(cfn, "GenerationsRole")
                   if statement["Resource"] == {"Fn::GetAtt": ["OrgsTable", "Arn"]} and "dynamodb:UpdateItem" in statement["Action"]]
     assert figures["Condition"] == {"ForAllValues:StringLike": {"dynamodb:Attributes": ["org_id", "key_spend:*",
-                                                                                          "key_period:*"]},
+                                                                                          "key_period:*", "limited_keys"]},
                                     "StringEqualsIfExists": {"dynamodb:ReturnValues": ["NONE"]}}
     assert granted(cfn, "GenerationsRole", "dynamodb:PutItem") == [{"Fn::GetAtt": ["KeysTable", "Arn"]}]
     # it reads usage and finds keys through the indexes only: never a scan, never a whole table

@@ -10,6 +10,8 @@ import json
 import time
 from decimal import Decimal
 
+import pytest
+
 import kiln.store.keyring as keyring_module
 from kiln.http1 import Response
 from kiln.store.clock import epoch_of, iso_ms
@@ -237,17 +239,29 @@ def test_a_late_settle_landing_after_a_period_change_counts_in_the_keys_figure(s
     assert set(figures) == {month}, figures
 
 
-def test_a_revocation_whose_answer_was_lost_still_takes_the_keys_figures_off(stack):
-    """DELETE /v1/keys/{id}: DynamoDB applies the revoking UpdateItem and its answer is lost;
-    the client sends it again, whose condition (not revoked) now fails: taken for a revocation
-    made before, it once left the key's marker and spend figure on the org item that every
-    admission and settle writes (keyring: "a revocation ... takes them off")."""
+def _revoking(stack):
+    def matches(payload: dict) -> bool:
+        updates = [item["Update"] for item in payload.get("TransactItems", []) if "Update" in item] or [payload]
+        return any(update.get("TableName") == stack.settings.keys_table
+                   and '"revoked"' in json.dumps(update.get("ExpressionAttributeValues", {})) for update in updates)
+    return matches
+
+
+@pytest.mark.parametrize("operation", ["UpdateItem", "TransactWriteItems"])
+def test_a_revocation_whose_answer_was_lost_still_takes_the_keys_figures_off(stack, operation):
+    """DELETE /v1/keys/{id}: DynamoDB applies the revocation and its answer is lost; the client
+    sends it again, whose condition (not revoked) now fails: taken for a revocation made
+    before, it once left the key's marker and spend figure on the org item that every
+    admission and settle writes (keyring: "a revocation ... takes them off"). A key with a
+    limit is revoked in a transaction that counts it off its org (its revoking UpdateItem
+    inside), the one without by an UpdateItem of its own; that count is taken off once."""
     org_id, admin = management_org(stack)
     key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": 5, "spend_period": "day"}).json()
+    if operation == "UpdateItem":  # a limit taken off after the count was made, then figures made again
+        assert call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": None}).status_code == 200
     assert stack.post(CHAT, BODY, key["secret"]).status_code == 200
-    assert key_figures(stack, org_id, key["id"])  # the key counts its spend on the org item
-    lost = stack.faults.lose("UpdateItem", when=lambda payload: payload.get("TableName") == stack.settings.keys_table
-                             and '"revoked"' in json.dumps(payload.get("ExpressionAttributeValues", {})), times=1)
+    before = _limited_keys(stack, org_id)
+    lost = stack.faults.lose(operation, when=_revoking(stack), times=1)
     try:
         revoked = call(stack, "DELETE", f"/v1/keys/{key['id']}", admin)
     finally:
@@ -258,6 +272,13 @@ def test_a_revocation_whose_answer_was_lost_still_takes_the_keys_figures_off(sta
                                    ConsistentRead=True)["Item"]
     left = sorted(name for name in item if key["id"] in name)
     assert left == [], left
+    assert _limited_keys(stack, org_id) == before - (operation == "TransactWriteItems")
+
+
+def _limited_keys(stack, org_id: str) -> int:
+    item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"]
+    return int(item["limited_keys"]["N"])
 
 
 class _IndexAndTable:
@@ -322,18 +343,26 @@ def _keys_table(stack):
     return lambda payload: payload.get("TableName") == stack.settings.keys_table
 
 
-def test_a_key_made_while_dynamodb_throttles_and_loses_an_answer_is_made_once_and_answered(stack):
-    """POST /v1/keys: the PutItem is applied and its answer lost, then throttled more times than
+@pytest.mark.parametrize("limit", [None, 5], ids=["no limit: PutItem", "a limit: a transaction counting it"])
+def test_a_key_made_while_dynamodb_throttles_and_loses_an_answer_is_made_once_and_answered(stack, limit):
+    """POST /v1/keys: the write is applied and its answer lost, then throttled more times than
     the AWS client's own tries. Answering 503 then (as once) left a key whose secret no one
     had, and the client's retry made a second one: the write is tried on, and the answer is the
-    key made, once."""
+    key made, once (and counted once on its org, for a key with a limit)."""
     org_id, admin = management_org(stack)
     before = len(call(stack, "GET", "/v1/keys", admin).json()["data"])
-    put = _keys_table(stack)
-    lost = stack.faults.lose("PutItem", when=put, times=1)
-    throttled = stack.faults.fail("PutItem", when=lambda payload: put(payload) and bool(lost), times=6)
+    if limit is None:
+        operation, put = "PutItem", _keys_table(stack)
+    else:
+        operation = "TransactWriteItems"
+
+        def put(payload: dict) -> bool:
+            return any(item.get("Put", {}).get("TableName") == stack.settings.keys_table
+                       for item in payload.get("TransactItems", []))
+    lost = stack.faults.lose(operation, when=put, times=1)
+    throttled = stack.faults.fail(operation, when=lambda payload: put(payload) and bool(lost), times=6)
     try:
-        made = call(stack, "POST", "/v1/keys", admin, {"label": "made once", "spend_limit": 5})
+        made = call(stack, "POST", "/v1/keys", admin, {"label": "made once", "spend_limit": limit})
     finally:
         stack.faults.clear()
     assert lost and len(throttled) >= 6, "the faults were never injected"
@@ -341,6 +370,8 @@ def test_a_key_made_while_dynamodb_throttles_and_loses_an_answer_is_made_once_an
     keys = call(stack, "GET", "/v1/keys", admin).json()["data"]
     assert len(keys) == before + 1 and [k["id"] for k in keys if k["label"] == "made once"] == [made.json()["id"]]
     assert stack.post(CHAT, BODY, made.json()["secret"]).status_code == 200
+    if limit is not None:
+        assert _limited_keys(stack, org_id) == 1
 
 
 def test_a_key_changed_while_dynamodb_throttles_is_changed_not_503(stack):

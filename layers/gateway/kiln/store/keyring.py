@@ -113,6 +113,11 @@ MAX_SPEND_LIMIT = Decimal("1E+38")
 # a second: at 100 (about 13 KB) the org is served some 24 requests a second before DynamoDB
 # throttles it, at 1 000 only 2 or 3
 MAX_LIMITED_KEYS = 100
+# The org item's count of its active keys with a spend limit, changed in the same transaction as
+# each key that gains or loses one (made with one, given one, its limit removed, revoked) and
+# conditioned on the cap: limits set at once, from any number of processes, never pass it. An
+# org that has none yet (its keys made before it was kept) has it counted from its keys first.
+LIMITED_KEYS = "limited_keys"
 # A request in flight when its key loses its limit (revoked, or the limit removed) adds its
 # cost to the figure its lease names when it settles, after key management removed it: that
 # figure is left where nothing reads it. Each call that may give a key a limit first clears
@@ -677,7 +682,8 @@ class Keyring:
         """A new key of the org, with `attributes` (validated); its secret is in the answer only."""
         org = await self.org(org_id)
         changes = validate_changes(attributes or {}, known_models=known_models, org_limit=org.concurrency_limit)
-        if changes.get("spend_limit") is not None:
+        limited = changes.get("spend_limit") is not None
+        if limited:
             await self._room_for_a_limit(org_id)
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = KeyInfo(
@@ -727,8 +733,53 @@ class Keyring:
         # tried on while DynamoDB refuses it for a while (throttled, a 5xx, an answer lost), as
         # the ledger's writes are: a failure answered after a try that was applied would leave
         # a key whose secret no one has, and the caller's retry would make another
-        await _WRITES.run(put, what="key")
+        if limited:
+            await self._put_counted(org_id, item)
+        else:
+            await _WRITES.run(put, what="key")
         return IssuedKey(**key.__dict__, secret=secret)
+
+    async def _put_counted(self, org_id: str, item: dict[str, Any]) -> None:
+        """Put a new key with a spend limit and count it on its org item, in one transaction
+        conditioned on the org having room for it (InvalidKeyAttribute if it has none)."""
+        put = {"Put": {"TableName": self._keys_table, "Item": item, "ConditionExpression": "attribute_not_exists(#hash)",
+                       "ExpressionAttributeNames": {"#hash": KEY.hash_key}}}
+        items = [put, {"Update": _counted(org_id, self._orgs_table, +1)}]
+        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+            if attempt > 1:
+                await _backoff(attempt)
+            # a try's token: sent again after a lost answer (within the ledger's policy, as a key's
+            # put is), it is recognised, not applied twice
+            token = client_token("n", f"{item[KEY.key_hash]['S']}|{attempt}")
+            try:
+                await _WRITES.run(lambda token=token, items=items: self._transact(items, token), what="key")
+                return
+            except _Cancelled as refused:
+                cancelled = refused.cancelled
+            if cancelled.failed_condition(0):  # made already: by this very call, its answer lost
+                found = await self.by_hash(item[KEY.key_hash]["S"])
+                if found is not None and found.key_id == item[KEY.key_id]["S"]:
+                    return
+                raise StorageError(f"key change cancelled: {cancelled.reasons}")
+            if cancelled.failed_condition(1) and (limited := await self._limited_keys(org_id)) >= MAX_LIMITED_KEYS:
+                raise _no_room(limited)
+            if not (cancelled.failed_condition(1) or cancelled.transient):
+                raise StorageError(f"key change cancelled: {cancelled.reasons}")
+        raise StorageError("the org's count of keys with a limit kept changing", "SeedRaced")
+
+    async def _transact(self, items: list[dict[str, Any]], token: str) -> None:
+        """One TransactWriteItems; a cancellation raised as _Cancelled (not tried again here), a
+        failure that another try may cure as the storage's transient error."""
+        try:
+            await tried_once(self._aws).dynamodb("TransactWriteItems", {"TransactItems": items, "ClientRequestToken": token})
+        except Exception as exc:
+            cancelled = condition_failure(exc)
+            if isinstance(cancelled, TransactionCancelled):
+                raise _Cancelled(cancelled) from None
+            failure = translate_storage_error(exc)
+            if is_transient(failure):
+                raise failure from exc
+            raise
 
     async def update(self, key_id: str, attributes: Mapping[str, Any], *, org_id: str | None = None,
                      known_models: Collection[str] | None = None) -> KeyInfo:
@@ -763,17 +814,31 @@ class Keyring:
         return await self._change_spend(item, changes, expression.strip(), names, values)
 
     async def _room_for_a_limit(self, org_id: str, *, changing: str | None = None) -> None:
-        """InvalidKeyAttribute if the org has MAX_LIMITED_KEYS active keys with a spend limit
-        (a limit set at the same moment by another call may pass beside this one: a few).
-        First, what keys without a limit left on the org item is cleared (MAX_CLEARED), but
-        for the key `changing`: a figure it has counts, and its new limit's seed never lowers it."""
+        """InvalidKeyAttribute if the org has MAX_LIMITED_KEYS active keys with a spend limit (the
+        write that gives one more key a limit is conditioned on it too: this is the answer
+        before any write). First, what keys without a limit left on the org item is cleared
+        (MAX_CLEARED), but for the key `changing`: a figure it has counts, and its new limit's
+        seed never lowers it."""
         items = await self._key_items(org_id)
         await self._clear_leftovers(org_id, [item for item in items if item[KEY.key_id]["S"] != changing])
-        limited = sum(1 for item in items if _counted_on_org(_info(item)))
+        limited = await self._limited_keys(org_id, items)
         if limited >= MAX_LIMITED_KEYS:
-            raise InvalidKeyAttribute(
-                "spend_limit", f"An organization may have at most {MAX_LIMITED_KEYS} active keys with a spend limit, "
-                f"and this one has {limited}: remove the limit of a key, or revoke one, first.")
+            raise _no_room(limited)
+
+    async def _limited_keys(self, org_id: str, items: Sequence[dict[str, Any]] | None = None) -> int:
+        """The org item's count of its active keys with a spend limit; first counted from its
+        keys (`items`, or read) and stored, if it has none yet."""
+        for _ in range(_CONFLICT_ATTEMPTS):
+            found = (await self.org(org_id)).item.get(LIMITED_KEYS, {}).get("N")
+            if found is not None:
+                return int(Decimal(found))
+            if items is None:
+                items = await self._key_items(org_id)
+            limited = sum(1 for item in items if _counted_on_org(_info(item)))
+            if await self._org_write(org_id, "SET #n = :n", {"#n": LIMITED_KEYS}, {":n": {"N": str(limited)}},
+                                     "attribute_not_exists(#n)"):
+                return limited
+        raise StorageError("the org's key count kept changing", "SeedRaced")
 
     async def _change_spend(self, item: dict[str, Any], changes: Mapping[str, Any], expression: str,
                             names: dict[str, str], values: dict[str, Any]) -> KeyInfo:
@@ -812,6 +877,10 @@ class Keyring:
                     seeds[period] = await self._spent_in_period(after, now)
                 seed = seeds[period]
             org_update, figure = self._following(after, (await self.org(owner)).item, now, seed=seed)
+            gained = _counted_on_org(after) - _counted_on_org(stored)  # one more key with a limit, or one less
+            if gained:
+                await self._limited_keys(owner)  # counted, if it was not yet
+                org_update = _counted(owner, self._orgs_table, gained, org_update)
             as_read, read_names, read_values = _spend_as_read(stored)
             key_update = {
                 "TableName": self._keys_table,
@@ -831,6 +900,9 @@ class Keyring:
                 cancelled = condition_failure(exc)
                 if not isinstance(cancelled, TransactionCancelled):
                     raise
+                if gained > 0 and cancelled.failed_condition(1) and (limited := await self._limited_keys(owner)) \
+                        >= MAX_LIMITED_KEYS:
+                    raise _no_room(limited) from None
                 if cancelled.failed_condition(1) or cancelled.failed_condition(0) or cancelled.transient:
                     # the key was revoked (the next read says so), its marker changed, or a settle held
                     # the org item: read both again
@@ -876,8 +948,10 @@ class Keyring:
         values = {":org": {"S": item[KEY.org_id]["S"]}, ":revoked": {"S": "revoked"},
                   ":now": {"S": iso_ms(self.clock())}}
         try:
-            revoked = _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
-                                              extra_condition=NOT_REVOKED))
+            revoked = await self._revoke_counted(item, names, values)
+            if revoked is None:  # a key without a limit: its item alone
+                revoked = _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
+                                                  extra_condition=NOT_REVOKED))
         except AlreadyRevoked:
             # revoked meanwhile, or by this very write, whose answer was lost and whose resend
             # found it done (then at the moment this call wrote): the figures come off either way
@@ -889,6 +963,46 @@ class Keyring:
             return _info(current)
         await self._tidy(revoked, why="revoked")
         return revoked
+
+    async def _revoke_counted(self, item: dict[str, Any], names: dict[str, str], values: dict[str, Any]) -> KeyInfo | None:
+        """Revoke a key with a spend limit and count it off its org item, in one transaction, the
+        key's part conditioned on its limit as read: the key as revoked; None if it has no limit
+        (anymore); AlreadyRevoked if it is revoked (by this very call too, its answer lost)."""
+        key_hash, owner = item[KEY.hash_key]["S"], item[KEY.org_id]["S"]
+        key_id = item[KEY.key_id]["S"]
+        for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
+            if attempt > 1:
+                await _backoff(attempt)
+            stored = await self.by_hash(key_hash)
+            if stored is None or stored.org_id != owner:
+                raise RecordNotFound("key", key_id)
+            if stored.status == "revoked":
+                raise AlreadyRevoked(key_id, stored.revoked_at)
+            if not _counted_on_org(stored):
+                return None
+            await self._limited_keys(owner)  # counted, if it was not yet
+            self._wrote(owner, key_hash)
+            as_read, read_names, read_values = _spend_as_read(stored)
+            key_update = {
+                "TableName": self._keys_table,
+                "Key": {KEY.hash_key: {"S": key_hash}},
+                "UpdateExpression": "SET #status = :revoked, #revoked = :now",
+                "ConditionExpression": "attribute_exists(#hash) AND #org = :org" + NOT_REVOKED + as_read,
+                "ExpressionAttributeNames": {**names, **read_names},
+                "ExpressionAttributeValues": {**values, **read_values},
+            }
+            items = [{"Update": key_update}, {"Update": _counted(owner, self._orgs_table, -1)}]
+            # a try's token: sent again after a lost answer, it is recognised, not applied twice
+            token = client_token("r", f"{key_hash}|{values[':now']['S']}|{attempt}")
+            try:
+                await _WRITES.run(lambda token=token, items=items: self._transact(items, token), what="key")
+            except _Cancelled as refused:
+                cancelled = refused.cancelled
+                if cancelled.failed_condition(0) or cancelled.failed_condition(1) or cancelled.transient:
+                    continue  # revoked, its limit changed, the count not there, or a settle held the org: read again
+                raise StorageError(f"key change cancelled: {cancelled.reasons}") from None
+            return await self.by_hash(key_hash) or replace(stored, status="revoked", revoked_at=values[":now"]["S"])
+        raise StorageError(f"the spend figures of {key_id} kept changing", "SeedRaced")
 
     async def _write(self, item: dict[str, Any], expression: str, names: dict[str, str], values: dict[str, Any], *,
                      extra_condition: str = "") -> dict[str, Any]:
@@ -913,6 +1027,37 @@ class Keyring:
                 raise RecordNotFound("key", key_id) from None
             raise
         return answer["Attributes"]
+
+
+class _Cancelled(Exception):
+    """A transaction DynamoDB cancelled: its reasons are the caller's to read, not a retry's."""
+
+    def __init__(self, cancelled: TransactionCancelled) -> None:
+        super().__init__(str(cancelled))
+        self.cancelled = cancelled
+
+
+def _counted(org_id: str, table: str, change: int, update: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An UpdateItem of the org item (`update`, or one of its own) that also counts one key with
+    a spend limit more (conditioned on the org having room for it) or one less."""
+    update = dict(update or {"TableName": table, "Key": {ORG.hash_key: {"S": org_id}},
+                             "ConditionExpression": "attribute_exists(#org_id)"})
+    names = {**update.get("ExpressionAttributeNames", {}), "#org_id": ORG.org_id, "#limited_keys": LIMITED_KEYS}
+    values = {**update.get("ExpressionAttributeValues", {}), ":limited_change": {"N": str(change)}}
+    condition = update["ConditionExpression"] + " AND attribute_exists(#limited_keys)"
+    if change > 0:
+        condition += " AND #limited_keys < :limited_most"
+        values[":limited_most"] = {"N": str(MAX_LIMITED_KEYS - change + 1)}
+    expression = update.get("UpdateExpression", "")
+    update.update(UpdateExpression=f"{expression} ADD #limited_keys :limited_change".strip(),
+                  ConditionExpression=condition, ExpressionAttributeNames=names, ExpressionAttributeValues=values)
+    return update
+
+
+def _no_room(limited: int) -> InvalidKeyAttribute:
+    return InvalidKeyAttribute(
+        "spend_limit", f"An organization may have at most {MAX_LIMITED_KEYS} active keys with a spend limit, "
+        f"and this one has {limited}: remove the limit of a key, or revoke one, first.")
 
 
 def _spend_as_read(key: KeyInfo) -> tuple[str, dict[str, str], dict[str, Any]]:
