@@ -319,3 +319,43 @@ def test_a_fault_in_turning_the_apps_answer_into_lambdas_is_a_function_error_not
     monkeypatch.setitem(models.app._fixed["/v1/models"], "GET", spoiled)
     with pytest.raises(UnicodeDecodeError):
         invoke("models", "rest-models.json", lambda_env.key)
+
+
+# found by a hostile client: what a Lambda invocation carries, in and out (kiln.lambda_payload)
+
+def test_a_request_whose_event_lambda_cannot_carry_is_413_before_admission(stack):
+    """A body within 6 MiB whose event is not: its quotes are written twice in the event (as
+    JSON-escaped quotes in a tool result are, four bytes each). AWS refuses it before the
+    function runs; locally it was served and billed. One a Lambda event carries is served."""
+    org_id, key = stack.org()
+    quoted = {"model": "qwen3-32b", "messages": [{"role": "user", "content": '"' * 1_600_000}]}
+    refused = stack.post("/v1/chat/completions", quoted, key)
+    assert refused.status_code == 413, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["code"] == "request_too_large" and "Lambda invocation" in error["message"]
+    assert stack.events(org_id) == [] and stack.org_info(org_id).in_flight == 0
+    plain = {"model": "qwen3-32b", "max_tokens": 5, "messages": [{"role": "user", "content": "word " * 600_000}]}
+    assert stack.post("/v1/chat/completions", plain, key).status_code != 413
+
+
+def test_a_buffered_answer_lambda_cannot_carry_is_502_and_not_billed(lambda_env, monkeypatch):
+    """Mangum answers with one JSON document of at most 6 MB: an answer larger than that, once
+    escaped, was settled as a success and then lost (API Gateway's 5xx, which the SDKs retry,
+    each try billed). It is refused before its settle, billed nothing; the same answer where
+    it is not bound (streamed, or served plainly) is served. The bound made small here."""
+    import kiln.lambda_payload as payload
+
+    monkeypatch.setattr(payload, "LAMBDA_PAYLOAD_BYTES", 64 * 1024)
+    event = json.loads((EVENTS / "rest-chat-completions.json").read_text().replace("${KILN_API_KEY}", lambda_env.key))
+    body = json.loads(event["body"])
+    event["body"] = json.dumps({**body, "max_tokens": 20000, "mock": {"tokens": 20000}})
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert response["statusCode"] == 502 and "larger than a buffered answer" in body_of(response)
+    assert header(response, "x-neocloud-generation-id")
+    (settled,) = lambda_env.stack.events(lambda_env.org_id)
+    assert settled.cost == 0 and settled.status == "upstream_error"
+    assert lambda_env.stack.org_info(lambda_env.org_id).in_flight == 0
+    served = lambda_env.stack.post("/v1/chat/completions", {**body, "max_tokens": 20000, "mock": {"tokens": 20000}},
+                                   lambda_env.key)
+    assert served.status_code == 200 and len(served.content) > 64 * 1024

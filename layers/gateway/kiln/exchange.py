@@ -25,6 +25,7 @@ from .echo import Echoes
 from .errors import GatewayError, InternalError, NoBackendAvailable, StorageUnavailable, UpstreamFailed, UpstreamRejected
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
+from .lambda_payload import answer_size
 from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
 from .observability import RequestRecord
@@ -56,6 +57,8 @@ GATEWAY_CUT = "The gateway failed while streaming the response."
 INVALID_ANSWER = "Bad gateway: the model backend returned an invalid response."
 LEASE_NOT_KEPT = "its lease could not be kept: storage unavailable"  # what its usage event says
 EVENT_NOT_MADE = "gateway error: its usage event could not be made whole"
+TOO_LARGE_TO_ANSWER = ("Bad gateway: the model's answer is larger than a buffered answer of the gateway can be "
+                       "(a Lambda invocation's 6 MB, JSON-escaped). Ask for fewer tokens, or stream it.")
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
 # a stream's last event, by how it ended (any other: the model server's failure)
@@ -68,9 +71,11 @@ class _LeaseLost(Exception):
 
 class Exchange:
     def __init__(
-        self, gateway: Gateway, principal: Principal, call: ModelCall, lease: Lease, record: RequestRecord
+        self, gateway: Gateway, principal: Principal, call: ModelCall, lease: Lease, record: RequestRecord,
+        *, answer_limit: int | None = None,
     ) -> None:
         self.gateway = gateway
+        self._answer_limit = answer_limit  # the most a buffered answer may take (kiln.lambda_payload)
         self.record = record
         self.principal = principal
         self.call = call
@@ -369,6 +374,9 @@ class Exchange:
         cost = self._price(usage)
         api.with_usage(answer, usage, cost)
         body = dumps(answer)
+        if self._answer_limit is not None and answer_size(body) > self._answer_limit:
+            # it would be lost after its settle (the client's retry billed again): refused before
+            raise UpstreamFailed(TOO_LARGE_TO_ANSWER)
         await self._settle(
             "upstream_error" if api.failed(answer) else "success", http_status=200, usage=usage, cost=cost,
             finish_reason=api.finish_reason(answer),

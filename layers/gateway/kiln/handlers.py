@@ -23,6 +23,7 @@ from .errors import (
 from .exchange import Exchange
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
+from .lambda_payload import LAMBDA_PAYLOAD_BYTES, answer_limit, event_size
 from .normalize import normalize
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
@@ -70,7 +71,8 @@ async def complete(request: Request, api: ModelApi) -> Response:
     except GatewayError as error:
         record.error_code = error.code
         return error_response(error)
-    return await Exchange(gateway, principal, call, lease, record).respond(request.receive)  # 6
+    return await Exchange(gateway, principal, call, lease, record,
+                          answer_limit=answer_limit(request.scope)).respond(request.receive)  # 6
 
 
 def _credential(request: Request) -> str | None:
@@ -235,6 +237,12 @@ async def read_json(request: Request, limit: int) -> object:
     except ClientDisconnect:
         raise InvalidJson("The request body was not received completely.") from None
     raw = b"".join(chunks)
+    if 2 * len(raw) > LAMBDA_PAYLOAD_BYTES // 2 and event_size(raw, request.headers.items()) > LAMBDA_PAYLOAD_BYTES:
+        # AWS would refuse it before any function ran (docs/design.md: what Lambda carries)
+        raise RequestTooLarge(
+            f"The request is too large for the gateway's functions: its body ({len(raw)} bytes), JSON-escaped "
+            f"(each quote and backslash twice), and its headers exceed the {LAMBDA_PAYLOAD_BYTES} bytes a Lambda "
+            "invocation carries. Send a smaller body.")
     if not raw.strip():
         raise InvalidJson("The request body is empty; send a JSON object.")
     try:
