@@ -67,6 +67,12 @@ def test_region_and_endpoint_precedence():
         ("KILN_MAINTENANCE_RETRY_AFTER_SECONDS", "-5"),
         ("KILN_KEEPALIVE_SECONDS", "0"),
         ("KILN_LEASE_TTL_SECONDS", "soon"),
+        # past what DynamoDB or the contract holds: accepted at start-up, they failed every
+        # admission (an expiry of 1e+200) or every settle (an event's TTL of 45 digits)
+        ("KILN_LEASE_TTL_SECONDS", "1e200"),
+        ("KILN_LEASE_TTL_SECONDS", "91"),  # a dead gateway's slots free within 90 s (§4)
+        ("KILN_USAGE_RETENTION_DAYS", "10000000000000000000000000000000000000000"),
+        ("KILN_USAGE_RETENTION_DAYS", "-1"),
         ("KILN_AUTH_CACHE_SECONDS", "-0.5"),
         ("KILN_CATALOG_CACHE_SECONDS", "nan"),
         ("KILN_KEYS_TABLE", "   "),
@@ -144,7 +150,7 @@ def test_every_declared_setting_is_read_from_its_variable():
             raw = expected = f"/custom-{declared.name}"
         env = {variable(declared): raw}
         if declared.name == "lease_renew_seconds":
-            env["KILN_LEASE_TTL_SECONDS"] = "100"
+            env["KILN_LEASE_TTL_SECONDS"] = "90"
         assert getattr(Settings.from_env(env), declared.name) == expected, variable(declared)
 
 

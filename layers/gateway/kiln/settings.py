@@ -83,8 +83,9 @@ class Settings:
     lease_ttl_seconds: float = setting(
         60.0,
         "a request's lease expires this long after its admission or last renewal: a dead gateway's "
-        "slots are free again within it",
+        "slots are free again within it (at most 90: the contract's bound)",
         minimum=0.001,
+        maximum=90,
     )
     lease_renew_seconds: float = setting(
         20.0,
@@ -117,7 +118,8 @@ class Settings:
     default_concurrency: int = setting(8, "limit given to new orgs (at most 500: what an org's item holds leases for)",
                                        minimum=1, maximum=MAX_ORG_CONCURRENCY)
     usage_retention_days: int = setting(
-        0, "usage events expire (DynamoDB TTL) after this many days; 0 keeps them"
+        0, "usage events expire (DynamoDB TTL) after this many days; 0 keeps them (at most 36 500)",
+        minimum=0, maximum=36_500,
     )
     # Backend health (kiln.health; docs/operations.md says why these values).
     backend_failure_threshold: int = setting(
