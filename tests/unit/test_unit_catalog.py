@@ -181,13 +181,14 @@ WRITTEN_ONLY = [
     ({"owned_by": 5}, "owned_by", lambda m: m.owned_by == "5"),
     # digits finer than a billionth of a dollar per 1M tokens: credits minus such a cost needs
     # more digits than a DynamoDB number holds, so the debit could not be the cost; a catalog
-    # stored before is served as it was
+    # stored by other means is served with its prices rounded to 9 places (served as it was,
+    # an org's credits drifted from the sum of its costs)
     ({"pricing": {"input": "0.123456789012345678901234567890123456789", "output": "1"}}, "decimal places",
-     lambda m: m.pricing.input == Decimal("0.123456789012345678901234567890123456789")),
+     lambda m: str(m.pricing.input) == "0.123456789"),
     ({"pricing": {"input": "1", "output": "0.0000000015"}}, "pricing.output must have at most 9",
-     lambda m: m.pricing.output == Decimal("0.0000000015")),
+     lambda m: str(m.pricing.output) == "2E-9"),
     ({"pricing": {"input": "0.0350000000000000000000000000001", "output": "1"}}, "decimal places",  # past 28 digits
-     lambda m: m.pricing.input == Decimal("0.0350000000000000000000000000001")),
+     lambda m: m.pricing.input == Decimal("0.035")),
     # a price is written in ASCII digits, unsigned, as kiln admin's amounts are
     ({"pricing": {"input": "1_000", "output": "1"}}, "ASCII digits", lambda m: m.pricing.input == 1000),
     ({"pricing": {"input": "\u0661\u0662", "output": "1"}}, "ASCII digits", lambda m: m.pricing.input == 12),

@@ -6,10 +6,12 @@ handling asks it about capabilities and never tests model names itself.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 from urllib.parse import quote, urlsplit
@@ -31,7 +33,9 @@ MIN_PRICE = Decimal("1e-9")  # other than 0 (free)
 # A price's finest digit, MIN_PRICE's: a cost then has at most 15 decimal places (USD), so that
 # credits minus a cost, as DynamoDB computes it on the org item, needs far fewer than the 38
 # significant digits a DynamoDB number holds, and every debit is exactly the cost recorded.
+log = logging.getLogger("kiln.catalog")
 PRICE_DECIMALS = 9
+_PRICE_STEP = Decimal(1).scaleb(-PRICE_DECIMALS)
 # a price as kiln admin writes it: ASCII digits, a point, an exponent
 _PRICE_TEXT = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 MAX_CONTEXT_LENGTH = 1_000_000_000
@@ -447,7 +451,14 @@ def _price(pricing: Mapping, key: str, where: str, written: bool) -> Decimal:
         raise CatalogError(f"{where}: pricing.{key} must be 0 or from {MIN_PRICE} to {MAX_PRICE} (USD per 1M tokens)")
     if value.is_zero():
         value = Decimal(0)  # -0 is free, as 0 is
-    if written and decimal_places(value) > PRICE_DECIMALS:
-        raise CatalogError(f"{where}: pricing.{key} must have at most {PRICE_DECIMALS} decimal places (USD per 1M "
-                           f"tokens): the costs made from it must stay exact in the ledger")
+    if decimal_places(value) > PRICE_DECIMALS:
+        if written:
+            raise CatalogError(f"{where}: pricing.{key} must have at most {PRICE_DECIMALS} decimal places (USD per 1M "
+                               f"tokens): the costs made from it must stay exact in the ledger")
+        # a catalog stored by other means: its costs would need more digits than an org's credits
+        # less them can hold (the debit rounded, or refused, and the ledger no longer adds up)
+        rounded = value.quantize(_PRICE_STEP, rounding=ROUND_HALF_EVEN)
+        log.warning(json.dumps({"event": "catalog_price_rounded", "where": where, "field": f"pricing.{key}",
+                                "to": str(rounded)}))
+        value = rounded
     return value
