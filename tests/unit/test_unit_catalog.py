@@ -235,6 +235,15 @@ def test_what_kiln_admin_refuses_the_gateway_still_serves_as_it_always_read_it(c
     assert read_as(Catalog.from_document(one(**changes)).get("m"))
 
 
+@pytest.mark.parametrize("model_id", ["none", "a,b", "qwen3-32b ", " m"])
+def test_an_id_kiln_admins_models_flag_could_not_name_is_refused_where_written(model_id):
+    """`--models` takes ids comma-separated, blanks around them dropped, and "none" for every
+    model: an id "none" made a key for every model, "qwen3-32b " one for "qwen3-32b"."""
+    with pytest.raises(CatalogError, match="--models could not name it"):
+        Catalog.from_document(one(id=model_id), written=True)
+    assert Catalog.from_document(one(id=model_id)).get(model_id).id == model_id
+
+
 def test_a_document_field_the_catalog_does_not_know_is_refused_only_where_written():
     document = {**one(), "defaults": {}}
     with pytest.raises(CatalogError, match="'defaults'"):

@@ -242,6 +242,11 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
     model_id = _require(entry, "id", str, where)
     if written:
         _shown(model_id, "id", where)
+        if model_id != model_id.strip() or "," in model_id or model_id == "none":
+            # kiln admin keys … --models takes ids comma-separated, blanks around them dropped,
+            # and "none" for every model: such an id could not be named there, or named another
+            raise CatalogError(f"{where}: 'id' must not begin or end with a blank, hold a comma, or be 'none' "
+                               f"(kiln admin's --models could not name it)")
     where = f"model {model_id!r}"
     pricing = _require(entry, "pricing", Mapping, where)
     capabilities = entry.get("capabilities", {})
