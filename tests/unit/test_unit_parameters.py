@@ -5,6 +5,7 @@ when it reads, when it does not, and what it serves while SSM throttles.
 """
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -49,10 +50,10 @@ def throttled():
     return AwsError("ThrottlingException", "Rate exceeded", status=400)
 
 
-def make(source, clock, parse=str.upper, max_age=60.0, rand=lambda: 0.0, first_read_budget=0.0):
+def make(source, clock, parse=str.upper, max_age=60.0, rand=lambda: 0.0, first_read_budget=0.0, **options):
     return CachedParameter(
         "/kiln/test", source, parse, max_age=max_age, clock=clock, sleep=clock.sleep, rand=rand,
-        first_read_budget=first_read_budget,
+        first_read_budget=first_read_budget, **options,
     )
 
 
@@ -207,15 +208,20 @@ def test_a_good_read_after_throttling_restarts_the_back_off():
     asyncio.run(scenario())
 
 
-def test_unparsable_refresh_keeps_last_good_value():
+def test_unparsable_refresh_keeps_last_good_value(caplog):
+    """And says so under the event a first read that fails logs (operations.md: a switch that
+    cannot be read is logged `maintenance_unreadable`): a warm environment logged another line."""
     source, clock = Source('{"enabled": true}'), Clock()
-    param = make(source, clock, parse=parse_flag)
+    param = make(source, clock, parse=parse_flag, unreadable_event="maintenance_unreadable")
 
     async def scenario():
         assert (await param.get()).enabled is True
         source.value = "{broken"
         clock.now += 61
-        assert (await param.get()).enabled is True
+        with caplog.at_level(logging.WARNING, logger="kiln.parameters"):
+            assert (await param.get()).enabled is True
+        (logged,) = [json.loads(record.getMessage()) for record in caplog.records]
+        assert (logged["event"], logged["parameter"], logged["in_a_row"]) == ("maintenance_unreadable", "/kiln/test", 1)
 
     asyncio.run(scenario())
 

@@ -89,6 +89,7 @@ class Gateway:
             parse_flag,
             max_age=settings.maintenance_cache_seconds,
             back_off_first_reads=False,
+            unreadable_event="maintenance_unreadable",
         )
         if catalog is not None:
             fetch_catalog: Callable[[], Awaitable[str | None]] = _constant(None)
@@ -105,6 +106,7 @@ class Gateway:
             parse_catalog,
             max_age=settings.catalog_cache_seconds,
             first_read_budget=settings.parameter_first_read_seconds,
+            unreadable_event="catalog_unreadable",
         )
         # the model servers' key, from a SecureString when one is named (kiln.upstream_key)
         key_parameter = settings.upstream_api_key_parameter
@@ -114,6 +116,7 @@ class Gateway:
             parse_key,
             max_age=settings.upstream_api_key_cache_seconds,
             first_read_budget=settings.parameter_first_read_seconds,
+            unreadable_event="upstream_key_unreadable",
         ))
 
     @classmethod

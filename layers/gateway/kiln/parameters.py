@@ -25,6 +25,7 @@ execution environment, so the cache is what keeps a busy fleet under it (docs/de
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -56,11 +57,13 @@ class CachedParameter(Generic[T]):
         max_age: float,
         first_read_budget: float = 0.0,
         back_off_first_reads: bool = True,
+        unreadable_event: str = "parameter_unreadable",
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.name = name
+        self.unreadable_event = unreadable_event
         self._fetch = fetch
         self._parse = parse
         self._max_age = max_age
@@ -137,10 +140,12 @@ class CachedParameter(Generic[T]):
             self._failures += 1
             back_off = min(self._max_age, RETRY_AFTER * 2 ** (self._failures - 1)) * (0.5 + self._rand() / 2)
             self._expires = self._clock() + back_off
-            log.warning(
-                "parameter %s could not be refreshed (%d in a row), keeping the last value for %.1f s: %s",
-                self.name, self._failures, back_off, exc,
-            )
+            # the same event as a first read that fails (`maintenance_unreadable`, …): one name to
+            # search and alarm on, whether an environment is new or warm
+            log.error(json.dumps({
+                "event": self.unreadable_event, "parameter": self.name, "in_a_row": self._failures,
+                "kept_for_seconds": round(back_off, 1), "detail": str(exc)[:500],
+            }))
             return
         self._store(value)
 
