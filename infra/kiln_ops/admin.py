@@ -134,6 +134,11 @@ def add_admin_parser(subparsers: Any) -> None:
         "--progress", action="store_true", help="report progress on stderr even when it is not a terminal"
     )
     key_tally.set_defaults(run=_keys_tally, writes=True)
+    key_recount = keys.add_parser(
+        "recount", help="set each org's count of keys with a spend limit from its keys (after functions of a "
+                        "version that kept no count changed limits: a rollback)")
+    key_recount.add_argument("org", nargs="*", help="these orgs (default: every org)")
+    key_recount.set_defaults(run=_keys_recount, writes=True)
 
     credits = groups.add_parser("credits", help="prepaid credits").add_subparsers(dest="action", required=True)
     add = credits.add_parser("add", help="add USD to an org's credits (negative to correct)")
@@ -518,6 +523,26 @@ def _keys_tally(ctx: Context, args: argparse.Namespace, out) -> None:
 
     total, keys = _with_keyring(ctx, tally)
     out(f"tallied {_counted(len(orgs), 'org')}: {_tallied_line(total)}; {_counted(keys, 'key')} marked tallied")
+
+
+def _keys_recount(ctx: Context, args: argparse.Namespace, out) -> None:
+    from kiln.store.orgs import get_org, list_orgs
+
+    for org_id in args.org:
+        get_org(ctx.tables, org_id)  # not found: before any is written
+    orgs = args.org or [org.org_id for org in list_orgs(ctx.tables)]
+
+    async def recount(keyring: Any) -> int:
+        changed = 0
+        for org_id in orgs:
+            before, now = await keyring.recount_limited(org_id)
+            changed += before != now
+            was = "none" if before is None else str(before)
+            out(f"org {org_id}: {_counted(now, 'key')} with a spend limit (the count was {was})")
+        return changed
+
+    changed = _with_keyring(ctx, recount)
+    out(f"recounted {_counted(len(orgs), 'org')}: {changed} changed")
 
 
 def _tallied_line(done: Any) -> str:

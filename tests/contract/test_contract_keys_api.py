@@ -8,6 +8,7 @@ another org's key id is 404 exactly as an unknown one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -1146,6 +1147,39 @@ def test_limits_set_at_once_never_pass_the_cap(stack, monkeypatch, conflicts):
     assert call(stack, "PATCH", f"/v1/keys/{limited[1]}", admin, {"spend_limit": None}).status_code == 200
     assert [call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code for _ in range(3)] == [201, 201, 400]
     assert int(org_item_of(stack, org_id)["limited_keys"]["N"]) == 6
+
+
+def test_a_revocation_racing_a_limit_given_to_the_key_counts_it_off_once(stack, monkeypatch):
+    """Found in review: a key read without a limit, then given one (counted) before its
+    revoking write landed: revoked with its limit, its count was never taken off, and the
+    org's room for limits shrank for good. The revocation of a key read without a limit is
+    conditioned on its having none still: read again, it is revoked and counted off."""
+    import kiln.store.keyring as keyring
+
+    monkeypatch.setattr(keyring, "MAX_LIMITED_KEYS", 2)
+    org_id, admin = management_org(stack)
+    assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201
+    key = call(stack, "POST", "/v1/keys", admin, {"label": "to revoke"}).json()
+
+    async def revoke(ring):
+        dynamodb = ring._aws.dynamodb
+        raced = []
+
+        async def racing(operation, payload, **options):
+            revoking = operation == "UpdateItem" and '"revoked"' in json.dumps(payload.get("ExpressionAttributeValues"))
+            if revoking and not raced:  # a limit given to the key, between the read and the write
+                raced.append(call(stack, "PATCH", f"/v1/keys/{key['id']}", admin, {"spend_limit": 5}).status_code)
+            return await dynamodb(operation, payload, **options)
+
+        ring._aws.dynamodb = racing
+        revoked = await ring.revoke(key["id"], org_id=org_id)
+        return raced, revoked.status
+
+    assert with_keyring(stack, revoke) == ([200], "revoked")
+    keys = call(stack, "GET", "/v1/keys?limit=100", admin).json()["data"]
+    assert sum(k["spend_limit"] is not None and k["status"] == "active" for k in keys) == 1
+    assert int(org_item_of(stack, org_id)["limited_keys"]["N"]) == 1
+    assert call(stack, "POST", "/v1/keys", admin, {"spend_limit": 1}).status_code == 201  # the room is there
 
 
 def org_item_of(stack, org_id: str) -> dict:

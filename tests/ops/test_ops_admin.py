@@ -390,6 +390,24 @@ def test_keys_create_refuses_bad_attributes_and_creates_nothing(admin, flags, re
     assert len(admin("keys", "list", org_id).lines) == 1
 
 
+def test_keys_recount_sets_an_orgs_count_of_keys_with_a_limit_from_its_keys(admin, stack):
+    """After a rollback, functions of a version that kept no count changed limits: the count
+    drifted (a key revoked there still counted, and the cap refused a limit there was room for)."""
+    org_id = new_org_id()
+    assert admin("orgs", "create", org_id).code == 0
+    for _ in range(2):
+        assert admin("keys", "create", org_id, "--spend-limit", "5").code == 0
+    stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                               UpdateExpression="SET limited_keys = :n", ExpressionAttributeValues={":n": {"N": "5"}})
+    result = admin("keys", "recount", org_id)
+    assert result.code == 0 and result.lines == [f"org {org_id}: 2 keys with a spend limit (the count was 5)",
+                                                 "recounted 1 org: 1 changed"]
+    item = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"]
+    assert item["limited_keys"] == {"N": "2"}
+    assert_fails(admin("keys", "recount", org_id, new_org_id()), "not found")
+
+
 def test_keys_create_says_when_the_org_has_as_many_keys_with_a_limit_as_it_may(admin, monkeypatch):
     import kiln.store.keyring as keyring
 

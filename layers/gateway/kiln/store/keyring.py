@@ -825,6 +825,16 @@ class Keyring:
         if limited >= MAX_LIMITED_KEYS:
             raise _no_room(limited)
 
+    async def recount_limited(self, org_id: str) -> tuple[int | None, int]:
+        """Set the org item's count of keys with a spend limit to what its keys say (the count it
+        had, None if none; the count now): after functions of a version that kept no count
+        changed limits (a rollback, an upgrade's last requests). Made while no key's limit
+        changes: the keys are read through an index about a second behind."""
+        found = (await self.org(org_id)).item.get(LIMITED_KEYS, {}).get("N")
+        limited = sum(1 for item in await self._key_items(org_id) if _counted_on_org(_info(item)))
+        await self._org_write(org_id, "SET #n = :n", {"#n": LIMITED_KEYS}, {":n": {"N": str(limited)}})
+        return (int(Decimal(found)) if found is not None else None), limited
+
     async def _limited_keys(self, org_id: str, items: Sequence[dict[str, Any]] | None = None) -> int:
         """The org item's count of its active keys with a spend limit; first counted from its
         keys (`items`, or read) and stored, if it has none yet."""
@@ -948,10 +958,7 @@ class Keyring:
         values = {":org": {"S": item[KEY.org_id]["S"]}, ":revoked": {"S": "revoked"},
                   ":now": {"S": iso_ms(self.clock())}}
         try:
-            revoked = await self._revoke_counted(item, names, values)
-            if revoked is None:  # a key without a limit: its item alone
-                revoked = _info(await self._write(item, "SET #status = :revoked, #revoked = :now", names, values,
-                                                  extra_condition=NOT_REVOKED))
+            revoked = await self._revoke_key(item, names, values)
         except AlreadyRevoked:
             # revoked meanwhile, or by this very write, whose answer was lost and whose resend
             # found it done (then at the moment this call wrote): the figures come off either way
@@ -964,10 +971,11 @@ class Keyring:
         await self._tidy(revoked, why="revoked")
         return revoked
 
-    async def _revoke_counted(self, item: dict[str, Any], names: dict[str, str], values: dict[str, Any]) -> KeyInfo | None:
-        """Revoke a key with a spend limit and count it off its org item, in one transaction, the
-        key's part conditioned on its limit as read: the key as revoked; None if it has no limit
-        (anymore); AlreadyRevoked if it is revoked (by this very call too, its answer lost)."""
+    async def _revoke_key(self, item: dict[str, Any], names: dict[str, str], values: dict[str, Any]) -> KeyInfo:
+        """Revoke a key: one with a spend limit counted off its org item in the same transaction,
+        the key's part conditioned on its limit as read; one without, by its own item's write,
+        conditioned on its having none still (a limit given meanwhile is counted: read again).
+        The key as revoked; AlreadyRevoked if it is revoked (by this very call too, its answer lost)."""
         key_hash, owner = item[KEY.hash_key]["S"], item[KEY.org_id]["S"]
         key_id = item[KEY.key_id]["S"]
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
@@ -979,7 +987,10 @@ class Keyring:
             if stored.status == "revoked":
                 raise AlreadyRevoked(key_id, stored.revoked_at)
             if not _counted_on_org(stored):
-                return None
+                revoked = await self._revoke_unlimited(item, names, values)
+                if revoked is not None:
+                    return revoked
+                continue  # revoked meanwhile, or given a limit: read again
             await self._limited_keys(owner)  # counted, if it was not yet
             self._wrote(owner, key_hash)
             as_read, read_names, read_values = _spend_as_read(stored)
@@ -1003,6 +1014,28 @@ class Keyring:
                 raise StorageError(f"key change cancelled: {cancelled.reasons}") from None
             return await self.by_hash(key_hash) or replace(stored, status="revoked", revoked_at=values[":now"]["S"])
         raise StorageError(f"the spend figures of {key_id} kept changing", "SeedRaced")
+
+    async def _revoke_unlimited(self, item: dict[str, Any], names: dict[str, str],
+                                values: dict[str, Any]) -> KeyInfo | None:
+        """Revoke a key that has no spend limit, on that condition: None if it failed (revoked
+        meanwhile, or given a limit, which the org item counts)."""
+        self._wrote(item[KEY.org_id]["S"], item[KEY.hash_key]["S"])
+        try:
+            answer = await self._update({
+                "TableName": self._keys_table,
+                "Key": {KEY.hash_key: item[KEY.hash_key]},
+                "UpdateExpression": "SET #status = :revoked, #revoked = :now",
+                "ConditionExpression": "attribute_exists(#hash) AND #org = :org" + NOT_REVOKED
+                                       + " AND attribute_not_exists(#no_limit)",
+                "ExpressionAttributeNames": {**names, "#no_limit": KEY.spend_limit},
+                "ExpressionAttributeValues": values,
+                "ReturnValues": "ALL_NEW",
+            })
+        except Exception as exc:
+            if isinstance(condition_failure(exc), ConditionFailed):
+                return None
+            raise
+        return _info(answer["Attributes"])
 
     async def _write(self, item: dict[str, Any], expression: str, names: dict[str, str], values: dict[str, Any], *,
                      extra_condition: str = "") -> dict[str, Any]:
