@@ -869,11 +869,7 @@ class Keyring:
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             if attempt > 1:
                 await _backoff(attempt)
-            stored = await self.by_hash(key_hash)
-            if stored is None or stored.org_id != owner:
-                raise RecordNotFound("key", key_id)
-            if stored.status == "revoked":
-                raise AlreadyRevoked(key_id, stored.revoked_at)
+            stored = await self._unrevoked(key_hash, owner, key_id)
             after = replace(stored, **{name: (_DEFAULTS.get(name) if value is None else value)
                                        for name, value in changes.items()})
             now = self.clock()
@@ -981,11 +977,7 @@ class Keyring:
         for attempt in range(1, _CONFLICT_ATTEMPTS + 1):
             if attempt > 1:
                 await _backoff(attempt)
-            stored = await self.by_hash(key_hash)
-            if stored is None or stored.org_id != owner:
-                raise RecordNotFound("key", key_id)
-            if stored.status == "revoked":
-                raise AlreadyRevoked(key_id, stored.revoked_at)
+            stored = await self._unrevoked(key_hash, owner, key_id)
             if not _counted_on_org(stored):
                 revoked = await self._revoke_unlimited(item, names, values)
                 if revoked is not None:
@@ -1014,6 +1006,16 @@ class Keyring:
                 raise StorageError(f"key change cancelled: {cancelled.reasons}") from None
             return await self.by_hash(key_hash) or replace(stored, status="revoked", revoked_at=values[":now"]["S"])
         raise StorageError(f"the spend figures of {key_id} kept changing", "SeedRaced")
+
+    async def _unrevoked(self, key_hash: str, owner: str, key_id: str) -> KeyInfo:
+        """The key as stored now: RecordNotFound if it is gone (or another org's), AlreadyRevoked
+        if it is revoked."""
+        stored = await self.by_hash(key_hash)
+        if stored is None or stored.org_id != owner:
+            raise RecordNotFound("key", key_id)
+        if stored.status == "revoked":
+            raise AlreadyRevoked(key_id, stored.revoked_at)
+        return stored
 
     async def _revoke_unlimited(self, item: dict[str, Any], names: dict[str, str],
                                 values: dict[str, Any]) -> KeyInfo | None:
