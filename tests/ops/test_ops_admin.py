@@ -336,6 +336,10 @@ def test_keys_tally_adds_an_older_versions_events_once_and_says_what_it_did(admi
         "tallied 1 org: 1 usage event added to the keys' tallies ($0.25); 1 key marked tallied"]
     check_tallies(stack, org_id, stack.events(org_id))
     assert Decimal(str(json.loads(admin("keys", "list", org_id, "--format", "json").text)[0]["spend"])) == spend
+    # --progress says how far it got, the last count too (a run of fewer than 512 said nothing)
+    older_event(stack, org_id, key_id, iso_ms(time.time()), "0.5")
+    told = admin("keys", "tally", org_id, "--progress")
+    assert told.code == 0 and "kiln admin: 1 usage events tallied…" in told.err.splitlines()
     again = admin("keys", "tally", org_id, org_id)
     assert again.lines[-1] == "tallied 2 orgs: 0 usage events added to the keys' tallies ($0); 0 keys marked tallied"
     assert_fails(admin("keys", "tally", "no-such-org"), "kiln admin: org 'no-such-org' not found")

@@ -94,6 +94,20 @@ def test_without_the_key_the_gateway_answers_503_and_calls_no_model_server(keyed
     assert recording.authorization == []
 
 
+def test_a_catalog_that_names_no_key_is_served_without_one_stored(aws, mock):
+    """deploy.md stores the key only for backends that name it, but the template always names
+    the parameter: with none stored, every model request of a catalog that needs no key was
+    answered 503."""
+    name = f"/t{secrets.token_hex(5)}/upstream-api-key"  # never stored
+    stack = make_stack(aws.url, mock, upstream_api_key_parameter=name, parameter_first_read_seconds=0.2)
+    try:
+        _, secret = stack.org()
+        response = stack.post("/v1/chat/completions", {**CHAT, "model": "qwen3-32b"}, secret)
+        assert response.status_code == 200, response.text
+    finally:
+        stack.close()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

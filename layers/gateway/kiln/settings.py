@@ -94,7 +94,8 @@ class Settings:
         minimum=0.001,
     )
     keepalive_seconds: float = setting(5.0, "`: keepalive` interval while the upstream is silent", minimum=0.001)
-    max_body_bytes: int = setting(6 * 1024 * 1024, "request body limit (413 above)", minimum=1)
+    max_body_bytes: int = setting(6 * 1024 * 1024, "request body limit (413 above; so is a request whose Lambda "
+                                  "event, its body JSON-escaped and its headers, would be over 6 MiB)", minimum=1)
     maintenance_retry_after_seconds: int = setting(60, "`Retry-After` when maintenance has no `until`")
     storage_retry_attempts: int = setting(
         50,

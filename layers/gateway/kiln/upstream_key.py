@@ -38,6 +38,7 @@ class UpstreamKey:
     def __init__(self, cache: CachedParameter[str]) -> None:
         self._cache = cache
         self._bound: tuple[Catalog, str, Catalog] | None = None
+        self._unkeyed: Catalog | None = None  # the last catalog bound, if none of its backends names the key
 
     @property
     def name(self) -> str:
@@ -45,9 +46,18 @@ class UpstreamKey:
 
     @property
     def fresh(self) -> bool:
-        return self._cache.fresh
+        return self._unkeyed is not None or self._cache.fresh
 
     async def bind(self, catalog: Catalog) -> Catalog:
+        """The catalog with the key given to the backends that name it; a catalog none of whose
+        backends does is served as it is, the key not read (a deployment that keeps no key:
+        deploy.md stores one only for backends that name it)."""
+        if catalog is self._unkeyed:
+            return catalog
+        if not any(backend.api_key_env == ENV_NAME for model in catalog for backend in model.backends):
+            self._unkeyed = catalog
+            return catalog
+        self._unkeyed = None
         key = await self._cache.get()
         bound = self._bound
         if bound is not None and bound[0] is catalog and bound[1] == key:

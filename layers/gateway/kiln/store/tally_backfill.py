@@ -67,6 +67,7 @@ async def tally_org(aws: Any, usage_table: str, org_id: str, *, retry: RetryPoli
             done.found_tallied += 1
 
     batch: list[dict[str, Any]] = []
+    told = -1  # the count progress was last told
     async for event in _untallied(aws, usage_table, org_id):
         if not Decimal(event.get(USAGE.cost, {}).get("N", "0")):
             done.free += 1  # nothing to add: it stays unmarked (and is read again by the next run)
@@ -77,7 +78,10 @@ async def tally_org(aws: Any, usage_table: str, org_id: str, *, retry: RetryPoli
             batch = []
             if progress is not None and (done.added + done.found_tallied) % 512 == 0:
                 progress(done)
+                told = done.added + done.found_tallied
     await asyncio.gather(*(add(one) for one in batch))
+    if progress is not None and done.added + done.found_tallied != told:  # the last count, said once
+        progress(done)
     return done
 
 
