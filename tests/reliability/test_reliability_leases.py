@@ -24,17 +24,19 @@ RENEW = 0.25
 
 
 def test_a_stream_longer_than_its_lease_keeps_it_and_records_its_progress(stack_factory):
-    stack = stack_factory(lease_ttl_seconds=LEASE_TTL, lease_renew_seconds=RENEW)
+    # a lease of 2 s renewed every 0.5 s: a renewal may be late by a second on a loaded machine
+    # (a lease of 1 s once lost its slot so in CI), and the stream still outlives three leases
+    stack = stack_factory(lease_ttl_seconds=2 * LEASE_TTL, lease_renew_seconds=2 * RENEW)
     org_id, key = stack.org(concurrency=1)
     ledger = LedgerCheck(stack, org_id)
-    # 12 tokens, 250 ms apart: about 3 s, three times the lease's life
+    # 12 tokens, 500 ms apart: about 6 s, three times the lease's life
     body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "stream": True,
-            "mock": {"token_delay_ms": 250}}
+            "mock": {"token_delay_ms": 500}}
     answers: list = []
     streaming = threading.Thread(target=lambda: answers.append(ledger.saw(stack.post(CHAT, body, key))))
     streaming.start()
     progress, refused = [], []
-    deadline = time.monotonic() + 2.5
+    deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         time.sleep(0.2)
         leases = stack.org_info(org_id).leases
