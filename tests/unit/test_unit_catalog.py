@@ -179,6 +179,9 @@ WRITTEN_ONLY = [
     ({"timeouts": {"total": 900}}, "at most 870 seconds", lambda m: m.timeouts.total == 900.0),
     ({"timeouts": {"idle": 871}}, "timeouts.idle", lambda m: m.timeouts.idle == 871.0),
     ({"owned_by": 5}, "owned_by", lambda m: m.owned_by == "5"),
+    # a Unix time, whole, that any client reads exactly (10^30 was served as 31 digits)
+    ({"created": 1.5}, "created must be a whole Unix time", lambda m: m.created == 1),
+    ({"created": 10**30}, "created must be a whole Unix time", lambda m: m.created == 0),
     # digits finer than a billionth of a dollar per 1M tokens: credits minus such a cost needs
     # more digits than a DynamoDB number holds, so the debit could not be the cost; a catalog
     # stored by other means is served with its prices rounded to 9 places (served as it was,

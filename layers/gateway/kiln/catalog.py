@@ -271,7 +271,7 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
     return ModelEntry(
         id=model_id,
         owned_by=_text(entry, "owned_by", where, written) or "kiln",
-        created=int(_number(entry.get("created", 0), "created", where)),
+        created=_created(entry.get("created", 0), where, written),
         context_length=_context_length(entry, where),
         pricing=Pricing(
             input=_price(pricing, "input", where, written),
@@ -301,6 +301,20 @@ def _number(value: Any, name: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise CatalogError(f"{where}: {name} must be a non-negative number")
     return float(value)
+
+
+# the latest `created` a written catalog takes: 9999-12-31T23:59:59Z, a Unix time any client reads exactly
+MAX_CREATED = 253_402_300_799
+
+
+def _created(value: Any, where: str, written: bool) -> int:
+    """A model's Unix time of creation (/v1/models): written, a whole number up to MAX_CREATED
+    (1.5 was served as 1, 10^30 as a number JavaScript cannot read exactly); read, as it always
+    was, but for one past MAX_CREATED, served as 0."""
+    if written and (type(value) is not int or not 0 <= value <= MAX_CREATED):
+        raise CatalogError(f"{where}: created must be a whole Unix time from 0 to {MAX_CREATED} (seconds)")
+    seconds = _number(value, "created", where)
+    return int(seconds) if seconds <= MAX_CREATED else 0
 
 
 def _timeout(value: Any, name: str, where: str, written: bool) -> float:
