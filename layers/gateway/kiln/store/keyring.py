@@ -830,25 +830,32 @@ class Keyring:
         had, None if none; the count now): after functions of a version that kept no count
         changed limits (a rollback, an upgrade's last requests). Made while no key's limit
         changes: the keys are read through an index about a second behind."""
-        found = (await self.org(org_id)).item.get(LIMITED_KEYS, {}).get("N")
-        limited = sum(1 for item in await self._key_items(org_id) if _counted_on_org(_info(item)))
-        await self._org_write(org_id, "SET #n = :n", {"#n": LIMITED_KEYS}, {":n": {"N": str(limited)}})
-        return (int(Decimal(found)) if found is not None else None), limited
+        found = _stored_count((await self.org(org_id)).item)
+        limited = _limited_among(await self._key_items(org_id))
+        await self._store_count(org_id, limited)
+        return found, limited
 
-    async def _limited_keys(self, org_id: str, items: Sequence[dict[str, Any]] | None = None) -> int:
-        """The org item's count of its active keys with a spend limit; first counted from its
-        keys (`items`, or read) and stored, if it has none yet."""
+    async def _limited_keys(self, org_id: str, items: Sequence[dict[str, Any]] | None = None,
+                            org_item: Mapping[str, Any] | None = None) -> int:
+        """The org item's count of its active keys with a spend limit (`org_item`: the org item
+        as just read, or read); first counted from its keys (`items`, or read) and stored, if it
+        has none yet."""
         for _ in range(_CONFLICT_ATTEMPTS):
-            found = (await self.org(org_id)).item.get(LIMITED_KEYS, {}).get("N")
+            found = _stored_count(org_item if org_item is not None else (await self.org(org_id)).item)
             if found is not None:
-                return int(Decimal(found))
+                return found
+            org_item = None  # read again after a count another call stored first
             if items is None:
                 items = await self._key_items(org_id)
-            limited = sum(1 for item in items if _counted_on_org(_info(item)))
-            if await self._org_write(org_id, "SET #n = :n", {"#n": LIMITED_KEYS}, {":n": {"N": str(limited)}},
-                                     "attribute_not_exists(#n)"):
+            limited = _limited_among(items)
+            if await self._store_count(org_id, limited, only_if_none=True):
                 return limited
         raise StorageError("the org's key count kept changing", "SeedRaced")
+
+    async def _store_count(self, org_id: str, limited: int, *, only_if_none: bool = False) -> bool:
+        """Set the org item's count of keys with a spend limit (`only_if_none`: if it has none)."""
+        return await self._org_write(org_id, "SET #n = :n", {"#n": LIMITED_KEYS}, {":n": {"N": str(limited)}},
+                                     "attribute_not_exists(#n)" if only_if_none else "")
 
     async def _change_spend(self, item: dict[str, Any], changes: Mapping[str, Any], expression: str,
                             names: dict[str, str], values: dict[str, Any]) -> KeyInfo:
@@ -882,10 +889,11 @@ class Keyring:
                 if period not in seeds:
                     seeds[period] = await self._spent_in_period(after, now)
                 seed = seeds[period]
-            org_update, figure = self._following(after, (await self.org(owner)).item, now, seed=seed)
+            org_item = (await self.org(owner)).item
+            org_update, figure = self._following(after, org_item, now, seed=seed)
             gained = _counted_on_org(after) - _counted_on_org(stored)  # one more key with a limit, or one less
             if gained:
-                await self._limited_keys(owner)  # counted, if it was not yet
+                await self._limited_keys(owner, org_item=org_item)  # counted, if it was not yet
                 org_update = _counted(owner, self._orgs_table, gained, org_update)
             as_read, read_names, read_values = _spend_as_read(stored)
             key_update = {
@@ -1021,23 +1029,12 @@ class Keyring:
                                 values: dict[str, Any]) -> KeyInfo | None:
         """Revoke a key that has no spend limit, on that condition: None if it failed (revoked
         meanwhile, or given a limit, which the org item counts)."""
-        self._wrote(item[KEY.org_id]["S"], item[KEY.hash_key]["S"])
         try:
-            answer = await self._update({
-                "TableName": self._keys_table,
-                "Key": {KEY.hash_key: item[KEY.hash_key]},
-                "UpdateExpression": "SET #status = :revoked, #revoked = :now",
-                "ConditionExpression": "attribute_exists(#hash) AND #org = :org" + NOT_REVOKED
-                                       + " AND attribute_not_exists(#no_limit)",
-                "ExpressionAttributeNames": {**names, "#no_limit": KEY.spend_limit},
-                "ExpressionAttributeValues": values,
-                "ReturnValues": "ALL_NEW",
-            })
-        except Exception as exc:
-            if isinstance(condition_failure(exc), ConditionFailed):
-                return None
-            raise
-        return _info(answer["Attributes"])
+            return _info(await self._write(item, "SET #status = :revoked, #revoked = :now",
+                                           {**names, "#no_limit": KEY.spend_limit}, values,
+                                           extra_condition=NOT_REVOKED + " AND attribute_not_exists(#no_limit)"))
+        except AlreadyRevoked:  # what any failed condition of _write's with one of its own is
+            return None
 
     async def _write(self, item: dict[str, Any], expression: str, names: dict[str, str], values: dict[str, Any], *,
                      extra_condition: str = "") -> dict[str, Any]:
@@ -1087,6 +1084,17 @@ def _counted(org_id: str, table: str, change: int, update: dict[str, Any] | None
     update.update(UpdateExpression=f"{expression} ADD #limited_keys :limited_change".strip(),
                   ConditionExpression=condition, ExpressionAttributeNames=names, ExpressionAttributeValues=values)
     return update
+
+
+def _limited_among(items: Sequence[dict[str, Any]]) -> int:
+    """How many of these key items are active with a spend limit."""
+    return sum(1 for item in items if _counted_on_org(_info(item)))
+
+
+def _stored_count(org_item: Mapping[str, Any]) -> int | None:
+    """The org item's count of keys with a spend limit, None if it has none yet."""
+    found = org_item.get(LIMITED_KEYS, {}).get("N")
+    return int(Decimal(found)) if found is not None else None
 
 
 def _no_room(limited: int) -> InvalidKeyAttribute:
