@@ -23,7 +23,7 @@ from .errors import (
 from .exchange import Exchange
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
-from .lambda_payload import LAMBDA_PAYLOAD_BYTES, answer_limit, event_size
+from .lambda_payload import LAMBDA_PAYLOAD_BYTES, answer_limit, event_too_large
 from .normalize import normalize
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
@@ -237,7 +237,7 @@ async def read_json(request: Request, limit: int) -> object:
     except ClientDisconnect:
         raise InvalidJson("The request body was not received completely.") from None
     raw = b"".join(chunks)
-    if 2 * len(raw) > LAMBDA_PAYLOAD_BYTES // 2 and event_size(raw, request.headers.items()) > LAMBDA_PAYLOAD_BYTES:
+    if event_too_large(raw, request.headers.items()):
         # AWS would refuse it before any function ran (docs/design.md: what Lambda carries)
         raise RequestTooLarge(
             f"The request is too large for the gateway's functions: its body ({len(raw)} bytes), JSON-escaped "

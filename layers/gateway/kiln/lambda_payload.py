@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-__all__ = ["LAMBDA_PAYLOAD_BYTES", "answer_limit", "answer_size", "event_size"]
+__all__ = ["LAMBDA_PAYLOAD_BYTES", "answer_limit", "answer_size", "event_size", "event_too_large"]
 
 # a synchronous invocation's request and response payloads, each (AWS Lambda quotas)
 LAMBDA_PAYLOAD_BYTES = 6 * 1024 * 1024
@@ -31,6 +31,12 @@ def event_size(body: bytes, headers: Iterable[tuple[str, str]]) -> int:
     escaped = body.count(b'"') + body.count(b"\\") + len(body) - len(body.translate(None, _CONTROL))
     header_bytes = sum(len(name) + len(value) + 8 for name, value in headers)
     return len(body) + escaped + 2 * header_bytes + _EVENT_CONTEXT_BYTES
+
+
+def event_too_large(body: bytes, headers: Iterable[tuple[str, str]]) -> bool:
+    """Whether the event that carries this request is over what Lambda takes; a body under a
+    quarter of it (escaped, at most twice its size) is not measured."""
+    return 4 * len(body) > LAMBDA_PAYLOAD_BYTES and event_size(body, headers) > LAMBDA_PAYLOAD_BYTES
 
 
 def answer_limit(scope: dict[str, Any]) -> int | None:
