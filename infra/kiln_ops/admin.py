@@ -497,25 +497,39 @@ def _keys_list(ctx: Context, args: argparse.Namespace, out) -> None:
     render(rows, KEY_COLUMNS, args.format, out)
 
 
+class _Progress:
+    """How far a long command got, on stderr: on a terminal one line rewritten in place, else (with
+    --progress) a line each time."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._terminal = sys.stderr.isatty()
+        self._shown = args.progress or self._terminal
+
+    def say(self, text: str) -> None:
+        if self._shown:
+            print(f"kiln admin: {text}", end="\r" if self._terminal else "\n", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        """The line rewritten in place is left as it last was."""
+        if self._shown and self._terminal:
+            print(file=sys.stderr)
+
+
 def _keys_tally(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store.orgs import list_orgs
     from kiln.store.tally_backfill import TallyBackfill
 
     orgs = args.org or [org.org_id for org in list_orgs(ctx.tables)]
-    show_progress = args.progress or sys.stderr.isatty()
+    shown = _Progress(args)
 
     def progress(done: TallyBackfill) -> None:
-        if show_progress:
-            end = "\r" if sys.stderr.isatty() else "\n"
-            print(f"kiln admin: {done.added + done.found_tallied} usage events tallied…", end=end, file=sys.stderr,
-                  flush=True)
+        shown.say(f"{done.added + done.found_tallied} usage events tallied…")
 
     async def tally(keyring: Any) -> tuple[TallyBackfill, int]:
         total, keys = TallyBackfill(), 0
         for org_id in orgs:
             done, marked = await keyring.tally_events(org_id, progress=progress)
-            if show_progress and sys.stderr.isatty():
-                print(file=sys.stderr)
+            shown.end()
             out(f"org {org_id}: {_tallied_line(done)}; {_counted(len(marked), 'key')} marked tallied")
             total += done
             keys += len(marked)
@@ -593,17 +607,10 @@ def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
     get_org(ctx.tables, args.org)
     if args.since and args.until and args.since >= args.until:
         raise AdminError(f"--since ({args.since}) must be before --until ({args.until})")
-    show_progress = args.progress or sys.stderr.isatty()
-
-    def progress(count: int) -> None:
-        if show_progress:
-            end = "\r" if sys.stderr.isatty() else "\n"
-            print(f"kiln admin: {count} usage events read…", end=end, file=sys.stderr, flush=True)
-
+    shown = _Progress(args)
     events = (event for event in query_events(ctx.tables, args.org, args.since, args.until) if in_span(event, args.until))
-    summary = summarize(events, args.by, progress)
-    if show_progress and sys.stderr.isatty():
-        print(file=sys.stderr)
+    summary = summarize(events, args.by, lambda count: shown.say(f"{count} usage events read…"))
+    shown.end()
     if args.format == "json":
         import json
 
@@ -653,16 +660,13 @@ def _replay_usage(ctx: Context, args: argparse.Namespace, out) -> None:
     unreadable: list[str] = []
     failures: list[str] = []
     records = list(unsettled_records(lines, unreadable))
-    show_progress = args.progress or sys.stderr.isatty()
+    shown = _Progress(args)
 
     def progress(done: int, total: int) -> None:
-        if show_progress:
-            end = "\r" if sys.stderr.isatty() else "\n"
-            print(f"kiln admin: {done} of {total} usage events replayed…", end=end, file=sys.stderr, flush=True)
+        shown.say(f"{done} of {total} usage events replayed…")
 
     outcomes = with_ledger(ctx.settings, lambda ledger: replay(ledger, records, failures, progress))
-    if show_progress and sys.stderr.isatty():
-        print(file=sys.stderr)
+    shown.end()
     for problem in unreadable:
         print(f"kiln admin: {args.file}, {problem}: a usage_unsettled record that is no usage event", file=sys.stderr)
     for problem in failures:
