@@ -22,6 +22,8 @@ from .truth import spelled
 
 __all__ = ["Backend", "Capabilities", "Catalog", "CatalogError", "Limits", "ModelEntry", "Pricing", "Timeouts"]
 
+log = logging.getLogger("kiln.catalog")
+
 PER_MILLION = Decimal(1_000_000)
 
 # Bounds that keep every bill a number DynamoDB stores (contract §4) with room to spare: the
@@ -33,7 +35,6 @@ MIN_PRICE = Decimal("1e-9")  # other than 0 (free)
 # A price's finest digit, MIN_PRICE's: a cost then has at most 15 decimal places (USD), so that
 # credits minus a cost, as DynamoDB computes it on the org item, needs far fewer than the 38
 # significant digits a DynamoDB number holds, and every debit is exactly the cost recorded.
-log = logging.getLogger("kiln.catalog")
 PRICE_DECIMALS = 9
 _PRICE_STEP = Decimal(1).scaleb(-PRICE_DECIMALS)
 # a price as kiln admin writes it: ASCII digits, a point, an exponent
