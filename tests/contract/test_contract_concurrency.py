@@ -97,3 +97,33 @@ def test_ledger_sum_of_event_costs_equals_credits_debited(stack):
     assert sum(e.cost for e in events) == debited
     assert debited > 0
     assert stack.org_info(org_id).in_flight == 0
+
+
+def test_a_refusal_after_the_limit_was_lowered_says_how_many_run_and_the_limit(stack):
+    """An operator lowers an org's limit below what it runs: the next request's 429 says how
+    many are in flight and what the limit is, not the limit as if it were the count."""
+    from kiln.store.orgs import set_limit
+
+    org_id, key = stack.org(concurrency=3)
+    body = {**BODY, "stream": True, "mock": {"tokens": 12, "token_delay_ms": 100}}
+
+    async def lowered_under_three_streams() -> tuple[list[int], httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            async def one() -> int:
+                response = await client.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
+                return response.status_code
+
+            running = [asyncio.ensure_future(one()) for _ in range(3)]
+            while stack.org_info(org_id).in_flight < 3:
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(set_limit, stack.tables, org_id, 1)
+            refused = await client.post(CHAT, json=BODY, headers={"Authorization": f"Bearer {key}"})
+            return await asyncio.gather(*running), refused
+
+    statuses, refused = asyncio.run(lowered_under_three_streams())
+    assert statuses == [200, 200, 200]
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+    message = refused.json()["error"]["message"]
+    assert "3 requests in flight" in message and "limit of 1" in message, message
+    assert stack.org_info(org_id).in_flight == 0
+    assert len(stack.events(org_id)) == 3

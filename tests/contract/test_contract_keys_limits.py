@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from kiln.store.keys import list_keys, update_key
 from kiln.store.keyspend import period_name, resets_at
 from support import LedgerCheck, assert_a_plain_429, check_key_figures
 
@@ -219,3 +220,33 @@ def test_a_key_with_every_limit_still_costs_one_admission_write_and_one_settle_t
         after = (stack.faults.count("UpdateItem", lambda p: p["TableName"] == orgs),
                  stack.faults.count("TransactWriteItems"), stack.faults.count("GetItem"))
         assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 0]  # and no read: the key is cached
+
+
+def test_a_keys_refusal_after_its_concurrency_was_lowered_says_how_many_run(stack, org):
+    """A key's concurrency lowered below what it runs: its 429 names both figures."""
+    org_id, _ = org
+    ledger = LedgerCheck(stack, org_id)
+    key = stack.key(org_id, concurrency=3)
+    key_id = next(k.key_id for k in list_keys(stack.tables, org_id) if k.concurrency == 3)
+    body = {**BODY, "stream": True, "mock": {"tokens": 12, "token_delay_ms": 100}}
+
+    async def lowered_under_three_streams() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            async def one() -> httpx.Response:
+                response = await client.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
+                ledger.saw(response)
+                return response
+
+            running = [asyncio.ensure_future(one()) for _ in range(3)]
+            while stack.org_info(org_id).in_flight < 3:
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(update_key, stack.tables, key_id, concurrency=1)
+            refused = await client.post(CHAT, json=BODY, headers={"Authorization": f"Bearer {key}"})
+            return await asyncio.gather(*running), refused
+
+    served, refused = asyncio.run(lowered_under_three_streams())
+    assert [response.status_code for response in served] == [200, 200, 200]
+    assert refused.status_code == 429
+    message = refused.json()["error"]["message"]
+    assert "This key already has 3 requests in flight, over its limit of 1" in message, message
+    ledger.check()

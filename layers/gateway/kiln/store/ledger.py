@@ -354,11 +354,11 @@ class Ledger:
             return OrganizationDisabled("Your organization is disabled. Contact support.")
         if Decimal(old.get(ORG.credits, {}).get("N", "0")) <= 0:
             return InsufficientCredits("Your organization is out of credits. Add credits to continue.")
-        limit = old.get(ORG.concurrency_limit, {}).get("N", "?")
-        org_full = RateLimitExceeded(
-            f"Your organization already has {limit} requests in flight, its limit. Retry with exponential backoff."
-        )
-        if not limit.isdigit() or len(old.get(ORG.leases, {}).get("M", {})) >= int(limit):
+        stored_limit = old.get(ORG.concurrency_limit, {}).get("N", "?")
+        limit = int(stored_limit) if stored_limit.isdigit() else None
+        running = len(old.get(ORG.leases, {}).get("M", {}))
+        org_full = RateLimitExceeded(_full_message("Your organization", running, stored_limit if limit is None else limit))
+        if limit is None or running >= limit:
             return org_full
         if limits.spend_limit is not None:
             spent = spend_in(old, key_id, limits.spend_period, now)
@@ -366,9 +366,8 @@ class Ledger:
                 return KeySpendLimitExceeded(_spent_message(spent, limits, now))
         if limits.concurrency is None:
             return org_full
-        return RateLimitExceeded(
-            f"This key already has {limits.concurrency} requests in flight, its limit. Retry with exponential backoff."
-        )
+        key_running = len(old.get(leases_attribute(key_id), {}).get("SS", []))
+        return RateLimitExceeded(_full_message("This key", key_running, limits.concurrency))
 
     async def _take_back(self, lease: Lease) -> None:
         """Remove a lease whose admission failed as far as its caller knows (a write that is
@@ -870,6 +869,15 @@ def _key_bookkeeping(charges: list[tuple[Lease, Decimal, tuple[str, ...]]], name
             values[f":kl{index}"] = {"SS": gen_ids}
             deletes.append(f"#kl{index} :kl{index}")
     return (" ADD " + ", ".join(adds) if adds else "") + (" DELETE " + ", ".join(deletes) if deletes else "")
+
+
+def _full_message(who: str, running: int, limit: int | str) -> str:
+    """A 429's message: how many requests the org or key had in flight when it was refused, and
+    its limit (an operator may have lowered it below what runs)."""
+    where = "over" if isinstance(limit, int) and running > limit else "at"
+    requests = "request" if running == 1 else "requests"
+    return (f"{who} already has {running} {requests} in flight, {where} its limit of {limit}. "
+            "Retry with exponential backoff.")
 
 
 def _spent_message(spent: Decimal, limits: KeyLimits, now: float) -> str:
