@@ -272,3 +272,33 @@ def test_a_buffered_answer_with_text_reported_as_zero_tokens_is_not_billed_zero(
     assert event.usage_source == "capped" and event.prompt_tokens > 0 and event.completion_tokens > 0
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (event.prompt_tokens, event.completion_tokens)
     assert event.cost > 0 and usage["cost"] == event.cost
+
+
+def test_a_price_changed_under_a_stream_bills_it_the_price_it_was_admitted_at(stack_factory):
+    """The catalog is changed while a stream runs: the stream is billed, and shown, the price
+    of the catalog it was validated against; the next request the new one."""
+    stack = stack_factory(catalog_cache_seconds=0)
+    org_id, key = stack.org()
+    name = stack.settings.catalog_parameter
+    catalog = json.loads(stack.ssm.get_parameter(Name=name)["Parameter"]["Value"])
+    body = {**PAGE_CHAT, "stream": True, "stream_options": {"include_usage": True},
+            "mock": {"tokens": 10, "token_delay_ms": 100}}
+    answers = []
+    streaming = threading.Thread(target=lambda: answers.append(stack.post(CHAT, body, key)))
+    streaming.start()
+    while stack.org_info(org_id).in_flight == 0:
+        threading.Event().wait(0.02)
+    for model in catalog["models"]:
+        if model["id"] == "gpt-oss-120b":
+            model["pricing"] = {"input": "0.35", "output": "0.7"}
+    stack.ssm.put_parameter(Name=name, Value=json.dumps(catalog), Type="String", Overwrite=True)
+    streaming.join()
+    later = json.loads(stack.post(CHAT, PAGE_CHAT, key).text, parse_float=Decimal)["usage"]
+
+    usage = json.loads(json.dumps(data_events(answers[0].text)[-2]["usage"]), parse_float=Decimal)
+    old_price = (usage["prompt_tokens"] * Decimal("0.035") + usage["completion_tokens"] * Decimal("0.07")) / 10**6
+    assert usage["cost"] == old_price
+    assert later["cost"] == (later["prompt_tokens"] * Decimal("0.35") + later["completion_tokens"] * Decimal("0.7")) / 10**6
+    events = {event.streamed: event.cost for event in stack.events(org_id)}
+    assert events == {True: old_price, False: later["cost"]}
+    assert Decimal("10") - stack.org_info(org_id).credits == old_price + later["cost"]
