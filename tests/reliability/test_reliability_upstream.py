@@ -365,6 +365,7 @@ class RawUpstream:
         self.answer = answer
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.requests = 0
+        self.heads: list[bytes] = []  # each request's head, as it came
         self._stop = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -398,6 +399,7 @@ class RawUpstream:
                         return
                     body += more
                 self.requests += 1
+                self.heads.append(head)
                 self.answer(conn, body)
             except OSError:
                 pass
@@ -606,5 +608,41 @@ def test_a_2xx_that_has_no_body_is_no_answer_the_next_backend_serves_and_alone_i
         assert statuses == ["success", "upstream_error"] * 2
         assert [events[gen_id].upstream for gen_id in ledger.gen_ids][::2] == ["b", "b"]
         assert all(events[gen_id].cost == 0 for gen_id in ledger.gen_ids[1::2])
+    finally:
+        upstream.close()
+
+
+def test_a_4xx_that_echoes_its_request_headers_does_not_hand_the_client_the_upstream_key(
+        stack_factory, mock, monkeypatch):
+    """A model server writes the headers it was sent into its 400 (some proxies and debug
+    servers do): the client is told its message, without the key the gateway sent it, which
+    is the operator's; a code or param no client could branch on, of any size, is none."""
+    secret = "upstream-" + "k3y/+" * 8
+    monkeypatch.setenv("KILN_TEST_UPSTREAM_KEY", secret)
+    upstream = None
+
+    def echoing(conn: socket.socket, body: bytes) -> None:
+        headers = upstream.heads[-1].decode()
+        payload = json.dumps({"error": {"message": "rejected; headers were " + json.dumps(headers) * 200,
+                                        "param": "p" * 300_000, "code": "c" * 900_000}})
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: "
+                     + str(len(payload)).encode() + b"\r\n\r\n" + payload.encode())
+
+    upstream = RawUpstream(echoing)
+    try:
+        keyed = model("raw-model", [{"name": "raw", "url": upstream.url, "api_key_env": "KILN_TEST_UPSTREAM_KEY"}])
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [keyed]})
+        org_id, key = stack.org()
+        ledger = LedgerCheck(stack, org_id)
+        for body in ({"model": "raw-model", "messages": [{"role": "user", "content": "hi"}]},
+                     {"model": "raw-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}):
+            response = stack.post("/v1/chat/completions", body, key)
+            ledger.saw(response)
+            assert response.status_code == 400
+            error = response.json()["error"]
+            assert f"authorization: Bearer {secret}".lower() in upstream.heads[-1].decode().lower()
+            assert secret not in response.text and "[redacted]" in error["message"]
+            assert len(error["message"]) == 2000 and error["param"] is None and error["code"] is None
+        ledger.check()
     finally:
         upstream.close()

@@ -298,12 +298,17 @@ class UpstreamRejected(GatewayError):
         self.backend: str | None = None  # the backend that answered so
 
     @classmethod
-    def from_upstream(cls, status: int, raw: bytes) -> "UpstreamRejected":
-        """Re-shape whatever error body a model server sent (OpenAI, vLLM or plain text)."""
-        message, param, code = _describe_upstream_error(raw)
+    def from_upstream(cls, status: int, raw: bytes, *, secret: str | None = None) -> "UpstreamRejected":
+        """Re-shape whatever error body a model server sent (OpenAI, vLLM or plain text). The
+        key the gateway sent it (`secret`) is taken out wherever the body echoes it (a server
+        that writes its request's headers into its error), before the message is cut to its
+        bound; a param or code longer than any is none."""
+        message, param, code = (
+            _without(part, secret) for part in _describe_upstream_error(raw))
+        message = (message or "")[:MAX_UPSTREAM_MESSAGE]
         if not message:
             message = f"The model server rejected the request (HTTP {status})."
-        return cls(status, message, param=param, code=code)
+        return cls(status, message, param=_short(param), code=_short(code))
 
 
 class UpstreamFailed(GatewayError):
@@ -336,23 +341,39 @@ def _own_codes(root: type[GatewayError]) -> frozenset[str]:
 RESERVED_CODES = _own_codes(GatewayError) | {"function_unavailable", "gateway_timeout", "upstream_error"}
 
 
+# what of a model server's error reaches the client: its message cut to this many characters,
+# its param and code only as long as any a client would branch on
+MAX_UPSTREAM_MESSAGE = 2000
+MAX_UPSTREAM_WORD = 256
+REDACTED = "[redacted]"
+
+
+def _without(text: str | None, secret: str | None) -> str | None:
+    return text.replace(secret, REDACTED) if text and secret else text
+
+
+def _short(word: str | None) -> str | None:
+    return word if word is not None and len(word) <= MAX_UPSTREAM_WORD else None
+
+
 def _describe_upstream_error(raw: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of an error body, whole: the caller bounds them."""
     text = raw.decode("utf-8", errors="replace").strip()
     try:
         # strict: a body nested past any parser's depth raises ValueError too, not RecursionError,
         # and so does a lone surrogate escape, which no UTF-8 answer could carry on
         payload: Any = loads_strict(text.encode())
     except ValueError:
-        return text[:2000], None, None
+        return text, None, None
     if isinstance(payload, dict):
         inner = payload.get("error", payload)
         if isinstance(inner, str):
-            return inner[:2000], None, None
+            return inner, None, None
         if isinstance(inner, dict):
             message = inner.get("message") or inner.get("detail") or ""
             if not isinstance(message, str):
                 message = json.dumps(message)
             param = inner.get("param") if isinstance(inner.get("param"), str) else None
             code = inner.get("code") if isinstance(inner.get("code"), str) else None
-            return message[:2000], param, code
-    return text[:2000], None, None
+            return message, param, code
+    return text, None, None

@@ -342,7 +342,7 @@ class UpstreamClient:
             if 400 <= status < 500:
                 # its message reaches the client; any other answer's body is nobody's: not read
                 raw = await _read_error_body(response, deadline, min(limits.body_bytes, MAX_ERROR_BODY))
-                rejected = UpstreamRejected.from_upstream(status, raw)
+                rejected = UpstreamRejected.from_upstream(status, raw, secret=api_key)
                 rejected.backend = backend.name  # the upstream that answered, for the usage event
                 raise rejected
             await response.aclose()
