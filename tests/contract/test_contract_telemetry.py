@@ -76,7 +76,7 @@ def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a
     assert stack.http.get(f"/v1/keys/{pasted}", headers={"Authorization": f"Bearer {admin}"}).status_code == 404
     scanned = f"/v1/{secrets.token_hex(8)}/" + "x" * 5000
     assert stack.http.get(scanned, headers={"Authorization": f"Bearer {key}"}).status_code == 404
-    hostile = json.dumps({"error": {"message": "no", "code": "c" + secrets.token_hex(4) + " " * 10 + "y" * 500}})
+    hostile = json.dumps({"error": {"message": "no", "code": "c" + secrets.token_hex(4) + " " * 10 + "y" * 200}})
     rejected = stack.post(CHAT, {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}],
                                  "mock": {"status": 400, "plain_text": True, "message": hostile}}, key)
     assert rejected.status_code == 400 and rejected.json()["error"]["code"].startswith("c")  # the client's answer
