@@ -302,3 +302,43 @@ def test_a_price_changed_under_a_stream_bills_it_the_price_it_was_admitted_at(st
     events = {event.streamed: event.cost for event in stack.events(org_id)}
     assert events == {True: old_price, False: later["cost"]}
     assert Decimal("10") - stack.org_info(org_id).credits == old_price + later["cost"]
+
+
+# a model server's usage whose prompt and completion tokens are believed, but not its total or
+# its breakdown: a total of 10^30, a negative reasoning count, a detail above what it details
+UNBELIEVED_DETAILS = {
+    "prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 10**30,
+    "prompt_tokens_details": {"cached_tokens": 2, "audio_tokens": 99},
+    "completion_tokens_details": {"reasoning_tokens": -5, "accepted_prediction_tokens": 2, "note": "x"},
+}
+SHOWN_DETAILS = {
+    "prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12,
+    "prompt_tokens_details": {"cached_tokens": 2},
+    "completion_tokens_details": {"accepted_prediction_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_the_usage_shown_totals_what_was_billed_and_details_only_counts_within_it(stack, org, stream):
+    """§4: what the client is shown is what was billed. A believed usage object is relayed
+    with its total made the billed tokens' sum, and in its details only counts within them."""
+    org_id, key = org
+    header = {"id": "chatcmpl-u1", "created": 1700000000, "model": "gpt-oss-120b"}
+    if stream:
+        chunk = {**header, "object": "chat.completion.chunk"}
+        events = [json.dumps({**chunk, "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}),
+                  json.dumps({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                  json.dumps({**chunk, "choices": [], "usage": UNBELIEVED_DETAILS})]
+        body = {**PAGE_CHAT, "stream": True, "stream_options": {"include_usage": True}, "mock": {"raw_events": events}}
+        response = stack.post(CHAT, body, key)
+        shown = json.loads(json.dumps(data_events(response.text)[-2]["usage"]), parse_float=Decimal)
+    else:
+        raw = json.dumps({**header, "object": "chat.completion", "usage": UNBELIEVED_DETAILS, "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi"}}]})
+        response = stack.post(CHAT, {**PAGE_CHAT, "mock": {"raw_body": raw}}, key)
+        shown = json.loads(response.text, parse_float=Decimal)["usage"]
+    (event,) = stack.events(org_id)
+    assert (event.prompt_tokens, event.completion_tokens, event.cached_tokens) == (9, 3, 2)
+    assert shown == {**SHOWN_DETAILS, "cost": event.cost}
+    generation = stack.http.get(f"/v1/generations/{event.gen_id}", headers={"Authorization": f"Bearer {key}"}).json()
+    assert generation["usage"]["total_tokens"] == shown["total_tokens"]

@@ -341,3 +341,33 @@ def test_a_background_response_through_the_sdk_is_a_bad_request(client, stack, o
     # background false is a plain response
     assert client.responses.create(model=MODEL, input="hi", background=False).status == "completed"
     assert len(stack.events(org[0])) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_the_usage_shown_totals_what_was_billed_and_details_only_counts_within_it(stack, org, stream):
+    """§4 for the Responses API: a believed usage object is shown with its total the billed
+    tokens' sum, and in its details only counts within them."""
+    org_id, key = org
+    usage = {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 2, "audio_tokens": 9},
+             "output_tokens": 12, "output_tokens_details": {"reasoning_tokens": -1, "extra": 3}, "total_tokens": -7}
+    if stream:
+        events = _payloads(stack.post(RESPONSES, {**BODY, "stream": True}, key).text)
+        assert events[-1]["type"] == "response.completed"
+        events[-1]["response"]["usage"] = usage
+        body = {**BODY, "stream": True, "mock": {"raw_events": [json.dumps(event) for event in events]}}
+        shown = _payloads(stack.post(RESPONSES, body, key).text)[-1]["response"]["usage"]
+    else:
+        answer = stack.post(RESPONSES, BODY, key).json()
+        answer["usage"] = usage
+        shown = stack.post(RESPONSES, {**BODY, "mock": {"raw_body": json.dumps(answer)}}, key).json()["usage"]
+    event = max(stack.events(org_id), key=lambda event: event.created_at)
+    assert (event.prompt_tokens, event.completion_tokens, event.cached_tokens) == (8, 12, 2)
+    assert Decimal(str(shown.pop("cost"))) == event.cost
+    assert shown == {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 12,
+                     "output_tokens_details": {"extra": 3}, "total_tokens": 20}
+
+
+def _payloads(text: str) -> list[dict]:
+    """The data of each event of a Responses stream (named events: `event:` then `data:`)."""
+    return [json.loads(line[len("data: "):]) for block in sse_events(text) for line in block.split("\n")
+            if line.startswith("data: ")]

@@ -105,6 +105,21 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+def shown_usage(reported: dict[str, Any], usage: TokenUsage, cost: Any, details: tuple[str, str]) -> dict[str, Any]:
+    """A believed usage object as the client is shown it: the model server's, with `cost`, its
+    `total_tokens` the sum of the tokens billed, and in its `details` (the names of the prompt's
+    and the completion's breakdowns) only counts within the tokens they break down (§4: a
+    total or a breakdown nobody checked would show the client figures other than those billed)."""
+    shown = {**reported, "total_tokens": usage.total_tokens, "cost": cost}
+    for name, whole in zip(details, (usage.prompt_tokens, usage.completion_tokens), strict=True):
+        breakdown = reported.get(name)
+        if isinstance(breakdown, dict):
+            shown[name] = {part: count for part, count in breakdown.items() if _count(count) and count <= whole}
+        elif breakdown is not None:
+            del shown[name]
+    return shown
+
+
 @dataclass(frozen=True)
 class UsageBounds:
     """The most a request can have used: each of its prompts within the model's context, its

@@ -33,6 +33,7 @@ from ..metering import (
     estimate_text_tokens,
     fewest_prompt_text_tokens,
     fewest_tokens,
+    shown_usage,
 )
 from ..sse import _IN_BAND_ERROR, SseRelay, is_done, is_error_object, parse_json
 from .base import ModelApi, capability_check, tool_choice_type_check
@@ -181,7 +182,7 @@ def _a_response(answer: dict[str, Any]) -> bool:
 def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
     """The upstream's usage object with `cost`, if it was believed; else the billed one."""
     if usage.source == "upstream" and isinstance(reported, dict):
-        return {**reported, "cost": cost}
+        return shown_usage(reported, usage, cost, ("input_tokens_details", "output_tokens_details"))
     billed: dict[str, Any] = {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
