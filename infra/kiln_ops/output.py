@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import Any, Callable, Sequence
 
 from kiln.jsonio import decimal_text
-from kiln.shown import hidden
+from kiln.shown import escaped
 
 __all__ = ["FORMATS", "render"]
 
@@ -29,9 +29,7 @@ def _text(value: Any) -> str:
 def _shown(text: str) -> str:
     """A cell of a table as a person reads it: nothing in it passes for other text or rows (a
     character that would is shown as its escape; emoji sequences as they are)."""
-    if text.isprintable():
-        return text
-    return "".join(repr(char)[1:-1] if hidden(char, emoji=True) else char for char in text)
+    return escaped(text)
 
 
 # What a spreadsheet opening a CSV file runs as a formula when a cell starts with it.

@@ -30,3 +30,12 @@ def test_a_table_shows_control_and_invisible_characters_escaped():
     assert len(text.splitlines()) == 3
     assert "\\x1b[31mred\\nTOTAL  999" in text and "a\\u202eb\\u2028c" in text
     assert "café ✓ 👩\u200d💻" in _printed([{"model": "café ✓ 👩\u200d💻"}], ("model",), "table")
+
+
+def test_a_table_shows_invisible_letters_and_marks_escaped_but_emoji_sequences_whole():
+    """A label stored before labels were held to it: a Hangul filler, a variation selector after a
+    letter, a joiner between letters are shown as escapes; the same characters in emoji, not."""
+    rows = [{"label": "binf\u3164"}, {"label": "binf\ufe0f"}, {"label": "bin\u200df"}, {"label": "❤️‍🔥 1️⃣"}]
+    text = _printed(rows, ("label",), "table")
+    assert "binf\\u3164" in text and "binf\\ufe0f" in text and "bin\\u200df" in text
+    assert "❤️‍🔥 1️⃣" in text

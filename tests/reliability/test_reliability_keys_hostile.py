@@ -87,7 +87,10 @@ def test_the_largest_spend_limit_makes_a_key_that_works(stack):
 
 @pytest.mark.parametrize("label", ["agent\nkey_0000000000000000  active", "\x1b[2J\x1b[H", "a\x00b", "\u202eevil",
                                    "tab\there", "\x7f", "two\u2028lines", "para\u2029graph", "pro\u200bd",
-                                   "\ufeffprod", "pro\u00add", "prod\U000e0041"])
+                                   "\ufeffprod", "pro\u00add", "prod\U000e0041",
+                                   # invisible, though letters or marks: each would pass for "binf"
+                                   "binf\u034f", "bin\u200df", "binf\ufe0f", "bi\u17b4nf", "binf\u3164",
+                                   "binf\u115f", "binf\uffa0", "binf\u2800", "binf ", " binf", "binf\u00a0"])
 @pytest.mark.parametrize("method", ["POST", "PATCH"])
 def test_a_label_with_control_characters_is_400(stack, label, method):
     """A label is shown in `kiln admin keys list` and in consoles: a newline would fake a
@@ -102,7 +105,7 @@ def test_a_label_with_control_characters_is_400(stack, label, method):
 
 def test_labels_in_any_script_with_emoji_are_kept_as_given(stack):
     _, admin = management_org(stack)
-    for label in ("équipe données 🧪", "👩‍💻 family: 👨‍👩‍👧", "مفتاح الفريق", "キー" * 50):
+    for label in ("équipe données 🧪", "👩‍💻 family: 👨‍👩‍👧", "مفتاح الفريق", "キー" * 50, "❤️‍🔥 1️⃣ ‼️ 👩🏽‍💻"):
         created = call(stack, "POST", "/v1/keys", admin, {"label": label})
         assert created.status_code == 201, created.text
         assert call(stack, "GET", "/v1/key", created.json()["secret"]).json()["label"] == label

@@ -164,6 +164,8 @@ def _label(value: Any, known_models: Any, org_limit: Any) -> str:
         raise InvalidKeyAttribute("label", "label must be a string.", "invalid_type")
     if len(value) > MAX_LABEL:
         raise InvalidKeyAttribute("label", f"label must be at most {MAX_LABEL} characters.")
+    if value != value.strip():  # a blank at an end, which no table shows: "prod " passes for "prod"
+        raise InvalidKeyAttribute("label", "label must not begin or end with a blank.")
     hidden = first_hidden(value, emoji=True)  # a label may hold emoji sequences
     if hidden is not None:
         # a label is shown to people (`kiln admin keys list`, consoles): a newline, an escape
