@@ -503,3 +503,19 @@ def test_the_list_of_keys_shows_what_was_just_done_on_an_index_that_lags(mock):
         assert listed()[key_id]["status"] == "revoked"
         ids = list(listed())
         assert ids.index(key_id) == len(ids) - 1  # oldest first: the newest key last
+
+
+def test_the_keys_of_an_org_whose_item_is_gone_are_401_everywhere_not_503(stack_factory):
+    """An org item deleted by other means (no kiln command deletes one), its keys still in the
+    auth cache: they are keys of no org, 401 on every endpoint as on the model endpoints, not a
+    503 that tells the client to retry and logs a storage failure."""
+    stack = stack_factory(auth_cache_seconds=60)
+    org_id, admin = management_org(stack)
+    key = create_key(stack.tables, org_id).secret
+    assert call(stack, "GET", "/v1/credits", key).status_code == 200  # both keys cached
+    assert call(stack, "GET", "/v1/keys", admin).status_code == 200
+    stack.dynamodb.delete_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}})
+    for method, path, secret, body in (("POST", CHAT, key, BODY), ("GET", "/v1/credits", key, None),
+                                       ("GET", "/v1/key", key, None),  # (/v1/usage reads no org: the cache's time)
+                                       ("GET", "/v1/keys", admin, None), ("POST", "/v1/keys", admin, {"label": "x"})):
+        assert_error(call(stack, method, path, secret, body), 401, None, "invalid_api_key")

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from .auth import Authenticator
 from .aws import AwsClient, AwsError, tried_once
 from .catalog import Catalog
-from .errors import GatewayError, StorageUnavailable
+from .errors import GatewayError, InvalidApiKey, StorageUnavailable
 from .health import BackendHealth, HealthPolicy
 from .http1 import HttpClient
 from .jsonio import decimal_text, dumps
@@ -25,7 +25,7 @@ from .maintenance import MaintenanceFlag, parse_flag
 from .parameters import CachedParameter, ParameterUnavailable
 from .settings import Settings
 from .store import Lease, StorageError, UsageEvent, ledger_of
-from .store.errors import is_transient, translate_storage_error
+from .store.errors import RecordNotFound, is_transient, translate_storage_error
 from .store.storage import DynamoStorage
 from .tls import client_context
 from .upstream import UpstreamClient
@@ -126,10 +126,16 @@ class Gateway:
     # -- storage ---------------------------------------------------------------------------
 
     async def storage(self, call: Awaitable[T]) -> T:
-        """Await a storage call; any storage failure becomes a clear 503."""
+        """Await a storage call; any storage failure becomes a clear 503. The caller's org found
+        gone (its item deleted while its key is in the auth cache) is no failure: the key is no
+        key of any org, 401 as at authentication."""
         try:
             return await call
         except GatewayError:
+            raise
+        except RecordNotFound as exc:
+            if exc.kind == "org":
+                raise InvalidApiKey() from None
             raise
         except Exception as exc:
             mapped = translate_storage_error(exc)

@@ -148,6 +148,8 @@ async def _answer(call: Awaitable[Any], key_id: str | None = None) -> Any:
     except InvalidKeyAttribute as error:
         raise _ATTRIBUTE_ERRORS[error.code](str(error), param=error.param) from None
     except RecordNotFound as error:
+        if error.kind == "org":
+            raise  # the caller's own org gone: Gateway.storage answers it
         raise KeyNotFound(key_id if key_id is not None else error.ident) from None
     except AlreadyRevoked as error:  # a change of a revoked key (a revoke again answers the key as it is)
         raise KeyRevoked(error.key_id, error.since) from None
