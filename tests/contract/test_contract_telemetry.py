@@ -74,6 +74,10 @@ def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a
     mark = len(TELEMETRY.text())
     pasted = "sk-kiln-" + secrets.token_urlsafe(32)
     assert stack.http.get(f"/v1/keys/{pasted}", headers={"Authorization": f"Bearer {admin}"}).status_code == 404
+    # the same secret's body behind its prefix spelled otherwise, or none: the body is the secret
+    misspelled = [secrets.token_urlsafe(32) for _ in range(3)]
+    for prefix, body in zip(("SK-KILN-", "sk_kiln_", "/"), misspelled, strict=True):
+        stack.http.get(f"/v1/keys/{prefix}{body}", headers={"Authorization": f"Bearer {admin}"})
     scanned = f"/v1/{secrets.token_hex(8)}/" + "x" * 5000
     assert stack.http.get(scanned, headers={"Authorization": f"Bearer {key}"}).status_code == 404
     hostile = json.dumps({"error": {"message": "no", "code": "c" + secrets.token_hex(4) + " " * 10 + "y" * 200}})
@@ -85,6 +89,7 @@ def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a
                       "mock": {"status": 400, "plain_text": True, "message": worded}}, key)
     text = TELEMETRY.text()[mark:]
     assert pasted not in text and pasted[8:] not in text
+    assert not any(body in text for body in misspelled)
     records = _records_since(mark)
     logs = [r for r in records if r.get("message") == "request"]
     assert all(len(r["path"]) <= 300 for r in logs)

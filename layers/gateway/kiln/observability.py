@@ -125,17 +125,24 @@ class RequestRecord:
         return {key: value for key, value in entry.items() if value is not None}
 
 
-# the path is the client's text: what is shaped like a key is not logged, and it is cut short
-_KEY_IN_TEXT = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]*")
+# the path is the client's text: what is shaped like a key is not logged, and it is cut short.
+# A key is its prefix and 43 URL-safe characters, the secret itself: any run of as many is not
+# logged either, whatever stands before it (the prefix in capitals, or none)
+_KEY_IN_TEXT = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]*|[A-Za-z0-9_-]{40,}")
+_SHORTEST_SECRET = 40
 MAX_LOGGED_PATH = 256
 # the endpoint of a request no route took (an unknown URL): one metric, whatever the path
 UNMATCHED = "unmatched"
 
 
+def _redacted(found: re.Match[str]) -> str:
+    return KEY_PREFIX + "[redacted]" if found.group().startswith(KEY_PREFIX) else "[redacted]"
+
+
 def loggable_path(path: str) -> str:
     """A request's path as logged: a key's secret in it redacted, at most MAX_LOGGED_PATH characters."""
-    if KEY_PREFIX in path:
-        path = _KEY_IN_TEXT.sub(KEY_PREFIX + "[redacted]", path)
+    if len(path) >= _SHORTEST_SECRET or KEY_PREFIX in path:
+        path = _KEY_IN_TEXT.sub(_redacted, path)
     return path if len(path) <= MAX_LOGGED_PATH else path[:MAX_LOGGED_PATH] + "…"
 
 
