@@ -86,6 +86,14 @@ def test_a_request_without_or_with_broken_headers_has_no_ids_and_is_served():
     assert observability.request_ids(scope) == {}  # nested past any parser: no ids, not a 500
 
 
+def test_an_id_longer_than_any_aws_writes_is_not_put_on_every_line():
+    """Only the Web Adapter sets these headers in AWS; wherever another proxy passed a client's
+    on, an id of 100 000 characters would be written into each of the request's log lines."""
+    scope = _web_adapter_scope(lambda_context={**LAMBDA_CONTEXT, "request_id": "x" * 100_000},
+                               request_context={**REQUEST_CONTEXT, "requestId": "y" * 129})
+    assert observability.request_ids(scope) == {}
+
+
 def _serve(middleware, scope):
     async def discard(message):
         return None

@@ -39,6 +39,10 @@ _LAMBDA_CONTEXT = b"x-amzn-lambda-context"
 _REQUEST_CONTEXT = b"x-amzn-request-context"
 
 
+# the longest id kept: AWS's are UUIDs (36 characters)
+MAX_ID = 128
+
+
 def request_ids(scope: dict) -> dict[str, str]:
     """`lambda_request_id` and `api_request_id` of the invocation behind an ASGI request."""
     ids: dict[str, Any] = {}
@@ -54,7 +58,7 @@ def request_ids(scope: dict) -> dict[str, str]:
             ids["lambda_request_id"] = _json_field(lambda_context, "request_id")
         if request_context is not None:
             ids["api_request_id"] = _json_field(request_context, "requestId")
-    return {key: value for key, value in ids.items() if isinstance(value, str) and value}
+    return {key: value for key, value in ids.items() if isinstance(value, str) and 0 < len(value) <= MAX_ID}
 
 
 def _json_field(raw: bytes, name: str) -> Any:
