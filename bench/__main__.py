@@ -28,12 +28,12 @@ SECTIONS = ("matrix", "cpu", "breakdown", "client", "ab", "profile", "gaps", "ss
 FULL = dict(count=400, time_limit=60.0, warmup=16, concurrencies=(1, 8, 16), breakdown_count=300, steady_seconds=12.0,
             profile_count=400, gap_requests=10, sse_repeats=5, cold_repeats=5, memory_buffered=1750, memory_streamed=250,
             memory_concurrency=8, ab_count=300, ab_rounds=2, client_calls=1000, standin_service_ms=4.0,
-            cpu_rounds=5, cpu_count=300, cpu_warmup=50,
+            cpu_rounds=5, cpu_count=300, cpu_warmup=50, cpu_spaced={1: 20, 8: 96, 16: 160},
             sizes_mb=(128, 256, 512, 768, 1024, 1536, 2048), sizes_buffered=200, sizes_streams=200, long_tokens=300)
 QUICK = dict(count=20, time_limit=10.0, warmup=2, concurrencies=(1, 8, 16), breakdown_count=30, steady_seconds=3.0,
              profile_count=60, gap_requests=1, sse_repeats=1, cold_repeats=1, memory_buffered=150, memory_streamed=50,
              memory_concurrency=8, ab_count=30, ab_rounds=1, client_calls=100, standin_service_ms=4.0,
-             cpu_rounds=1, cpu_count=20, cpu_warmup=5,
+             cpu_rounds=1, cpu_count=20, cpu_warmup=5, cpu_spaced={1: 2, 8: 8, 16: 16},
              sizes_mb=(128, 1024), sizes_buffered=5, sizes_streams=3, long_tokens=20)
 
 
@@ -368,7 +368,8 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             results["cpu_rounds"] = scenarios.cpu_rounds(
                 [by_name[CPU_TARGET], by_name["portkey"], *floors], modes=(False, True),
                 concurrencies=tuple(size["concurrencies"]), rounds=size["cpu_rounds"], count=size["cpu_count"],
-                warmup=size["cpu_warmup"], log=log)
+                warmup=size["cpu_warmup"], log=log, spaced=(by_name[CPU_TARGET], by_name["portkey"]),
+                spaced_counts={c: n for c, n in size["cpu_spaced"].items() if c in size["concurrencies"]})
             for floor in floors:
                 if floor.child is not None:
                     procs.stop(floor.child)

@@ -152,41 +152,59 @@ def latency_matrix(targets: list[Target], *, modes: tuple[bool, ...], concurrenc
 # -- where Kiln's time goes ----------------------------------------------------------------
 
 def cpu_rounds(targets: list[Target], *, modes: tuple[bool, ...], concurrencies: tuple[int, ...], rounds: int,
-               count: int, warmup: int, log: Callable[[str], None]) -> dict[str, Any]:
+               count: int, warmup: int, log: Callable[[str], None], spaced: tuple[Target, ...] = (),
+               spaced_counts: dict[int, int] | None = None) -> dict[str, Any]:
     """CPU per request of each target's own process, `rounds` times per mode and concurrency, the
     targets side by side (their order reversed every other round), each time over `count` requests
     after `warmup` that are not counted; a target the matrix restarts gets a fresh process each time.
 
     One matrix cell of a few hundred requests moves by tens of percent from run to run on this
     machine, for every gateway; the median of rounds taken side by side, with their range, is the
-    figure the CPU goal compares."""
+    figure the CPU goal compares.
+
+    The streams of `modes` come from the mock at once, in one or two reads: what a gateway does per
+    chunk, most of a real stream's cost, is barely in them. With `spaced` (targets that serve the
+    spaced-token model: GAP_MODEL, a token every GAP_DELAY_MS, each its own read), the same rounds
+    are taken of those streams too (`spaced_c{N}`), `spaced_counts[N]` requests at concurrency N
+    (fewer: each takes over a second), after one wave not counted."""
     cells: dict[str, dict[str, Any]] = {}
+
+    def take(key: str, members: list[Target], *, stream: bool, concurrency: int, n: int, first: int,
+             spaced_stream: bool = False) -> None:
+        raw: dict[str, list[dict[str, Any]]] = {t.name: [] for t in members}
+        body = _body(True, GAP_MODEL) if spaced_stream else _body(stream)
+        for round_ in range(rounds):
+            for target in (members if round_ % 2 == 0 else list(reversed(members))):
+                target.start_fresh()
+                if target.child is None or not target.check_alive():
+                    raw[target.name].append({"error": "not running: " + "; ".join(target.problems)[:300]})
+                    continue
+                url = f"{target.gap_base}/chat/completions" if spaced_stream else target.url
+                headers = target.gap_headers if spaced_stream else target.headers
+                run_cell(url, headers, body, stream=stream, concurrency=concurrency, count=first, time_limit=30, warmup=0)
+                before = cpu_seconds(target.child.pid, tree=True)
+                result = run_cell(url, headers, body, stream=stream, concurrency=concurrency, count=n,
+                                  time_limit=90 if spaced_stream else 60, warmup=0)
+                after = cpu_seconds(target.child.pid, tree=True)
+                done = result["requests"]
+                raw[target.name].append({
+                    "requests": done, "errors": result["errors"],
+                    "cpu_ms_per_request": round((after - before) * 1000 / done, 3)
+                    if done and None not in (before, after) else None})
+        cells[key] = {name: _spread(runs) for name, runs in raw.items()}
+        log(f"  CPU rounds {key:12s} " + "  ".join(
+            f"{name}={cells[key][name]['median']} ms/req [{cells[key][name]['min']}–{cells[key][name]['max']}]"
+            for name in raw))
+
     for stream in modes:
         for concurrency in concurrencies:
-            key = f"{'stream' if stream else 'buffered'}_c{concurrency}"
-            raw: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
-            for round_ in range(rounds):
-                for target in (targets if round_ % 2 == 0 else list(reversed(targets))):
-                    target.start_fresh()
-                    if target.child is None or not target.check_alive():
-                        raw[target.name].append({"error": "not running: " + "; ".join(target.problems)[:300]})
-                        continue
-                    run_cell(target.url, target.headers, _body(stream), stream=stream, concurrency=concurrency,
-                             count=warmup, time_limit=30, warmup=0)
-                    before = cpu_seconds(target.child.pid, tree=True)
-                    result = run_cell(target.url, target.headers, _body(stream), stream=stream,
-                                      concurrency=concurrency, count=count, time_limit=60, warmup=0)
-                    after = cpu_seconds(target.child.pid, tree=True)
-                    n = result["requests"]
-                    raw[target.name].append({
-                        "requests": n, "errors": result["errors"],
-                        "cpu_ms_per_request": round((after - before) * 1000 / n, 3)
-                        if n and None not in (before, after) else None})
-            cells[key] = {name: _spread(runs) for name, runs in raw.items()}
-            log(f"  CPU rounds {key:12s} " + "  ".join(
-                f"{name}={cells[key][name]['median']} ms/req [{cells[key][name]['min']}–{cells[key][name]['max']}]"
-                for name in raw))
-    return {"rounds": rounds, "count": count, "warmup": warmup, "targets": [t.name for t in targets], "cells": cells}
+            take(f"{'stream' if stream else 'buffered'}_c{concurrency}", targets, stream=stream,
+                 concurrency=concurrency, n=count, first=warmup)
+    for concurrency, n in (spaced_counts or {}).items() if spaced else ():
+        take(f"spaced_c{concurrency}", list(spaced), stream=True, concurrency=concurrency, n=n, first=concurrency,
+             spaced_stream=True)
+    return {"rounds": rounds, "count": count, "warmup": warmup, "targets": [t.name for t in targets], "cells": cells,
+            **({"spaced": {"targets": [t.name for t in spaced], "counts": dict(spaced_counts or {})}} if spaced else {})}
 
 
 def _spread(runs: list[dict[str, Any]]) -> dict[str, Any]:

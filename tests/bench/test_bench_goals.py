@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench import goals
+from bench import goals, sections
 
 
 def matrix_cell(target: str, mode: str, concurrency: int, p50: float, p99: float | None = None, **extra) -> dict:
@@ -139,6 +139,32 @@ def test_cpu_goal_compares_the_medians_of_rounds_side_by_side_where_the_run_has_
     del run["cpu_rounds"]["cells"]["stream_c1"]  # a cell without rounds falls back to the matrix (×0.75)
     assert goals.cpu_vs_portkey(run)["rows"][1]["source"] == "matrix"
     assert goals.cpu_vs_portkey(run)["pass"] is False
+
+
+def test_cpu_goal_counts_the_spaced_token_streams_of_the_rounds_in_its_verdict():
+    """The mock's instant streams barely hold a gateway's per-chunk work: streams of spaced tokens,
+    measured in the rounds only, are rows of the goal of their own, and fail it like any other."""
+    cells = []
+    for mode in ("buffered", "stream"):
+        cells.append(matrix_cell(goals.CPU_TARGET, mode, 1, 10, cpu_ms_per_request={goals.CPU_TARGET: 1.0}))
+        cells.append(matrix_cell("portkey", mode, 1, 3, cpu_ms_per_request={"portkey": 4.0}))
+    run = results(cells)
+
+    def spread(kiln, portkey):
+        return {goals.CPU_TARGET: {"values": [kiln], "median": kiln, "min": kiln, "max": kiln},
+                "portkey": {"values": [portkey], "median": portkey, "min": portkey, "max": portkey}}
+
+    run["cpu_rounds"] = {"cells": {"buffered_c1": spread(1.0, 4.0), "stream_c1": spread(1.0, 4.0)}}
+    assert [row["mode"] for row in goals.cpu_vs_portkey(run)["rows"]] == ["buffered", "stream"]
+    assert goals.cpu_vs_portkey(run)["pass"] is True
+    run["cpu_rounds"]["cells"]["spaced_c1"] = spread(2.4, 4.0)  # ×0.6
+    run["cpu_rounds"]["spaced"] = {"targets": [goals.CPU_TARGET, "portkey"], "counts": {"1": 20}}
+    goal = goals.cpu_vs_portkey(run)
+    spaced = goal["rows"][-1]
+    assert (spaced["mode"], spaced["ratio"], spaced["pass"], spaced["source"]) == ("spaced", 0.6, False, "rounds")
+    assert goal["pass"] is False and "stream, spaced tokens c=1: 2.4 vs 4.0 ms (×0.6)" in goal["measured"]
+    table = sections.cpu(run)
+    assert "| stream, spaced tokens | 1 | 2.40 |" in table and "20 at c=1" in table
 
 
 def test_cpu_goal_says_where_kilns_own_exchanges_already_cost_more_than_the_goal_allows():
