@@ -344,12 +344,16 @@ def test_a_background_response_through_the_sdk_is_a_bad_request(client, stack, o
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
-def test_the_usage_shown_totals_what_was_billed_and_details_only_counts_within_it(stack, org, stream):
+def test_the_usage_shown_totals_what_was_billed_and_no_count_below_zero(stack, org, stream):
     """§4 for the Responses API: a believed usage object is shown with its total the billed
-    tokens' sum, and in its details only counts within them."""
+    tokens' sum and no count below zero; what the server adds (per turn, tool output) as written."""
     org_id, key = org
-    usage = {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 2, "audio_tokens": 9},
-             "output_tokens": 12, "output_tokens_details": {"reasoning_tokens": -1, "extra": 3}, "total_tokens": -7}
+    # vLLM's gpt-oss usage: counts per turn, and tool output that may exceed the reply's tokens
+    usage = {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 2, "input_tokens_per_turn": [5, 3],
+                                                         "cached_tokens_per_turn": [0, 2]},
+             "output_tokens": 12, "output_tokens_details": {"reasoning_tokens": -1, "tool_output_tokens": 1470,
+                                                            "output_tokens_per_turn": [4, 8]},
+             "total_tokens": -7}
     if stream:
         events = _payloads(stack.post(RESPONSES, {**BODY, "stream": True}, key).text)
         assert events[-1]["type"] == "response.completed"
@@ -363,8 +367,8 @@ def test_the_usage_shown_totals_what_was_billed_and_details_only_counts_within_i
     event = max(stack.events(org_id), key=lambda event: event.created_at)
     assert (event.prompt_tokens, event.completion_tokens, event.cached_tokens) == (8, 12, 2)
     assert Decimal(str(shown.pop("cost"))) == event.cost
-    assert shown == {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 12,
-                     "output_tokens_details": {"extra": 3}, "total_tokens": 20}
+    assert shown == {**usage, "total_tokens": 20,
+                     "output_tokens_details": {**usage["output_tokens_details"], "reasoning_tokens": 0}}
 
 
 def _payloads(text: str) -> list[dict]:

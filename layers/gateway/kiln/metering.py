@@ -105,18 +105,18 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def shown_usage(reported: dict[str, Any], usage: TokenUsage, cost: Any, details: tuple[str, str]) -> dict[str, Any]:
-    """A believed usage object as the client is shown it: the model server's, with `cost`, its
-    `total_tokens` the sum of the tokens billed, and in its `details` (the names of the prompt's
-    and the completion's breakdowns) only counts within the tokens they break down (§4: a
-    total or a breakdown nobody checked would show the client figures other than those billed)."""
+def shown_usage(reported: dict[str, Any], usage: TokenUsage, cost: Any) -> dict[str, Any]:
+    """A believed usage object as the client is shown it: the model server's, with `cost` and its
+    `total_tokens` the sum of the tokens billed (§4: a total nobody checked would show the client
+    another figure than the one billed); a count below zero, at its top or in a breakdown (a
+    server's `reasoning_tokens` of -5), is shown as 0. Everything else is as the server wrote it:
+    lists per turn, counts of tool output (which may exceed the reply's tokens), fields of its own."""
     shown = {**reported, "total_tokens": usage.total_tokens, "cost": cost}
-    for name, whole in zip(details, (usage.prompt_tokens, usage.completion_tokens), strict=True):
-        breakdown = reported.get(name)
-        if isinstance(breakdown, dict):
-            shown[name] = {part: count for part, count in breakdown.items() if _count(count) and count <= whole}
-        elif breakdown is not None:
-            del shown[name]
+    for name, value in reported.items():
+        if type(value) is int and value < 0 and name != "total_tokens":
+            shown[name] = 0
+        elif isinstance(value, dict) and any(type(count) is int and count < 0 for count in value.values()):
+            shown[name] = {part: 0 if type(count) is int and count < 0 else count for part, count in value.items()}
     return shown
 
 

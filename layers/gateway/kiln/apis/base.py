@@ -143,10 +143,6 @@ class ModelApi:
         return error_event(message)
 
 
-# the breakdowns of a chat-style usage object: the prompt's, the completion's
-CHAT_DETAILS = ("prompt_tokens_details", "completion_tokens_details")
-
-
 class ChatStyleApi(ModelApi):
     """Chat and text completions: `choices`, `usage` in prompt/completion tokens, SSE `data:`
     events ending in `[DONE]`, usage forced upstream and hidden unless asked for."""
@@ -192,7 +188,7 @@ class ChatStyleApi(ModelApi):
 
     def with_usage(self, answer: dict[str, Any], usage: TokenUsage, cost: Any) -> None:
         if usage.source == "upstream":
-            answer["usage"] = shown_usage(answer["usage"], usage, cost, CHAT_DETAILS)
+            answer["usage"] = shown_usage(answer["usage"], usage, cost)
         else:
             answer["usage"] = usage.as_openai(cost)
 
@@ -211,7 +207,7 @@ class ChatStyleApi(ModelApi):
             return DONE
         if (relay.usage_chunk is not None and usage.source == "upstream"
                 and relay.usage_chunk.get("usage") is relay.reported_usage):
-            return usage_event(relay.usage_chunk, shown_usage(relay.usage_chunk["usage"], usage, cost, CHAT_DETAILS)) + DONE
+            return usage_event(relay.usage_chunk, shown_usage(relay.usage_chunk["usage"], usage, cost)) + DONE
         return usage_event(relay.usage_chunk or relay.first_chunk or {}, usage.as_openai(cost)) + DONE
 
 

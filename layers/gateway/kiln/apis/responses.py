@@ -182,7 +182,7 @@ def _a_response(answer: dict[str, Any]) -> bool:
 def _with_cost(reported: Any, usage: TokenUsage, cost: Any) -> dict[str, Any]:
     """The upstream's usage object with `cost`, if it was believed; else the billed one."""
     if usage.source == "upstream" and isinstance(reported, dict):
-        return shown_usage(reported, usage, cost, ("input_tokens_details", "output_tokens_details"))
+        return shown_usage(reported, usage, cost)
     billed: dict[str, Any] = {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
