@@ -646,3 +646,92 @@ def test_a_4xx_that_echoes_its_request_headers_does_not_hand_the_client_the_upst
         ledger.check()
     finally:
         upstream.close()
+
+
+SPELLED_KEY = "upk_T3st/Key+With=Slash_0123456789"
+
+
+def _answering(upstream_ref: list, status: str, content_type: str, body: Callable[[str], bytes]):
+    """A RawUpstream answer: `body(the request's head)`, whole, then the connection closed."""
+    def answer(conn: socket.socket, _: bytes) -> None:
+        payload = body(upstream_ref[0].heads[-1].decode())
+        conn.sendall(f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\nconnection: close\r\n"
+                     f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+    return answer
+
+
+@contextlib.contextmanager
+def keyed_upstream(stack_factory, mock, monkeypatch, key: str, status: str, content_type: str,
+                   body: Callable[[str], bytes]):
+    """A stack whose `raw-model` is served by a RawUpstream sent `key`: (stack, a key of a new org, its LedgerCheck)."""
+    monkeypatch.setenv("KILN_TEST_UPSTREAM_KEY", key)
+    ref: list = []
+    upstream = RawUpstream(_answering(ref, status, content_type, body))
+    ref.append(upstream)
+    try:
+        keyed = model("raw-model", [{"name": "raw", "url": upstream.url, "api_key_env": "KILN_TEST_UPSTREAM_KEY"}])
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [keyed]})
+        org_id, secret = stack.org()
+        yield stack, secret, LedgerCheck(stack, org_id)
+    finally:
+        upstream.close()
+
+
+@pytest.mark.parametrize("spelling", [
+    lambda key: ("plain text: authorization: Bearer " + key.replace("/", "\\/")).encode(),
+    lambda key: json.dumps({"error": {"message": json.dumps({"headers": {"authorization": "Bearer " + key}})}}).encode(),
+    lambda key: json.dumps({"error": {"message": "GET /?auth=Bearer%20" + __import__("urllib.parse").parse.quote(key, safe="")}}).encode(),
+], ids=["escaped-slash-text", "json-in-json", "percent-encoded"])
+def test_a_4xx_that_echoes_the_upstream_key_in_another_spelling_does_not_hand_it_over(
+        stack_factory, mock, monkeypatch, spelling):
+    with keyed_upstream(stack_factory, mock, monkeypatch, SPELLED_KEY, "400 Bad Request", "application/json",
+                        lambda head: spelling(SPELLED_KEY)) as (stack, key, ledger):
+        response = ledger.saw(stack.post("/v1/chat/completions", {"model": "raw-model", "messages": [
+            {"role": "user", "content": "hi"}]}, key))
+        assert response.status_code == 400 and "[redacted]" in response.text
+        for part in SPELLED_KEY.split("/"):
+            assert part not in response.text.replace("\\", "")
+        ledger.check()
+
+
+def test_a_placeholder_key_too_short_to_be_a_secret_leaves_the_message_as_written(stack_factory, mock, monkeypatch):
+    """vLLM without auth is often sent `EMPTY`, or a letter: taken out of a message, it would
+    mangle its words, and the code clients branch on."""
+    body = json.dumps({"error": {"message": "max_tokens too large", "code": "context_length_exceeded",
+                                 "param": "max_tokens"}}).encode()
+    with keyed_upstream(stack_factory, mock, monkeypatch, "x", "400 Bad Request", "application/json",
+                        lambda head: body) as (stack, key, ledger):
+        response = ledger.saw(stack.post("/v1/chat/completions", {"model": "raw-model", "messages": [
+            {"role": "user", "content": "hi"}]}, key))
+        assert response.json()["error"] == {"message": "max_tokens too large", "type": "invalid_request_error",
+                                            "param": "max_tokens", "code": "context_length_exceeded"}
+        ledger.check()
+
+
+def _failed_response(key: str) -> dict:
+    return {"id": "resp_f1", "object": "response", "created_at": 1700000000, "model": "raw-model", "status": "failed",
+            "error": {"code": "server_error", "message": f"backend said: authorization: Bearer {key}"},
+            "output": [], "usage": {"input_tokens": 8, "output_tokens": 0, "total_tokens": 8}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_a_failed_response_that_echoes_the_upstream_key_does_not_hand_it_over(stack_factory, mock, monkeypatch, stream):
+    """A Responses answer of status `failed` carries the model server's error text to the client,
+    as a 4xx does: the key the gateway sent it is taken out there too."""
+    def answer(head: str) -> bytes:
+        failed = _failed_response(SPELLED_KEY)
+        if not stream:
+            return json.dumps(failed).encode()
+        events = [("response.created", {**failed, "status": "in_progress", "error": None, "usage": None}),
+                  ("response.failed", failed)]
+        return b"".join(f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': n, 'response': r})}\n\n".encode()
+                        for n, (name, r) in enumerate(events))
+
+    content_type = "text/event-stream" if stream else "application/json"
+    with keyed_upstream(stack_factory, mock, monkeypatch, SPELLED_KEY, "200 OK", content_type, answer) as (
+            stack, key, ledger):
+        response = ledger.saw(stack.post("/v1/responses", {"model": "raw-model", "input": "hi", "stream": stream}, key))
+        assert response.status_code == 200 and "backend said" in response.text
+        assert SPELLED_KEY not in response.text and "[redacted]" in response.text
+        (event,) = ledger.check()
+        assert event.status == "upstream_error"

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 from typing import Any, Iterable
+from urllib.parse import quote
 
 from .jsonio import compact, loads_strict
 
@@ -348,8 +349,30 @@ MAX_UPSTREAM_WORD = 256
 REDACTED = "[redacted]"
 
 
+# a key shorter than this is a placeholder (vLLM's "EMPTY"), not a secret: taking it out of a
+# message would mangle its words ("x" out of "max_tokens")
+SHORTEST_REDACTED = 8
+
+
+def secret_spellings(secret: str | None) -> tuple[str, ...]:
+    """How a model server's text may spell the key it was sent: as it is, with its slashes
+    escaped as JSON may write them (once, or inside a JSON string written into another), and
+    percent-encoded. None for a key too short to be a secret."""
+    if not secret or len(secret) < SHORTEST_REDACTED:
+        return ()
+    spellings = (secret, secret.replace("/", "\\/"), secret.replace("/", "\\\\/"), quote(secret, safe=""))
+    return tuple(dict.fromkeys(spellings))
+
+
+def without_secret(text: str, secret: str | None) -> str:
+    """`text` with every spelling of `secret` written REDACTED."""
+    for spelling in secret_spellings(secret):
+        text = text.replace(spelling, REDACTED)
+    return text
+
+
 def _without(text: str | None, secret: str | None) -> str | None:
-    return text.replace(secret, REDACTED) if text and secret else text
+    return without_secret(text, secret) if text else text
 
 
 def _short(word: str | None) -> str | None:

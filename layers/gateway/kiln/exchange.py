@@ -22,7 +22,16 @@ from .apis import ModelApi
 from .auth import Principal
 from .departure import ClientLeft, unless_the_client_leaves
 from .echo import Echoes
-from .errors import GatewayError, InternalError, NoBackendAvailable, StorageUnavailable, UpstreamFailed, UpstreamRejected
+from .errors import (
+    REDACTED,
+    GatewayError,
+    InternalError,
+    NoBackendAvailable,
+    StorageUnavailable,
+    UpstreamFailed,
+    UpstreamRejected,
+    secret_spellings,
+)
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
 from .lambda_payload import answer_size
@@ -374,6 +383,8 @@ class Exchange:
         cost = self._price(usage)
         api.with_usage(answer, usage, cost)
         body = dumps(answer)
+        if api.failed(answer):  # its error is the model server's text, as a 4xx's message is
+            body = _without_key(body, upstream)
         if self._answer_limit is not None and answer_size(body) > self._answer_limit:
             # it would be lost after its settle (the client's retry billed again): refused before
             raise UpstreamFailed(TOO_LARGE_TO_ANSWER)
@@ -479,6 +490,8 @@ class Exchange:
         if status == "success":
             try:
                 tail = self.call.api.stream_tail(relay, usage, cost, self.call.client_wants_usage)
+                if relay.upstream_failed:  # a failed response's error is the model server's text
+                    tail = _without_key(tail, upstream)
             except Exception as exc:  # noqa: BLE001 - the usage stands; only the last bytes failed
                 log.exception("stream %s: its last event could not be written", self.gen_id)
                 status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
@@ -493,6 +506,13 @@ class Exchange:
         if status == "client_disconnected":
             return b""
         return self.call.api.stream_error(_CUT_MESSAGES.get(status, STREAM_CUT), relay)
+
+
+def _without_key(body: bytes, upstream: UpstreamExchange) -> bytes:
+    """`body` without the key the gateway sent the model server, wherever it echoes it."""
+    for spelling in secret_spellings(upstream.backend.api_key()):
+        body = body.replace(spelling.encode(), REDACTED.encode())
+    return body
 
 
 def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
