@@ -78,6 +78,9 @@ def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a
     misspelled = [secrets.token_urlsafe(32) for _ in range(3)]
     for prefix, body in zip(("SK-KILN-", "sk_kiln_", "/"), misspelled, strict=True):
         stack.http.get(f"/v1/keys/{prefix}{body}", headers={"Authorization": f"Bearer {admin}"})
+    # a model id with a long run of such characters is no secret: the operator sees which one was asked for
+    model_path = "/v1/models/RedHatAI/Mistral-Small-24B-Instruct-2501-quantized_w8a8"
+    assert stack.http.get(model_path, headers={"Authorization": f"Bearer {key}"}).status_code == 404
     scanned = f"/v1/{secrets.token_hex(8)}/" + "x" * 5000
     assert stack.http.get(scanned, headers={"Authorization": f"Bearer {key}"}).status_code == 404
     hostile = json.dumps({"error": {"message": "no", "code": "c" + secrets.token_hex(4) + " " * 10 + "y" * 200}})
@@ -90,10 +93,11 @@ def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a
     text = TELEMETRY.text()[mark:]
     assert pasted not in text and pasted[8:] not in text
     assert not any(body in text for body in misspelled)
+    assert model_path in text
     records = _records_since(mark)
     logs = [r for r in records if r.get("message") == "request"]
     assert all(len(r["path"]) <= 300 for r in logs)
-    assert {r["endpoint"] for r in records if "Requests" in r} <= {"keys", "unmatched", "chat.completions"}
+    assert {r["endpoint"] for r in records if "Requests" in r} <= {"keys", "unmatched", "chat.completions", "models"}
     assert "unmatched" in {r["endpoint"] for r in records if "Requests" in r}
     codes = [r["code"] for r in records if "Errors" in r]
     assert codes.count("upstream_rejected") == 2 and all(len(code) <= 64 for code in codes)

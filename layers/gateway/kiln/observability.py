@@ -130,9 +130,10 @@ class RequestRecord:
 
 
 # the path is the client's text: what is shaped like a key is not logged, and it is cut short.
-# A key is its prefix and 43 URL-safe characters, the secret itself: any run of as many is not
-# logged either, whatever stands before it (the prefix in capitals, or none)
-_KEY_IN_TEXT = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]*|[A-Za-z0-9_-]{40,}")
+# A key is its prefix and 43 URL-safe characters, the secret itself: behind its prefix however
+# spelled (capitals, underscores), or alone, a run of 40 to 43 of them is not logged either (a
+# longer run is no secret: model ids such as …-Instruct-2501-quantized_w8a8 are logged whole)
+_KEY_IN_TEXT = re.compile(r"(?i:sk[-_]kiln[-_])[A-Za-z0-9_-]*|(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{40,43}(?![A-Za-z0-9_-])")
 _SHORTEST_SECRET = 40
 MAX_LOGGED_PATH = 256
 # the endpoint of a request no route took (an unknown URL): one metric, whatever the path
@@ -140,12 +141,12 @@ UNMATCHED = "unmatched"
 
 
 def _redacted(found: re.Match[str]) -> str:
-    return KEY_PREFIX + "[redacted]" if found.group().startswith(KEY_PREFIX) else "[redacted]"
+    return KEY_PREFIX + "[redacted]" if found.group()[:8].lower().replace("_", "-") == KEY_PREFIX else "[redacted]"
 
 
 def loggable_path(path: str) -> str:
     """A request's path as logged: a key's secret in it redacted, at most MAX_LOGGED_PATH characters."""
-    if len(path) >= _SHORTEST_SECRET or KEY_PREFIX in path:
+    if len(path) >= _SHORTEST_SECRET or "kiln" in path.lower():
         path = _KEY_IN_TEXT.sub(_redacted, path)
     return path if len(path) <= MAX_LOGGED_PATH else path[:MAX_LOGGED_PATH] + "…"
 
