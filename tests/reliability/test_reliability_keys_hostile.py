@@ -90,7 +90,8 @@ def test_the_largest_spend_limit_makes_a_key_that_works(stack):
                                    "\ufeffprod", "pro\u00add", "prod\U000e0041",
                                    # invisible, though letters or marks: each would pass for "binf"
                                    "binf\u034f", "bin\u200df", "binf\ufe0f", "bi\u17b4nf", "binf\u3164",
-                                   "binf\u115f", "binf\uffa0", "binf\u2800", "binf ", " binf", "binf\u00a0"])
+                                   "binf\u115f", "binf\uffa0", "binf\u2800", "binf ", " binf", "binf\u00a0",
+                                   "prod1\ufe0f", "prod-\ufe0fa", "\u2605\u200d\u2605"])
 @pytest.mark.parametrize("method", ["POST", "PATCH"])
 def test_a_label_with_control_characters_is_400(stack, label, method):
     """A label is shown in `kiln admin keys list` and in consoles: a newline would fake a
@@ -105,7 +106,8 @@ def test_a_label_with_control_characters_is_400(stack, label, method):
 
 def test_labels_in_any_script_with_emoji_are_kept_as_given(stack):
     _, admin = management_org(stack)
-    for label in ("équipe données 🧪", "👩‍💻 family: 👨‍👩‍👧", "مفتاح الفريق", "キー" * 50, "❤️‍🔥 1️⃣ ‼️ 👩🏽‍💻"):
+    for label in ("équipe données 🧪", "👩‍💻 family: 👨‍👩‍👧", "مفتاح الفريق", "キー" * 50, "❤️‍🔥 1️⃣ ‼️ 👩🏽‍💻 ℹ️ 🙂‍↔️",
+                  "🏴\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f", "ශ්‍රී ලංකා", "می\u200cخواهم"):
         created = call(stack, "POST", "/v1/keys", admin, {"label": label})
         assert created.status_code == 201, created.text
         assert call(stack, "GET", "/v1/key", created.json()["secret"]).json()["label"] == label

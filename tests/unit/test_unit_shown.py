@@ -6,7 +6,14 @@ import unicodedata
 
 import regex
 
+from kiln import shown
 from kiln.shown import escaped, first_hidden
+
+
+def _every_char():
+    for point in range(0x110000):
+        if not 0xD800 <= point <= 0xDFFF:  # no text holds a lone surrogate
+            yield chr(point)
 
 
 def test_the_default_ignorable_table_is_unicodes():
@@ -14,20 +21,33 @@ def test_the_default_ignorable_table_is_unicodes():
     nothing) is hidden, and none it does not is but controls, separators, format characters (of
     this Python's Unicode, which may be older than regex's) and the blank braille pattern."""
     ignorable = regex.compile(r"\p{Default_Ignorable_Code_Point}")
-    for point in range(0x110000):
-        char = chr(point)
-        if 0xD800 <= point <= 0xDFFF:
-            continue  # no text holds a lone surrogate
+    for char in _every_char():
         expected = bool(ignorable.match(char)) or unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp") or char == "\u2800"
-        assert (first_hidden(char) is not None) == expected, f"U+{point:04X}"
+        assert (first_hidden(char) is not None) == expected, f"U+{ord(char):04X}"
 
 
-def test_emoji_joiners_and_selectors_are_hidden_outside_emoji():
-    for text in ("👩‍💻", "❤️", "❤️‍🔥", "👩🏽‍💻", "1️⃣", "‼️", "🏳️‍🌈"):
-        assert first_hidden(text, emoji=True) is None, text
+def test_the_pictographic_table_is_unicodes():
+    pictographic = regex.compile(r"\p{Extended_Pictographic}")
+    for char in _every_char():
+        assert shown._pictographic(char) == bool(pictographic.match(char)), f"U+{ord(char):04X}"
+
+
+# emoji sequences people type, and the scripts that shape with joiners and selectors
+SHAPED = ("👩‍💻", "❤️", "❤️‍🔥", "👩🏽‍💻", "1️⃣", "#️⃣", "‼️", "🏳️‍🌈", "ℹ️", "🙂‍↔️", "🏃‍♀️", "👁️‍🗨️", "👨‍👩‍👧",
+          "🏴\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",  # England's flag, of tags
+          "ශ්‍රී", "മന്‍", "می\u200cخواهم", "葛\U000e0100", "ᠠ\u180b")
+# the same characters where they show nothing: each name would pass for another
+UNSHAPED = (("a\u200db", "\u200d"), ("\u200d💻", "\u200d"), ("💻\u200d", "\u200d"), ("binf\ufe0f", "\ufe0f"),
+            ("prod1\ufe0f", "\ufe0f"), ("prod-\ufe0fa", "\ufe0f"), ("\ufe0f", "\ufe0f"), ("★\u200d★", "\u200d"),
+            ("a\u200cb", "\u200c"), ("x\U000e0100", "\U000e0100"), ("flag\U000e0067\U000e007f", "\U000e0067"),
+            ("binf\u3164", "\u3164"), ("bi\u17b4nf", "\u17b4"), ("binf\u2800", "\u2800"))
+
+
+def test_joiners_and_selectors_are_hidden_only_where_they_shape_nothing():
+    for text in SHAPED:
+        assert first_hidden(text, emoji=True) is None, ascii(text)
         assert escaped(text) == text
-    for text, hidden in (("a\u200db", "\u200d"), ("\u200d💻", "\u200d"), ("💻\u200d", "\u200d"),
-                         ("binf\ufe0f", "\ufe0f"), ("\ufe0f", "\ufe0f"), ("a\u200d\u200db", "\u200d")):
-        assert first_hidden(text, emoji=True) == hidden, text
+    for text, hidden in UNSHAPED:
+        assert first_hidden(text, emoji=True) == hidden, ascii(text)
     assert first_hidden("👩‍💻") == "\u200d"  # where no emoji is expected, none joins
     assert escaped("binf\u3164 \x1b") == "binf\\u3164 \\x1b"
