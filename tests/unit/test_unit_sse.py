@@ -1,12 +1,14 @@
 """kiln.sse: the SSE relay (contract §3 stream_options, §4 relayed tokens, §5 error event, §7)."""
 
 import json
+import re
 from decimal import Decimal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiln import sse
 from kiln.metering import TokenUsage, UsageBounds, billable_usage
 from kiln.sse import KEEPALIVE, EventTooLarge, SseRelay, error_event, usage_event
 
@@ -379,7 +381,6 @@ def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(
     """The relay takes most content chunks as sent, without reading their JSON: whatever the
     stream (hostile events included) and however it is cut into reads, that relays and counts
     what reading every event in full does."""
-    import re
 
     import kiln.sse
 
@@ -394,12 +395,12 @@ def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(
         return out, (state(relay), relay.relayed_texts, relay.relayed_bytes, relay.text_fewest, relay.failure,
                      relay.first_chunk)
 
-    taken_as_sent = kiln.sse._READ_FURTHER  # noqa: SLF001
-    kiln.sse._READ_FURTHER = re.compile(b"")  # every event read in full  # noqa: SLF001
+    taken_as_sent = kiln.sse.reads_further
+    kiln.sse.reads_further = lambda event: True  # every event read in full
     try:
         reference = run([stream])
     finally:
-        kiln.sse._READ_FURTHER = taken_as_sent  # noqa: SLF001
+        kiln.sse.reads_further = taken_as_sent
     assert run([stream]) == reference
     points = sorted({min(cut, len(stream)) for cut in cuts} | {0, len(stream)})
     assert run([stream[a:b] for a, b in zip(points, points[1:], strict=False)]) == reference
@@ -502,3 +503,23 @@ def test_a_data_line_with_no_colon_is_an_empty_line_of_the_events_data():
     event = b"data\n" + HELLO
     out, relay = relay_all([ROLE + event + DONE])
     assert out == ROLE + event and relay.relayed_texts == 1
+
+
+# the pieces the relay's checks are made of, and what sits around them in chunks
+_PIECES = [b'"error"', b'"object"', b'"usage"', b'"name"', b'"type"', b"[DONE]", b"\\u", b"\\", b":", b" ", b"\n",
+           b"null", b"n", b'"', b"{", b"}", b"[", b"]", b",", b'"error" : {', b'"usage":null', b'"usage": {}',
+           b'"response.output_text.done"', b'"response.completed"', b'"response.output_text.delta"', b"x", b"0"]
+
+
+@given(st.lists(st.sampled_from(_PIECES), max_size=24).map(b"".join))
+@settings(max_examples=3000, deadline=None)
+def test_the_relays_literal_first_checks_answer_as_the_alternations_they_stand_for(event):
+    """reads_further, may_be_error and the Responses relay's _read find what one regex of all
+    their alternatives finds, on any arrangement of what those alternatives are made of."""
+    from kiln.apis import responses
+
+    read_further = re.compile(rb"\[DONE\]|\\u|\"name\"|" + sse._IN_BAND_ERROR.pattern + rb"|" + sse._USAGE_PRESENT.pattern)
+    assert sse.reads_further(event) == bool(read_further.search(event))
+    assert sse.may_be_error(event) == bool(sse._IN_BAND_ERROR.search(event))
+    read = re.compile(responses._WHOLE.pattern + rb"|\\u|" + responses._ERROR.pattern + rb"|" + sse._IN_BAND_ERROR.pattern)
+    assert responses._read(event) == bool(read.search(event))

@@ -47,9 +47,24 @@ _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 # servers: {"object": "error", ...}; the OpenAI SDKs raise on any "error" that is not null or
 # false); an escape can spell it too
 _IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*[^\sn]|"object"\s*:\s*"error"|\\u')
-# what makes a content chunk one `_event` reads further: [DONE], an escape, a tool call's name,
-# what may be an error, usage
-_READ_FURTHER = re.compile(rb"\[DONE\]|\\u|\"name\"|" + _IN_BAND_ERROR.pattern + rb"|" + _USAGE_PRESENT.pattern)
+
+
+def may_be_error(payload: bytes) -> bool:
+    """`_IN_BAND_ERROR.search(payload)`, at the cost of two scans for its literals where neither
+    is there (nearly every chunk): an alternation with no literal first is tried at every byte."""
+    return (b'"error"' in payload or b"\\u" in payload) and _IN_BAND_ERROR.search(payload) is not None
+
+
+def reads_further(event: bytes) -> bool:
+    """Whether a content chunk is one `_event` reads further: [DONE], an escape, a tool call's name,
+    what may be an error, usage. Each is a literal first, looked for as such."""
+    if b"[DONE]" in event or b"\\u" in event or b'"name"' in event:
+        return True
+    if b'"error"' in event and _IN_BAND_ERROR.search(event) is not None:
+        return True
+    return b'"usage"' in event and _USAGE_PRESENT.search(event) is not None
+
+
 # an event's JSON not read yet (parse_json's None is JSON it could not read)
 UNREAD: Any = object()
 # fields of the upstream's own stream, not of its events (a reconnection's id and pause): the
@@ -179,7 +194,7 @@ class SseRelay:
             if not event.isascii():  # a whole event: no sequence is cut at its ends; the bound is on what was sent
                 event = as_utf8(event)
             if (plain and event.startswith(b"data:") and b"\n" not in event and len(event) > 5
-                    and event[-1] not in b" \t\r\x0b\x0c" and not _READ_FURTHER.search(event)):  # data, not blank
+                    and event[-1] not in b" \t\r\x0b\x0c" and not reads_further(event)):  # data, not blank
                 self._count_found(_TEXT_DELTA.findall(event))
                 finish = _FINISH_REASON.findall(event)
                 if finish:
@@ -344,7 +359,7 @@ class SseRelay:
             self.done = True
             return None
         # what may be an error is read (any escape may spell one), once for every use below
-        data = parse_json(payload) if _IN_BAND_ERROR.search(payload) else UNREAD
+        data = parse_json(payload) if may_be_error(payload) else UNREAD
         if data is not UNREAD and is_error_object(data, streamed=True):
             # the upstream failed mid-stream: the stream ends with the gateway's one error event (§5)
             return self._failed("the model server sent an error in the stream")

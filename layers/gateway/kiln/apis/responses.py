@@ -35,7 +35,7 @@ from ..metering import (
     fewest_tokens,
     shown_usage,
 )
-from ..sse import _IN_BAND_ERROR, SseRelay, is_done, is_error_object, parse_json
+from ..sse import SseRelay, is_done, is_error_object, may_be_error, parse_json
 from .base import ModelApi, capability_check, tool_choice_type_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -51,11 +51,18 @@ _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})[\s,}]')
 _ITEM_ID = re.compile(rb'"item_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
-# added or done, the response so far), and any with an escape, which can spell one
-_WHOLE = (rb'"type"\s*:\s*"response\.(?:[a-z_.]+\.(?:done|added)|queued|created|in_progress|completed|'
-          rb'incomplete|failed)"|\\u')
-# what the relay reads as JSON: those, and what may be an error (the Responses API's, or chat's)
-_READ = re.compile(_WHOLE + rb"|" + _ERROR.pattern + rb"|" + _IN_BAND_ERROR.pattern)
+# added or done, the response so far); any with an escape, which can spell one, is read too
+_WHOLE = re.compile(rb'"type"\s*:\s*"response\.(?:[a-z_.]+\.(?:done|added)|queued|created|in_progress|completed|'
+                    rb'incomplete|failed)"')
+
+
+def _read(payload: bytes) -> bool:
+    """Whether the relay reads an event as JSON: one of `_WHOLE`, one with an escape, and what
+    may be an error (the Responses API's, or chat's). Each part is looked for by its literal
+    first: an alternation with none first is tried at every byte of every event."""
+    if b"\\u" in payload or _WHOLE.search(payload) is not None:
+        return True
+    return b'"error"' in payload and (_ERROR.search(payload) is not None or may_be_error(payload))
 # what a stream's relay remembers (memory): the output items it counts one by one, and the
 # distinct texts given apart of one item; past them, texts count as they come (more, never less)
 MAX_ITEMS = 1_000
@@ -524,7 +531,7 @@ class ResponsesRelay(SseRelay):
         # error (the Responses API's or chat's), an event holding an item, a part, a text or
         # the response so far, and any event with an escape (which can spell any of them)
         kind_found = _DELTA_EVENT.search(payload)
-        if _READ.search(payload):
+        if _read(payload):
             data = parse_json(payload)
             if data is None:
                 # not JSON the gateway reads, though a client's parser may (1e999; a type given
