@@ -49,20 +49,25 @@ _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
 _IN_BAND_ERROR = re.compile(rb'"error"\s*:\s*[^\sn]|"object"\s*:\s*"error"|\\u')
 
 
+# Bytes are looked for in a chunk with `bytes.find`, not `in`: CPython's bytes.__contains__ first
+# reads its argument as a byte's value, and for bytes raises and clears a TypeError, formatted,
+# each time (about 0.3 µs on 3.13, 4 times `find`), on every chunk of every stream.
+
+
 def may_be_error(payload: bytes) -> bool:
     """`_IN_BAND_ERROR.search(payload)`, at the cost of two scans for its literals where neither
     is there (nearly every chunk): an alternation with no literal first is tried at every byte."""
-    return (b'"error"' in payload or b"\\u" in payload) and _IN_BAND_ERROR.search(payload) is not None
+    return (payload.find(b'"error"') >= 0 or payload.find(b"\\u") >= 0) and _IN_BAND_ERROR.search(payload) is not None
 
 
 def reads_further(event: bytes) -> bool:
     """Whether a content chunk is one `_event` reads further: [DONE], an escape, a tool call's name,
     what may be an error, usage. Each is a literal first, looked for as such."""
-    if b"[DONE]" in event or b"\\u" in event or b'"name"' in event:
+    if event.find(b"[DONE]") >= 0 or event.find(b"\\u") >= 0 or event.find(b'"name"') >= 0:
         return True
-    if b'"error"' in event and _IN_BAND_ERROR.search(event) is not None:
+    if event.find(b'"error"') >= 0 and _IN_BAND_ERROR.search(event) is not None:
         return True
-    return b'"usage"' in event and _USAGE_PRESENT.search(event) is not None
+    return event.find(b'"usage"') >= 0 and _USAGE_PRESENT.search(event) is not None
 
 
 # an event's JSON not read yet (parse_json's None is JSON it could not read)
@@ -151,7 +156,7 @@ class SseRelay:
             data = self._start(data)
             if not data:
                 return b""
-        if self._after_cr or b"\r" in data:
+        if self._after_cr or data.find(b"\r") >= 0:
             # CRLF and CR line ends become LF. A CR that ends a chunk becomes LF at once; if
             # the next chunk starts with the LF of that CRLF, that LF is dropped.
             if self._after_cr and data.startswith(b"\n"):
@@ -193,7 +198,7 @@ class SseRelay:
                 continue
             if not event.isascii():  # a whole event: no sequence is cut at its ends; the bound is on what was sent
                 event = as_utf8(event)
-            if (plain and event.startswith(b"data:") and b"\n" not in event and len(event) > 5
+            if (plain and event.startswith(b"data:") and event.find(b"\n") < 0 and len(event) > 5
                     and event[-1] not in b" \t\r\x0b\x0c" and not reads_further(event)):  # data, not blank
                 self._count_found(_TEXT_DELTA.findall(event))
                 finish = _FINISH_REASON.findall(event)
@@ -240,7 +245,7 @@ class SseRelay:
                 data = self._echoes.answer(data)
                 payload = dumps(data)
         self._count(_TEXT_DELTA, payload, data)
-        if b'"name"' in payload or b"\\u" in payload:
+        if payload.find(b'"name"') >= 0 or payload.find(b"\\u") >= 0:
             self._count_names(payload, data)
 
     def _count_names(self, payload: bytes, data: Any) -> None:
@@ -283,7 +288,7 @@ class SseRelay:
         An event with an escape is read as its JSON says it (an escape can spell a key: the
         SDKs read `"\\u0063ontent"` as content), the rest as sent; `data` is the event's JSON
         where the caller has read it already."""
-        if b"\\u" in payload:
+        if payload.find(b"\\u") >= 0:
             if data is UNREAD:
                 data = parse_json(payload)
             if data is not None:
@@ -329,7 +334,7 @@ class SseRelay:
         """
         if self.done:
             return None  # nothing after the stream's end ([DONE]) is relayed
-        if b"\n" not in event:  # one line (nearly every event): data, or a comment
+        if event.find(b"\n") < 0:  # one line (nearly every event): data, or a comment
             if event.startswith(b"data:"):
                 payload = event[5:].lstrip(b" ")
                 # empty data is no chunk, and the Python SDK raises on reading it as JSON
@@ -451,7 +456,7 @@ def is_error_object(data: Any, *, streamed: bool = False) -> bool:
 
 def data_of(event: bytes) -> bytes | None:
     """The data of an SSE event (several data lines are joined with newlines)."""
-    if event.startswith(b"data:") and b"\n" not in event:
+    if event.startswith(b"data:") and event.find(b"\n") < 0:
         return event[5:].lstrip(b" ")
     # a `data` line with no colon is a data field with an empty value, as the SSE format reads it
     lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:") or line == b"data"]
