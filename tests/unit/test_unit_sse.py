@@ -523,3 +523,17 @@ def test_the_relays_literal_first_checks_answer_as_the_alternations_they_stand_f
     assert sse.may_be_error(event) == bool(sse._IN_BAND_ERROR.search(event))
     read = re.compile(responses._WHOLE.pattern + rb"|\\u|" + responses._ERROR.pattern + rb"|" + sse._IN_BAND_ERROR.pattern)
     assert responses._read(event) == bool(read.search(event))
+
+
+@given(st.lists(st.sampled_from([b'"', b"\\", b'\\"', b"\\\\", b"a", b" ", b":", b"\n", b'"content"', b'"name"',
+                                 b'"delta"', b'"item_id"', b"\xc3\xa9"]), max_size=24).map(b"".join))
+@settings(max_examples=3000, deadline=None)
+def test_the_relays_string_patterns_find_what_the_plain_alternation_finds(text):
+    """NON_EMPTY_STRING and STRING are JSON string contents written as runs between escapes:
+    on any arrangement of quotes, escapes and keys they find what `(?:[^"\\]|\\.)+` and `*` find."""
+    plain, maybe_empty = rb'(?:[^"\\]|\\.)+', rb'(?:[^"\\]|\\.)*'
+    for key in (b'"(?:content|name)"', b'"delta"'):
+        fast = re.compile(key + rb'\s*:\s*"(' + sse.NON_EMPTY_STRING + rb')"')
+        assert fast.findall(text) == re.compile(key + rb'\s*:\s*"(' + plain + rb')"').findall(text)
+    fast = re.compile(rb'"item_id"\s*:\s*"(' + sse.STRING + rb')"')
+    assert fast.findall(text) == re.compile(rb'"item_id"\s*:\s*"(' + maybe_empty + rb')"').findall(text)

@@ -35,7 +35,7 @@ from ..metering import (
     fewest_tokens,
     shown_usage,
 )
-from ..sse import SseRelay, is_done, is_error_object, may_be_error, parse_json
+from ..sse import NON_EMPTY_STRING, STRING, SseRelay, is_done, is_error_object, may_be_error, parse_json
 from .base import ModelApi, capability_check, tool_choice_type_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
@@ -46,10 +46,10 @@ _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # a non-empty delta of text, reasoning or tool-call arguments (counted as chat's texts are), in
 # an event that is a delta (`response.output_text.delta`, …): the response an event echoes holds
 # the request's metadata, whose values may be under a key "delta"
-_DELTA = re.compile(rb'"delta"\s*:\s*"((?:[^"\\]|\\.)+)"')
+_DELTA = re.compile(rb'"delta"\s*:\s*"(' + NON_EMPTY_STRING + rb')"')
 _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})[\s,}]')
-_ITEM_ID = re.compile(rb'"item_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ITEM_ID = re.compile(rb'"item_id"\s*:\s*"(' + STRING + rb')"')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
 # added or done, the response so far); any with an escape, which can spell one, is read too
 _WHOLE = re.compile(rb'"type"\s*:\s*"response\.(?:[a-z_.]+\.(?:done|added)|queued|created|in_progress|completed|'
