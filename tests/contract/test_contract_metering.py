@@ -304,10 +304,11 @@ def test_a_price_changed_under_a_stream_bills_it_the_price_it_was_admitted_at(st
     assert Decimal("10") - stack.org_info(org_id).credits == old_price + later["cost"]
 
 
-# a model server's usage whose prompt and completion tokens are believed, but not its total or a
-# count below zero (SGLang puts `reasoning_tokens` at the top); what it adds is shown as written
+# a model server's usage whose prompt and completion tokens are believed, but not its total, a
+# cost of its own or a count below zero (SGLang puts `reasoning_tokens` at the top); what it adds
+# is shown as written
 UNBELIEVED_DETAILS = {
-    "prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 10**30, "reasoning_tokens": -2,
+    "prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 10**30, "reasoning_tokens": -2, "cost": -1,
     "prompt_tokens_details": {"cached_tokens": 2, "audio_tokens": 99},
     "completion_tokens_details": {"reasoning_tokens": -5, "accepted_prediction_tokens": 2, "note": "x"},
 }

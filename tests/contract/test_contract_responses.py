@@ -353,7 +353,7 @@ def test_the_usage_shown_totals_what_was_billed_and_no_count_below_zero(stack, o
                                                          "cached_tokens_per_turn": [0, 2]},
              "output_tokens": 12, "output_tokens_details": {"reasoning_tokens": -1, "tool_output_tokens": 1470,
                                                             "output_tokens_per_turn": [4, 8]},
-             "total_tokens": -7}
+             "total_tokens": {"x": -7}, "cost": {"usd": -1}}
     if stream:
         events = _payloads(stack.post(RESPONSES, {**BODY, "stream": True}, key).text)
         assert events[-1]["type"] == "response.completed"
@@ -367,7 +367,7 @@ def test_the_usage_shown_totals_what_was_billed_and_no_count_below_zero(stack, o
     event = max(stack.events(org_id), key=lambda event: event.created_at)
     assert (event.prompt_tokens, event.completion_tokens, event.cached_tokens) == (8, 12, 2)
     assert Decimal(str(shown.pop("cost"))) == event.cost
-    assert shown == {**usage, "total_tokens": 20,
+    assert shown == {**{name: value for name, value in usage.items() if name != "cost"}, "total_tokens": 20,
                      "output_tokens_details": {**usage["output_tokens_details"], "reasoning_tokens": 0}}
 
 

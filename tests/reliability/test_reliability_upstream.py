@@ -714,12 +714,15 @@ def _failed_response(key: str) -> dict:
             "output": [], "usage": {"input_tokens": 8, "output_tokens": 0, "total_tokens": 8}}
 
 
+@pytest.mark.parametrize("secret", [SPELLED_KEY, "17650870"], ids=["key", "digits-also-in-a-number"])
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
-def test_a_failed_response_that_echoes_the_upstream_key_does_not_hand_it_over(stack_factory, mock, monkeypatch, stream):
+def test_a_failed_response_that_echoes_the_upstream_key_does_not_hand_it_over(stack_factory, mock, monkeypatch, stream,
+                                                                                secret):
     """A Responses answer of status `failed` carries the model server's error text to the client,
-    as a 4xx does: the key the gateway sent it is taken out there too."""
+    as a 4xx does: the key the gateway sent it is taken out there too, from its texts only (a key
+    of digits that a number also holds leaves the number, and the JSON, as they are)."""
     def answer(head: str) -> bytes:
-        failed = _failed_response(SPELLED_KEY)
+        failed = {**_failed_response(secret), "created_at": 1765087012}
         if not stream:
             return json.dumps(failed).encode()
         events = [("response.created", {**failed, "status": "in_progress", "error": None, "usage": None}),
@@ -728,10 +731,13 @@ def test_a_failed_response_that_echoes_the_upstream_key_does_not_hand_it_over(st
                         for n, (name, r) in enumerate(events))
 
     content_type = "text/event-stream" if stream else "application/json"
-    with keyed_upstream(stack_factory, mock, monkeypatch, SPELLED_KEY, "200 OK", content_type, answer) as (
+    with keyed_upstream(stack_factory, mock, monkeypatch, secret, "200 OK", content_type, answer) as (
             stack, key, ledger):
         response = ledger.saw(stack.post("/v1/responses", {"model": "raw-model", "input": "hi", "stream": stream}, key))
         assert response.status_code == 200 and "backend said" in response.text
-        assert SPELLED_KEY not in response.text and "[redacted]" in response.text
+        final = json.loads(response.text if not stream else response.text.strip().split("\ndata: ")[-1])
+        final = final if not stream else final["response"]
+        assert final["error"]["message"] == "backend said: authorization: Bearer [redacted]"
+        assert final["created_at"] == 1765087012
         (event,) = ledger.check()
         assert event.status == "upstream_error"

@@ -371,6 +371,19 @@ def without_secret(text: str, secret: str | None) -> str:
     return text
 
 
+def scrubbed(value: Any, secret: str | None) -> Any:
+    """A JSON value with every spelling of `secret` taken out of its strings (keys included)."""
+    if not secret_spellings(secret):
+        return value
+    if isinstance(value, str):
+        return without_secret(value, secret)
+    if isinstance(value, list):
+        return [scrubbed(item, secret) for item in value]
+    if isinstance(value, dict):
+        return {scrubbed(key, secret): scrubbed(item, secret) for key, item in value.items()}
+    return value
+
+
 def _without(text: str | None, secret: str | None) -> str | None:
     return without_secret(text, secret) if text else text
 

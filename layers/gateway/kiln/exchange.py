@@ -23,14 +23,13 @@ from .auth import Principal
 from .departure import ClientLeft, unless_the_client_leaves
 from .echo import Echoes
 from .errors import (
-    REDACTED,
     GatewayError,
     InternalError,
     NoBackendAvailable,
     StorageUnavailable,
     UpstreamFailed,
     UpstreamRejected,
-    secret_spellings,
+    scrubbed,
 )
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
@@ -381,10 +380,10 @@ class Exchange:
         usage = self._billable(answer.get("usage"), lambda: api.estimate_completion(written, self._offered),
                                completion_floor=api.fewest_completion_tokens(written, self._offered))
         cost = self._price(usage)
+        if api.failed(answer):  # its error is the model server's text, as a 4xx's message is
+            answer = scrubbed(answer, upstream.backend.api_key())
         api.with_usage(answer, usage, cost)
         body = dumps(answer)
-        if api.failed(answer):  # its error is the model server's text, as a 4xx's message is
-            body = _without_key(body, upstream)
         if self._answer_limit is not None and answer_size(body) > self._answer_limit:
             # it would be lost after its settle (the client's retry billed again): refused before
             raise UpstreamFailed(TOO_LARGE_TO_ANSWER)
@@ -489,9 +488,10 @@ class Exchange:
         tail = b""
         if status == "success":
             try:
+                if relay.upstream_failed and isinstance(getattr(relay, "final", None), dict):
+                    # a failed response's error is the model server's text, as a 4xx's message is
+                    relay.final = scrubbed(relay.final, upstream.backend.api_key())
                 tail = self.call.api.stream_tail(relay, usage, cost, self.call.client_wants_usage)
-                if relay.upstream_failed:  # a failed response's error is the model server's text
-                    tail = _without_key(tail, upstream)
             except Exception as exc:  # noqa: BLE001 - the usage stands; only the last bytes failed
                 log.exception("stream %s: its last event could not be written", self.gen_id)
                 status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
@@ -506,13 +506,6 @@ class Exchange:
         if status == "client_disconnected":
             return b""
         return self.call.api.stream_error(_CUT_MESSAGES.get(status, STREAM_CUT), relay)
-
-
-def _without_key(body: bytes, upstream: UpstreamExchange) -> bytes:
-    """`body` without the key the gateway sent the model server, wherever it echoes it."""
-    for spelling in secret_spellings(upstream.backend.api_key()):
-        body = body.replace(spelling.encode(), REDACTED.encode())
-    return body
 
 
 def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:

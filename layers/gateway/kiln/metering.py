@@ -111,12 +111,13 @@ def shown_usage(reported: dict[str, Any], usage: TokenUsage, cost: Any) -> dict[
     another figure than the one billed); a count below zero, at its top or in a breakdown (a
     server's `reasoning_tokens` of -5), is shown as 0. Everything else is as the server wrote it:
     lists per turn, counts of tool output (which may exceed the reply's tokens), fields of its own."""
-    shown = {**reported, "total_tokens": usage.total_tokens, "cost": cost}
+    shown = dict(reported)
     for name, value in reported.items():
-        if type(value) is int and value < 0 and name != "total_tokens":
+        if type(value) is int and value < 0:
             shown[name] = 0
         elif isinstance(value, dict) and any(type(count) is int and count < 0 for count in value.values()):
             shown[name] = {part: 0 if type(count) is int and count < 0 else count for part, count in value.items()}
+    shown["total_tokens"], shown["cost"] = usage.total_tokens, cost  # the bill's, whatever the server wrote there
     return shown
 
 
