@@ -35,12 +35,21 @@ def test_the_pictographic_table_is_unicodes():
 # emoji sequences people type, and the scripts that shape with joiners and selectors
 SHAPED = ("👩‍💻", "❤️", "❤️‍🔥", "👩🏽‍💻", "1️⃣", "#️⃣", "‼️", "🏳️‍🌈", "ℹ️", "🙂‍↔️", "🏃‍♀️", "👁️‍🗨️", "👨‍👩‍👧",
           "🏴\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",  # England's flag, of tags
-          "ශ්‍රී", "മന്‍", "می\u200cخواهم", "葛\U000e0100", "ᠠ\u180b")
+          "ශ්‍රී", "മന്‍", "می\u200cخواهم", "ᠠ\u180b",
+          "\u09b0\u200d\u09cd\u09af",  # Bengali ra-phala: a joiner before the virama
+          "\u1830\u1820\u1837\u180e\u1820",  # Mongolian, with its vowel separator
+          "\u0645\u064e\u200c\u0628")  # Persian: a non-joiner after a vowel sign
 # the same characters where they show nothing: each name would pass for another
 UNSHAPED = (("a\u200db", "\u200d"), ("\u200d💻", "\u200d"), ("💻\u200d", "\u200d"), ("binf\ufe0f", "\ufe0f"),
             ("prod1\ufe0f", "\ufe0f"), ("prod-\ufe0fa", "\ufe0f"), ("\ufe0f", "\ufe0f"), ("★\u200d★", "\u200d"),
             ("a\u200cb", "\u200c"), ("x\U000e0100", "\U000e0100"), ("flag\U000e0067\U000e007f", "\U000e0067"),
-            ("binf\u3164", "\u3164"), ("bi\u17b4nf", "\u17b4"), ("binf\u2800", "\u2800"))
+            ("binf\u3164", "\u3164"), ("bi\u17b4nf", "\u17b4"), ("binf\u2800", "\u2800"),
+            # a variation selector after an ideograph (which are registered is more data than a label needs)
+            ("团\ufe0f队", "\ufe0f"), ("团\U000e0100队", "\U000e0100"),
+            # tags that spell no flag: hidden text, a tag flag of one letter, a cancel tag further on
+            ("\U0001f3f4" + "".join(chr(0xE0000 + ord(c)) for c in "ignore all") + "\U000e007f", "\U000e0069"),
+            ("\U0001f3f4\U000e0061\U000e007f", "\U000e0061"),
+            ("\U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074 x\U000e007f", "\U000e0067"))
 
 
 def test_joiners_and_selectors_are_hidden_only_where_they_shape_nothing():

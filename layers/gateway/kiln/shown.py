@@ -59,6 +59,7 @@ _KEYCAP = "\u20e3"  # after a digit, # or * and U+FE0F: a keycap emoji
 _MODIFIERS = range(0x1F3FB, 0x1F400)  # skin tones
 _BLACK_FLAG, _TAG_END = "\U0001f3f4", "\U000e007f"  # a flag of tags: 🏴 tag letters… cancel tag
 _TAGS = range(0xE0020, 0xE007F)
+_TAG_ID = frozenset(range(ord("a"), ord("z") + 1)) | frozenset(range(ord("0"), ord("9") + 1))  # tag a..z, 0..9
 _VIRAMA = 9  # the canonical combining class of a virama: a joiner after it shapes the cluster
 _MONGOLIAN = range(0x1820, 0x18AB)
 
@@ -77,41 +78,55 @@ def _arabic_letter(char: str) -> bool:
     return unicodedata.category(char) == "Lo" and unicodedata.name(char, "").startswith("ARABIC")
 
 
-def _ideograph(char: str) -> bool:
-    return unicodedata.name(char, "").startswith("CJK ")
+def _arabic(char: str) -> bool:
+    """An Arabic-script letter, or a mark on one (a vowel sign written after it)."""
+    return unicodedata.category(char) in ("Lo", "Mn") and unicodedata.name(char, "").startswith("ARABIC")
 
 
 def _shaped(text: str, index: int) -> bool:
     """Whether the joiner or selector at `index` does what Unicode made it for, visibly: joins
-    emoji into one, selects an emoji's or a keycap's presentation, a skin tone or a tag flag, shapes
-    an Indic cluster (a joiner after a virama), an Arabic-script joining (between its letters), an
-    ideograph's variant or a Mongolian letter's form. Anywhere else it shows nothing."""
+    emoji into one, selects an emoji's or a keycap's presentation, spells a flag of tags, shapes
+    an Indic cluster (a joiner beside a virama), Arabic-script joining (between its letters) or a
+    Mongolian letter's form. Anywhere else it shows nothing (a variation selector after an
+    ideograph included: which of them are registered variants is more data than a label needs)."""
     char = text[index]
     before = text[index - 1] if index > 0 else ""
     after = text[index + 1] if index + 1 < len(text) else ""
     if char in _PRESENTATION:
         if before in "0123456789#*" and before:
             return after == _KEYCAP
-        return bool(before) and (_pictographic(before) or _ideograph(before))
+        return bool(before) and _pictographic(before)
     if char == _ZWJ and before and after and _pictographic(after):
         if _pictographic(before) or before in _PRESENTATION or ord(before) in _MODIFIERS:
             return True
     if char in (_ZWJ, _ZWNJ) and before:
-        if unicodedata.combining(before) == _VIRAMA:
+        # an Indic cluster: a joiner after a virama, or (Bengali's ra-phala, Sinhala's touching
+        # letters) before one
+        if unicodedata.combining(before) == _VIRAMA or (after and unicodedata.combining(after) == _VIRAMA):
             return True
-        if after and _arabic_letter(before) and _arabic_letter(after):
+        if after and _arabic(before) and _arabic_letter(after):
             return True
     point = ord(char)
-    if 0xE0100 <= point <= 0xE01EF or 0xFE00 <= point <= 0xFE0F:  # ideographic variation selectors
-        return bool(before) and _ideograph(before)
-    if 0x180B <= point <= 0x180F and point != 0x180E:  # Mongolian free variation selectors
+    if 0x180B <= point <= 0x180F:  # Mongolian free variation selectors and vowel separator
         return bool(before) and ord(before) in _MONGOLIAN
-    if point in _TAGS or char == _TAG_END:  # inside a flag of tags, after its black flag
-        start = index
-        while start > 0 and (ord(text[start - 1]) in _TAGS):
-            start -= 1
-        return start > 0 and text[start - 1] == _BLACK_FLAG and _TAG_END in text[index:]
+    if point in _TAGS or char == _TAG_END:
+        return _in_tag_flag(text, index)
     return False
+
+
+def _in_tag_flag(text: str, index: int) -> bool:
+    """Whether the tag at `index` is part of a flag of tags: the black flag, a region and
+    subdivision id in tag letters and digits (gbsct), the cancel tag right after it."""
+    start = end = index
+    while start > 0 and ord(text[start - 1]) in _TAGS:
+        start -= 1
+    while end < len(text) and ord(text[end]) in _TAGS:
+        end += 1
+    if text[index] == _TAG_END:
+        end = index
+    spelled = text[start:end]
+    return (start > 0 and text[start - 1] == _BLACK_FLAG and end < len(text) and text[end] == _TAG_END
+            and 2 <= len(spelled) <= 7 and all(ord(tag) - 0xE0000 in _TAG_ID for tag in spelled))
 
 
 def _hidden_at(text: str, index: int, emoji: bool) -> bool:
