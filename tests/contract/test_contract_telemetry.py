@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from support import TELEMETRY
 
 CHAT = "/v1/chat/completions"
@@ -75,11 +77,18 @@ def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a
     pasted = "sk-kiln-" + secrets.token_urlsafe(32)
     assert stack.http.get(f"/v1/keys/{pasted}", headers={"Authorization": f"Bearer {admin}"}).status_code == 404
     # the same secret's body behind its prefix spelled otherwise, or none: the body is the secret
-    misspelled = [secrets.token_urlsafe(32) for _ in range(3)]
-    for prefix, body in zip(("SK-KILN-", "sk_kiln_", "/"), misspelled, strict=True):
-        stack.http.get(f"/v1/keys/{prefix}{body}", headers={"Authorization": f"Bearer {admin}"})
+    misspelled = []
+    while len(misspelled) < 8:  # secrets with 10 letters and digits in a row of both cases and a digit, as all but 0.3 %
+        body = secrets.token_urlsafe(32)
+        if any(not s.isalpha() and not s.isdigit() and not s.islower() and not s.isupper()
+               for s in re.findall(r"[A-Za-z0-9]{10,}", body)):
+            misspelled.append(body)
+    spellings = ("/v1/keys/SK-KILN-{}", "/v1/keys/sk_kiln_{}", "/v1/keys/{}", "/v1/models/sk-{}", "/v1/models/kiln-{}",
+                 "/v1/models/{}-x", "/v1/generations/sk-kiln{}", "/v1/x{}")
+    for spelling, body in zip(spellings, misspelled, strict=True):
+        stack.http.get(spelling.format(body), headers={"Authorization": f"Bearer {admin}"})
     # a model id with a long run of such characters is no secret: the operator sees which one was asked for
-    model_path = "/v1/models/RedHatAI/Mistral-Small-24B-Instruct-2501-quantized_w8a8"
+    model_path = "/v1/models/deepseek-ai/DeepSeek-R1-Distill-Llama-70B-abliterated/task-classifier-for-long-documents"
     assert stack.http.get(model_path, headers={"Authorization": f"Bearer {key}"}).status_code == 404
     scanned = f"/v1/{secrets.token_hex(8)}/" + "x" * 5000
     assert stack.http.get(scanned, headers={"Authorization": f"Bearer {key}"}).status_code == 404
@@ -97,7 +106,7 @@ def test_what_a_client_or_model_server_chose_never_becomes_a_secret_in_logs_or_a
     records = _records_since(mark)
     logs = [r for r in records if r.get("message") == "request"]
     assert all(len(r["path"]) <= 300 for r in logs)
-    assert {r["endpoint"] for r in records if "Requests" in r} <= {"keys", "unmatched", "chat.completions", "models"}
+    assert {r["endpoint"] for r in records if "Requests" in r} <= {"keys", "unmatched", "chat.completions", "models", "generations"}
     assert "unmatched" in {r["endpoint"] for r in records if "Requests" in r}
     codes = [r["code"] for r in records if "Errors" in r]
     assert codes.count("upstream_rejected") == 2 and all(len(code) <= 64 for code in codes)

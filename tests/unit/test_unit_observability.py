@@ -352,3 +352,30 @@ def test_the_request_lines_timestamp_is_the_formatters_at_every_millisecond(monk
     for now in (1764600000.0, 1764600000.0004, 1764600000.9996, 1764600001.5, 1764600001.001, 1764686399.999,
                 1764686400.0):
         assert line._timestamp(formatter, now) == formatter.formatTime(observability._Created(now)), now  # noqa: SLF001
+
+
+def test_an_unexpected_error_logs_its_path_as_the_request_log_does(caplog):
+    """A gateway that cannot be made fails the request with a 500 and a log line of its path:
+    a key's secret pasted into the path is not in it."""
+    import logging
+    import secrets
+
+    import httpx
+
+    from kiln.endpoints import MODELS
+    from kiln.web import create_app, routes_of
+
+    def broken():
+        raise RuntimeError("no gateway here")
+
+    app = create_app(routes_of(MODELS), gateway=broken, observer=observability.Observer())
+    pasted = "sk-kiln-" + secrets.token_urlsafe(32)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kiln") as client:
+            return await client.get(f"/v1/models/{pasted}")
+
+    with caplog.at_level(logging.ERROR):
+        response = asyncio.run(call())
+    assert response.status_code in (404, 500)
+    assert "unexpected error" in caplog.text and pasted[8:] not in caplog.text

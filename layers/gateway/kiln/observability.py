@@ -130,24 +130,37 @@ class RequestRecord:
 
 
 # the path is the client's text: what is shaped like a key is not logged, and it is cut short.
-# A key is its prefix and 43 URL-safe characters, the secret itself: behind its prefix however
-# spelled (capitals, underscores), or alone, a run of 40 to 43 of them is not logged either (a
-# longer run is no secret: model ids such as …-Instruct-2501-quantized_w8a8 are logged whole)
-_KEY_IN_TEXT = re.compile(r"(?i:sk[-_]kiln[-_])[A-Za-z0-9_-]*|(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{40,43}(?![A-Za-z0-9_-])")
+# A key is its prefix and 43 URL-safe characters drawn at random, the secret itself. A run of
+# such characters is not logged where it follows the prefix however spelled (capitals,
+# underscores, part of it), or where it is 40 or more long and holds what random text does and
+# words do not: 10 letters and digits in a row, of both cases and a digit (all but 3 secrets in
+# 1 000; model ids such as …-Instruct-2501-quantized_w8a8 are words, logged whole).
+_URL_SAFE_RUN = re.compile(r"[A-Za-z0-9_-]{40,}")
+_AFTER_PREFIX = re.compile(r"(?<![A-Za-z0-9])(?i:sk[-_]*kiln[-_]*|sk[-_]+|kiln[-_]+)[A-Za-z0-9_-]{20,}")
+_ALNUM_STRETCH = re.compile(r"[A-Za-z0-9]{10,}")
 _SHORTEST_SECRET = 40
 MAX_LOGGED_PATH = 256
 # the endpoint of a request no route took (an unknown URL): one metric, whatever the path
 UNMATCHED = "unmatched"
 
 
-def _redacted(found: re.Match[str]) -> str:
-    return KEY_PREFIX + "[redacted]" if found.group()[:8].lower().replace("_", "-") == KEY_PREFIX else "[redacted]"
+def _random_looking(run: str) -> bool:
+    return any(not stretch.isdigit() and not stretch.isalpha() and not stretch.islower() and not stretch.isupper()
+               for stretch in _ALNUM_STRETCH.findall(run))
+
+
+def _unless_words(found: re.Match[str]) -> str:
+    run = found.group()
+    return "[redacted]" if _random_looking(run) else run
 
 
 def loggable_path(path: str) -> str:
     """A request's path as logged: a key's secret in it redacted, at most MAX_LOGGED_PATH characters."""
-    if len(path) >= _SHORTEST_SECRET or "kiln" in path.lower():
-        path = _KEY_IN_TEXT.sub(_redacted, path)
+    if len(path) >= _SHORTEST_SECRET:
+        lowered = path.lower()
+        if "kiln" in lowered or "sk" in lowered:
+            path = _AFTER_PREFIX.sub(KEY_PREFIX + "[redacted]", path)
+        path = _URL_SAFE_RUN.sub(_unless_words, path)
     return path if len(path) <= MAX_LOGGED_PATH else path[:MAX_LOGGED_PATH] + "…"
 
 

@@ -22,7 +22,7 @@ from .endpoints import Endpoint
 from .errors import GatewayError, InternalError, InvalidEvent, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
 from .handlers import complete, list_models, retrieve_generation, retrieve_model
-from .observability import ObservabilityMiddleware, Observer, record_of
+from .observability import ObservabilityMiddleware, Observer, loggable_path, record_of
 from .responses import error_response
 from .selfservice import HANDLERS as SELF_SERVICE
 
@@ -190,7 +190,7 @@ class App:
         except GatewayError as error:
             response = _answer(request, error)
         except Exception as exc:
-            log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+            log.error("unexpected error on %s %s", request.method, loggable_path(request.url.path), exc_info=exc)
             response = _answer(request, InternalError("The gateway failed to process the request."))
         await response(scope, receive, send)
 
