@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -681,7 +682,9 @@ def keyed_upstream(stack_factory, mock, monkeypatch, key: str, status: str, cont
     lambda key: ("plain text: authorization: Bearer " + key.replace("/", "\\/")).encode(),
     lambda key: json.dumps({"error": {"message": json.dumps({"headers": {"authorization": "Bearer " + key}})}}).encode(),
     lambda key: json.dumps({"error": {"message": "GET /?auth=Bearer%20" + __import__("urllib.parse").parse.quote(key, safe="")}}).encode(),
-], ids=["escaped-slash-text", "json-in-json", "percent-encoded"])
+    lambda key: ("GET /?auth=" + re.sub(r"%[0-9A-F]{2}", lambda escape: escape.group().lower(),
+                                        __import__("urllib.parse").parse.quote(key))).encode(),
+], ids=["escaped-slash-text", "json-in-json", "percent-encoded", "percent-encoded-lower-slash-kept"])
 def test_a_4xx_that_echoes_the_upstream_key_in_another_spelling_does_not_hand_it_over(
         stack_factory, mock, monkeypatch, spelling):
     with keyed_upstream(stack_factory, mock, monkeypatch, SPELLED_KEY, "400 Bad Request", "application/json",

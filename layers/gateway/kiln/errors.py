@@ -39,6 +39,7 @@ framework's own 404/405/500 by `kiln.web`'s exception handlers.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterable
 from urllib.parse import quote
 
@@ -357,11 +358,19 @@ SHORTEST_REDACTED = 8
 def secret_spellings(secret: str | None) -> tuple[str, ...]:
     """How a model server's text may spell the key it was sent: as it is, with its slashes
     escaped as JSON may write them (once, or inside a JSON string written into another), and
-    percent-encoded. None for a key too short to be a secret."""
+    percent-encoded (its slashes too or not, escapes in either case). None for a key too short
+    to be a secret."""
     if not secret or len(secret) < SHORTEST_REDACTED:
         return ()
-    spellings = (secret, secret.replace("/", "\\/"), secret.replace("/", "\\\\/"), quote(secret, safe=""))
+    encoded = (quote(secret, safe=""), quote(secret))  # every reserved character, or all but "/"
+    spellings = (secret, secret.replace("/", "\\/"), secret.replace("/", "\\\\/"), *encoded,
+                 *(_lower_hex(spelling) for spelling in encoded))
     return tuple(dict.fromkeys(spellings))
+
+
+def _lower_hex(encoded: str) -> str:
+    """A percent-encoded text with its escapes in lower case (%2f), as some encoders write them."""
+    return re.sub(r"%[0-9A-F]{2}", lambda escape: escape.group().lower(), encoded)
 
 
 def without_secret(text: str, secret: str | None) -> str:
