@@ -379,3 +379,17 @@ def test_an_unexpected_error_logs_its_path_as_the_request_log_does(caplog):
         response = asyncio.run(call())
     assert response.status_code in (404, 500)
     assert "unexpected error" in caplog.text and pasted[8:] not in caplog.text
+
+
+def test_a_logged_path_keeps_model_ids_and_loses_any_part_of_a_key():
+    import secrets
+
+    body = "abcdefghij" * 3
+    assert observability.loggable_path(f"/v1/keys/sk-kiln-{body}") == "/v1/keys/sk-kiln-[redacted]"  # short of 40 too
+    assert observability.loggable_path(f"/v1/keys/SK_KILN{body}") == "/v1/keys/sk-kiln-[redacted]"
+    for model_path in ("/v1/models/Helsinki-NLP/opus-mt-sk-en-finetuned-legal-domain",
+                       "/v1/models/kiln-standin-bare-with-a-long-variant",
+                       "/v1/models/deepseek-ai/DeepSeek-R1-Distill-Llama-70B-abliterated"):
+        assert observability.loggable_path(model_path) == model_path
+    secret = secrets.token_urlsafe(32)
+    assert secret[:12] not in observability.loggable_path(f"/v1/generations/sk-kiln{secret}")

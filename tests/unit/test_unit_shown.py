@@ -49,6 +49,9 @@ UNSHAPED = (("a\u200db", "\u200d"), ("\u200d💻", "\u200d"), ("💻\u200d", "\u
             # tags that spell no flag: hidden text, a tag flag of one letter, a cancel tag further on
             ("\U0001f3f4" + "".join(chr(0xE0000 + ord(c)) for c in "ignore all") + "\U000e007f", "\U000e0069"),
             ("\U0001f3f4\U000e0061\U000e007f", "\U000e0061"),
+            ("\U0001f3f4" + "".join(chr(0xE0000 + ord(c)) for c in "admin99") + "\U000e007f", "\U000e0061"),
+            ("\u1820\u180e", "\u180e"),  # Mongolian's vowel separator with no letter after it
+            ("a\u200d\u094d", "\u200d"),  # a joiner before a virama, after no Indic letter
             ("\U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074 x\U000e007f", "\U000e0067"))
 
 

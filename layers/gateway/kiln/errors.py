@@ -382,14 +382,20 @@ def without_secret(text: str, secret: str | None) -> str:
 
 def scrubbed(value: Any, secret: str | None) -> Any:
     """A JSON value with every spelling of `secret` taken out of its strings (keys included)."""
-    if not secret_spellings(secret):
-        return value
+    spellings = secret_spellings(secret)
+    return _scrubbed(value, spellings) if spellings else value
+
+
+def _scrubbed(value: Any, spellings: tuple[str, ...]) -> Any:
     if isinstance(value, str):
-        return without_secret(value, secret)
+        for spelling in spellings:
+            if spelling in value:
+                value = value.replace(spelling, REDACTED)
+        return value
     if isinstance(value, list):
-        return [scrubbed(item, secret) for item in value]
+        return [_scrubbed(item, spellings) for item in value]
     if isinstance(value, dict):
-        return {scrubbed(key, secret): scrubbed(item, secret) for key, item in value.items()}
+        return {_scrubbed(key, spellings): _scrubbed(item, spellings) for key, item in value.items()}
     return value
 
 

@@ -132,11 +132,11 @@ class RequestRecord:
 # the path is the client's text: what is shaped like a key is not logged, and it is cut short.
 # A key is its prefix and 43 URL-safe characters drawn at random, the secret itself. A run of
 # such characters is not logged where it follows the prefix however spelled (capitals,
-# underscores, part of it), or where it is 40 or more long and holds what random text does and
+# underscores, no dashes), or where it is 40 or more long and holds what random text does and
 # words do not: 10 letters and digits in a row, of both cases and a digit (all but 3 secrets in
 # 1 000; model ids such as …-Instruct-2501-quantized_w8a8 are words, logged whole).
 _URL_SAFE_RUN = re.compile(r"[A-Za-z0-9_-]{40,}")
-_AFTER_PREFIX = re.compile(r"(?<![A-Za-z0-9])(?i:sk[-_]*kiln[-_]*|sk[-_]+|kiln[-_]+)[A-Za-z0-9_-]{20,}")
+_AFTER_PREFIX = re.compile(r"(?<![A-Za-z0-9])(?i:sk[-_]*kiln[-_]*)[A-Za-z0-9_-]{20,}")
 _ALNUM_STRETCH = re.compile(r"[A-Za-z0-9]{10,}")
 _SHORTEST_SECRET = 40
 MAX_LOGGED_PATH = 256
@@ -156,10 +156,9 @@ def _unless_words(found: re.Match[str]) -> str:
 
 def loggable_path(path: str) -> str:
     """A request's path as logged: a key's secret in it redacted, at most MAX_LOGGED_PATH characters."""
+    if "kiln" in path.lower():
+        path = _AFTER_PREFIX.sub(KEY_PREFIX + "[redacted]", path)
     if len(path) >= _SHORTEST_SECRET:
-        lowered = path.lower()
-        if "kiln" in lowered or "sk" in lowered:
-            path = _AFTER_PREFIX.sub(KEY_PREFIX + "[redacted]", path)
         path = _URL_SAFE_RUN.sub(_unless_words, path)
     return path if len(path) <= MAX_LOGGED_PATH else path[:MAX_LOGGED_PATH] + "…"
 

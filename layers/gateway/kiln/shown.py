@@ -102,13 +102,16 @@ def _shaped(text: str, index: int) -> bool:
     if char in (_ZWJ, _ZWNJ) and before:
         # an Indic cluster: a joiner after a virama, or (Bengali's ra-phala, Sinhala's touching
         # letters) before one
-        if unicodedata.combining(before) == _VIRAMA or (after and unicodedata.combining(after) == _VIRAMA):
+        if unicodedata.combining(before) == _VIRAMA:
+            return True
+        if after and unicodedata.combining(after) == _VIRAMA and unicodedata.category(before) == "Lo":
             return True
         if after and _arabic(before) and _arabic_letter(after):
             return True
     point = ord(char)
-    if 0x180B <= point <= 0x180F:  # Mongolian free variation selectors and vowel separator
-        return bool(before) and ord(before) in _MONGOLIAN
+    if 0x180B <= point <= 0x180F:  # Mongolian free variation selectors, and its vowel separator between letters
+        shaped = bool(before) and ord(before) in _MONGOLIAN
+        return shaped and (point != 0x180E or (bool(after) and ord(after) in _MONGOLIAN))
     if point in _TAGS or char == _TAG_END:
         return _in_tag_flag(text, index)
     return False
@@ -126,7 +129,7 @@ def _in_tag_flag(text: str, index: int) -> bool:
         end = index
     spelled = text[start:end]
     return (start > 0 and text[start - 1] == _BLACK_FLAG and end < len(text) and text[end] == _TAG_END
-            and 2 <= len(spelled) <= 7 and all(ord(tag) - 0xE0000 in _TAG_ID for tag in spelled))
+            and 3 <= len(spelled) <= 6 and all(ord(tag) - 0xE0000 in _TAG_ID for tag in spelled))
 
 
 def _hidden_at(text: str, index: int, emoji: bool) -> bool:
