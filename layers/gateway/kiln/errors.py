@@ -305,8 +305,8 @@ class UpstreamRejected(GatewayError):
         key the gateway sent it (`secret`) is taken out wherever the body echoes it (a server
         that writes its request's headers into its error), before the message is cut to its
         bound; a param or code longer than any is none."""
-        message, param, code = (
-            _without(part, secret) for part in _describe_upstream_error(raw))
+        spellings = secret_spellings(secret)
+        message, param, code = (_redacted(part, spellings) if part else part for part in _describe_upstream_error(raw))
         message = (message or "")[:MAX_UPSTREAM_MESSAGE]
         if not message:
             message = f"The model server rejected the request (HTTP {status})."
@@ -373,10 +373,11 @@ def _lower_hex(encoded: str) -> str:
     return re.sub(r"%[0-9A-F]{2}", lambda escape: escape.group().lower(), encoded)
 
 
-def without_secret(text: str, secret: str | None) -> str:
-    """`text` with every spelling of `secret` written REDACTED."""
-    for spelling in secret_spellings(secret):
-        text = text.replace(spelling, REDACTED)
+def _redacted(text: str, spellings: tuple[str, ...]) -> str:
+    """`text` with each of `spellings` (a key's, `secret_spellings`) written REDACTED."""
+    for spelling in spellings:
+        if spelling in text:
+            text = text.replace(spelling, REDACTED)
     return text
 
 
@@ -388,19 +389,12 @@ def scrubbed(value: Any, secret: str | None) -> Any:
 
 def _scrubbed(value: Any, spellings: tuple[str, ...]) -> Any:
     if isinstance(value, str):
-        for spelling in spellings:
-            if spelling in value:
-                value = value.replace(spelling, REDACTED)
-        return value
+        return _redacted(value, spellings)
     if isinstance(value, list):
         return [_scrubbed(item, spellings) for item in value]
     if isinstance(value, dict):
         return {_scrubbed(key, spellings): _scrubbed(item, spellings) for key, item in value.items()}
     return value
-
-
-def _without(text: str | None, secret: str | None) -> str | None:
-    return without_secret(text, secret) if text else text
 
 
 def _short(word: str | None) -> str | None:

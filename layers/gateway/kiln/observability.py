@@ -135,10 +135,10 @@ class RequestRecord:
 # underscores, no dashes), or where it is 40 or more long and holds what random text does and
 # words do not: 10 letters and digits in a row, of both cases and a digit (all but 3 secrets in
 # 1 000; model ids such as …-Instruct-2501-quantized_w8a8 are words, logged whole).
-_URL_SAFE_RUN = re.compile(r"[A-Za-z0-9_-]{40,}")
+_SHORTEST_SECRET = 40
+_URL_SAFE_RUN = re.compile(r"[A-Za-z0-9_-]{%d,}" % _SHORTEST_SECRET)
 _AFTER_PREFIX = re.compile(r"(?<![A-Za-z0-9])(?i:sk[-_]*kiln[-_]*)[A-Za-z0-9_-]{20,}")
 _ALNUM_STRETCH = re.compile(r"[A-Za-z0-9]{10,}")
-_SHORTEST_SECRET = 40
 MAX_LOGGED_PATH = 256
 # the endpoint of a request no route took (an unknown URL): one metric, whatever the path
 UNMATCHED = "unmatched"

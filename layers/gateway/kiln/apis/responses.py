@@ -63,6 +63,8 @@ def _read(payload: bytes) -> bool:
     if payload.find(b"\\u") >= 0 or _WHOLE.search(payload) is not None:
         return True
     return payload.find(b'"error"') >= 0 and (_ERROR.search(payload) is not None or may_be_error(payload))
+
+
 # what a stream's relay remembers (memory): the output items it counts one by one, and the
 # distinct texts given apart of one item; past them, texts count as they come (more, never less)
 MAX_ITEMS = 1_000
