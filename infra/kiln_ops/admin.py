@@ -241,7 +241,7 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 def _key_attribute_flags(parser: argparse.ArgumentParser, clears: str) -> None:
     """The key attributes of contract §10, as flags; left out: unchanged (update) or the default."""
-    parser.add_argument("--label", type=_or_none(str), help=f"a name for people, up to 100 characters, no control or invisible ones{clears}")
+    parser.add_argument("--label", type=_or_none(str), help=f"a name for people, up to 100 characters, no control or invisible ones, no blank at either end{clears}")
     parser.add_argument("--role", type=_or_none(_choice("inference", "management")),
                         help=f"inference (default: calls models) or management (manages the org's keys){clears}")
     parser.add_argument("--models", type=_or_none(_models_flag),
