@@ -193,6 +193,7 @@ def git_state() -> dict:
 
 def measure(args: argparse.Namespace, prepared: dict) -> dict:
     from . import coldstart, peers, scenarios
+    from .floor import GAPS_PREFIX
     from .goals import CPU_TARGET, FLOOR_KILN, FLOOR_PROXY, LOOPBACK_STANDIN, LOOPBACK_TARGET, STORAGE_CALLS_PER_REQUEST
     from .procs import Procs
     from .stack import Stack
@@ -275,7 +276,7 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
         def floor_target(name: str, storage_calls: int) -> scenarios.Target:
             def start() -> scenarios.Target:
                 child, url = stack.start_floor(name, storage_calls=storage_calls, storage_url=standin_url or "")
-                return scenarios.Target(name, f"{url}/v1", {}, child)
+                return scenarios.Target(name, f"{url}/v1", {}, child, gap_base=f"{url}{GAPS_PREFIX}v1")
 
             return restartable(start)
 
@@ -368,7 +369,7 @@ def measure(args: argparse.Namespace, prepared: dict) -> dict:
             results["cpu_rounds"] = scenarios.cpu_rounds(
                 [by_name[CPU_TARGET], by_name["portkey"], *floors], modes=(False, True),
                 concurrencies=tuple(size["concurrencies"]), rounds=size["cpu_rounds"], count=size["cpu_count"],
-                warmup=size["cpu_warmup"], log=log, spaced=(by_name[CPU_TARGET], by_name["portkey"]),
+                warmup=size["cpu_warmup"], log=log, spaced=(by_name[CPU_TARGET], by_name["portkey"], floors[0]),
                 spaced_counts={c: n for c, n in size["cpu_spaced"].items() if c in size["concurrencies"]})
             for floor in floors:
                 if floor.child is not None:

@@ -10,7 +10,9 @@ POST /v1/chat/completions by making the exchanges a gateway makes and nothing el
   headers of the size a signed request has (not signed: the stand-in does not check);
 - one upstream exchange: the client's body, as it came, to `FLOOR_UPSTREAM`; a buffered answer
   sent whole with its length, a stream relayed one piece per read, its last read held until the
-  storage calls after it are done (as Kiln holds its tail until the settle).
+  storage calls after it are done (as Kiln holds its tail until the settle). A path under
+  `GAPS_PREFIX` goes to `FLOOR_GAP_UPSTREAM` instead: the mock's spaced tokens, one read each, as
+  the bench's spaced-token model is served to Kiln and Portkey.
 
 No validation, no routing, no JSON, no authentication, no signing, no logging: keep-alive
 connections on asyncio streams, each request in one write, each answer parsed by httptools. Its
@@ -35,7 +37,10 @@ import httptools
 
 from kiln_ops.serve import read_body
 
-__all__ = ["floor_app", "from_env", "storage_request", "upstream_request"]
+__all__ = ["GAPS_PREFIX", "floor_app", "from_env", "storage_request", "upstream_request"]
+
+# the floor's path to the spaced-token upstream: {url}/gaps/v1/chat/completions
+GAPS_PREFIX = "/gaps/"
 
 _SIGNED_LIKE = (
     # what a SigV4-signed call carries beyond its body, of the same sizes (values are not checked)
@@ -152,10 +157,13 @@ def _streamed(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
-def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 0, storage_body: bytes = b"{}") -> Any:
+def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 0, storage_body: bytes = b"{}",
+              gap_upstream_url: str = "") -> Any:
     """The floor's ASGI app: POST anything but /healthz makes `storage_calls` storage exchanges with
-    `storage_url` and one with `upstream_url` (the full URL of its chat/completions), as above."""
-    upstream = _Origin(upstream_url)
+    `storage_url` and one with `upstream_url` (the full URL of its chat/completions), as above; a
+    path under GAPS_PREFIX with `gap_upstream_url` (404 without one)."""
+    direct = _Origin(upstream_url)
+    gaps = _Origin(gap_upstream_url) if gap_upstream_url else None
     storage = _Origin(storage_url) if storage_calls else None
     storage_wire = storage_request(storage.authority, storage_body) if storage is not None else b""
 
@@ -165,6 +173,11 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
         if scope["path"] == "/healthz":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
+            return
+        upstream = gaps if scope["path"].startswith(GAPS_PREFIX) else direct
+        if upstream is None:
+            await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
             return
         request_body = await read_body(receive)
         # as a gateway does: one storage exchange before the upstream (admission), the others after
@@ -208,7 +221,9 @@ def floor_app(upstream_url: str, *, storage_url: str = "", storage_calls: int = 
 
 
 def from_env() -> Any:
-    """floor_app configured by FLOOR_UPSTREAM, FLOOR_STORAGE, FLOOR_STORAGE_CALLS, FLOOR_STORAGE_BODY."""
+    """floor_app configured by FLOOR_UPSTREAM, FLOOR_STORAGE, FLOOR_STORAGE_CALLS, FLOOR_STORAGE_BODY,
+    FLOOR_GAP_UPSTREAM."""
     return floor_app(os.environ["FLOOR_UPSTREAM"], storage_url=os.environ.get("FLOOR_STORAGE", ""),
                      storage_calls=int(os.environ.get("FLOOR_STORAGE_CALLS", "0")),
-                     storage_body=os.environ.get("FLOOR_STORAGE_BODY", "{}").encode())
+                     storage_body=os.environ.get("FLOOR_STORAGE_BODY", "{}").encode(),
+                     gap_upstream_url=os.environ.get("FLOOR_GAP_UPSTREAM", ""))

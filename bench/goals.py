@@ -113,7 +113,8 @@ def cpu_vs_portkey(results: dict, ratio: float = CPU_RATIO) -> dict[str, Any]:
                          f"{r['portkey_cpu_ms']} ms (×{r['ratio']})" for r in rows)
     if rows and all(r["source"] == "rounds" for r in rows):
         measured = f"medians of {rows[0]['rounds']} rounds side by side; " + measured
-    floored = [r for r in rows if r["mode"] != SPACED]
+    # the rows whose rounds had the floor beside them (the spaced streams' only in runs whose floor relays them)
+    floored = [r for r in rows if "floor_kiln_ms" in r]
     if floored and all(r.get("floor_ratio") is not None for r in floored):
         out_of_reach = sum(1 for r in floored if r["floor_reachable"] is False)
         measured += (f"; the floor (Kiln's exchanges made plainly, nothing else in the process): ×{min(r['floor_ratio'] for r in floored)}–"

@@ -48,11 +48,12 @@ def cpu(results: dict) -> str:
         spaced = rounds.get("spaced") or {}
         if spaced:
             counts = ", ".join(f"{n} at c={c}" for c, n in (spaced.get("counts") or {}).items())
+            who = ("Kiln, Portkey and the floor of Kiln's exchanges" if g.FLOOR_KILN in (spaced.get("targets") or [])
+                   else "Kiln and Portkey only")
             lines[0] += (" The mock sends those streams at once, in one or two reads, so what a gateway does per chunk, "
                          "most of a real stream's cost, is barely in them: the rows *stream, spaced tokens* are the same "
                          f"rounds of streams of {GAP_TOKENS} tokens {GAP_DELAY_MS} ms apart, each token its own read "
-                         f"(Kiln and Portkey only; requests a round: {counts}, after one wave not counted). They count in "
-                         "the verdict.")
+                         f"({who}; requests a round: {counts}, after one wave not counted). They count in the verdict.")
     lines += ["", "| mode | conc. | Kiln ms/req (stand-in) | range | Portkey ms/req | range | Kiln ÷ Portkey | ≤ 0.5 | "
               "matrix cell: Kiln | Portkey | Kiln ms/req on the embedded AWS |",
               "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
@@ -71,7 +72,9 @@ def cpu(results: dict) -> str:
                   "per request, httptools parsing the answers). Their CPU is what the exchanges take, made the plainest way "
                   "on the stack the functions run on (uvicorn, uvloop, asyncio streams, this machine's loopback): the part "
                   "of a gateway's CPU that work on its own code does not remove. Where Kiln's floor alone is above "
-                  f"{g.CPU_RATIO:g} × Portkey's CPU, no code on this stack that makes those exchanges meets the goal.", "",
+                  f"{g.CPU_RATIO:g} × Portkey's CPU, no code on this stack that makes those exchanges meets the goal."
+                  + (f" The streams of spaced tokens have `{g.FLOOR_KILN}` beside them, the one of the two a Kiln "
+                     "request's exchanges are held to." if any(r["mode"] == g.SPACED for r in floors) else ""), "",
                   f"| mode | conc. | {g.FLOOR_KILN} ms/req | range | ÷ Portkey | within {g.CPU_RATIO:g} × Portkey | "
                   f"Kiln above its floor, ms/req | {g.FLOOR_PROXY} ms/req | range | floors: failed requests, rounds not run |",
                   "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
@@ -79,7 +82,8 @@ def cpu(results: dict) -> str:
         for r in floors:
             spread = spreads.get(f"{r['mode']}_c{r['concurrency']}") or {}
             kiln_floor, proxy = spread.get(g.FLOOR_KILN) or {}, spread.get(g.FLOOR_PROXY) or {}
-            lines.append(f"| {r['mode']} | {r['concurrency']} | {fmt(r['floor_kiln_ms'], 2)} | "
+            lines.append(f"| {g.SPACED_LABEL if r['mode'] == g.SPACED else r['mode']} | {r['concurrency']} | "
+                         f"{fmt(r['floor_kiln_ms'], 2)} | "
                          f"{_range([kiln_floor['min'], kiln_floor['max']] if kiln_floor.get('values') else None)} | "
                          f"{fmt(r['floor_ratio'], 2)} | {_yn(r['floor_reachable'])} | {fmt(r['kiln_above_floor_ms'], 2)} | "
                          f"{fmt(r['floor_proxy_ms'], 2)} | "

@@ -140,7 +140,7 @@ class Stack:
     def start_floor(self, name: str, *, storage_calls: int = 0, storage_url: str = "") -> tuple[Child, str]:
         """bench/floor.py served by the real functions/run.sh, as a function is: the exchanges of a
         request (`storage_calls` GetItems of the org to the stand-in at `storage_url`, one upstream
-        call to the mock) and nothing else. Its URL."""
+        call to the mock; the spaced-token one under bench.floor.GAPS_PREFIX) and nothing else. Its URL."""
         from kiln.settings import Settings
         from kiln.store.schema import ORG as ORG_ITEM
 
@@ -149,6 +149,7 @@ class Stack:
         orgs_table = Settings.from_env(self.settings_env or {}).orgs_table
         env = self.function_env(
             port, task_root, pythonpath=str(ROOT), FLOOR_UPSTREAM=f"{self.mock_url}/v1/chat/completions",
+            FLOOR_GAP_UPSTREAM=f"{self.gap_base}/chat/completions",
             FLOOR_STORAGE=storage_url, FLOOR_STORAGE_CALLS=str(storage_calls),
             FLOOR_STORAGE_BODY=json.dumps({"TableName": orgs_table, "Key": {ORG_ITEM.hash_key: {"S": ORG}},
                                            "ConsistentRead": True}))

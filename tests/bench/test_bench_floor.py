@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from bench.floor import _Origin, floor_app
+from bench.floor import GAPS_PREFIX, _Origin, floor_app
 from bench.standin import Store, app_for
 
 from kiln_ops.mock_upstream import MockUpstream
@@ -32,10 +32,10 @@ def servers():
             server.stop()
 
 
-def floor(upstream: str, standin: str, calls: int, path: str = "/v1/chat/completions") -> ServerThread:
+def floor(upstream: str, standin: str, calls: int, path: str = "/v1/chat/completions", gap_path: str = "") -> ServerThread:
     body = json.dumps({"TableName": ORGS, "Key": {"org_id": {"S": "o"}}, "ConsistentRead": True}).encode()
-    return ServerThread(floor_app(f"{upstream}{path}", storage_url=standin, storage_calls=calls,
-                                  storage_body=body)).start()
+    return ServerThread(floor_app(f"{upstream}{path}", storage_url=standin, storage_calls=calls, storage_body=body,
+                                  gap_upstream_url=f"{upstream}{gap_path}" if gap_path else "")).start()
 
 
 def standin_stats(standin: str) -> dict:
@@ -111,6 +111,31 @@ def test_a_stream_is_relayed_as_it_comes(servers):
         assert standin_stats(standin)["by_operation"] == {"DynamoDB_20120810.GetItem": 2}
     finally:
         server.stop()
+
+
+def test_the_spaced_token_streams_go_to_their_own_upstream_under_the_gaps_prefix(servers):
+    mock, upstream, standin = servers
+    server = floor(upstream, standin, calls=2, gap_path="/x/token_delay_ms=30,tokens=4/v1/chat/completions")
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            started = time.monotonic()
+            with client.stream("POST", f"{GAPS_PREFIX}v1/chat/completions", json={**BODY, "stream": True}) as answer:
+                assert answer.status_code == 200
+                reads = list(answer.iter_raw())
+            spaced = time.monotonic() - started
+            texts = [json.loads(line[6:])["choices"][0]["delta"].get("content") for line in
+                     b"".join(reads).decode().splitlines() if line.startswith("data: {")]
+            assert len([t for t in texts if t]) == 4 and spaced >= 0.09  # four tokens 30 ms apart
+            assert len(reads) >= 3  # one read each, relayed as they came
+            assert client.post("/v1/chat/completions", json={**BODY, "stream": True}).status_code == 200  # the other
+        assert standin_stats(standin)["by_operation"] == {"DynamoDB_20120810.GetItem": 4}  # the same exchanges
+    finally:
+        server.stop()
+    without = floor(upstream, standin, calls=0)  # no spaced upstream given: nothing to relay them to
+    try:
+        assert httpx.post(f"{without.url}{GAPS_PREFIX}v1/chat/completions", json=BODY, timeout=10).status_code == 404
+    finally:
+        without.stop()
 
 
 def test_connections_are_kept_alive_and_one_the_server_closed_is_replaced():

@@ -190,3 +190,33 @@ def test_cpu_goal_says_where_kilns_own_exchanges_already_cost_more_than_the_goal
                                                                   "max": None, "errors": 7}
     stream = goals.cpu_vs_portkey(run)["rows"][1]
     assert (stream["floor_kiln_ms"], stream["floor_reachable"], stream["floor_errors"]) == (None, None, 7)
+
+
+def test_the_floor_beside_the_spaced_token_streams_counts_where_the_goal_is_out_of_reach():
+    """Each read of a spaced stream wakes the process: the floor relaying the same streams says
+    how much of the goal's allowance the exchanges alone take there, as in the other cells."""
+    def spread(median):
+        return {"values": [median], "median": median, "min": median, "max": median}
+
+    cells = [matrix_cell(goals.CPU_TARGET, mode, 1, 10, cpu_ms_per_request={goals.CPU_TARGET: 3.0})
+             for mode in ("buffered", "stream")]
+    run = results(cells)
+    run["cpu_rounds"] = {"cells": {
+        f"{mode}_c1": {goals.CPU_TARGET: spread(2.0), "portkey": spread(5.0), goals.FLOOR_KILN: spread(1.0),
+                       goals.FLOOR_PROXY: spread(0.5)} for mode in ("buffered", "stream")}}
+    run["cpu_rounds"]["cells"]["spaced_c1"] = {goals.CPU_TARGET: spread(9.0), "portkey": spread(12.0),
+                                               goals.FLOOR_KILN: spread(7.2)}
+    run["cpu_rounds"]["spaced"] = {"targets": [goals.CPU_TARGET, "portkey", goals.FLOOR_KILN], "counts": {"1": 20}}
+    goal = goals.cpu_vs_portkey(run)
+    spaced = goal["rows"][-1]
+    assert (spaced["mode"], spaced["floor_ratio"], spaced["floor_reachable"], spaced["kiln_above_floor_ms"]) == (
+        "spaced", 0.6, False, 1.8)
+    assert spaced["floor_proxy_ms"] is None  # the one-exchange floor does not relay them
+    assert "above 0.5 in 1 of 3 cells" in goal["measured"]
+    table = sections.cpu(run)
+    floor_row = [line for line in table.splitlines() if line.startswith("| stream, spaced tokens | 1 | 7.20 |")]
+    assert floor_row and "| 0.60 | **no** | 1.80 | – |" in floor_row[0]
+    assert "Kiln, Portkey and the floor of Kiln's exchanges" in table
+    # a run from before the floor relayed them counts the other cells only
+    del run["cpu_rounds"]["cells"]["spaced_c1"][goals.FLOOR_KILN]
+    assert "above 0.5 in 0 of 2 cells" in goals.cpu_vs_portkey(run)["measured"]
