@@ -155,8 +155,9 @@ def timers_that_wake_early(by: float = 0.005) -> None:
     it counts time in whole milliseconds, so a wait can end a little before `time.monotonic()`
     reaches its deadline."""
     loop = asyncio.get_running_loop()
-    due = loop.call_later
+    due, due_at = loop.call_later, loop.call_at
     loop.call_later = lambda delay, callback, *args, **kwargs: due(max(0.0, delay - by), callback, *args, **kwargs)
+    loop.call_at = lambda when, callback, *args, **kwargs: due_at(when - by, callback, *args, **kwargs)
 
 
 @pytest.mark.parametrize("answer", [
@@ -511,6 +512,96 @@ def test_next_piece_counts_the_read_timeout_from_when_the_silence_began():
                     wakes += 1
             assert 2 <= wakes <= 3 and time.monotonic() - started < 1.0
             assert http.open_connections == 0  # a timed-out body is never reused
+        await http.aclose()
+
+    run(main())
+
+
+def pieces_after(*delays: float, then_wait: float = 5.0):
+    """A server that answers 200 with a chunked body and sends a piece after each delay, then
+    nothing more for `then_wait` seconds."""
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        for number, delay in enumerate(delays):
+            await asyncio.sleep(delay)
+            piece = b"piece %d" % number
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        await asyncio.sleep(then_wait)
+    return handler
+
+
+def timers_armed() -> list[float]:
+    """The delays of the timers the client (kiln.http1) arms on the running loop from now on."""
+    loop, armed = asyncio.get_running_loop(), []
+    due, due_at = loop.call_later, loop.call_at
+
+    def call_at(when, callback, *args, **kwargs):
+        if getattr(callback, "__module__", None) == "kiln.http1":
+            armed.append(when - loop.time())
+        return due_at(when, callback, *args, **kwargs)
+
+    def call_later(delay, callback, *args, **kwargs):
+        if getattr(callback, "__module__", None) == "kiln.http1":
+            armed.append(delay)
+        return due(delay, callback, *args, **kwargs)
+
+    loop.call_at, loop.call_later = call_at, call_later
+    return armed
+
+
+def test_a_streams_reads_each_bounded_later_than_the_last_arm_one_timer_between_them():
+    """Each wait of a stream ends at the keep-alive or the read timeout, each later than the
+    last: the timer armed by the first serves them all (per-read timers were a stream's largest
+    cost after its own checks), and every piece still comes as it is sent."""
+    async def main():
+        http = client()
+        async with server(pieces_after(*[0.01] * 20)) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=5)
+            armed = timers_armed()
+            pieces = [await response.next_piece(time.monotonic() + 2) for _ in range(20)]
+            assert pieces == [b"piece %d" % number for number in range(20)]
+            assert len(armed) == 1
+            await response.aclose()
+        await http.aclose()
+
+    run(main())
+
+
+def test_a_wait_bounded_sooner_than_the_one_before_ends_at_its_own_instant():
+    async def main():
+        http = client()
+        async with server(pieces_after(0.02)) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=30)
+            assert await response.next_piece(time.monotonic() + 20) == b"piece 0"  # its timer: 20 s away
+            started = time.monotonic()
+            assert await response.next_piece(started + 0.1) is None  # silent: over at 0.1 s, not 20
+            assert 0.09 <= time.monotonic() - started < 1.0
+            await response.aclose()
+        await http.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("early", [0.0, 0.005], ids=["on time", "timers waking early"])
+def test_a_wait_bounded_later_than_the_one_before_is_not_ended_at_the_sooner_instant(early):
+    """The timer armed for the first wait fires during the second, whose own instant is later:
+    it is armed again, and the piece sent in between is handed over (not a silence, not a
+    timeout); a silence after it still ends at the second wait's instant."""
+    async def main():
+        if early:
+            timers_that_wake_early(early)
+        http = client()
+        async with server(pieces_after(0.02, 0.4)) as (url, _):
+            response = await http.request("POST", url, headers={}, body=b"", read_timeout=0.6)
+            assert await response.next_piece(time.monotonic() + 0.2) == b"piece 0"  # its timer: 0.2 s away
+            assert await response.next_piece(time.monotonic() + 2) == b"piece 1"  # sent 0.4 s later
+            started = time.monotonic()
+            with pytest.raises(Timeout):  # then silent: the read timeout (0.6 s) ends it
+                await response.next_piece(started + 2)
+            assert 0.55 <= time.monotonic() - started < 1.5
         await http.aclose()
 
     run(main())

@@ -97,6 +97,10 @@ class _Connection(asyncio.Protocol):
 
     A read takes everything received so far. Each wait for more is a future of its own, woken
     by the transport's callbacks; a timeout sets it (no timer scope around the waiting task).
+    One timer serves the waits that follow each other: armed by a wait, it is kept when data
+    ends the wait, and when it fires it ends the wait then under way if that wait's time is up,
+    or is armed again for it (a stream's reads, each bounded by a later instant than the one
+    before, arm one timer, not one each).
     Reading from the socket pauses while more than `RECEIVE_BOUND` bytes wait unread, as
     asyncio's stream reader pauses, so a server that sends faster than its answer is taken
     holds no more than that in memory."""
@@ -109,6 +113,9 @@ class _Connection(asyncio.Protocol):
         self.lost = False  # connection_lost came
         self.failure: BaseException | None = None  # how it was lost, when by an error
         self._waiter: asyncio.Future | None = None
+        self._deadline: float | None = None  # when the wait under way ends (the loop's time); None: no bound
+        self._timer: asyncio.TimerHandle | None = None  # armed for `_timer_at`, or None
+        self._timer_at = 0.0
         self._writable: asyncio.Future | None = None  # set while the transport's buffer is full
         self._reading_paused = False
         self.idle_since = time.monotonic()
@@ -135,6 +142,9 @@ class _Connection(asyncio.Protocol):
         self.ended = self.lost = True
         self.failure = exc
         self._wake()
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
         writable, self._writable = self._writable, None
         if writable is not None and not writable.done():
             writable.set_result(None)
@@ -192,11 +202,28 @@ class _Connection(asyncio.Protocol):
             if timeout is None:
                 await waiter
                 continue
-            timer = loop.call_later(max(0.0, timeout), _expire, waiter)
+            deadline = self._deadline = loop.time() + max(0.0, timeout)
+            if self._timer is None or self._timer_at > deadline:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer, self._timer_at = loop.call_at(deadline, self._timer_fired), deadline
             try:
                 await waiter
             finally:
-                timer.cancel()
+                self._deadline = None
+
+    def _timer_fired(self) -> None:
+        """The timer armed for `_timer_at` fired: the wait under way ends if it was armed for it
+        (or a sooner instant), else it is armed again for that wait's own. A timer may fire a
+        little early (uvloop counts whole milliseconds): the callers wait out the rest."""
+        at, self._timer = self._timer_at, None
+        deadline, waiter = self._deadline, self._waiter
+        if deadline is None or waiter is None or waiter.done():
+            return  # no bounded wait under way: the next one arms its own
+        if deadline > at:  # armed by a wait before this one, which ended sooner
+            self._timer, self._timer_at = asyncio.get_running_loop().call_at(deadline, self._timer_fired), deadline
+        else:
+            waiter.set_exception(TimeoutError())
 
     def write(self, data: bytes) -> None:
         self.transport.write(data)  # type: ignore[union-attr]
@@ -222,11 +249,6 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if not self.transport.is_closing():  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
 
 
 class _Message:
