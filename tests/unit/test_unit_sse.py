@@ -356,6 +356,12 @@ def test_a_name_of_one_of_the_requests_tools_is_not_the_models_to_count():
 _TEXTS = ["Hel", "lo", "", " ", "a" * 40, 'q\\"uote', "line\\nend", "é", "\\u0041", "[DONE]", "usage", "name"]
 _EVENT_PARTS = [
     ROLE, HELLO, THINK, STOP, USAGE, DONE, COMMENT, b"data: not json\n\n", b"\n", b"event: x\ndata: {}\n\n",
+    b"data:   \n\n", b"data: \t\x0c\n\n", b'data: {"choices":[{"delta":{"content":"y"}}]} \t\n\n',  # blank data, blanks after
+    b'data: {"choices":[{"delta":{"content":"\xc3\xa9"}}]}\n\n', b'data: {"choices":[{"delta":{"content":"\xff"}}]}\n\n',
+    b"data:\n\n", b"id: 7\n\n", b"retry: 10\n\n", b"event: ping\n", b": a comment", b'data: {"choices":[{"delta":',
+    b'data: {"choices":[{"delta":{"content":"z"}}]}\nx',  # a line, then one more byte: no blank line yet
+    b'data: {"choices":[{"delta":{"content":"a\rb"}}]}\n\n', b'data: {"choices":[{"delta":{"content":"cr"}}]}\r\n\r',
+    b'data: {"choices":[{"delta":{"content":"' + b"x" * 5000 + b'"}}]}\n\n',  # over the tests' bound of 4096
     b'data: {"choices":[{"delta":{"content":"unterminated\n\n', b'data: x"}]}\n\n',
     b'data: {"choices":[{"delta":{},"finish_reason":"len\n\n', b'data: gth"}]}\n\n',
     b'data: {"error":{"message":"boom"}}\n\n', b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"name":"f"}}]}}]}\n\n',
@@ -387,11 +393,13 @@ def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(
     stream = b"".join(events)
 
     def run(chunks):
-        relay = SseRelay(client_wants_usage=wants_usage, max_event_bytes=4096)
+        relay, out = SseRelay(client_wants_usage=wants_usage, max_event_bytes=4096), []
         try:
-            out = b"".join(relay.feed(chunk) for chunk in chunks)
-        except EventTooLarge as exc:
-            out = b"too large:" + exc.relayed
+            for chunk in chunks:
+                out.append(relay.feed(chunk))
+        except EventTooLarge as exc:  # what came before the event over the bound is relayed, then the error
+            out.append(exc.relayed + b"too large")
+        out = b"".join(out)
         return out, (state(relay), relay.relayed_texts, relay.relayed_bytes, relay.text_fewest, relay.failure,
                      relay.first_chunk)
 
@@ -404,6 +412,35 @@ def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(
     assert run([stream]) == reference
     points = sorted({min(cut, len(stream)) for cut in cuts} | {0, len(stream)})
     assert run([stream[a:b] for a, b in zip(points, points[1:], strict=False)]) == reference
+
+
+@settings(max_examples=500, deadline=None)
+@given(events=st.lists(_ALL_EVENTS, max_size=12), wants_usage=st.booleans())
+def test_a_stream_read_an_event_at_a_time_is_relayed_and_counted_as_read_whole(events, wants_usage):
+    """A read that is one whole event (a model server's every read, nearly) is taken by its own
+    short way: what it relays and counts is what the general way gives the same stream read
+    whole, and what reading every event in full gives."""
+
+    import kiln.sse
+
+    def run(chunks):
+        relay, out = SseRelay(client_wants_usage=wants_usage, max_event_bytes=4096), []
+        try:
+            for chunk in chunks:
+                out.append(relay.feed(chunk))
+        except EventTooLarge as exc:  # what came before the event over the bound is relayed, then the error
+            out.append(exc.relayed + b"too large")
+        return b"".join(out), (state(relay), relay.relayed_texts, relay.relayed_bytes, relay.text_fewest,
+                               relay.text_tokens, relay.failure, relay.first_chunk)
+
+    stream = b"".join(events)
+    taken_as_sent = kiln.sse.reads_further
+    kiln.sse.reads_further = lambda event: True  # every event read in full
+    try:
+        reference = run(events)
+    finally:
+        kiln.sse.reads_further = taken_as_sent
+    assert run(events) == run([stream]) == reference
 
 
 @pytest.mark.parametrize("name", [b"event: error", b"event:error"])

@@ -157,6 +157,22 @@ class SseRelay:
     def feed(self, data: bytes) -> bytes:
         if not data:
             return b""
+        # One whole event in one read, on one `data:` line, that the relay takes as sent (nearly
+        # every read of a model server's stream): what the general way below does with it, without
+        # its splitting and joining. A property test holds the two to the same output and counts.
+        last = len(data) - 2  # where the event's blank line begins
+        if (not self._after_cr and not self._pending and data.find(b"\n") == last
+                and data[-1] == 10 and 5 < last <= self._max_event_bytes and data.startswith(b"data:")
+                and data[last - 1] not in b" \t\x0b\x0c" and data.find(b"\r") < 0 and data.isascii()
+                and self._takes_as_sent):  # its first chunk was read: no byte order mark is held
+            event = data[:last]
+            if not reads_further(event):
+                self.bytes_scanned += 3 * len(data)  # as below: searched, then joined and split
+                self._count_found(_TEXT_DELTA.findall(event))
+                finish = _FINISH_REASON.findall(event)
+                if finish:
+                    self.finish_reason = finish[-1].decode(errors="replace")
+                return data
         if self._head is not None:
             data = self._start(data)
             if not data:
@@ -177,7 +193,7 @@ class SseRelay:
         elif data.startswith(b"\n") and self._pending and self._pending[-1].endswith(b"\n"):
             end = 1
         if end < 0:
-            if data:
+            if data and not self.done:  # after the stream's end nothing counts (as `rest` below)
                 self._pending.append(data)
                 self._pending_size += len(data)
                 if self._pending_size > self._max_event_bytes:
