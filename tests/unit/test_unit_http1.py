@@ -9,6 +9,7 @@ import struct
 import time
 
 import pytest
+import uvloop
 
 from kiln.http1 import BodyTooLarge, ConnectFailed, HttpClient, ProtocolFailure, ResponseTooLarge, Timeout
 from kiln.tls import client_context
@@ -155,9 +156,12 @@ def timers_that_wake_early(by: float = 0.005) -> None:
     it counts time in whole milliseconds, so a wait can end a little before `time.monotonic()`
     reaches its deadline."""
     loop = asyncio.get_running_loop()
-    due, due_at = loop.call_later, loop.call_at
-    loop.call_later = lambda delay, callback, *args, **kwargs: due(max(0.0, delay - by), callback, *args, **kwargs)
-    loop.call_at = lambda when, callback, *args, **kwargs: due_at(when - by, callback, *args, **kwargs)
+    if isinstance(loop, asyncio.BaseEventLoop):  # its call_later goes through call_at
+        due_at = loop.call_at
+        loop.call_at = lambda when, callback, *args, **kwargs: due_at(when - by, callback, *args, **kwargs)
+    else:  # uvloop's call_at goes through call_later
+        due = loop.call_later
+        loop.call_later = lambda delay, callback, *args, **kwargs: due(max(0.0, delay - by), callback, *args, **kwargs)
 
 
 @pytest.mark.parametrize("answer", [
@@ -536,38 +540,47 @@ def pieces_after(*delays: float, then_wait: float = 5.0):
 def timers_armed() -> list[float]:
     """The delays of the timers the client (kiln.http1) arms on the running loop from now on."""
     loop, armed = asyncio.get_running_loop(), []
-    due, due_at = loop.call_later, loop.call_at
+    if isinstance(loop, asyncio.BaseEventLoop):  # its call_later goes through call_at
+        due_at = loop.call_at
 
-    def call_at(when, callback, *args, **kwargs):
-        if getattr(callback, "__module__", None) == "kiln.http1":
-            armed.append(when - loop.time())
-        return due_at(when, callback, *args, **kwargs)
+        def call_at(when, callback, *args, **kwargs):
+            if getattr(callback, "__module__", None) == "kiln.http1":
+                armed.append(when - loop.time())
+            return due_at(when, callback, *args, **kwargs)
 
-    def call_later(delay, callback, *args, **kwargs):
-        if getattr(callback, "__module__", None) == "kiln.http1":
-            armed.append(delay)
-        return due(delay, callback, *args, **kwargs)
+        loop.call_at = call_at
+    else:  # uvloop's call_at goes through call_later
+        due = loop.call_later
 
-    loop.call_at, loop.call_later = call_at, call_later
+        def call_later(delay, callback, *args, **kwargs):
+            if getattr(callback, "__module__", None) == "kiln.http1":
+                armed.append(delay)
+            return due(delay, callback, *args, **kwargs)
+
+        loop.call_later = call_later
     return armed
 
 
-def test_a_streams_reads_each_bounded_later_than_the_last_arm_one_timer_between_them():
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("until", ["later each time", "the same instant"])
+def test_a_streams_reads_each_bounded_later_than_the_last_arm_one_timer_between_them(until, loop):
     """Each wait of a stream ends at the keep-alive or the read timeout, each later than the
-    last: the timer armed by the first serves them all (per-read timers were a stream's largest
-    cost after its own checks), and every piece still comes as it is sent."""
+    last or at the same instant (a keep-alive not yet reset): the timer armed by the first
+    serves them all (per-read timers were a stream's largest cost after its own checks), and
+    every piece still comes as it is sent."""
     async def main():
         http = client()
         async with server(pieces_after(*[0.01] * 20)) as (url, _):
             response = await http.request("POST", url, headers={}, body=b"", read_timeout=5)
-            armed = timers_armed()
-            pieces = [await response.next_piece(time.monotonic() + 2) for _ in range(20)]
+            armed, fixed = timers_armed(), time.monotonic() + 2
+            pieces = [await response.next_piece(fixed if until == "the same instant" else time.monotonic() + 2)
+                      for _ in range(20)]
             assert pieces == [b"piece %d" % number for number in range(20)]
             assert len(armed) == 1
             await response.aclose()
         await http.aclose()
 
-    run(main())
+    uvloop.run(main()) if loop == "uvloop" else run(main())
 
 
 def test_a_wait_bounded_sooner_than_the_one_before_ends_at_its_own_instant():

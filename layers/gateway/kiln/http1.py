@@ -203,7 +203,9 @@ class _Connection(asyncio.Protocol):
                 await waiter
                 continue
             deadline = self._deadline = loop.time() + max(0.0, timeout)
-            if self._timer is None or self._timer_at > deadline:
+            # armed for later: armed again, unless by less than the loop's clock moves in steps of
+            # (uvloop's: whole milliseconds, and the same instant read twice may differ by one)
+            if self._timer is None or self._timer_at > deadline + _CLOCK_STEP:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._timer, self._timer_at = loop.call_at(deadline, self._timer_fired), deadline
@@ -249,6 +251,10 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if not self.transport.is_closing():  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
+
+
+# what the event loop's clock may be off by, read twice for the same instant (uvloop's counts whole milliseconds)
+_CLOCK_STEP = 0.001
 
 
 class _Message:
