@@ -167,18 +167,24 @@ def test_cpu_goal_counts_the_spaced_token_streams_of_the_rounds_in_its_verdict()
     assert "| stream, spaced tokens | 1 | 2.40 |" in table and "20 at c=1" in table
 
 
-def test_cpu_goal_says_where_kilns_own_exchanges_already_cost_more_than_the_goal_allows():
-    def spread(median):
-        return {"values": [median], "median": median, "min": median, "max": median}
+def one_figure(median):
+    """A cell of the CPU rounds whose rounds all measured `median`."""
+    return {"values": [median], "median": median, "min": median, "max": median}
 
-    cells = [matrix_cell(goals.CPU_TARGET, mode, 1, 10, cpu_ms_per_request={goals.CPU_TARGET: 3.0})
-             for mode in ("buffered", "stream")]
-    run = results(cells)
+
+def kiln_matrix() -> dict:
+    """A run whose matrix has Kiln's buffered and streamed cells at c=1, for the rounds to go beside."""
+    return results([matrix_cell(goals.CPU_TARGET, mode, 1, 10, cpu_ms_per_request={goals.CPU_TARGET: 3.0})
+                    for mode in ("buffered", "stream")])
+
+
+def test_cpu_goal_says_where_kilns_own_exchanges_already_cost_more_than_the_goal_allows():
+    run = kiln_matrix()
     run["cpu_rounds"] = {"cells": {
-        "buffered_c1": {goals.CPU_TARGET: spread(2.5), "portkey": spread(2.4), goals.FLOOR_KILN: spread(1.5),
-                        goals.FLOOR_PROXY: spread(0.7)},
-        "stream_c1": {goals.CPU_TARGET: spread(3.0), "portkey": spread(4.4), goals.FLOOR_KILN: spread(2.0),
-                      goals.FLOOR_PROXY: spread(1.1)}}}
+        "buffered_c1": {goals.CPU_TARGET: one_figure(2.5), "portkey": one_figure(2.4), goals.FLOOR_KILN: one_figure(1.5),
+                        goals.FLOOR_PROXY: one_figure(0.7)},
+        "stream_c1": {goals.CPU_TARGET: one_figure(3.0), "portkey": one_figure(4.4), goals.FLOOR_KILN: one_figure(2.0),
+                      goals.FLOOR_PROXY: one_figure(1.1)}}}
     goal = goals.cpu_vs_portkey(run)
     buffered, stream = goal["rows"]
     assert (buffered["floor_ratio"], buffered["floor_reachable"], buffered["kiln_above_floor_ms"]) == (0.625, False, 1.0)
@@ -195,17 +201,12 @@ def test_cpu_goal_says_where_kilns_own_exchanges_already_cost_more_than_the_goal
 def test_the_floor_beside_the_spaced_token_streams_counts_where_the_goal_is_out_of_reach():
     """Each read of a spaced stream wakes the process: the floor relaying the same streams says
     how much of the goal's allowance the exchanges alone take there, as in the other cells."""
-    def spread(median):
-        return {"values": [median], "median": median, "min": median, "max": median}
-
-    cells = [matrix_cell(goals.CPU_TARGET, mode, 1, 10, cpu_ms_per_request={goals.CPU_TARGET: 3.0})
-             for mode in ("buffered", "stream")]
-    run = results(cells)
+    run = kiln_matrix()
     run["cpu_rounds"] = {"cells": {
-        f"{mode}_c1": {goals.CPU_TARGET: spread(2.0), "portkey": spread(5.0), goals.FLOOR_KILN: spread(1.0),
-                       goals.FLOOR_PROXY: spread(0.5)} for mode in ("buffered", "stream")}}
-    run["cpu_rounds"]["cells"]["spaced_c1"] = {goals.CPU_TARGET: spread(9.0), "portkey": spread(12.0),
-                                               goals.FLOOR_KILN: spread(7.2)}
+        f"{mode}_c1": {goals.CPU_TARGET: one_figure(2.0), "portkey": one_figure(5.0), goals.FLOOR_KILN: one_figure(1.0),
+                       goals.FLOOR_PROXY: one_figure(0.5)} for mode in ("buffered", "stream")}}
+    run["cpu_rounds"]["cells"]["spaced_c1"] = {goals.CPU_TARGET: one_figure(9.0), "portkey": one_figure(12.0),
+                                               goals.FLOOR_KILN: one_figure(7.2)}
     run["cpu_rounds"]["spaced"] = {"targets": [goals.CPU_TARGET, "portkey", goals.FLOOR_KILN], "counts": {"1": 20}}
     goal = goals.cpu_vs_portkey(run)
     spaced = goal["rows"][-1]

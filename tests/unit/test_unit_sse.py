@@ -1,5 +1,6 @@
 """kiln.sse: the SSE relay (contract §3 stream_options, §4 relayed tokens, §5 error event, §7)."""
 
+import contextlib
 import json
 import re
 from decimal import Decimal
@@ -381,6 +382,29 @@ _ALL_EVENTS = st.one_of(
 )
 
 
+def relayed_reads(chunks: list[bytes], wants_usage: bool) -> tuple:
+    """What a relay fed `chunks` sends on, and what it counted."""
+    relay, out = SseRelay(client_wants_usage=wants_usage, max_event_bytes=4096), []
+    try:
+        for chunk in chunks:
+            out.append(relay.feed(chunk))
+    except EventTooLarge as exc:  # what came before the event over the bound is relayed, then the error
+        out.append(exc.relayed + b"too large")
+    return b"".join(out), (state(relay), relay.relayed_texts, relay.relayed_bytes, relay.text_fewest,
+                           relay.text_tokens, relay.failure, relay.first_chunk)
+
+
+@contextlib.contextmanager
+def every_event_read_in_full():
+    """The relay with no event taken as sent: each read as `_event` reads it."""
+    taken_as_sent = sse.reads_further
+    sse.reads_further = lambda event: True
+    try:
+        yield
+    finally:
+        sse.reads_further = taken_as_sent
+
+
 @settings(max_examples=300, deadline=None)
 @given(events=st.lists(_ALL_EVENTS, max_size=12), wants_usage=st.booleans(), cuts=st.lists(st.integers(0, 2000)))
 def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(events, wants_usage, cuts):
@@ -388,30 +412,12 @@ def test_content_chunks_relayed_and_counted_as_sent_are_what_reading_each_gives(
     stream (hostile events included) and however it is cut into reads, that relays and counts
     what reading every event in full does."""
 
-    import kiln.sse
-
     stream = b"".join(events)
-
-    def run(chunks):
-        relay, out = SseRelay(client_wants_usage=wants_usage, max_event_bytes=4096), []
-        try:
-            for chunk in chunks:
-                out.append(relay.feed(chunk))
-        except EventTooLarge as exc:  # what came before the event over the bound is relayed, then the error
-            out.append(exc.relayed + b"too large")
-        out = b"".join(out)
-        return out, (state(relay), relay.relayed_texts, relay.relayed_bytes, relay.text_fewest, relay.failure,
-                     relay.first_chunk)
-
-    taken_as_sent = kiln.sse.reads_further
-    kiln.sse.reads_further = lambda event: True  # every event read in full
-    try:
-        reference = run([stream])
-    finally:
-        kiln.sse.reads_further = taken_as_sent
-    assert run([stream]) == reference
+    with every_event_read_in_full():
+        reference = relayed_reads([stream], wants_usage)
+    assert relayed_reads([stream], wants_usage) == reference
     points = sorted({min(cut, len(stream)) for cut in cuts} | {0, len(stream)})
-    assert run([stream[a:b] for a, b in zip(points, points[1:], strict=False)]) == reference
+    assert relayed_reads([stream[a:b] for a, b in zip(points, points[1:], strict=False)], wants_usage) == reference
 
 
 @settings(max_examples=500, deadline=None)
@@ -421,26 +427,9 @@ def test_a_stream_read_an_event_at_a_time_is_relayed_and_counted_as_read_whole(e
     short way: what it relays and counts is what the general way gives the same stream read
     whole, and what reading every event in full gives."""
 
-    import kiln.sse
-
-    def run(chunks):
-        relay, out = SseRelay(client_wants_usage=wants_usage, max_event_bytes=4096), []
-        try:
-            for chunk in chunks:
-                out.append(relay.feed(chunk))
-        except EventTooLarge as exc:  # what came before the event over the bound is relayed, then the error
-            out.append(exc.relayed + b"too large")
-        return b"".join(out), (state(relay), relay.relayed_texts, relay.relayed_bytes, relay.text_fewest,
-                               relay.text_tokens, relay.failure, relay.first_chunk)
-
-    stream = b"".join(events)
-    taken_as_sent = kiln.sse.reads_further
-    kiln.sse.reads_further = lambda event: True  # every event read in full
-    try:
-        reference = run(events)
-    finally:
-        kiln.sse.reads_further = taken_as_sent
-    assert run(events) == run([stream]) == reference
+    with every_event_read_in_full():
+        reference = relayed_reads(events, wants_usage)
+    assert relayed_reads(events, wants_usage) == relayed_reads([b"".join(events)], wants_usage) == reference
 
 
 @pytest.mark.parametrize("name", [b"event: error", b"event:error"])
