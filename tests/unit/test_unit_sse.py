@@ -432,6 +432,17 @@ def test_a_stream_read_an_event_at_a_time_is_relayed_and_counted_as_read_whole(e
     assert relayed_reads(events, wants_usage) == relayed_reads([b"".join(events)], wants_usage) == reference
 
 
+@pytest.mark.parametrize("end", [DONE, b'data: {"error":{"message":"boom"}}\n\n'], ids=["done", "error"])
+def test_an_event_over_the_bound_after_the_streams_end_in_the_same_read_changes_nothing(end):
+    """After [DONE] (or the upstream's error) nothing counts: an event over the bound in the same
+    read did end a finished stream as too large, where in a read of its own it was ignored."""
+    big = b'data: {"choices":[{"delta":{"content":"' + b"x" * 5000 + b'"}}]}\n\n'
+    relay = SseRelay(client_wants_usage=False, max_event_bytes=4096)
+    out = relay.feed(ROLE + HELLO + end + big)
+    assert out == ROLE + HELLO and relay.done and relay.relayed_texts == 1
+    assert relay.failure == (None if end == DONE else "the model server sent an error in the stream")
+
+
 @pytest.mark.parametrize("name", [b"event: error", b"event:error"])
 @pytest.mark.parametrize("data", [HELLO.strip(), b'data: {"message":"the prompt was: secret"}', b""])
 def test_an_event_named_error_ends_the_stream_unrelayed_whatever_its_data(name, data):

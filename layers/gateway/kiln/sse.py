@@ -212,6 +212,8 @@ class SseRelay:
         # `_event` relays and counts it
         plain = self._takes_as_sent
         for event in complete.split(b"\n\n"):
+            if self.done:
+                break  # after the stream's end (or its failure) nothing counts, whatever its size
             if len(event) > self._max_event_bytes:
                 self._oversize(out)
             event = event.strip(b"\n")
