@@ -203,8 +203,9 @@ class _Connection(asyncio.Protocol):
                 await waiter
                 continue
             deadline = self._deadline = loop.time() + max(0.0, timeout)
-            # armed for later: armed again, unless by less than the loop's clock moves in steps of
-            # (uvloop's: whole milliseconds, and the same instant read twice may differ by one)
+            # a timer armed for a later instant is armed again for this one, unless it is later by
+            # less than a step of the loop's clock (uvloop's: whole milliseconds; the same instant
+            # read twice may come out one apart)
             if self._timer is None or self._timer_at > deadline + _CLOCK_STEP:
                 if self._timer is not None:
                     self._timer.cancel()
