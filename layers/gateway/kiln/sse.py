@@ -161,18 +161,12 @@ class SseRelay:
         # every read of a model server's stream): what the general way below does with it, without
         # its splitting and joining. A property test holds the two to the same output and counts.
         last = len(data) - 2  # where the event's blank line begins
-        if (not self._after_cr and not self._pending and data.find(b"\n") == last
-                and data[-1] == 10 and 5 < last <= self._max_event_bytes and data.startswith(b"data:")
-                and data[last - 1] not in b" \t\x0b\x0c" and data.find(b"\r") < 0 and data.isascii()
-                and self._takes_as_sent):  # its first chunk was read: no byte order mark is held
-            event = data[:last]
-            if not reads_further(event):
-                self.bytes_scanned += 3 * len(data)  # as below: searched, then joined and split
-                self._count_found(_TEXT_DELTA.findall(event))
-                finish = _FINISH_REASON.findall(event)
-                if finish:
-                    self.finish_reason = finish[-1].decode(errors="replace")
-                return data
+        if (not self._after_cr and not self._pending and data.find(b"\n") == last and data[-1] == 10
+                and last <= self._max_event_bytes and data.find(b"\r") < 0 and data.isascii()
+                and self._takes_as_sent  # its first chunk was read: no byte order mark is held
+                and self._taken_as_sent(data[:last])):
+            self.bytes_scanned += 3 * len(data)  # as below: searched, then joined and split
+            return data
         if self._head is not None:
             data = self._start(data)
             if not data:
@@ -221,12 +215,7 @@ class SseRelay:
                 continue
             if not event.isascii():  # a whole event: no sequence is cut at its ends; the bound is on what was sent
                 event = as_utf8(event)
-            if (plain and event.startswith(b"data:") and event.find(b"\n") < 0 and len(event) > 5
-                    and event[-1] not in b" \t\r\x0b\x0c" and not reads_further(event)):  # data, not blank
-                self._count_found(_TEXT_DELTA.findall(event))
-                finish = _FINISH_REASON.findall(event)
-                if finish:
-                    self.finish_reason = finish[-1].decode(errors="replace")
+            if plain and self._taken_as_sent(event):
                 out.append(event)
                 out.append(b"\n\n")
                 continue
@@ -242,6 +231,19 @@ class SseRelay:
             if self._pending_size > self._max_event_bytes:
                 self._oversize(out)
         return b"".join(out)
+
+    def _taken_as_sent(self, event: bytes) -> bool:
+        """Count a whole event as `_event` would and say True, if it is a content chunk in one
+        `data:` line, not blank at its end, with nothing in it that `_event` reads further (nearly
+        every chunk): the caller relays it as sent. False: `_event` is to read it."""
+        if not (event.startswith(b"data:") and event.find(b"\n") < 0 and len(event) > 5
+                and event[-1] not in b" \t\r\x0b\x0c" and not reads_further(event)):
+            return False
+        self._count_found(_TEXT_DELTA.findall(event))
+        finish = _FINISH_REASON.findall(event)
+        if finish:
+            self.finish_reason = finish[-1].decode(errors="replace")
+        return True
 
     @property
     def _takes_as_sent(self) -> bool:
