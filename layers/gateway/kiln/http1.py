@@ -142,9 +142,7 @@ class _Connection(asyncio.Protocol):
         self.ended = self.lost = True
         self.failure = exc
         self._wake()
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+        self._stop_timer()
         writable, self._writable = self._writable, None
         if writable is not None and not writable.done():
             writable.set_result(None)
@@ -207,9 +205,7 @@ class _Connection(asyncio.Protocol):
             # less than a step of the loop's clock (uvloop's: whole milliseconds; the same instant
             # read twice may come out one apart)
             if self._timer is None or self._timer_at > deadline + _CLOCK_STEP:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer, self._timer_at = loop.call_at(deadline, self._timer_fired), deadline
+                self._arm_timer(loop, deadline)
             try:
                 await waiter
             finally:
@@ -224,9 +220,19 @@ class _Connection(asyncio.Protocol):
         if deadline is None or waiter is None or waiter.done():
             return  # no bounded wait under way: the next one arms its own
         if deadline > at:  # armed by a wait before this one, which ended sooner
-            self._timer, self._timer_at = asyncio.get_running_loop().call_at(deadline, self._timer_fired), deadline
+            self._arm_timer(asyncio.get_running_loop(), deadline)
         else:
             waiter.set_exception(TimeoutError())
+
+    def _arm_timer(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        """The timer armed for `at` (the loop's time), in place of any armed before."""
+        self._stop_timer()
+        self._timer, self._timer_at = loop.call_at(at, self._timer_fired), at
+
+    def _stop_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
 
     def write(self, data: bytes) -> None:
         self.transport.write(data)  # type: ignore[union-attr]
