@@ -147,6 +147,22 @@ def test_a_text_delta_longer_than_a_token_counts_a_token_per_4_bytes_of_it(lengt
     assert (relay.relayed_texts, relay.relayed_tokens) == (1, tokens)
 
 
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 127, 128, 129, 300])
+@pytest.mark.parametrize("texts_a_chunk", [1, 2])
+def test_every_chunks_texts_count_as_tokens_and_as_a_floor_by_their_length(length, texts_a_chunk):
+    """A text no longer than a token (16 bytes) counts one token and one at fewest; a longer one
+    4 bytes a token, and at fewest a token per 128 bytes: whether a chunk holds one text (as
+    nearly every chunk does) or more, and whether it is the stream's first chunk or a later one."""
+    text = "y" * length
+    delta = {"content": text, "reasoning": text} if texts_a_chunk == 2 else {"content": text}
+    event = b"data: " + json.dumps({"choices": [{"delta": delta}]}).encode() + b"\n\n"
+    relay = relay_all([event, event, event, DONE])[1]
+    texts = 3 * texts_a_chunk
+    tokens = 1 if length <= 16 else -(-length // 4)
+    assert (relay.relayed_texts, relay.relayed_bytes) == (texts, texts * length)
+    assert (relay.relayed_tokens, relay.fewest_tokens) == (texts * tokens, texts * -(-length // 128))
+
+
 def _named(name: str, arguments: str, *, choice: int = 0, call: int = 0) -> bytes:
     chunk = {"choices": [{"index": choice, "delta": {"tool_calls": [{"index": call, "function": {
         "name": name, "arguments": arguments}}]}, "finish_reason": None}]}

@@ -107,6 +107,9 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, origin: _Origin) -> None:
         self.origin = origin
+        # made by the loop it serves (its protocol factory): each wait is a future of that loop,
+        # each timer its handle (asked for each time, the loop is looked up anew: under Python 3.11, with a system call)
+        self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.received = bytearray()
         self.ended = False  # the server closed its side, or the connection was lost
@@ -149,7 +152,7 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._writable is None:
-            self._writable = asyncio.get_running_loop().create_future()
+            self._writable = self._loop.create_future()
 
     def resume_writing(self) -> None:
         writable, self._writable = self._writable, None
@@ -195,7 +198,7 @@ class _Connection(asyncio.Protocol):
                 return data
             if self.ended:
                 return b""
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             waiter = self._waiter = loop.create_future()
             if timeout is None:
                 await waiter
@@ -220,7 +223,7 @@ class _Connection(asyncio.Protocol):
         if deadline is None or waiter is None or waiter.done():
             return  # no bounded wait under way: the next one arms its own
         if deadline > at:  # armed by a wait before this one, which ended sooner
-            self._arm_timer(asyncio.get_running_loop(), deadline)
+            self._arm_timer(self._loop, deadline)
         else:
             waiter.set_exception(TimeoutError())
 
@@ -415,7 +418,7 @@ class Response:
                 self._silent_since = time.monotonic()
             while True:
                 limit = None if self._read_timeout is None else self._silent_since + self._read_timeout
-                wake = sooner(limit, until)
+                wake = until if limit is None else limit if until is None or limit <= until else until  # sooner()
                 try:
                     data = await connection.read(None if wake is None else wake - time.monotonic())
                 except TimeoutError:

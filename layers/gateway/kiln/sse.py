@@ -15,7 +15,7 @@ from typing import Any, Collection
 
 from .echo import Echoes
 from .jsonio import dumps, loads_strict
-from .metering import TOKEN_BYTES, TokenUsage, estimate_text_tokens, fewest_tokens
+from .metering import LONGEST_TOKEN, TOKEN_BYTES, TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
 __all__ = [
@@ -48,6 +48,8 @@ MAX_NAMED_CALLS = 10_000
 # a name as sent, read from the bytes where the chunk is no JSON the gateway reads
 _NAME = re.compile(rb'"name"\s*:\s*"(' + NON_EMPTY_STRING + rb')"')
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]+)"')
+# the longest text that counts as one token and is one at fewest (a model server's usual chunk)
+ONE_TOKEN_BYTES = min(TOKEN_BYTES, LONGEST_TOKEN)
 # what an error the upstream sends in the stream looks like (vLLM: {"error": {...}}; older
 # servers: {"object": "error", ...}; the OpenAI SDKs raise on any "error" that is not null or
 # false); an escape can spell it too
@@ -323,6 +325,12 @@ class SseRelay:
     def _count_found(self, found: list[bytes]) -> None:
         """Count texts relayed: each is at least a token, and at least its fewest tokens; one no
         longer than a token counts one, a longer one as text is estimated."""
+        if len(found) == 1 and 0 < len(found[0]) <= ONE_TOKEN_BYTES:  # one token's text: nearly every chunk
+            self.relayed_texts += 1
+            self.relayed_bytes += len(found[0])
+            self.text_fewest += 1
+            self.text_tokens += 1
+            return
         if not found:
             return
         size = tokens = fewest = 0
