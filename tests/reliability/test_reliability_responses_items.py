@@ -169,6 +169,60 @@ def test_one_text_in_fifty_items_is_billed_for_each_item(stack, ledger):
     assert record.completion_tokens >= 50 * fewest(LONG), (record.completion_tokens, record.usage_source)
 
 
+@pytest.mark.parametrize("usage", [{"input_tokens": 4, "output_tokens": fewest(LONG)}, None],
+                         ids=["one-copy-reported", "no-usage"])
+@pytest.mark.parametrize("given_before", [0, 1])
+def test_identical_items_given_only_in_the_final_event_are_billed_for_each_item(stack, ledger, usage, given_before):
+    """30 message items, the same 25 000 characters each, in response.completed (fresh ids),
+    none or one of them given before (output_item.added): the SDK's final response holds 30
+    messages. At most the one given before is restated, so each other counts: not 196 tokens
+    believed, nor 6 250 estimated, for 750 000 characters."""
+    output = [message(LONG, f"m{k}") for k in range(30)]
+    events = [ev("response.created", response=SHELL)]
+    events += [ev("response.output_item.added", output_index=0, item=message(LONG, "m_before"))] * given_before
+    events += [ev("response.completed", response={**SHELL, "status": "completed", "output": output, "usage": usage})]
+    response = post(stack, ledger, events)
+    assert response.status_code == 200 and response.text.count(LONG) >= 30
+    (record,) = ledger.check()
+    assert record.completion_tokens >= 30 * fewest(LONG), (record.completion_tokens, record.usage_source)
+    if usage is None:
+        # as estimated, up to the model's context (40 960)
+        assert record.completion_tokens >= min(30 * len(LONG) // 4, 40_960), record.completion_tokens
+
+
+def parallel_calls(args: str, calls: int, *, streamed: bool) -> list[str]:
+    """`calls` function calls with the same arguments: streamed (added, deltas, done, under
+    their ids, as vLLM streams them) with a final output of fresh ids, or given only in the final."""
+    items = [{"type": "function_call", "id": f"fc{k}", "call_id": f"c{k}", "name": "write_file",
+              "arguments": args, "status": "completed"} for k in range(calls)]
+    events = [ev("response.created", response=SHELL)]
+    if streamed:
+        for k, item in enumerate(items):
+            events.append(ev("response.output_item.added", output_index=k, item={**item, "arguments": ""}))
+            events += [ev("response.function_call_arguments.delta", item_id=item["id"], output_index=k, delta=t)
+                       for t in (args[i:i + 5] for i in range(0, len(args), 5))]  # 5 characters a delta
+            events += [ev("response.function_call_arguments.done", item_id=item["id"], output_index=k, arguments=args),
+                       ev("response.output_item.done", output_index=k, item=item)]
+    fresh = [{**item, "id": f"fc_fresh{k}"} for k, item in enumerate(items)]
+    events.append(ev("response.completed", response={**SHELL, "status": "completed", "output": fresh}))
+    return events
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["final-only", "streamed-then-final"])
+def test_parallel_calls_with_the_same_arguments_are_estimated_for_each_call_once(stack, ledger, streamed):
+    """20 calls of one tool with the same 400-character arguments and no usage: each call's
+    arguments count, whether the calls came only in the final event or were streamed first
+    and restated there under fresh ids (then not twice: the old rule took that case right, and
+    the final-only case as one call)."""
+    args = "word " * 80  # 80 deltas a call when streamed
+    response = post(stack, ledger, parallel_calls(args, 20, streamed=streamed), tools=TOOLS)
+    assert response.status_code == 200
+    (record,) = ledger.check()
+    assert record.usage_source == "estimated"
+    # a call's arguments: 80 deltas (a token each), or 400 characters given whole (100 by text/4)
+    assert 20 * 80 <= record.completion_tokens <= 1.25 * 20 * 100, record.completion_tokens
+
+
 def _never_relayed_unbilled(stack, ledger, events: list[str], text: str, **extra) -> None:
     response = post(stack, ledger, events, **extra)
     assert response.status_code == 200

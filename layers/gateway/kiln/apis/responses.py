@@ -322,7 +322,7 @@ class _Item:
     gives each of an item's parts once in each kind of event; a text given many times over
     (parts of one character, in the item or in as many done events) counts as often."""
 
-    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "sent", "texts", "distinct", "told")
+    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "sent", "texts", "distinct", "told", "copies")
 
     def __init__(self) -> None:
         self.delta_tokens = self.delta_fewest = self.delta_bytes = 0
@@ -330,6 +330,7 @@ class _Item:
         self.texts: dict[int, _Text] = {}  # the distinct texts given whole, by hash
         self.distinct = _Tellings()
         self.told: dict[str, _Tellings] = {}
+        self.copies: dict[int, int] = {}  # by a text's hash, the most copies of it one event gave (`_seen`)
 
     def counted(self) -> tuple[int, int]:
         """(fewest, estimated) tokens: the most the distinct texts or any one kind of telling say."""
@@ -401,12 +402,14 @@ class ResponsesRelay(SseRelay):
     server gives an item's texts whole in three or four events after its deltas, however it
     numbers them: an item counts its deltas and what the distinct texts it was given whole in
     hold beyond them, in what they spell and in bytes (`_Item.counted`); items are summed. A response's item that names no item seen yet (vLLM's
-    final output mints new ids) adds only texts no item was given whole in; whole texts of no
-    id count each as an item of their own."""
+    final output mints new ids) adds only what it does not restate of the texts given whole
+    before (`_snapshot`); whole texts of no id count each as an item of their own."""
 
     def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
         self._items: dict[Any, _Item] = {}
-        self._seen: set[int] = set()  # hashes of the texts given whole so far, any item's
+        # the texts given whole so far, by hash: to how many items (as often as one event gave
+        # one item the text), or how often apart (`_note_seen`); what `_snapshot` takes a restatement of
+        self._seen: dict[int, int] = {}
         self._overflow_sum = (0, 0, 0)  # whole texts of items past MAX_ITEMS (and of none), summed
         self._kept = MAX_KEPT_DELTA_BYTES  # the deltas' bytes it may still keep
         self._search = [MAX_SEARCHED_BYTES]  # the bytes it may still search
@@ -444,16 +447,10 @@ class ResponsesRelay(SseRelay):
     def relayed_tokens(self) -> int:
         return self._totals()[1]
 
-    def _whole(self, key: Any, texts: list[str], telling: str, *, known_only_new: bool = False) -> None:
-        """Texts of an item given whole (the item, a part, a text) by an event of the kind
-        `telling`. `known_only_new`: a response's item that names no item seen yet (vLLM's
-        final output mints new ids) adds only texts no item was given whole in yet."""
-        if known_only_new and key not in self._items:
-            texts = [text for text in texts if hash(text) not in self._seen]
-        for text in texts:
-            if text and len(self._seen) < MAX_SEEN_TEXTS:
-                self._seen.add(hash(text))
+    def _whole(self, key: Any, texts: list[str], telling: str) -> None:
+        """Texts of an item given whole (the item, a part, a text) by an event of the kind `telling`."""
         item = self._item(key)
+        self._note_seen(texts, item)
         if item is None:
             self._add_apart(texts)
             return
@@ -489,11 +486,41 @@ class ResponsesRelay(SseRelay):
     def _add_apart(self, texts: list[str]) -> None:
         self._overflow_sum = _plus(self._overflow_sum, _measured(texts))
 
+    def _note_seen(self, texts: list[str], item: _Item | None) -> None:
+        """Count the texts given whole in `_seen`: for an item, each text as often as the most
+        one event gave it to the item (its distinct texts, MAX_ITEM_PARTS of them; past them,
+        every time, as they are billed); apart, every time."""
+        given: dict[int, int] = {}
+        for text in texts:
+            if text:
+                seen = hash(text)
+                given[seen] = given.get(seen, 0) + 1
+        for seen, times in given.items():
+            before = item.copies.get(seen, 0) if item is not None else 0
+            if times <= before:
+                continue
+            if item is not None and (seen in item.copies or len(item.copies) < MAX_ITEM_PARTS):
+                item.copies[seen] = times
+            if seen in self._seen or len(self._seen) < MAX_SEEN_TEXTS:
+                self._seen[seen] = self._seen.get(seen, 0) + times - before
+
     def _snapshot(self, response: Any, telling: str) -> None:
+        """The response so far (the final one, `response.created`, …): its items, each by its id.
+        An item that names no item seen before it (vLLM's final output mints new ids) restates
+        what the stream gave whole before this event: each text given whole to n items (or n
+        times apart) is taken off n such items at most, and counts in the others. Items first
+        given in this event all count, the same text in each or not."""
         output = response.get("output") if isinstance(response, dict) else None
-        for item in output if isinstance(output, list) else []:
-            if isinstance(item, dict):
-                self._whole(_id_of(item), list(_item_texts(item, self._offered)), telling, known_only_new=True)
+        given = [(_id_of(item), list(_item_texts(item, self._offered)))
+                 for item in (output if isinstance(output, list) else []) if isinstance(item, dict)]
+        restated: dict[int, int] = {}  # the texts of `_seen` taken off this event's items, how often
+        named: set[Any] = set()
+        for position, (key, texts) in enumerate(given):
+            if key not in self._items and (key is None or key not in named):
+                given[position] = (key, _unrestated(texts, self._seen, restated))
+            named.add(key)
+        for key, texts in given:
+            self._whole(key, texts, telling)
 
     def _count_wholes(self, data: dict[str, Any], kind: str) -> None:
         if kind in _SNAPSHOTS:
@@ -582,6 +609,20 @@ class ResponsesRelay(SseRelay):
         self.upstream_failed = data["type"] == "response.failed"
         self.done = True
         return None
+
+
+def _unrestated(texts: list[str], seen: dict[int, int], restated: dict[int, int]) -> list[str]:
+    """`texts` but those that restate a text given whole before, as often as `seen` says it
+    was (less what `restated` has taken already, which it counts)."""
+    kept = []
+    for text in texts:
+        key = hash(text)
+        taken = restated.get(key, 0)
+        if taken < seen.get(key, 0):
+            restated[key] = taken + 1
+        else:
+            kept.append(text)
+    return kept
 
 
 def _canonical(sent: bytes) -> bytes:
