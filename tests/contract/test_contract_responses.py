@@ -141,6 +141,22 @@ def test_a_tool_choice_neither_string_nor_object_is_400_as_for_chat(stack, org, 
     assert mock.stats["requests"] == 0 and stack.events(org[0]) == []
 
 
+@pytest.mark.parametrize(("model", "extra"), [
+    ("qwen3-32b", {"structured_outputs": {"json": {"type": "object"}}}),
+    ("qwen3-32b", {"guided_json": {"type": "object"}}),
+    ("gpt-oss-120b", {"ignore_eos": True}),
+])
+def test_the_servers_own_fields_are_forwarded_whatever_the_models_capabilities(stack, org, mock, model, extra):
+    """§9: only a forced tool_choice and a constrained text.format are checked against the
+    catalog; the fields chat checks besides (§3: a server's own constrained output, ignore_eos)
+    are forwarded unchanged here, as docs/deploy.md says."""
+    body = {**BODY, "model": model, **extra}
+    response = stack.post(RESPONSES, body, org[1])
+    assert response.status_code == 200
+    assert mock.last_body() == body
+    assert [event.status for event in stack.events(org[0])] == ["success"]
+
+
 def test_other_fields_are_forwarded_unchanged(stack, org, mock):
     body = {**BODY, "model": "gpt-oss-120b", "tool_choice": "required", "text": {"format": {"type": "text"}},
             "store": True, "previous_response_id": "resp_1", "max_output_tokens": 5, "input": [{"role": "user",
