@@ -566,6 +566,120 @@ def test_a_tool_call_name_is_text_the_model_wrote(stack, ledger, stream, usage):
     assert (event.usage_source, event.completion_tokens) == ("capped" if usage else "estimated", len(LONG) // 4)
 
 
+# the names servers give one reasoning text at once: vllm-mlx and mlx-vlm write both names,
+# OpenRouter repeats it as the text of its reasoning_details
+REASONING_TWICE = {
+    "both-names": lambda text: {"reasoning": text, "reasoning_content": text},
+    "details": lambda text: {"reasoning": text, "reasoning_details": [{"type": "reasoning.text", "text": text}]},
+}
+
+
+@pytest.mark.parametrize("reported", [True, False], ids=["reported", "no-usage"])
+@pytest.mark.parametrize("choices", [1, 2])
+@pytest.mark.parametrize("named", sorted(REASONING_TWICE))
+def test_reasoning_a_server_writes_under_two_names_is_counted_once(stack, ledger, named, choices, reported):
+    """40 reasoning tokens, each under two names in its chunk, then one of content; the server
+    reports 41 a choice, honestly: believed (not replaced by 81 as below what was relayed), and
+    without usage estimated as 41 a choice, not 81."""
+    def delta_chunk(delta: dict) -> str:
+        return _chunk(choices=[{"index": k, "delta": delta, "finish_reason": None} for k in range(choices)])
+
+    events = [delta_chunk(REASONING_TWICE[named](f"r{k}")) for k in range(40)] + [delta_chunk({"content": "ok"}), FINISH]
+    if reported:
+        events.append(_chunk(choices=[], usage={"prompt_tokens": 3, "completion_tokens": 41 * choices}))
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "n": choices, "mock": {"raw_events": events}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("upstream" if reported else "estimated", 41 * choices)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_reasoning_under_two_names_in_a_buffered_answer_is_estimated_once(stack, ledger, stream):
+    """The same 4 000 characters of reasoning under both names, and no usage: 1 000 tokens
+    estimated (as under one name), not 2 000; streamed in one delta alike."""
+    text = "word" * 1000
+    if stream:
+        events = [_chunk(choices=[{"index": 0, "delta": REASONING_TWICE["both-names"](text), "finish_reason": None}]),
+                  FINISH]
+        body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": events}}
+    else:
+        message = {"role": "assistant", "content": None, **REASONING_TWICE["both-names"](text)}
+        answer = _answer(choices=[{"index": 0, "message": message, "finish_reason": "stop"}])
+        body = {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": answer}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("estimated", 1000)
+
+
+def test_different_texts_under_the_two_reasoning_names_are_both_counted(stack, ledger):
+    events = [_chunk(choices=[{"index": 0, "delta": {"reasoning": f"a{k}", "reasoning_content": f"b{k}"},
+                               "finish_reason": None}]) for k in range(30)] + [FINISH]
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": events}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("estimated", 60)
+
+
+# what the SDKs hand the client as the model's text though it is no string (a broken or hostile
+# server's), each shape with the texts it holds: 60 words of 6 characters, or their JSON
+WORDS = [f"word{k:02d}" for k in range(60)]
+UNSTRUNG = {
+    "content-strings": ({"content": WORDS}, 60),
+    "content-nested": ({"content": [WORDS[:30], WORDS[30:]]}, 60),
+    "reasoning-strings": ({"reasoning_content": WORDS}, 60),
+    "content-numbers": ({"content": list(range(10**9, 10**9 + 60))}, 60),
+    "arguments-object": ({"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                          "function": {"name": "f", "arguments": {"words": " ".join(WORDS)}}}]},
+                         None),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+@pytest.mark.parametrize("usage", [None, {"prompt_tokens": 3, "completion_tokens": 0}], ids=["no-usage", "reported-0"])
+@pytest.mark.parametrize("shape", sorted(UNSTRUNG))
+def test_text_the_model_wrote_in_a_shape_other_than_a_string_is_billed(stack, ledger, shape, usage, stream):
+    """An array of strings (or numbers) as content or reasoning, an object as a tool call's
+    arguments: the client gets it, so it is counted, whether the server reports nothing or 0
+    (before, 0 was believed and nothing estimated: the text went out free)."""
+    fields, texts = UNSTRUNG[shape]
+    if stream:
+        events = [_chunk(choices=[{"index": 0, "delta": fields, "finish_reason": None}]), FINISH]
+        events += [_chunk(choices=[], usage=usage)] if usage else []
+        body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": events}}
+    else:
+        message = {"role": "assistant", "content": None, **fields}
+        answer = _answer(choices=[{"index": 0, "message": message, "finish_reason": "stop"}],
+                         **({"usage": usage} if usage else {}))
+        body = {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": answer}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert event.usage_source == ("capped" if usage else "estimated")
+    least = texts if texts is not None else len(json.dumps({"words": " ".join(WORDS)})) // 4
+    assert event.completion_tokens >= least, event.completion_tokens
+
+
+@pytest.mark.parametrize("usage", [{"prompt_tokens": 3, "completion_tokens": 30}, None], ids=["reported", "no-usage"])
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_content_parts_and_logprobs_count_only_the_text_the_model_wrote(stack, ledger, stream, usage):
+    """Honest shapes that hold arrays beside the text: content parts (`type` is no text) and
+    chat's logprobs (its `content` array of tokens): 30 tokens of one word each, reported as
+    30, believed, and estimated as 30 without usage (a token a chunk streamed; by length buffered)."""
+    logprobs = {"content": [{"token": "w", "logprob": -0.1, "bytes": [119], "top_logprobs": []}]}
+    if stream:
+        events = [_chunk(choices=[{"index": 0, "delta": {"content": [{"type": "text", "text": "word"}]},
+                                   "logprobs": logprobs, "finish_reason": None}]) for _ in range(30)]
+        events += [FINISH] + ([_chunk(choices=[], usage=usage)] if usage else [])
+        body = {"model": MODEL, "messages": MESSAGES, "stream": True, "mock": {"raw_events": events}}
+    else:
+        message = {"role": "assistant", "content": [{"type": "text", "text": "word" * 30}]}
+        answer = _answer(choices=[{"index": 0, "message": message, "logprobs": {"content": logprobs["content"] * 30},
+                                   "finish_reason": "stop"}], **({"usage": usage} if usage else {}))
+        body = {"model": MODEL, "messages": MESSAGES, "mock": {"raw_body": answer}}
+    assert post(stack, ledger, CHAT, body).status_code == 200
+    (event,) = ledger.check()
+    assert (event.usage_source, event.completion_tokens) == ("upstream" if usage else "estimated", 30)
+
+
 @pytest.mark.parametrize("offered", [False, True], ids=["not-offered", "offered"])
 def test_a_tool_call_name_a_server_repeats_in_every_chunk_counts_once(stack, ledger, offered):
     """vLLM 0.6-0.7 with a named tool_choice sends the function's name in every chunk: it is

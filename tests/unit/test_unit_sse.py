@@ -383,6 +383,14 @@ _EVENT_PARTS = [
     b'data: {"choices":[{"delta":{},"finish_reason":"len\n\n', b'data: gth"}]}\n\n',
     b'data: {"error":{"message":"boom"}}\n\n', b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"name":"f"}}]}}]}\n\n',
     b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n', b"data:{\"choices\":[]}\n\n",
+    # reasoning under two names, alike or not; text in shapes other than a string; logprobs' array
+    b'data: {"choices":[{"delta":{"reasoning":"r","reasoning_content":"r"}}]}\n\n',
+    b'data: {"choices":[{"delta":{"reasoning":"r","reasoning_content":"s"}}]}\n\n',
+    b'data: {"choices":[{"delta":{"reasoning":"r","reasoning_details":[{"text":"r"}]}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":["a","bc",7]}}]}\n\n', b'data: {"choices":[{"delta":{"content":12}}]}\n\n',
+    b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"arguments":{"k":"v"}}}]}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":"w"},"logprobs":{"content":[{"token":"w"}]}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":[{"type":"text","text":"p"}]}}]}\n\n',
 ]
 
 

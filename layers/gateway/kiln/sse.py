@@ -39,9 +39,15 @@ STRING = rb'[^"\\]*(?:\\.[^"\\]*)*'  # the same, maybe empty
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # a non-empty text of a chunk the model wrote (its content, reasoning, refusal, a tool call's
-# arguments, an audio reply's transcript), as sent
-_TEXT_DELTA = re.compile(
-    rb'"(?:content|text|reasoning_content|reasoning|refusal|arguments|transcript)"\s*:\s*"(' + NON_EMPTY_STRING + rb')"')
+# arguments, an audio reply's transcript), as sent; b"" where such a field holds no string but
+# an array, an object or a number (`_unstrung_texts` reads it)
+_TEXT_KEYS = rb"content|text|reasoning_content|reasoning|refusal|arguments|transcript"
+_TEXT_DELTA = re.compile(rb'"(?:' + _TEXT_KEYS + rb')"\s*:\s*(?:"(' + NON_EMPTY_STRING + rb')"|(?=[\[{0-9-]))')
+# the same, with the field's name
+_NAMED_TEXT = re.compile(rb'"(' + _TEXT_KEYS + rb')"\s*:\s*(?:"(' + NON_EMPTY_STRING + rb')"|(?=[\[{0-9-]))')
+# the names servers give one reasoning text, several at once (vllm-mlx and mlx-vlm write both
+# `reasoning` and `reasoning_content`; OpenRouter repeats it as its `reasoning_details`' text)
+_REASONING_NAMES = frozenset((b"reasoning", b"reasoning_content", b"text"))
 # the most tool calls whose last name is remembered, by a hash (a name sent again for the same
 # call of the same choice, as vLLM 0.6-0.7 does in every chunk for a named tool_choice, counts once)
 MAX_NAMED_CALLS = 10_000
@@ -241,7 +247,13 @@ class SseRelay:
         if not (event.startswith(b"data:") and event.find(b"\n") < 0 and len(event) > 5
                 and event[-1] not in b" \t\r\x0b\x0c" and not reads_further(event)):
             return False
-        self._count_found(_TEXT_DELTA.findall(event))
+        found = _TEXT_DELTA.findall(event)
+        if len(found) != 1 or not found[0]:
+            if b"" in found:
+                return False  # a text field holding no string: `_event` reads the chunk
+            if found and event.find(b'"reasoning') >= 0:
+                found = _reasoning_once(event)
+        self._count_found(found)
         finish = _FINISH_REASON.findall(event)
         if finish:
             self.finish_reason = finish[-1].decode(errors="replace")
@@ -320,7 +332,16 @@ class SseRelay:
                 data = parse_json(payload)
             if data is not None:
                 payload = dumps(data)
-        self._count_found(texts.findall(payload))
+        found = texts.findall(payload)
+        if len(found) != 1 or not found[0]:
+            if len(found) > 1 and payload.find(b'"reasoning') >= 0:
+                found = _reasoning_once(payload)
+            if b"" in found:  # a text field holding no string: read in the chunk's JSON
+                if data is UNREAD:
+                    data = parse_json(payload)
+                # an unreadable chunk's (NaN, too deep) whole bytes, as a text: a client may read it
+                found = [text for text in found if text] + (_unstrung_texts(data) if data is not None else [payload])
+        self._count_found(found)
 
     def _count_found(self, found: list[bytes]) -> None:
         """Count texts relayed: each is at least a token, and at least its fewest tokens; one no
@@ -448,6 +469,70 @@ class SseRelay:
     def leftover(self) -> bytes:
         """Bytes of an event the upstream never finished (a cut stream)."""
         return b"".join(self._pending)
+
+
+def _reasoning_once(payload: bytes) -> list[bytes]:
+    """A chunk's texts (as `_TEXT_DELTA` finds them), with the reasoning a server gives under
+    several names (`_REASONING_NAMES`) counted once: each text as often as the name that gives
+    it most (n choices reasoning alike, under both names, count n)."""
+    texts: list[bytes] = []
+    named: dict[bytes, dict[bytes, int]] = {}
+    for name, text in _NAMED_TEXT.findall(payload):
+        if text and name in _REASONING_NAMES:
+            times = named.setdefault(text, {})
+            times[name] = times.get(name, 0) + 1
+        else:
+            texts.append(text)
+    for text, times in named.items():
+        texts += [text] * max(times.values())
+    return texts
+
+
+# a chunk's fields that hold what the model wrote (`_unstrung_texts`): the delta's, the text
+# completion's `text`; a tool call's arguments and an audio reply's transcript apart
+_DELTA_TEXTS = ("content", "reasoning_content", "reasoning", "refusal")
+
+
+def _unstrung_texts(data: Any) -> list[bytes]:
+    """What the text fields of a chunk hold that is no string (the SDKs hand it to the client
+    as it came): strings and numbers in an array, each a text, and a number; an object's text
+    fields are found as sent (`_TEXT_DELTA`), and a content part's `type` is no text. A tool
+    call's arguments or a transcript that is no string counts whole, as JSON."""
+    texts: list[bytes] = []
+    choices = data.get("choices") if isinstance(data, dict) else None
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict):
+            continue
+        _add_unstrung(texts, choice.get("text"))
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            continue
+        for field in _DELTA_TEXTS:
+            _add_unstrung(texts, delta.get(field))
+        calls = delta.get("tool_calls")
+        functions = [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
+        for whole in [*(function.get("arguments") for function in [*functions, delta.get("function_call")]
+                        if isinstance(function, dict)),
+                      delta.get("audio", {}).get("transcript") if isinstance(delta.get("audio"), dict) else None]:
+            if whole is not None and not isinstance(whole, (str, bool)):
+                texts.append(dumps(whole))
+    return texts
+
+
+def _add_unstrung(texts: list[bytes], value: Any) -> None:
+    if isinstance(value, list):
+        for item in value:
+            if isinstance(item, str):
+                if item:
+                    texts.append(dumps(item)[1:-1])
+            elif isinstance(item, list) or _a_number(item):
+                _add_unstrung(texts, item)
+    elif _a_number(value):
+        texts.append(dumps(value))
+
+
+def _a_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def as_utf8(data: bytes) -> bytes:

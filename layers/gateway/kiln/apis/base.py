@@ -11,6 +11,7 @@ from typing import Any, Collection, Iterator
 
 from ..echo import Echoes
 from ..errors import InvalidType, UnsupportedParameter
+from ..jsonio import dumps
 from ..lax import server_bool
 from ..metering import TokenUsage, estimate_text_tokens, fewest_tokens, shown_usage
 from ..sse import DONE, SseRelay, error_event, is_error_object, usage_event
@@ -255,28 +256,46 @@ def capability_check(model: Any, tool_choice: Any, formats: tuple[Any, str]) -> 
 
 
 def _answer_texts(answer: dict[str, Any], offered: Collection[str] = ()) -> Iterator[str]:
-    """Every text of a chat or text completion the model wrote: text, content (a string or
-    its text parts), reasoning (either name servers give it), refusal, and the arguments of
-    tool calls and of the older function_call and their names (but those of the request's
-    tools, `offered`: a server may write them), and an audio reply's transcript."""
+    """Every text of a chat or text completion the model wrote: text, content (a string, its
+    text parts, or whatever else the SDKs hand the client: strings and numbers of an array, an
+    object's text, a number), reasoning (once, under whichever names a server gives it), refusal,
+    and the arguments of tool calls and of the older function_call (any JSON but a string, as
+    JSON) and their names (but those of the request's tools, `offered`: a server may write
+    them), and an audio reply's transcript."""
     choices = answer.get("choices")
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict):
             continue
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
-        content = message.get("content")
-        texts = [choice.get("text"), message.get("reasoning_content"), message.get("reasoning"), message.get("refusal")]
-        if isinstance(content, list):
-            texts += [part.get("text") for part in content if isinstance(part, dict)]
-        else:
-            texts.append(content)
+        reasoning = message.get("reasoning")
+        if reasoning == message.get("reasoning_content"):  # one text under both names (vllm-mlx, mlx-vlm)
+            reasoning = None
+        texts = [*_written(choice.get("text")), *_written(message.get("reasoning_content")), *_written(reasoning),
+                 *_written(message.get("refusal")), *_written(message.get("content"))]
         calls = message.get("tool_calls")
         functions = [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
         for function in [*functions, message.get("function_call")]:
             if isinstance(function, dict):
                 name = function.get("name")
-                texts += [None if isinstance(name, str) and name in offered else name, function.get("arguments")]
+                arguments = function.get("arguments")
+                if arguments is not None and not isinstance(arguments, (str, bool)):
+                    arguments = dumps(arguments).decode("utf-8", "surrogatepass")
+                texts += [None if isinstance(name, str) and name in offered else name, arguments]
         audio = message.get("audio")
         if isinstance(audio, dict):
             texts.append(audio.get("transcript"))
         yield from (text for text in texts if isinstance(text, str))
+
+
+def _written(value: Any) -> list[str]:
+    """The texts of a field that holds what the model wrote: a string; an array's strings,
+    numbers and parts' texts; an object's text (a part); a number."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [text for item in value for text in _written(item)]
+    if isinstance(value, dict):
+        return _written(value.get("text"))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [dumps(value).decode()]
+    return []
