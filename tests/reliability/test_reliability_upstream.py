@@ -226,6 +226,28 @@ def test_the_openai_sdks_retries_of_one_failing_call_count_once(stack_factory, m
     assert event.upstream == "a"
 
 
+def test_requests_every_backend_fails_take_neither_out_so_the_failover_stays_for_the_others(stack_factory, mock):
+    """§5: a third org's 12 requests served by a, then two orgs' 8 requests that every model
+    server answers 500 (their content's fault), each tried on a, then on b, the failover,
+    which sees no other request. a's rate stays under half (8 of 20); b's was 100 % and b went
+    out, so the third org would get 502 the moment a failed. A request every backend it was
+    tried on failed counts on none of them: both stay in service."""
+    pair = model("poisoned-pair", [{"name": "a", "url": mock.url}, {"name": "b", "url": mock.url.replace("127.0.0.1",
+                                                                                                         "localhost")}])
+    stack, changes = production_health(stack_factory, mock, pair, backend_error_min_requests=4)
+    poisoners, bystander = [stack.org(), stack.org()], stack.org()
+    for i in range(12):
+        response = stack.post(CHAT, {"model": "poisoned-pair", "messages": [{"role": "user", "content": f"q{i}"}]},
+                              bystander[1])
+        assert response.status_code == 200
+    assert failing(poisoners, stack, "poisoned-pair", 8) == [502] * 8  # each tried on a, then b
+    assert changes == []
+    states = {row["backend"]: (row["state"], row["recent_failures"]) for row in stack.gateway.upstream.health.snapshot()
+              if "poisoned-pair" in row["models"]}
+    assert states == {"a": ("in_service", 0), "b": ("in_service", 0)}
+    assert {event.upstream for event in stack.events(bystander[0])} == {"a"}
+
+
 def test_5xx_from_many_distinct_requests_of_several_orgs_do_eject_a_backend_while_another_serves(stack_factory, mock):
     base = mock.url.rsplit("/v1", 1)[0]
     pair = model("sick-pair-model", [{"name": "sick", "url": f"{base}/x/status=503/v1"}, {"name": "b", "url": mock.url}])
@@ -486,21 +508,25 @@ def test_one_orgs_long_buffered_generations_do_not_take_a_healthy_backend_out_of
 
 def test_a_shared_backend_taken_out_for_one_model_is_still_tried_for_a_model_it_is_the_last_of(stack_factory, mock):
     """§5: a model's last backend in service is never taken out, its requests are tried. A
-    backend shared by two models, taken out as pair-model's (the 5xx of two orgs' distinct
-    requests), is still tried for solo-model, whose only backend it is, and serves it."""
-    pair = model("pair-model", [{"name": "a", "url": mock.url}, {"name": "b", "url": mock.url}])
-    solo = model("solo-model", [{"name": "a", "url": mock.url}])
+    backend shared by two models, taken out as pair-model's (its 5xx to two orgs' distinct
+    requests, which b served), is still tried for solo-model, whose only backend it is, and
+    serves it (the request asks the mock for a plain answer over the backend's 500s)."""
+    base = mock.url.rsplit("/v1", 1)[0]
+    shared = {"name": "a", "url": f"{base}/x/status=500/v1"}
+    pair = model("pair-model", [shared, {"name": "b", "url": mock.url}])
+    solo = model("solo-model", [shared])
     stack, changes = production_health(stack_factory, mock, pair, solo, backend_error_min_requests=4,
                                        backend_cooldown_seconds=60)
     orgs = [stack.org(), stack.org()]
     for i in range(4):
-        body = {"model": "pair-model", "messages": [{"role": "user", "content": f"crash {i}"}],
-                "mock": {"status": 500}}
-        assert stack.post(CHAT, body, orgs[i % 2][1]).status_code == 502
+        body = {"model": "pair-model", "messages": [{"role": "user", "content": f"crash {i}"}]}
+        assert stack.post(CHAT, body, orgs[i % 2][1]).status_code == 200  # a's 500, then b's answer
     assert ("pair-model", "a", "out_of_service") in changes
     org_id, key = stack.org()
-    response = stack.post(CHAT, {"model": "solo-model", "messages": MESSAGES}, key)
+    response = stack.post(CHAT, {"model": "solo-model", "messages": MESSAGES, "mock": {"status": 200}}, key)
     assert response.status_code == 200, (response.status_code, response.text)
+    (event,) = stack.events(org_id)
+    assert event.upstream == "a"
 
 
 def test_a_shared_backend_taken_out_as_unreachable_leaves_the_model_it_is_the_last_of_503(stack_factory, mock):

@@ -70,6 +70,23 @@ def test_5xx_never_eject_alone_retries_count_once_and_one_client_is_not_enough()
     assert h.state_of(A) == OUT_OF_SERVICE
 
 
+def test_a_request_failed_by_two_backends_counts_on_neither():
+    """§5: a failover backend is tried only by requests that failed before it, so its own
+    rate would be 100 % of them. Requests of two orgs that every backend answers 500 (the
+    request's fault) take out neither the first backend nor the one that serves everyone
+    else when the first fails; a request the second serves still counts on the first."""
+    h, _, changes = health(error_min_requests=4, error_rate=0.5, error_min_clients=2)
+    for i in range(20):
+        answer(h, A, f"poison{i}", f"org{i % 2}")
+        h.answered("m", B, f"poison{i}", f"org{i % 2}", failed=True, models_backends=PAIR, failed_elsewhere=[A])
+    assert (h.state_of(A), h.state_of(B), changes) == (IN_SERVICE, IN_SERVICE, [])
+    assert [row["recent_failures"] for row in h.snapshot()] == [0, 0]
+    for i in range(4):  # A fails them, B serves them: A's failures, not the requests'
+        answer(h, A, f"q{i}", f"org{i % 2}")
+        h.answered("m", B, f"q{i}", f"org{i % 2}", failed=False, models_backends=PAIR, failed_elsewhere=[A])
+    assert (h.state_of(A), h.state_of(B)) == (OUT_OF_SERVICE, IN_SERVICE)
+
+
 def test_5xx_below_the_rate_or_outside_the_window_do_not_eject():
     h, clock, _ = health(error_min_requests=4, error_rate=0.5, error_min_clients=1, error_window=60)
     for i in range(6):

@@ -13,7 +13,10 @@ counted by cause:
   only when at least `error_min_requests` distinct requests were answered, at least
   `error_rate` of them failed, and the failed ones came from at least `error_min_clients`
   clients (orgs). A request is known by its client and a hash of its body, so the openai
-  SDK's retries of one call (or any resend of the same body) count once.
+  SDK's retries of one call (or any resend of the same body) count once. A request that two
+  backends or more answered with a failure is the request's own failure and counts on none
+  of them: a model's failover backend sees only the requests that failed before it, and two
+  orgs' poisoned requests would take it out, leaving the others no failover.
 
 A backend out of service is skipped for a cooldown (`cooldown` seconds, doubled at each
 ejection in a row up to `max_cooldown`); then it is *probing*: one request at a time tries it.
@@ -211,10 +214,15 @@ class BackendHealth:
                         unreachable=state.failures_unreachable)
 
     def answered(self, model_id: str, backend: Backend, request: str, client: str, *, failed: bool,
-                 models_backends: Iterable[Backend], probe: "Probe | None" = None) -> None:
+                 models_backends: Iterable[Backend], probe: "Probe | None" = None,
+                 failed_elsewhere: Iterable[Backend] = ()) -> None:
         """The backend answered the request `request` (a fingerprint) of `client`: `failed` for
         a 5xx, or a 2xx it could not finish (cut, silent, over a bound); `probe`: the attempt's,
-        if `claim` gave it one."""
+        if `claim` gave it one. `failed_elsewhere`: the backends that gave the same attempt's
+        request a failed answer before this one. A request failed by two backends or more is
+        its own failure: it counts on none of them (a model's failover backends are tried only
+        by the requests that failed before them, and poisoned requests of two orgs would take
+        out the one that serves everyone else when the first fails)."""
         state = self._state(backend, model_id)
         the_probes = state.out_until is not None and probe is not None and probe is state.prober
         if state.out_until is None or the_probes:
@@ -223,7 +231,12 @@ class BackendHealth:
         now = self._clock()
         answers = state.answers
         answers.pop(request, None)  # a retry of the same request counts once, with its last outcome
-        answers[request] = (now, client, failed)
+        failed_elsewhere = list(failed_elsewhere)
+        alike = failed and bool(failed_elsewhere)
+        if alike:
+            self._forget_failures(request, failed_elsewhere)
+        else:
+            answers[request] = (now, client, failed)
         horizon = now - self.policy.error_window
         while answers:
             oldest = next(iter(answers))
@@ -245,6 +258,8 @@ class BackendHealth:
         if not failed:
             state.ejections = 0  # served in service: the next ejection is a first one again
             return
+        if alike:
+            return
         failures = [entry for entry in answers.values() if entry[2]]
         policy = self.policy
         if (
@@ -254,6 +269,14 @@ class BackendHealth:
         ):
             self._eject(model_id, state, models_backends,
                         f"{len(failures)} of {len(answers)} distinct requests failed in {policy.error_window:g} s")
+
+    def _forget_failures(self, request: str, backends: list[Backend]) -> None:
+        """`backends` that counted `request` failed forget it."""
+        for backend in backends:
+            state = self._states.get((backend.name, backend.url))
+            entry = state.answers.get(request) if state is not None else None
+            if entry is not None and entry[2]:
+                del state.answers[request]  # type: ignore[union-attr]
 
     # -- changes ----------------------------------------------------------------------------
 

@@ -253,6 +253,7 @@ class UpstreamClient:
         shared = compact(body)
         request = fingerprint(client, path, shared)
         failures: list[str] = []
+        failed_answers: list[Backend] = []  # the backends that answered this request with a failure
         last_timeout: str | None = None
         candidates, panic = health.candidates(model.id, enabled)
         for backend in candidates:
@@ -320,7 +321,8 @@ class UpstreamClient:
                                             unreachable=not connected)
                 else:  # an answer that broke its bounds or its framing
                     health.answered(model.id, backend, request, client, failed=True, models_backends=enabled,
-                                    probe=probe)
+                                    probe=probe, failed_elsewhere=failed_answers)
+                    failed_answers.append(backend)
                 continue
             except BaseException:
                 health.released(backend, probe)
@@ -337,8 +339,11 @@ class UpstreamClient:
                 )
             # any answer below 500 means the backend works: the request was at fault, not the backend;
             # a 2xx that has no body is no answer to a completion (a proxy's), counted as a 5xx
-            health.answered(model.id, backend, request, client, failed=status >= 500 or status in _NO_BODY,
-                            models_backends=enabled, probe=probe)
+            failed = status >= 500 or status in _NO_BODY
+            health.answered(model.id, backend, request, client, failed=failed, models_backends=enabled, probe=probe,
+                            failed_elsewhere=failed_answers if failed else ())
+            if failed:
+                failed_answers.append(backend)
             if 400 <= status < 500:
                 # its message reaches the client; any other answer's body is nobody's: not read
                 raw = await _read_error_body(response, deadline, min(limits.body_bytes, MAX_ERROR_BODY))
