@@ -32,6 +32,10 @@ class FakeHttp:
         answer = self.answers[url.split("/v1")[0]]
         if isinstance(answer, BaseException):
             raise answer
+        if callable(answer):  # an answer that depends on the request's body
+            answer = answer(options["body"])
+        if isinstance(answer, BaseException):
+            raise answer
         if answer == "hang":  # sent, and no answer
             options["on_sending"]()
             await asyncio.sleep(60)
@@ -95,6 +99,61 @@ def test_refusals_take_a_backend_out_only_while_another_is_in_service():
         with pytest.raises(UpstreamFailed):
             asyncio.run(upstream.open(model(A, B), "/chat/completions", {}, stream=True))
     assert health.state_of(B) == IN_SERVICE
+
+
+C = Backend("c", "http://c/v1")
+HEALTH = {"error_min_requests": 4, "error_rate": 0.5, "error_min_clients": 2}
+
+
+def poisoned(body: bytes):
+    """What every model server answers: 500 to a request whose content crashes it."""
+    return (500, b"{}") if b"poison" in body else (200, b"{}")
+
+
+def opened(upstream, backends, i: int, text: str):
+    return asyncio.run(upstream.open(model(*backends), "/chat/completions", {"text": f"{text} {i}"}, stream=True,
+                                     client=f"org{i % 2}"))
+
+
+def test_requests_every_backend_answers_500_count_on_none_so_the_failover_stays():
+    """§5: b, the failover, is tried only by the requests a failed. Two orgs' requests that
+    every model server answers 500 (their content's fault) count on neither backend, whatever
+    their number; a's own failures, which b serves, still count on a."""
+    upstream, health, _ = client({"http://a": poisoned, "http://b": poisoned}, **HEALTH)
+    for i in range(12):
+        with pytest.raises(UpstreamFailed):
+            opened(upstream, (A, B), i, "poison")
+    assert (health.state_of(A), health.state_of(B)) == (IN_SERVICE, IN_SERVICE)
+    assert [row["recent_failures"] for row in health.snapshot()] == [0, 0]
+    upstream.http.answers["http://a"] = (503, b"{}")  # a sick: b serves what a fails
+    for i in range(4):
+        assert opened(upstream, (A, B), i, "fine").backend is B
+    assert (health.state_of(A), health.state_of(B)) == (OUT_OF_SERVICE, IN_SERVICE)
+
+
+def test_two_broken_backends_of_three_go_out_while_the_third_serves_every_request():
+    """a and b answer 500 to everything, c serves every request: each failure is its backend's
+    (another backend served the request), so both go out, and requests go straight to c."""
+    upstream, health, _ = client({"http://a": (500, b"{}"), "http://b": (500, b"{}"), "http://c": (200, b"{}")},
+                                 **HEALTH)
+    for i in range(4):
+        assert opened(upstream, (A, B, C), i, "q").backend is C
+    assert (health.state_of(A), health.state_of(B), health.state_of(C)) == (OUT_OF_SERVICE, OUT_OF_SERVICE,
+                                                                             IN_SERVICE)
+    before = len(upstream.http.calls)
+    opened(upstream, (A, B, C), 9, "q")
+    assert [url for url, _ in upstream.http.calls[before:]] == ["http://c/v1/chat/completions"]
+
+
+def test_a_request_a_failed_and_the_failover_cut_after_its_2xx_counts_on_neither():
+    """The request's content makes a answer 500 and b cut its stream after the 2xx (the
+    exchange's `broke`): it failed everywhere it was tried, so it counts on neither; 20 of them
+    from two orgs leave b, which sees only them, in service."""
+    upstream, health, _ = client({"http://a": poisoned, "http://b": (200, b"{}")}, **HEALTH)
+    for i in range(20):
+        opened(upstream, (A, B), i, "poison").broke()
+    assert (health.state_of(A), health.state_of(B)) == (IN_SERVICE, IN_SERVICE)
+    assert [row["recent_failures"] for row in health.snapshot()] == [0, 0]
 
 
 @pytest.mark.parametrize("failure, out", [

@@ -14,9 +14,11 @@ counted by cause:
   `error_rate` of them failed, and the failed ones came from at least `error_min_clients`
   clients (orgs). A request is known by its client and a hash of its body, so the openai
   SDK's retries of one call (or any resend of the same body) count once. A request that two
-  backends or more answered with a failure is the request's own failure and counts on none
-  of them: a model's failover backend sees only the requests that failed before it, and two
-  orgs' poisoned requests would take it out, leaving the others no failover.
+  backends or more answered with a failure, and none served, is the request's own failure
+  and counts on none of them (kiln.upstream tells the answers of a request's attempts once it
+  knows): a model's failover backend sees only the requests that failed before it, and two
+  orgs' poisoned requests would take it out, leaving the others no failover. Where another
+  backend served the request, each failure counts on its backend.
 
 A backend out of service is skipped for a cooldown (`cooldown` seconds, doubled at each
 ejection in a row up to `max_cooldown`); then it is *probing*: one request at a time tries it.
@@ -218,11 +220,9 @@ class BackendHealth:
                  failed_elsewhere: Iterable[Backend] = ()) -> None:
         """The backend answered the request `request` (a fingerprint) of `client`: `failed` for
         a 5xx, or a 2xx it could not finish (cut, silent, over a bound); `probe`: the attempt's,
-        if `claim` gave it one. `failed_elsewhere`: the backends that gave the same attempt's
-        request a failed answer before this one. A request failed by two backends or more is
-        its own failure: it counts on none of them (a model's failover backends are tried only
-        by the requests that failed before them, and poisoned requests of two orgs would take
-        out the one that serves everyone else when the first fails)."""
+        if `claim` gave it one. `failed_elsewhere`: other backends that answered the same request
+        with a failure, none serving it: then the failure is the request's own, and counts on
+        none of them (those that counted it forget it)."""
         state = self._state(backend, model_id)
         the_probes = state.out_until is not None and probe is not None and probe is state.prober
         if state.out_until is None or the_probes:

@@ -107,7 +107,7 @@ class UpstreamExchange:
     """A committed (2xx) answer of one backend, body not read yet."""
 
     __slots__ = ("backend", "response", "failures", "sent_at", "health", "model", "deadline", "request", "client",
-                 "timed_out", "sent_bytes")
+                 "timed_out", "sent_bytes", "failed_before")
 
     def __init__(
         self,
@@ -123,6 +123,7 @@ class UpstreamExchange:
         client: str = "",
         timed_out: TimedOut | None = None,
         sent_bytes: int = 0,  # the body this backend was sent, in bytes
+        failed_before: list[Backend] | None = None,  # the backends that answered the request with a failure first
     ) -> None:
         self.backend = backend
         self.response = response
@@ -135,13 +136,16 @@ class UpstreamExchange:
         self.client = client
         self.timed_out = timed_out
         self.sent_bytes = sent_bytes
+        self.failed_before = failed_before or []
 
     def broke(self) -> None:
         """The backend failed after answering 2xx (a cut or silent stream, a truncated body,
-        an answer over its bound): counted with its 5xx answers, by rate (kiln.health)."""
+        an answer over its bound): counted with its 5xx answers, by rate (kiln.health); on none
+        of the backends, this one or those before it, where those answered it with a failure
+        too (the request failed everywhere it was tried: its own failure)."""
         if self.health is not None and self.model is not None:
             self.health.answered(self.model.id, self.backend, self.request, self.client, failed=True,
-                                 models_backends=self.model.available_backends())
+                                 models_backends=self.model.available_backends(), failed_elsewhere=self.failed_before)
 
     def _deadline(self, deadline: float | None = None) -> float | None:
         return sooner(deadline, self.deadline)
@@ -253,105 +257,112 @@ class UpstreamClient:
         shared = compact(body)
         request = fingerprint(client, path, shared)
         failures: list[str] = []
-        failed_answers: list[Backend] = []  # the backends that answered this request with a failure
+        # the attempts a backend answered with a failure: told to kiln.health once it is known
+        # whether a backend served the request (`_tell_failed_answers`)
+        failed_answers: list[tuple[Backend, Probe | None]] = []
         last_timeout: str | None = None
         candidates, panic = health.candidates(model.id, enabled)
-        for backend in candidates:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0.001:
-                failures.append(f"{backend.name}: not tried, the model's total time was spent")
-                last_timeout = "total"
-                break
-            claimed = health.claim(backend, panic=panic)
-            if not claimed:
-                continue  # another request is probing it
-            probe = claimed if isinstance(claimed, Probe) else None  # this attempt probes it
-            content = compact({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
-            headers = {
-                "content-type": "application/json",
-                "accept": "text/event-stream" if stream else "application/json",
-                # the bytes are relayed as they come: no compression in between
-                "accept-encoding": "identity",
-            }
-            api_key = backend.api_key()
-            if api_key:
-                headers["authorization"] = f"Bearer {api_key}"
-            # A stream's headers come at once (then keepalives cover the wait); a buffered answer
-            # only arrives when generation is done, so it may take what is left of the total.
-            budget = min(timeouts.first_byte, remaining) if stream else remaining
-            sent_at = time.monotonic()
-            written = len(sent)
-            try:
+        try:
+            for backend in candidates:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0.001:
+                    failures.append(f"{backend.name}: not tried, the model's total time was spent")
+                    last_timeout = "total"
+                    break
+                claimed = health.claim(backend, panic=panic)
+                if not claimed:
+                    continue  # another request is probing it
+                probe = claimed if isinstance(claimed, Probe) else None  # this attempt probes it
+                content = compact({**body, "model": backend.upstream_model}) if backend.upstream_model else shared
+                headers = {
+                    "content-type": "application/json",
+                    "accept": "text/event-stream" if stream else "application/json",
+                    # the bytes are relayed as they come: no compression in between
+                    "accept-encoding": "identity",
+                }
+                api_key = backend.api_key()
+                if api_key:
+                    headers["authorization"] = f"Bearer {api_key}"
+                # A stream's headers come at once (then keepalives cover the wait); a buffered answer
+                # only arrives when generation is done, so it may take what is left of the total.
+                budget = min(timeouts.first_byte, remaining) if stream else remaining
+                sent_at = time.monotonic()
+                written = len(sent)
                 try:
-                    async with asyncio.timeout(budget):
-                        response = await self.http.request(
-                            "POST",
-                            backend.url + path,
-                            headers=headers,
-                            body=content,
-                            connect_timeout=min(timeouts.connect, budget),
-                            read_timeout=timeouts.idle,
-                            head_timeout=None,  # bounded by the budget above
-                            max_header_bytes=limits.header_bytes,
-                            on_sending=partial(sent.append, backend.name),
-                        )
-                except TimeoutError:
-                    raise _NoHeadersInTime("no response headers in time") from None
-            except HttpError as exc:
-                failures.append(f"{backend.name}: {describe_transport_error(exc)}")
-                if isinstance(exc, Timeout):
-                    if isinstance(exc, ConnectTimeout):
-                        last_timeout = "connect"
+                    try:
+                        async with asyncio.timeout(budget):
+                            response = await self.http.request(
+                                "POST",
+                                backend.url + path,
+                                headers=headers,
+                                body=content,
+                                connect_timeout=min(timeouts.connect, budget),
+                                read_timeout=timeouts.idle,
+                                head_timeout=None,  # bounded by the budget above
+                                max_header_bytes=limits.header_bytes,
+                                on_sending=partial(sent.append, backend.name),
+                            )
+                    except TimeoutError:
+                        raise _NoHeadersInTime("no response headers in time") from None
+                except HttpError as exc:
+                    failures.append(f"{backend.name}: {describe_transport_error(exc)}")
+                    if isinstance(exc, Timeout):
+                        if isinstance(exc, ConnectTimeout):
+                            last_timeout = "connect"
+                        else:
+                            # the first byte's bound, unless what was left of the total was shorter
+                            last_timeout = "first_byte" if stream and timeouts.first_byte < remaining + 0.01 else "total"
                     else:
-                        # the first byte's bound, unless what was left of the total was shorter
-                        last_timeout = "first_byte" if stream and timeouts.first_byte < remaining + 0.01 else "total"
+                        last_timeout = None
+                    # A buffered answer's headers come when its generation is done: a wait for them
+                    # that outlasts the total says what the request asked for as much as that the
+                    # backend failed, so it counts as a failed answer (by rate, over clients). A
+                    # wait cut before a connection was even made (the attempt's budget shorter than
+                    # the connect timeout) is the backend's: unreachable, as a connect timeout.
+                    connected = len(sent) > written
+                    waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime) and connected
+                    if _is_backend_failure(exc) and not waited_for_generation:
+                        # refused, TLS, a connect timeout, or any bound that ended the wait first: no
+                        # connection was made (kiln.http1 writes the request only on one)
+                        health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic,
+                                                unreachable=not connected)
+                    else:  # an answer that broke its bounds or its framing
+                        failed_answers.append((backend, probe))
+                    continue
+                except BaseException:
+                    health.released(backend, probe)
+                    raise
+                last_timeout = None
+                status = response.status
+                if 200 <= status < 300 and status not in _NO_BODY:
+                    failed_before = [failed for failed, _ in failed_answers]
+                    _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=True)
+                    health.answered(model.id, backend, request, client, failed=False, models_backends=enabled,
+                                    probe=probe)
+                    return UpstreamExchange(
+                        backend, response, failures, sent_at, health,
+                        model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
+                        sent_bytes=len(content), failed_before=failed_before,
+                    )
+                # any answer below 500 means the backend works: the request was at fault, not the backend;
+                # a 2xx that has no body is no answer to a completion (a proxy's), counted as a 5xx
+                if status >= 500 or status in _NO_BODY:
+                    failed_answers.append((backend, probe))
                 else:
-                    last_timeout = None
-                # A buffered answer's headers come when its generation is done: a wait for them
-                # that outlasts the total says what the request asked for as much as that the
-                # backend failed, so it counts as a failed answer (by rate, over clients). A
-                # wait cut before a connection was even made (the attempt's budget shorter than
-                # the connect timeout) is the backend's: unreachable, as a connect timeout.
-                connected = len(sent) > written
-                waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime) and connected
-                if _is_backend_failure(exc) and not waited_for_generation:
-                    # refused, TLS, a connect timeout, or any bound that ended the wait first: no
-                    # connection was made (kiln.http1 writes the request only on one)
-                    health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic,
-                                            unreachable=not connected)
-                else:  # an answer that broke its bounds or its framing
-                    health.answered(model.id, backend, request, client, failed=True, models_backends=enabled,
-                                    probe=probe, failed_elsewhere=failed_answers)
-                    failed_answers.append(backend)
-                continue
-            except BaseException:
-                health.released(backend, probe)
-                raise
-            last_timeout = None
-            status = response.status
-            if 200 <= status < 300 and status not in _NO_BODY:
-                health.answered(model.id, backend, request, client, failed=False, models_backends=enabled,
-                                probe=probe)
-                return UpstreamExchange(
-                    backend, response, failures, sent_at, health,
-                    model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
-                    sent_bytes=len(content),
-                )
-            # any answer below 500 means the backend works: the request was at fault, not the backend;
-            # a 2xx that has no body is no answer to a completion (a proxy's), counted as a 5xx
-            failed = status >= 500 or status in _NO_BODY
-            health.answered(model.id, backend, request, client, failed=failed, models_backends=enabled, probe=probe,
-                            failed_elsewhere=failed_answers if failed else ())
-            if failed:
-                failed_answers.append(backend)
-            if 400 <= status < 500:
-                # its message reaches the client; any other answer's body is nobody's: not read
-                raw = await _read_error_body(response, deadline, min(limits.body_bytes, MAX_ERROR_BODY))
-                rejected = UpstreamRejected.from_upstream(status, raw, secret=api_key)
-                rejected.backend = backend.name  # the upstream that answered, for the usage event
-                raise rejected
-            await response.aclose()
-            failures.append(f"{backend.name}: HTTP {status}")
+                    health.answered(model.id, backend, request, client, failed=False, models_backends=enabled,
+                                    probe=probe)
+                if 400 <= status < 500:
+                    # its message reaches the client; any other answer's body is nobody's: not read
+                    raw = await _read_error_body(response, deadline, min(limits.body_bytes, MAX_ERROR_BODY))
+                    rejected = UpstreamRejected.from_upstream(status, raw, secret=api_key)
+                    rejected.backend = backend.name  # the upstream that answered, for the usage event
+                    raise rejected
+                await response.aclose()
+                failures.append(f"{backend.name}: HTTP {status}")
+        except BaseException:  # cut short (a 4xx to answer, a cancellation): what failed is told all the same
+            _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=False)
+            raise
+        _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=False)
         if not failures:  # every backend was out of service or being probed by another request
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
         if last_timeout is not None:
@@ -365,6 +376,22 @@ class UpstreamClient:
 
 # 2xx statuses that have no body (RFC 9110): no completion, no stream; the next backend is tried
 _NO_BODY = frozenset({204, 205})
+
+
+def _tell_failed_answers(health: BackendHealth, model_id: str, request: str, client: str, backends: list[Backend],
+                         failed_answers: list[tuple[Backend, Probe | None]], *, served: bool) -> None:
+    """Tell kiln.health of the failed answers of one request's attempts, once (the list is
+    emptied): each counts on its backend where another backend served the request, or where
+    only one backend answered it with a failure; a request that two backends or more answered
+    with a failure, and none served, is its own failure and counts on none of them (§5: a
+    model's failover backend sees only the requests that failed before it)."""
+    told = list(failed_answers)
+    failed_answers.clear()
+    alike = not served and len(told) >= 2
+    for backend, probe in told:
+        others = [other for other, _ in told if other is not backend] if alike else ()
+        health.answered(model_id, backend, request, client, failed=True, models_backends=backends, probe=probe,
+                        failed_elsewhere=others)
 
 
 async def _read_error_body(response: Response, deadline: float, limit: int) -> bytes:
