@@ -163,6 +163,34 @@ def test_every_chunks_texts_count_as_tokens_and_as_a_floor_by_their_length(lengt
     assert (relay.relayed_tokens, relay.fewest_tokens) == (texts * tokens, texts * -(-length // 128))
 
 
+X = "abcdefghij" * 64  # 640 characters: 160 tokens estimated
+TWICE_SHOWN = {
+    # one choice's reasoning under two names is shown once (the SDKs' delta has both fields)
+    "both-names": ([{"reasoning": X, "reasoning_content": X}], 1),
+    "details": ([{"reasoning": X, "reasoning_details": [{"type": "reasoning.text", "text": X}]}], 1),
+    "three-names": ([{"reasoning": X, "reasoning_content": X, "reasoning_details": [{"text": X}]}], 1),
+    # the same text as reasoning and as a content part, or in two choices, is shown twice
+    "reasoning-and-content-part": ([{"reasoning": X, "content": [{"type": "text", "text": X}]}], 2),
+    "reasoning-and-content-object": ([{"reasoning": X, "content": {"type": "text", "text": X}}], 2),
+    "two-choices-one-name-each": ([{"reasoning": X}, {"reasoning_content": X}], 2),
+    "two-choices-both-names": ([{"reasoning": X, "reasoning_content": X}, {"reasoning": X, "reasoning_content": X}], 2),
+    "reasoning-and-another-choices-part": ([{"reasoning": X}, {"content": [{"type": "text", "text": X}]}], 2),
+    "different-texts": ([{"reasoning": X, "reasoning_content": X[::-1]}], 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TWICE_SHOWN))
+@pytest.mark.parametrize("escaped", [False, True], ids=["as-sent", "with-an-escape"])
+def test_reasoning_under_several_names_counts_once_a_choice_and_every_other_text_counts(case, escaped):
+    deltas, shown = TWICE_SHOWN[case]
+    chunk = {"id": "c1", "choices": [{"index": k, "delta": delta} for k, delta in enumerate(deltas)]}
+    if escaped:
+        chunk["id"] = "c\u0031"
+    event = b"data: " + json.dumps(chunk).encode().replace(b"c\\\\u0031", b"c\\u0031") + b"\n\n"
+    relay = relay_all([ROLE, event])[1]
+    assert relay.relayed_tokens == shown * 160
+
+
 def _named(name: str, arguments: str, *, choice: int = 0, call: int = 0) -> bytes:
     chunk = {"choices": [{"index": choice, "delta": {"tool_calls": [{"index": call, "function": {
         "name": name, "arguments": arguments}}]}, "finish_reason": None}]}

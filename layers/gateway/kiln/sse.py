@@ -43,11 +43,6 @@ _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # an array, an object or a number (`_unstrung_texts` reads it)
 _TEXT_KEYS = rb"content|text|reasoning_content|reasoning|refusal|arguments|transcript"
 _TEXT_DELTA = re.compile(rb'"(?:' + _TEXT_KEYS + rb')"\s*:\s*(?:"(' + NON_EMPTY_STRING + rb')"|(?=[\[{0-9-]))')
-# the same, with the field's name
-_NAMED_TEXT = re.compile(rb'"(' + _TEXT_KEYS + rb')"\s*:\s*(?:"(' + NON_EMPTY_STRING + rb')"|(?=[\[{0-9-]))')
-# the names servers give one reasoning text, several at once (vllm-mlx and mlx-vlm write both
-# `reasoning` and `reasoning_content`; OpenRouter repeats it as its `reasoning_details`' text)
-_REASONING_NAMES = frozenset((b"reasoning", b"reasoning_content", b"text"))
 # the most tool calls whose last name is remembered, by a hash (a name sent again for the same
 # call of the same choice, as vLLM 0.6-0.7 does in every chunk for a named tool_choice, counts once)
 MAX_NAMED_CALLS = 10_000
@@ -252,7 +247,7 @@ class SseRelay:
             if b"" in found:
                 return False  # a text field holding no string: `_event` reads the chunk
             if found and event.find(b'"reasoning') >= 0:
-                found = _reasoning_once(event)
+                return False  # reasoning under several names, maybe: `_event` reads the chunk
         self._count_found(found)
         finish = _FINISH_REASON.findall(event)
         if finish:
@@ -334,8 +329,11 @@ class SseRelay:
                 payload = dumps(data)
         found = texts.findall(payload)
         if len(found) != 1 or not found[0]:
-            if len(found) > 1 and payload.find(b'"reasoning') >= 0:
-                found = _reasoning_once(payload)
+            if len(found) > 1 and payload.find(b'"reasoning') >= 0:  # reasoning under several names, maybe
+                if data is UNREAD:
+                    data = parse_json(payload)
+                if data is not None:
+                    found = _reasoning_once(found, data)
             if b"" in found:  # a text field holding no string: read in the chunk's JSON
                 if data is UNREAD:
                     data = parse_json(payload)
@@ -471,21 +469,41 @@ class SseRelay:
         return b"".join(self._pending)
 
 
-def _reasoning_once(payload: bytes) -> list[bytes]:
-    """A chunk's texts (as `_TEXT_DELTA` finds them), with the reasoning a server gives under
-    several names (`_REASONING_NAMES`) counted once: each text as often as the name that gives
-    it most (n choices reasoning alike, under both names, count n)."""
-    texts: list[bytes] = []
-    named: dict[bytes, dict[bytes, int]] = {}
-    for name, text in _NAMED_TEXT.findall(payload):
-        if text and name in _REASONING_NAMES:
-            times = named.setdefault(text, {})
-            times[name] = times.get(name, 0) + 1
-        else:
-            texts.append(text)
-    for text, times in named.items():
-        texts += [text] * max(times.values())
-    return texts
+def _reasoning_once(found: list[bytes], data: Any) -> list[bytes]:
+    """`found`, the texts of a chunk as sent, less the copies of one choice's reasoning that a
+    server writes under several names at once (vllm-mlx and mlx-vlm write both `reasoning` and
+    `reasoning_content`; OpenRouter repeats it as its `reasoning_details`' text): in each
+    choice, each text counts as often as the name that gives it most. Choices apart, and a
+    content part's text, count each."""
+    found = list(found)
+    for copy in _reasoning_copies(data):
+        try:
+            found.remove(dumps(copy)[1:-1])  # as the chunk was read (a chunk with an escape, as dumps writes it)
+        except ValueError:
+            pass  # written otherwise: counted, as sent
+    return found
+
+
+def _reasoning_copies(data: Any) -> list[str]:
+    """The copies of each choice's reasoning given under more names than one (see above)."""
+    copies: list[str] = []
+    choices = data.get("choices") if isinstance(data, dict) else None
+    for choice in choices if isinstance(choices, list) else []:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict):
+            continue
+        named = [(name, delta.get(name)) for name in ("reasoning", "reasoning_content")]
+        details = delta.get("reasoning_details")
+        named += [("details", detail.get("text")) for detail in (details if isinstance(details, list) else [])
+                  if isinstance(detail, dict)]
+        times: dict[str, dict[str, int]] = {}
+        for name, text in named:
+            if isinstance(text, str) and text:
+                by_name = times.setdefault(text, {})
+                by_name[name] = by_name.get(name, 0) + 1
+        for text, by_name in times.items():
+            copies += [text] * (sum(by_name.values()) - max(by_name.values()))
+    return copies
 
 
 # a chunk's fields that hold what the model wrote (`_unstrung_texts`): the delta's, the text
