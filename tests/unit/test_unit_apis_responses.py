@@ -4,6 +4,8 @@ import json
 from decimal import Decimal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.apis.responses import API as RESPONSES
 from kiln.apis.responses import FINAL_EVENTS, ResponsesRelay
@@ -471,3 +473,65 @@ def test_an_item_id_with_an_escaped_slash_is_one_item_in_its_deltas_and_its_done
         return relay.relayed_tokens, relay.fewest_tokens
 
     assert counted(spelled) == counted(spelled.replace("\\/", "_"))
+
+
+# -- what the final event restates ---------------------------------------------------------------
+
+_WORDS = ["alpha " * 40, "beta " * 50, "gamma " * 30]  # texts of 240, 250 and 180 characters
+_IDS = ["a", "b", "c", None]
+
+
+def _message(item_id, texts):
+    item = {"type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []} for text in texts]}
+    if item_id is not None:
+        item["id"] = item_id
+    return item
+
+
+def _final(output):
+    return event("response.completed", {"type": "response.completed",
+                                        "response": {"id": "r", "status": "completed", "output": output}})
+
+
+def _billed(*events):
+    relay = ResponsesRelay(max_event_bytes=1 << 24)
+    for piece in events:
+        relay.feed(piece)
+    assert relay.done
+    return relay.fewest_tokens, relay.relayed_tokens
+
+
+_ITEMS = st.tuples(st.sampled_from(_IDS + ["f1", "f2", "f3"]), st.lists(st.sampled_from(_WORDS), min_size=1, max_size=3))
+_BEFORE = st.lists(st.tuples(st.sampled_from(["response.output_item.added", "response.output_item.done",
+                                              "response.in_progress"]),
+                             st.sampled_from(_IDS), st.lists(st.sampled_from(_WORDS), min_size=1, max_size=3)),
+                   max_size=8)
+
+
+def _told(kind, item_id, texts):
+    item = _message(item_id, texts)
+    if kind == "response.in_progress":
+        return event(kind, {"type": kind, "response": {"id": "r", "status": "in_progress", "output": [item]}})
+    return event(kind, {"type": kind, "output_index": 0, "item": item})
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=_BEFORE, output=st.lists(_ITEMS, max_size=8))
+def test_a_stream_is_never_billed_less_than_its_final_event_alone(before, output):
+    """Whatever items a server gives whole before (ids seen again or not, texts repeated in
+    them or not, in whichever kinds of event), the final event's items with fresh ids restate
+    only what the stream billed for items this event does not hold again: the bill, its floor
+    and its estimate, is never below what the final event alone is billed."""
+    final = _final([_message(item_id, texts) for item_id, texts in output])
+    fewest, estimated = _billed(*(_told(*told) for told in before), final)
+    alone = _billed(final)
+    assert fewest >= alone[0] and estimated >= alone[1], (fewest, estimated, alone)
+
+
+def test_items_given_before_and_restated_under_fresh_ids_count_once():
+    """vLLM's final output: every item given before again, under a fresh id; billed as the
+    items were, not twice."""
+    told = [_told("response.output_item.done", item_id, [text]) for item_id, text in zip("abc", _WORDS, strict=True)]
+    restated = _final([_message(f"fresh-{item_id}", [text]) for item_id, text in zip("abc", _WORDS, strict=True)])
+    assert _billed(*told, restated) == _billed(*told, _final([]))

@@ -322,7 +322,7 @@ class _Item:
     gives each of an item's parts once in each kind of event; a text given many times over
     (parts of one character, in the item or in as many done events) counts as often."""
 
-    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "sent", "texts", "distinct", "told", "copies")
+    __slots__ = ("delta_tokens", "delta_fewest", "delta_bytes", "sent", "texts", "distinct", "told")
 
     def __init__(self) -> None:
         self.delta_tokens = self.delta_fewest = self.delta_bytes = 0
@@ -330,7 +330,6 @@ class _Item:
         self.texts: dict[int, _Text] = {}  # the distinct texts given whole, by hash
         self.distinct = _Tellings()
         self.told: dict[str, _Tellings] = {}
-        self.copies: dict[int, int] = {}  # by a text's hash, the most copies of it one event gave (`_seen`)
 
     def counted(self) -> tuple[int, int]:
         """(fewest, estimated) tokens: the most the distinct texts or any one kind of telling say."""
@@ -407,8 +406,9 @@ class ResponsesRelay(SseRelay):
 
     def __init__(self, *, max_event_bytes: int, offered: Collection[str] = ()) -> None:
         self._items: dict[Any, _Item] = {}
-        # the texts given whole so far, by hash: to how many items (as often as one event gave
-        # one item the text), or how often apart (`_note_seen`); what `_snapshot` takes a restatement of
+        # the texts given whole so far, by hash: how many copies of each are billed at least
+        # (an item's distinct texts it remembers, once each, `_part`; texts apart, each time):
+        # what `_snapshot` may take a new item's text for a restatement of
         self._seen: dict[int, int] = {}
         self._overflow_sum = (0, 0, 0)  # whole texts of items past MAX_ITEMS (and of none), summed
         self._kept = MAX_KEPT_DELTA_BYTES  # the deltas' bytes it may still keep
@@ -450,8 +450,10 @@ class ResponsesRelay(SseRelay):
     def _whole(self, key: Any, texts: list[str], telling: str) -> None:
         """Texts of an item given whole (the item, a part, a text) by an event of the kind `telling`."""
         item = self._item(key)
-        self._note_seen(texts, item)
         if item is None:
+            for text in texts:
+                if text:
+                    self._note_seen(hash(text))
             self._add_apart(texts)
             return
         told = item.told.get(telling)
@@ -473,6 +475,7 @@ class ResponsesRelay(SseRelay):
             item.distinct.add(measured)
             if remembered:
                 item.texts[seen] = measured
+                self._note_seen(seen)  # one of the item's distinct texts: billed at least once
         told.add(measured)
 
     def _measure(self, item: _Item, text: str, *, search: bool) -> _Text:
@@ -486,39 +489,33 @@ class ResponsesRelay(SseRelay):
     def _add_apart(self, texts: list[str]) -> None:
         self._overflow_sum = _plus(self._overflow_sum, _measured(texts))
 
-    def _note_seen(self, texts: list[str], item: _Item | None) -> None:
-        """Count the texts given whole in `_seen`: for an item, each text as often as the most
-        one event gave it to the item (its distinct texts, MAX_ITEM_PARTS of them; past them,
-        every time, as they are billed); apart, every time."""
-        given: dict[int, int] = {}
-        for text in texts:
-            if text:
-                seen = hash(text)
-                given[seen] = given.get(seen, 0) + 1
-        for seen, times in given.items():
-            before = item.copies.get(seen, 0) if item is not None else 0
-            if times <= before:
-                continue
-            if item is not None and (seen in item.copies or len(item.copies) < MAX_ITEM_PARTS):
-                item.copies[seen] = times
-            if seen in self._seen or len(self._seen) < MAX_SEEN_TEXTS:
-                self._seen[seen] = self._seen.get(seen, 0) + times - before
+    def _note_seen(self, seen: int) -> None:
+        if seen in self._seen or len(self._seen) < MAX_SEEN_TEXTS:
+            self._seen[seen] = self._seen.get(seen, 0) + 1
 
     def _snapshot(self, response: Any, telling: str) -> None:
         """The response so far (the final one, `response.created`, …): its items, each by its id.
-        An item that names no item seen before it (vLLM's final output mints new ids) restates
-        what the stream gave whole before this event: each text given whole to n items (or n
-        times apart) is taken off n such items at most, and counts in the others. Items first
-        given in this event all count, the same text in each or not."""
+        An item that names no item seen before it (vLLM's final output mints new ids) may restate
+        an item the stream gave whole before and this event does not hold: each copy billed of
+        a text (`_seen`), but those of the items this event holds again, is taken off one new
+        item's texts at most; the other texts of new items count. So a stream is never billed
+        less than this event alone would be, and items first given here all count."""
         output = response.get("output") if isinstance(response, dict) else None
         given = [(_id_of(item), list(_item_texts(item, self._offered)))
                  for item in (output if isinstance(output, list) else []) if isinstance(item, dict)]
-        restated: dict[int, int] = {}  # the texts of `_seen` taken off this event's items, how often
+        restated: dict[int, int] = {}  # the copies of `_seen` not left to restate, by hash
         named: set[Any] = set()
-        for position, (key, texts) in enumerate(given):
+        new = []
+        for position, (key, _) in enumerate(given):
             if key not in self._items and (key is None or key not in named):
-                given[position] = (key, _unrestated(texts, self._seen, restated))
+                new.append(position)
+            elif key not in named:  # an item seen before, held again: its copies are its own
+                for seen in self._items[key].texts:
+                    restated[seen] = restated.get(seen, 0) + 1
             named.add(key)
+        for position in new:
+            key, texts = given[position]
+            given[position] = (key, _unrestated(texts, self._seen, restated))
         for key, texts in given:
             self._whole(key, texts, telling)
 
