@@ -529,11 +529,12 @@ def _unstrung_texts(data: Any) -> list[bytes]:
             _add_unstrung(texts, delta.get(field))
         calls = delta.get("tool_calls")
         functions = [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
-        for whole in [*(function.get("arguments") for function in [*functions, delta.get("function_call")]
-                        if isinstance(function, dict)),
-                      delta.get("audio", {}).get("transcript") if isinstance(delta.get("audio"), dict) else None]:
-            if whole is not None and not isinstance(whole, (str, bool)):
-                texts.append(dumps(whole))
+        wholes = [function.get("arguments") for function in [*functions, delta.get("function_call")]
+                  if isinstance(function, dict)]
+        audio = delta.get("audio")
+        if isinstance(audio, dict):
+            wholes.append(audio.get("transcript"))
+        texts += [dumps(whole) for whole in wholes if whole is not None and not isinstance(whole, (str, bool))]
     return texts
 
 
