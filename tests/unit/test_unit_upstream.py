@@ -145,15 +145,33 @@ def test_two_broken_backends_of_three_go_out_while_the_third_serves_every_reques
     assert [url for url, _ in upstream.http.calls[before:]] == ["http://c/v1/chat/completions"]
 
 
-def test_a_request_a_failed_and_the_failover_cut_after_its_2xx_counts_on_neither():
-    """The request's content makes a answer 500 and b cut its stream after the 2xx (the
-    exchange's `broke`): it failed everywhere it was tried, so it counts on neither; 20 of them
-    from two orgs leave b, which sees only them, in service."""
+def test_requests_a_fails_and_the_failover_cuts_after_its_2xx_do_not_take_the_failover_out():
+    """Two orgs' requests whose content makes a answer 500 and b cut its stream after the 2xx
+    (the exchange's `broke`), among the requests a serves: b sees only them, so its cuts do not
+    count on it; a's failures count (another backend took the request), under its rate."""
     upstream, health, _ = client({"http://a": poisoned, "http://b": (200, b"{}")}, **HEALTH)
+    for i in range(60):
+        assert opened(upstream, (A, B), i, "fine").backend is A
     for i in range(20):
         opened(upstream, (A, B), i, "poison").broke()
     assert (health.state_of(A), health.state_of(B)) == (IN_SERVICE, IN_SERVICE)
-    assert [row["recent_failures"] for row in health.snapshot()] == [0, 0]
+    assert [row["recent_failures"] for row in health.snapshot()] == [20, 0]
+
+
+def test_a_backend_failing_everything_and_a_failover_cutting_everything_both_go_out_for_the_third():
+    """a answers 500 to every request, b cuts every stream after its 2xx, c serves: a's
+    failures count (b took the requests), a goes out; then b is tried first and its cuts
+    count as any first backend's; b goes out, and c serves."""
+    upstream, health, _ = client({"http://a": (500, b"{}"), "http://b": (200, b"{}"), "http://c": (200, b"{}")},
+                                 **HEALTH)
+    served = []
+    for i in range(12):
+        exchange = opened(upstream, (A, B, C), i, "q")
+        served.append(exchange.backend.name)
+        if exchange.backend is B:
+            exchange.broke()
+    assert (health.state_of(A), health.state_of(B)) == (OUT_OF_SERVICE, OUT_OF_SERVICE)
+    assert served[-1] == "c"
 
 
 @pytest.mark.parametrize("failure, out", [

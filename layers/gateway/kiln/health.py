@@ -18,7 +18,9 @@ counted by cause:
   and counts on none of them (kiln.upstream tells the answers of a request's attempts once it
   knows): a model's failover backend sees only the requests that failed before it, and two
   orgs' poisoned requests would take it out, leaving the others no failover. Where another
-  backend served the request, each failure counts on its backend.
+  backend served the request, each failure counts on its backend; where that backend then
+  broke its answer, the break counts on none (the failover's view again), the failures
+  before it stand.
 
 A backend out of service is skipped for a cooldown (`cooldown` seconds, doubled at each
 ejection in a row up to `max_cooldown`); then it is *probing*: one request at a time tries it.
@@ -269,6 +271,12 @@ class BackendHealth:
         ):
             self._eject(model_id, state, models_backends,
                         f"{len(failures)} of {len(answers)} distinct requests failed in {policy.error_window:g} s")
+
+    def forget(self, backend: Backend, request: str) -> None:
+        """`backend` forgets what it answered `request` (it counts neither way)."""
+        state = self._states.get((backend.name, backend.url))
+        if state is not None:
+            state.answers.pop(request, None)
 
     def _forget_failures(self, request: str, backends: list[Backend]) -> None:
         """`backends` that counted `request` failed forget it."""

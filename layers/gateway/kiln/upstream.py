@@ -140,12 +140,19 @@ class UpstreamExchange:
 
     def broke(self) -> None:
         """The backend failed after answering 2xx (a cut or silent stream, a truncated body,
-        an answer over its bound): counted with its 5xx answers, by rate (kiln.health); on none
-        of the backends, this one or those before it, where those answered it with a failure
-        too (the request failed everywhere it was tried: its own failure)."""
-        if self.health is not None and self.model is not None:
+        an answer over its bound): counted with its 5xx answers, by rate (kiln.health). Not on
+        a backend that took a request another answered with a failure before it (a failover
+        sees only such requests: their content may be at fault); its 2xx goes uncounted too,
+        and the failures before it stand (they count as where another backend served the
+        request: a backend that fails every request still goes out, and then its failover's
+        failures count as any first backend's)."""
+        if self.health is None or self.model is None:
+            return
+        if self.failed_before:
+            self.health.forget(self.backend, self.request)
+        else:
             self.health.answered(self.model.id, self.backend, self.request, self.client, failed=True,
-                                 models_backends=self.model.available_backends(), failed_elsewhere=self.failed_before)
+                                 models_backends=self.model.available_backends())
 
     def _deadline(self, deadline: float | None = None) -> float | None:
         return sooner(deadline, self.deadline)
