@@ -191,6 +191,19 @@ def test_reasoning_under_several_names_counts_once_a_choice_and_every_other_text
     assert relay.relayed_tokens == shown * 160
 
 
+@pytest.mark.parametrize("delta", [
+    {"content": [{"type": "text", "text": [X]}]},
+    {"content": {"type": "text", "text": [X]}},
+    {"reasoning_details": [{"type": "reasoning.text", "text": [X]}]},
+    {"content": [[X]]},
+], ids=["part-text-array", "object-text-array", "detail-text-array", "nested-array"])
+def test_text_in_an_array_inside_a_part_or_a_detail_is_counted(delta):
+    """What the SDKs hand the client, however deep a broken server puts it: 640 characters."""
+    chunk = {"id": "c1", "choices": [{"index": 0, "delta": delta}]}
+    relay = relay_all([ROLE, b"data: " + json.dumps(chunk).encode() + b"\n\n"])[1]
+    assert relay.relayed_tokens == 160
+
+
 def _named(name: str, arguments: str, *, choice: int = 0, call: int = 0) -> bytes:
     chunk = {"choices": [{"index": choice, "delta": {"tool_calls": [{"index": call, "function": {
         "name": name, "arguments": arguments}}]}, "finish_reason": None}]}
@@ -419,6 +432,8 @@ _EVENT_PARTS = [
     b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"arguments":{"k":"v"}}}]}}]}\n\n',
     b'data: {"choices":[{"delta":{"content":"w"},"logprobs":{"content":[{"token":"w"}]}}]}\n\n',
     b'data: {"choices":[{"delta":{"content":[{"type":"text","text":"p"}]}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":[{"type":"text","text":["q","r"]}]}}]}\n\n',
+    b'data: {"choices":[{"delta":{"reasoning_details":[{"type":"reasoning.text","text":["s"]}]}}]}\n\n',
 ]
 
 

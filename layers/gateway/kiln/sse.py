@@ -508,14 +508,17 @@ def _reasoning_copies(data: Any) -> list[str]:
 
 # a chunk's fields that hold what the model wrote (`_unstrung_texts`): the delta's, the text
 # completion's `text`; a tool call's arguments and an audio reply's transcript apart
-_DELTA_TEXTS = ("content", "reasoning_content", "reasoning", "refusal")
+_DELTA_TEXTS = ("content", "reasoning_content", "reasoning", "refusal", "reasoning_details")
+# the names of a text field, in a part or a detail too (`_TEXT_KEYS`)
+_TEXT_NAMES = frozenset(("content", "text", "reasoning_content", "reasoning", "refusal", "arguments", "transcript"))
 
 
 def _unstrung_texts(data: Any) -> list[bytes]:
     """What the text fields of a chunk hold that is no string (the SDKs hand it to the client
-    as it came): strings and numbers in an array, each a text, and a number; an object's text
-    fields are found as sent (`_TEXT_DELTA`), and a content part's `type` is no text. A tool
-    call's arguments or a transcript that is no string counts whole, as JSON."""
+    as it came): strings and numbers in an array, each a text, and a number, in those fields
+    and in the text fields of their objects (a part, a detail); an object's strings are found
+    as sent (`_TEXT_DELTA`), and a part's `type` is no text. A tool call's arguments or a
+    transcript that is no string counts whole, as JSON."""
     texts: list[bytes] = []
     choices = data.get("choices") if isinstance(data, dict) else None
     for choice in choices if isinstance(choices, list) else []:
@@ -544,8 +547,12 @@ def _add_unstrung(texts: list[bytes], value: Any) -> None:
             if isinstance(item, str):
                 if item:
                     texts.append(dumps(item)[1:-1])
-            elif isinstance(item, list) or _a_number(item):
+            else:
                 _add_unstrung(texts, item)
+    elif isinstance(value, dict):  # a part or a detail: its text fields that are no string
+        for name, inner in value.items():
+            if name in _TEXT_NAMES and not isinstance(inner, str):
+                _add_unstrung(texts, inner)
     elif _a_number(value):
         texts.append(dumps(value))
 

@@ -498,8 +498,9 @@ class ResponsesRelay(SseRelay):
         An item that names no item seen before it (vLLM's final output mints new ids) may restate
         an item the stream gave whole before and this event does not hold: each copy billed of
         a text (`_seen`), but those of the items this event holds again, is taken off one new
-        item's texts at most; the other texts of new items count. So a stream is never billed
-        less than this event alone would be, and items first given here all count."""
+        item's texts at most; the other texts of new items count. So what a stream's texts given
+        whole bill is never less than this event alone would bill (a delta counts a token), and
+        items first given here all count."""
         output = response.get("output") if isinstance(response, dict) else None
         given = [(_id_of(item), list(_item_texts(item, self._offered)))
                  for item in (output if isinstance(output, list) else []) if isinstance(item, dict)]
