@@ -803,6 +803,39 @@ def test_a_text_under_a_key_spelled_with_an_escape_is_billed(stack, ledger, api)
     assert event.completion_tokens == len(LONG) // 4
 
 
+# vLLM with --enable-prompt-embeds answers a prompt for each entry of `prompt_embeds`, `n`
+# choices each: three embeddings, n=2, five tokens a choice
+EMBEDS = {"prompt": None, "prompt_embeds": ["QUFB", "QkJC", "Q0ND"], "n": 2, "max_tokens": 5}
+EMBEDS_REPLY = [" Paris", ",", " a", " city", " on"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_a_batch_of_prompt_embeddings_is_bounded_and_estimated_as_that_many_prompts(stack, ledger, stream):
+    """§4: three prompts of embeddings, two choices each: 30 completion tokens reported are what
+    the request can produce, believed (not capped at one prompt's 10); without usage, the 30
+    chunks relayed are billed, and the prompts a token each at least (not 0)."""
+    def text_chunk(choice, text):
+        return json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+                           "choices": [{"index": choice, "text": text, "logprobs": None, "finish_reason": None}]})
+
+    if stream:
+        events = [text_chunk(choice, word) for word in EMBEDS_REPLY for choice in range(6)]
+        body = {"model": MODEL, **EMBEDS, "stream": True, "mock": {"raw_events": events, "no_usage": True}}
+    else:
+        choices = [{"index": k, "text": "".join(EMBEDS_REPLY), "logprobs": None, "finish_reason": "length"}
+                   for k in range(6)]
+        raw = json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": MODEL, "choices": choices,
+                          "usage": {"prompt_tokens": 30, "completion_tokens": 30, "total_tokens": 60}})
+        body = {"model": MODEL, **EMBEDS, "mock": {"raw_body": raw}}
+    assert post(stack, ledger, COMPLETIONS, body).status_code == 200
+    (event,) = ledger.check()
+    if stream:
+        assert (event.usage_source, event.completion_tokens) == ("estimated", 30)
+        assert event.prompt_tokens >= 3
+    else:
+        assert (event.usage_source, event.prompt_tokens, event.completion_tokens) == ("upstream", 30, 30)
+
+
 # -- the prompt estimate, when no count came ------------------------------------------------------
 
 # 40 000 characters of tool description, about 10 000 tokens, and never fewer than 312

@@ -21,14 +21,20 @@ class CompletionsApi(ChatStyleApi):
 
     def prompts(self, body: dict[str, Any]) -> int:
         """A list of strings, or of token-id lists, is a batch; a string or one list of token
-        ids is one prompt."""
+        ids is one prompt. vLLM's `prompt_embeds` (one, or a list) are prompts too, beside
+        those of `prompt`, which it serves as well: a batch of embeddings answers as many."""
+        embeds = _embeds(body)
         prompt = body.get("prompt")
+        if prompt is None and embeds:
+            return embeds
         if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
-            return len(prompt)
-        return 1
+            return len(prompt) + embeds
+        return 1 + embeds
 
     def estimate_prompt(self, body: dict[str, Any]) -> int:
-        return estimate_prompt_tokens(body, chat=False)
+        """The prompt's text as estimated, and a token for each prompt of embeddings (their
+        tensors are not read: at least a token each, never nothing)."""
+        return estimate_prompt_tokens(body, chat=False) + _embeds(body)
 
     def echoes(self, body: dict[str, Any]) -> Echoes:
         """With `echo`, each reply starts with its prompt; a batch's choices are its prompts',
@@ -48,12 +54,12 @@ class CompletionsApi(ChatStyleApi):
                       ids=[_token_ids(item) if isinstance(item, list) else 0 for item in prompt])
 
     def fewest_prompt_tokens(self, body: dict[str, Any]) -> int:
-        """Each prompt string's text, and a token per token id; none with vLLM's
-        truncate_prompt_tokens, which keeps only the prompt's last tokens."""
+        """Each prompt string's text, a token per token id and one per prompt of embeddings;
+        none with vLLM's truncate_prompt_tokens, which keeps only the prompt's last tokens."""
         if body.get("truncate_prompt_tokens") is not None:
             return 0
         prompt = body.get("prompt")
-        total = 0
+        total = _embeds(body)  # a prompt of embeddings is a token at least
         for item in prompt if isinstance(prompt, list) else [prompt]:
             if isinstance(item, str):
                 total += fewest_prompt_text_tokens(item)
@@ -62,6 +68,14 @@ class CompletionsApi(ChatStyleApi):
             elif isinstance(item, list):
                 total += sum(1 for token in item if type(token) is int)
         return total
+
+
+def _embeds(body: dict[str, Any]) -> int:
+    """How many prompts of embeddings (vLLM's `prompt_embeds`: one, or a list) the body holds."""
+    embeds = body.get("prompt_embeds")
+    if isinstance(embeds, list):
+        return len(embeds)
+    return 0 if embeds is None else 1
 
 
 def _token_ids(prompt: list[Any]) -> int:
