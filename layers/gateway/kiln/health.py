@@ -218,13 +218,11 @@ class BackendHealth:
                         unreachable=state.failures_unreachable)
 
     def answered(self, model_id: str, backend: Backend, request: str, client: str, *, failed: bool,
-                 models_backends: Iterable[Backend], probe: "Probe | None" = None,
-                 failed_elsewhere: Iterable[Backend] = ()) -> None:
+                 models_backends: Iterable[Backend], probe: "Probe | None" = None, counted: bool = True) -> None:
         """The backend answered the request `request` (a fingerprint) of `client`: `failed` for
         a 5xx, or a 2xx it could not finish (cut, silent, over a bound); `probe`: the attempt's,
-        if `claim` gave it one. `failed_elsewhere`: other backends that answered the same request
-        with a failure, none serving it: then the failure is the request's own, and counts on
-        none of them (those that counted it forget it)."""
+        if `claim` gave it one. `counted` False: the failure is the request's own (two backends
+        or more failed it and none served it, as kiln.upstream tells): it counts neither way."""
         state = self._state(backend, model_id)
         the_probes = state.out_until is not None and probe is not None and probe is state.prober
         if state.out_until is None or the_probes:
@@ -233,11 +231,7 @@ class BackendHealth:
         now = self._clock()
         answers = state.answers
         answers.pop(request, None)  # a retry of the same request counts once, with its last outcome
-        failed_elsewhere = list(failed_elsewhere)
-        alike = failed and bool(failed_elsewhere)
-        if alike:
-            self._forget_failures(request, failed_elsewhere)
-        else:
+        if counted:
             answers[request] = (now, client, failed)
         horizon = now - self.policy.error_window
         while answers:
@@ -260,7 +254,7 @@ class BackendHealth:
         if not failed:
             state.ejections = 0  # served in service: the next ejection is a first one again
             return
-        if alike:
+        if not counted:
             return
         failures = [entry for entry in answers.values() if entry[2]]
         policy = self.policy
@@ -277,14 +271,6 @@ class BackendHealth:
         state = self._states.get((backend.name, backend.url))
         if state is not None:
             state.answers.pop(request, None)
-
-    def _forget_failures(self, request: str, backends: list[Backend]) -> None:
-        """`backends` that counted `request` failed forget it."""
-        for backend in backends:
-            state = self._states.get((backend.name, backend.url))
-            entry = state.answers.get(request) if state is not None else None
-            if entry is not None and entry[2]:
-                del state.answers[request]  # type: ignore[union-attr]
 
     # -- changes ----------------------------------------------------------------------------
 

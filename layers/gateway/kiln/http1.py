@@ -208,7 +208,7 @@ class _Connection(asyncio.Protocol):
             # less than a step of the loop's clock (uvloop's: whole milliseconds; the same instant
             # read twice may come out one apart)
             if self._timer is None or self._timer_at > deadline + _CLOCK_STEP:
-                self._arm_timer(loop, deadline)
+                self._arm_timer(deadline)
             try:
                 await waiter
             finally:
@@ -223,14 +223,14 @@ class _Connection(asyncio.Protocol):
         if deadline is None or waiter is None or waiter.done():
             return  # no bounded wait under way: the next one arms its own
         if deadline > at:  # armed by a wait before this one, which ended sooner
-            self._arm_timer(self._loop, deadline)
+            self._arm_timer(deadline)
         else:
             waiter.set_exception(TimeoutError())
 
-    def _arm_timer(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+    def _arm_timer(self, at: float) -> None:
         """The timer armed for `at` (the loop's time), in place of any armed before."""
         self._stop_timer()
-        self._timer, self._timer_at = loop.call_at(at, self._timer_fired), at
+        self._timer, self._timer_at = self._loop.call_at(at, self._timer_fired), at
 
     def _stop_timer(self) -> None:
         timer, self._timer = self._timer, None

@@ -107,7 +107,7 @@ class UpstreamExchange:
     """A committed (2xx) answer of one backend, body not read yet."""
 
     __slots__ = ("backend", "response", "failures", "sent_at", "health", "model", "deadline", "request", "client",
-                 "timed_out", "sent_bytes", "failed_before")
+                 "timed_out", "sent_bytes", "after_failure")
 
     def __init__(
         self,
@@ -123,7 +123,7 @@ class UpstreamExchange:
         client: str = "",
         timed_out: TimedOut | None = None,
         sent_bytes: int = 0,  # the body this backend was sent, in bytes
-        failed_before: list[Backend] | None = None,  # the backends that answered the request with a failure first
+        after_failure: bool = False,  # another backend answered the request with a failure first
     ) -> None:
         self.backend = backend
         self.response = response
@@ -136,7 +136,7 @@ class UpstreamExchange:
         self.client = client
         self.timed_out = timed_out
         self.sent_bytes = sent_bytes
-        self.failed_before = failed_before or []
+        self.after_failure = after_failure
 
     def broke(self) -> None:
         """The backend failed after answering 2xx (a cut or silent stream, a truncated body,
@@ -148,7 +148,7 @@ class UpstreamExchange:
         failures count as any first backend's)."""
         if self.health is None or self.model is None:
             return
-        if self.failed_before:
+        if self.after_failure:
             self.health.forget(self.backend, self.request)
         else:
             self.health.answered(self.model.id, self.backend, self.request, self.client, failed=True,
@@ -342,14 +342,14 @@ class UpstreamClient:
                 last_timeout = None
                 status = response.status
                 if 200 <= status < 300 and status not in _NO_BODY:
-                    failed_before = [failed for failed, _ in failed_answers]
+                    after_failure = bool(failed_answers)
                     _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=True)
                     health.answered(model.id, backend, request, client, failed=False, models_backends=enabled,
                                     probe=probe)
                     return UpstreamExchange(
                         backend, response, failures, sent_at, health,
                         model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
-                        sent_bytes=len(content), failed_before=failed_before,
+                        sent_bytes=len(content), after_failure=after_failure,
                     )
                 # any answer below 500 means the backend works: the request was at fault, not the backend;
                 # a 2xx that has no body is no answer to a completion (a proxy's), counted as a 5xx
@@ -394,11 +394,10 @@ def _tell_failed_answers(health: BackendHealth, model_id: str, request: str, cli
     model's failover backend sees only the requests that failed before it)."""
     told = list(failed_answers)
     failed_answers.clear()
-    alike = not served and len(told) >= 2
+    counted = served or len(told) < 2
     for backend, probe in told:
-        others = [other for other, _ in told if other is not backend] if alike else ()
         health.answered(model_id, backend, request, client, failed=True, models_backends=backends, probe=probe,
-                        failed_elsewhere=others)
+                        counted=counted)
 
 
 async def _read_error_body(response: Response, deadline: float, limit: int) -> bytes:
