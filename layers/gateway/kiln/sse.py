@@ -243,11 +243,8 @@ class SseRelay:
                 and event[-1] not in b" \t\r\x0b\x0c" and not reads_further(event)):
             return False
         found = _TEXT_DELTA.findall(event)
-        if len(found) != 1 or not found[0]:
-            if b"" in found:
-                return False  # a text field holding no string: `_event` reads the chunk
-            if found and event.find(b'"reasoning') >= 0:
-                return False  # reasoning under several names, maybe: `_event` reads the chunk
+        if (len(found) != 1 or not found[0]) and _read_in_json(found, event):
+            return False  # `_event` reads the chunk
         self._count_found(found)
         finish = _FINISH_REASON.findall(event)
         if finish:
@@ -328,15 +325,12 @@ class SseRelay:
             if data is not None:
                 payload = dumps(data)
         found = texts.findall(payload)
-        if len(found) != 1 or not found[0]:
-            if len(found) > 1 and payload.find(b'"reasoning') >= 0:  # reasoning under several names, maybe
-                if data is UNREAD:
-                    data = parse_json(payload)
-                if data is not None:
-                    found = _reasoning_once(found, data)
-            if b"" in found:  # a text field holding no string: read in the chunk's JSON
-                if data is UNREAD:
-                    data = parse_json(payload)
+        if (len(found) != 1 or not found[0]) and _read_in_json(found, payload):
+            if data is UNREAD:
+                data = parse_json(payload)
+            if data is not None and len(found) > 1:
+                found = _reasoning_once(found, data)
+            if b"" in found:  # a text field holding no string
                 # an unreadable chunk's (NaN, too deep) whole bytes, as a text: a client may read it
                 found = [text for text in found if text] + (_unstrung_texts(data) if data is not None else [payload])
         self._count_found(found)
@@ -467,6 +461,13 @@ class SseRelay:
     def leftover(self) -> bytes:
         """Bytes of an event the upstream never finished (a cut stream)."""
         return b"".join(self._pending)
+
+
+def _read_in_json(found: list[bytes], payload: bytes) -> bool:
+    """Whether a chunk's texts (`found`, as `_TEXT_DELTA` finds them) are counted from its JSON:
+    one of its text fields holds no string, or it holds several texts, reasoning among them,
+    which a server may give under several names (`_reasoning_once`)."""
+    return b"" in found or (len(found) > 1 and payload.find(b'"reasoning') >= 0)
 
 
 def _reasoning_once(found: list[bytes], data: Any) -> list[bytes]:
