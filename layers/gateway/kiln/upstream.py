@@ -366,10 +366,8 @@ class UpstreamClient:
                     raise rejected
                 await response.aclose()
                 failures.append(f"{backend.name}: HTTP {status}")
-        except BaseException:  # cut short (a 4xx to answer, a cancellation): what failed is told all the same
+        finally:  # anything left untold: no backend served it (all failed, a 4xx to answer, a cancellation)
             _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=False)
-            raise
-        _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=False)
         if not failures:  # every backend was out of service or being probed by another request
             raise NoBackendAvailable(f"The model `{model.id}` has no backend available right now. Retry later.")
         if last_timeout is not None:
