@@ -15,7 +15,7 @@ import pytest
 from kiln.settings import Settings
 from kiln_ops.mock_upstream import MockUpstream
 from kiln_ops.serve import ServerThread, free_port
-from support import TELEMETRY, LedgerCheck, catalog_for_tests, data_events, dead_url
+from support import TELEMETRY, LedgerCheck, catalog_for_tests, data_events, dead_url, wait_for_events
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "x"}]
@@ -504,6 +504,86 @@ def test_one_orgs_long_buffered_generations_do_not_take_a_healthy_backend_out_of
         assert stack.post(CHAT, slow, org_a[1]).status_code == 502
     assert stack.post(CHAT, {"model": "pair-model", "messages": MESSAGES}, org_b[1]).status_code == 200
     assert changes == [], f"one org's own slow requests changed the backends' state for all: {changes}"
+
+
+def _read_slowly(stack, key: str, body: dict, wait: float) -> bytes:
+    """A stream's client that reads its headers, then nothing for `wait` seconds, then the rest:
+    the stream's body."""
+    content = json.dumps(body).encode()
+    host, port = stack.url.removeprefix("http://").split(":")
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect((host, int(port)))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+                       + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                       % (len(content), content))
+        received = client.recv(12)
+        time.sleep(wait)
+        client.settimeout(10)
+        while not received.endswith(b"\r\n0\r\n\r\n"):
+            piece = client.recv(65536)
+            if not piece:
+                break
+            received += piece
+    rest, body = received.split(b"\r\n\r\n", 1)[1], b""
+    while rest:  # the chunked body, unframed
+        size, rest = rest.split(b"\r\n", 1)
+        body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+    return body
+
+
+async def _seven_megabytes_at_once(scope, receive, send):
+    """A model server whose stream is 7 MB, written at once: more than the sockets between the
+    gateway and a client hold, so the gateway waits on a client that reads slowly."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "pair-model",
+             "choices": [{"index": 0, "delta": {"content": "word " * 120_000}, "finish_reason": None}]}
+    last = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 1000, "total_tokens": 1004}}
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for event in [chunk] * 12 + [last]:
+        await send({"type": "http.response.body", "body": b"data: %s\n\n" % json.dumps(event).encode(),
+                    "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def test_clients_that_read_their_streams_slowly_do_not_take_a_healthy_backend_out_of_service(stack_factory, mock):
+    """§5: one client cannot take a model away from the others. Two orgs' clients that read their
+    streams slower than the model's total time allows, while the backend sent all it had at
+    once: the streams end with the error event, billed for what was relayed, and the time the
+    gateway waited on the clients is not the backend's. It was counted as the backend's failure:
+    at 100 % over two clients, the healthy backend went out for every org."""
+    server = ServerThread(_seven_megabytes_at_once).start()
+    try:
+        pair = model("pair-model", [{"name": "a", "url": f"{server.url}/v1"}, {"name": "b", "url": mock.url}],
+                     timeouts={"connect": 1, "first_byte": 5, "idle": 5, "total": 1.0})
+        stack, changes = production_health(stack_factory, mock, pair, backend_error_min_requests=4)
+        orgs = [stack.org(), stack.org()]
+        answers: list[bytes] = []
+        readers = [threading.Thread(target=lambda i=i: answers.append(_read_slowly(stack, orgs[i % 2][1], {
+            "model": "pair-model", "messages": [{"role": "user", "content": f"q{i}"}], "stream": True}, 2.0)))
+            for i in range(4)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+        for org_id, _ in orgs:
+            events = wait_for_events(stack, org_id, 2)
+            assert [(event.status, event.error) for event in events] == [
+                ("client_disconnected", "the client did not read the stream within the model's total time")] * 2
+            assert all(event.completion_tokens > 0 for event in events)
+            assert stack.org_info(org_id).in_flight == 0
+        # the client, still there, is told why its stream ended
+        assert all(data_events(answer.decode(errors="replace"))[-1]["error"]["message"]
+                   == "The stream was ended: it was not read within the model's total time." for answer in answers)
+        assert changes == [], f"clients that read slowly changed the backend's state for all: {changes}"
+        rows = {row["backend"]: row for row in stack.gateway.upstream.health.snapshot() if "pair-model" in row["models"]}
+        assert rows["a"]["recent_failures"] == 0 and rows["a"]["state"] == "in_service"
+    finally:
+        server.stop()
 
 
 def test_a_shared_backend_taken_out_for_one_model_is_still_tried_for_a_model_it_is_the_last_of(stack_factory, mock):

@@ -67,10 +67,17 @@ LEASE_NOT_KEPT = "its lease could not be kept: storage unavailable"  # what its 
 EVENT_NOT_MADE = "gateway error: its usage event could not be made whole"
 TOO_LARGE_TO_ANSWER = ("Bad gateway: the model's answer is larger than a buffered answer of the gateway can be "
                        "(a Lambda invocation's 6 MB, JSON-escaped). Ask for fewer tokens, or stream it.")
+CLIENT_READ_TOO_SLOWLY = "the client did not read the stream within the model's total time"  # its event's
+READ_TOO_SLOWLY = "The stream was ended: it was not read within the model's total time."  # the client's
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
 # a stream's last event, by how it ended (any other: the model server's failure)
-_CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST}
+_CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST, "read_too_slowly": READ_TOO_SLOWLY}
+
+
+# a write that takes longer waited on the client's reading (flow control): a write alone takes well
+# under a millisecond, and a client slower than a model's tokens holds each for longer than this
+_HELD = 0.05
 
 
 class _LeaseLost(Exception):
@@ -403,6 +410,7 @@ class Exchange:
         deadline = upstream.sent_at + self.call.model.timeouts.total
         keepalive = self.gateway.settings.keepalive_seconds
         status, failure = "success", None
+        waited_on_client = 0.0  # writes a client that reads slowly held: not the backend's time
         try:
             # One read at a time, each bounded by the keep-alive: `: keepalive` goes out whenever
             # the client has been sent nothing for that long (an upstream that is silent, or one
@@ -415,7 +423,7 @@ class Exchange:
                 piece = await upstream.next_piece(sent_at + keepalive)
                 now = time.monotonic()
                 if now > deadline:
-                    raise UpstreamStreamError("exceeded the model's total time")
+                    raise UpstreamStreamError("exceeded the model's total time", timeout="total")
                 if piece == b"":
                     raise UpstreamStreamError(self.call.api.unfinished)
                 if piece is None:
@@ -432,15 +440,23 @@ class Exchange:
                     elif not out and now - sent_at >= keepalive:
                         out = KEEPALIVE  # always between two whole events: the relay sends only those
                 if out:
+                    written_at = time.monotonic()
                     yield out
                     sent_at = time.monotonic()
+                    if sent_at - written_at > _HELD:
+                        waited_on_client += sent_at - written_at
                 if relay.failure:
                     raise UpstreamStreamError(relay.failure)
                 if relay.done:
                     break
         except UpstreamStreamError as exc:
-            upstream.broke()
-            status, failure = "stream_interrupted", str(exc)
+            if exc.timeout == "total" and time.monotonic() - waited_on_client <= deadline:
+                # the backend was waited on for less than the total: the client's reading took the
+                # rest, so the backend's health is not told (one client cannot take it out, §5)
+                status, failure = "read_too_slowly", CLIENT_READ_TOO_SLOWLY
+            else:
+                upstream.broke()
+                status, failure = "stream_interrupted", str(exc)
         except _LeaseLost:  # storage's failure, not the model server's: its health is not told
             status, failure = "lease_lost", LEASE_NOT_KEPT
         except asyncio.CancelledError:
@@ -462,7 +478,7 @@ class Exchange:
     @staticmethod
     def _why_cut(deadline: float) -> str:
         if time.monotonic() > deadline:
-            return "the client did not read the stream within the model's total time"
+            return CLIENT_READ_TOO_SLOWLY
         return "the client disconnected"
 
     async def _end_stream(self, upstream: UpstreamExchange, relay: SseRelay, status: str, error: str | None) -> bytes:
@@ -498,6 +514,8 @@ class Exchange:
         settled = "upstream_error" if status == "success" and relay.upstream_failed else status
         if status == "lease_lost":
             settled = "gateway_error"
+        elif status == "read_too_slowly":  # as a client that reads nothing is, cut at its deadline
+            settled = "client_disconnected"
         await self._settle(
             settled, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )
