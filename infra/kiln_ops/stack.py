@@ -13,7 +13,7 @@ from kiln.settings import Settings
 
 from .provision import client_config
 
-__all__ = ["OUTPUTS", "StackNotFound", "settings_from_stack"]
+__all__ = ["OUTPUTS", "PARAMETERS", "StackNotFound", "settings_from_stack"]
 
 # template.yaml output → the settings field it fills
 OUTPUTS = {
@@ -25,6 +25,9 @@ OUTPUTS = {
 }
 # outputs that stacks made before them lack
 OPTIONAL_OUTPUTS = {"UpstreamApiKeyParameterName": "upstream_api_key_parameter"}
+# template.yaml parameter → the settings field it fills, as the stack's functions read it (a
+# usage event replayed by `kiln admin` expires as the functions' own do)
+PARAMETERS = {"UsageRetentionDays": ("usage_retention_days", int)}
 
 
 class StackNotFound(Exception):
@@ -50,9 +53,12 @@ def settings_from_stack(stack_name: str, base: Settings, session: Any = None) ->
     missing = [name for name in OUTPUTS if name not in outputs]
     if missing:
         raise StackNotFound(f"stack {stack_name!r} has no output {missing[0]}: is it a Kiln stack?")
+    parameters = {parameter["ParameterKey"]: parameter.get("ParameterValue")
+                  for parameter in stacks[0].get("Parameters", [])}
     return replace(
         base,
         region=outputs.get("Region", region),
         **{field: outputs[output] for output, field in OUTPUTS.items()},
         **{field: outputs[output] for output, field in OPTIONAL_OUTPUTS.items() if output in outputs},
+        **{field: kind(parameters[name]) for name, (field, kind) in PARAMETERS.items() if parameters.get(name)},
     )

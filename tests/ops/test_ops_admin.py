@@ -1103,8 +1103,7 @@ def test_keys_list_shows_when_a_key_was_last_used(admin, stack):
     assert secret not in admin("keys", "list", org_id, "--format", "csv").text
 
 
-@pytest.fixture
-def deployed_stack(stack):
+def _deploy(stack, parameters: dict | None = None, values: dict | None = None):
     """A CloudFormation stack (in the emulator) whose outputs name the test stack's tables."""
     import botocore.session
 
@@ -1118,12 +1117,35 @@ def deployed_stack(stack):
     outputs["Region"] = {"Value": "us-east-1"}
     template = {
         "AWSTemplateFormatVersion": "2010-09-09",
+        "Parameters": parameters or {},
         "Resources": {"Marker": {"Type": "AWS::SNS::Topic"}},
         "Outputs": outputs,
     }
-    client.create_stack(StackName=name, TemplateBody=json.dumps(template))
+    client.create_stack(StackName=name, TemplateBody=json.dumps(template),
+                        Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in (values or {}).items()])
+    return client, name
+
+
+@pytest.fixture
+def deployed_stack(stack):
+    client, name = _deploy(stack)
     yield name
     client.delete_stack(StackName=name)
+
+
+def test_stack_option_takes_the_usage_retention_the_stacks_functions_have(stack):
+    """`kiln admin --stack` kept the usage events it writes (replay-usage) forever, while the
+    stack's functions, by its UsageRetentionDays (400 by default), let theirs expire."""
+    from kiln_ops.stack import settings_from_stack
+
+    elsewhere = replace(Settings(), aws_endpoint_url=stack.settings.aws_endpoint_url)
+    retention = {"UsageRetentionDays": {"Type": "Number", "Default": 400}}
+    for values, days in (({}, 400), ({"UsageRetentionDays": "30"}, 30), ({"UsageRetentionDays": "0"}, 0)):
+        client, name = _deploy(stack, retention, values)
+        try:
+            assert settings_from_stack(name, elsewhere).usage_retention_days == days
+        finally:
+            client.delete_stack(StackName=name)
 
 
 def test_stack_option_reads_the_tables_from_the_stack_outputs(capsys, stack, deployed_stack):

@@ -537,6 +537,9 @@ def test_usage_events_expire_through_ttl(cfn):
     ttl = cfn["Resources"]["UsageTable"]["Properties"]["TimeToLiveSpecification"]
     assert ttl == {"AttributeName": "expires_at", "Enabled": True}
     assert env(cfn, "ChatCompletionsFunction")["KILN_USAGE_RETENTION_DAYS"] == 400
+    # `kiln admin --stack` reads the same parameter for the events it writes (replay-usage)
+    from kiln_ops.stack import PARAMETERS
+    assert set(PARAMETERS) <= set(cfn["Parameters"])
     for table in ("Keys", "Orgs", "Usage"):
         assert env(cfn, "ModelsFunction")[f"KILN_{table.upper()}_TABLE"] == {"Ref": f"{table}Table"}
 
