@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from decimal import Decimal
@@ -80,6 +81,43 @@ def test_missing_malformed_and_unknown_keys_are_401(stack, org):
         error = error_of(response)
         assert error["code"] == "invalid_api_key"
         assert "sk-kiln-AAAA" not in response.text  # the key is never echoed
+
+
+def _signed(key_header: dict | None = None) -> dict:
+    """What a caller of a Function URL with IAM auth sends: its Authorization header is its SigV4
+    signature, which Lambda checks and passes on."""
+    from botocore.auth import SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    request = AWSRequest("POST", "https://abc.lambda-url.us-east-1.on.aws/v1/chat/completions",
+                         data=json.dumps(GOOD), headers={"Content-Type": "application/json", **(key_header or {})})
+    SigV4Auth(Credentials("AKIDEXAMPLE", "secret"), "lambda", "us-east-1").add_auth(request)
+    return dict(request.headers.items())
+
+
+def test_a_caller_that_signs_for_a_function_url_gives_its_key_beside_the_signature(stack, org):
+    """deploy.md §2: `FunctionUrls=iam` is for a caller that signs its requests (SigV4), whose
+    Authorization header is then the signature: the key had nowhere to go (401 whatever it
+    sent). Beside a signature, the key is read from X-Kiln-Authorization, in the same form."""
+    org_id, key = org
+    response = stack.http.post(CHAT, json=GOOD, headers=_signed({"X-Kiln-Authorization": f"Bearer {key}"}))
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Neocloud-Generation-Id"] in {event.gen_id for event in stack.events(org_id)}
+    for headers in (_signed(), _signed({"X-Kiln-Authorization": "Bearer sk-kiln-" + "A" * 43})):
+        response = stack.http.post(CHAT, json=GOOD, headers=headers)
+        assert response.status_code == 401 and error_of(response)["code"] == "invalid_api_key"
+
+
+def test_beside_a_bearer_token_no_other_header_names_the_key(stack, org):
+    """X-Kiln-Authorization is read only beside a signature: a client's own Authorization
+    stands, so a header added on the way cannot change whose key a request uses."""
+    _, key = org
+    other_org, other_key = stack.org()
+    response = stack.post(CHAT, GOOD, key, headers={"X-Kiln-Authorization": f"Bearer {other_key}"})
+    assert response.status_code == 200 and stack.events(other_org) == []
+    response = stack.http.post(CHAT, json=GOOD, headers={"X-Kiln-Authorization": f"Bearer {key}"})
+    assert response.status_code == 401 and error_of(response)["code"] == "invalid_api_key"
 
 
 def test_revoked_key_is_401(stack, org):

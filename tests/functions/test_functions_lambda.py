@@ -102,6 +102,19 @@ def test_function_url_events(lambda_env):
     assert models["statusCode"] == 200
 
 
+def test_a_function_url_event_signed_for_iam_auth_carries_the_key_beside_the_signature(lambda_env, capsys):
+    """`FunctionUrls=iam`: Lambda passes the caller's SigV4 Authorization header on; the key
+    comes in X-Kiln-Authorization (deploy.md §2). Every such request was a 401."""
+    event = json.loads((EVENTS / "url-chat-completions.json").read_text())
+    event["headers"]["authorization"] = ("AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261130/us-east-1/lambda/aws4_request, "
+                                         "SignedHeaders=host;x-amz-date, Signature=" + "0" * 64)
+    event["headers"]["x-kiln-authorization"] = f"Bearer {lambda_env.key}"
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert response["statusCode"] == 200 and json.loads(body_of(response))["usage"]["completion_tokens"] == 12
+    assert lambda_env.key not in capsys.readouterr().out
+
+
 def test_rest_events_for_the_self_service_routes(lambda_env):
     """A query string and a POST body reach the generations function's self-service through Mangum."""
     from kiln.store.keys import create_key

@@ -77,9 +77,16 @@ async def complete(request: Request, api: ModelApi) -> Response:
 
 def _credential(request: Request) -> str | None:
     """The caller's Authorization header. Two of them are no key at all: which one a proxy
-    meant to win cannot be known."""
+    meant to win cannot be known. A caller of a Function URL with IAM auth (deploy.md §2)
+    signs its requests, its Authorization header the signature Lambda checked: its key is in
+    X-Kiln-Authorization, read only then (a client's own Authorization always stands)."""
     credentials = request.headers.getlist("authorization")
+    if len(credentials) == 1 and credentials[0].startswith(SIGV4):
+        credentials = request.headers.getlist("x-kiln-authorization")
     return credentials[0] if len(credentials) == 1 else None
+
+
+SIGV4 = "AWS4-HMAC-SHA256 "  # a SigV4 signature's Authorization header
 
 
 def _model_call_body(request: Request) -> Awaitable[object]:
