@@ -597,7 +597,8 @@ def test_two_stacks_in_one_account_alarm_on_their_own_traffic():
     """CloudWatch adds up every data point of a namespace, metric and dimensions, whichever
     stack wrote it: a staging stack beside production must not page production, nor dilute its
     error rate. Each stack's functions publish under its own name, and its alarms and dashboard
-    read that name and no other, the REST API's metrics included."""
+    read that name and no other, the REST API's metrics included. Nor do two stacks publish
+    versions of one layer."""
     seen = {}
     for stack in ("kiln-prod", "kiln-staging"):
         cfn = translate({"AWS::StackName": stack})
@@ -610,6 +611,9 @@ def test_two_stacks_in_one_account_alarm_on_their_own_traffic():
         assert {dict(dims)["service"] for _, _, dims in watched} == {"kiln"}
         (api,) = of_type(cfn, "AWS::ApiGateway::RestApi").values()
         assert api["Properties"]["Name"] == api["Properties"]["Body"]["info"]["title"] == stack
+        # and each publishes its own layer, not versions of one both share
+        assert {layer["Properties"]["LayerName"] for layer in of_type(cfn, "AWS::Lambda::LayerVersion").values()} \
+            == {f"{stack}-gateway"}
         seen[stack] = watched
     assert not seen["kiln-prod"] & seen["kiln-staging"]
 
