@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -877,6 +878,58 @@ def test_an_idle_connection_the_server_sent_more_on_is_not_reused():
         await http.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connection_whose_stray_answer_the_loop_has_not_taken_yet_is_not_reused(loop):
+    """As above, but the stray answer came while the event loop was busy (another request's
+    JSON, a large body): it waits in the kernel, not yet handed to the connection, when the
+    next request takes it from the pool. It was that request's answer; the next request may be
+    another org's. The socket itself is asked at checkout, as httpcore asks it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def serve():
+        connection, _ = listener.accept()
+        accepted.append(connection)
+        with connection:
+            head = b""
+            while b"first" not in head:
+                head += connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst")
+            time.sleep(0.02)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nSTRAY!")
+            time.sleep(0.5)
+        second, _ = listener.accept()  # the next request, on a connection of its own
+        accepted.append(second)
+        with second:
+            head = b""
+            while b"second" not in head:
+                head += second.recv(65536)
+            second.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def main():
+        http = client()
+        url = f"http://127.0.0.1:{port}"
+        first = await http.request("POST", url, headers={}, body=b"first", read_timeout=2)
+        assert await first.read() == b"first"
+        time.sleep(0.1)  # the loop busy: the stray answer reaches the socket, not the connection
+        second = await http.request("POST", url, headers={}, body=b"second", read_timeout=2)
+        body = await second.read()
+        await http.aclose()
+        return body
+
+    try:
+        assert (run(main()) if loop == "asyncio" else uvloop.run(main())) == b"second"
+        assert len(accepted) == 2
+    finally:
+        thread.join(timeout=5)
+        listener.close()
 
 
 @pytest.mark.parametrize("ending", ["reset", "silence"])

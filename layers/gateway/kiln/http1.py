@@ -19,6 +19,7 @@ header of any size), a body read whole by `Response.read(max_bytes=…)`.
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 from collections import deque
@@ -123,11 +124,14 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self.idle_since = time.monotonic()
         self.reused = False
+        self._fd = -1  # the socket's, for what the kernel holds that the transport has not handed on
 
     # -- the transport's callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         self.received += data
@@ -171,9 +175,11 @@ class _Connection(asyncio.Protocol):
             not self.ended
             and not self.transport.is_closing()  # type: ignore[union-attr]
             # bytes the server sent while the connection was idle answer no request: read by
-            # the next one they would be its answer
+            # the next one they would be its answer; those the loop has not handed on yet (it
+            # was busy when they came) wait in the kernel, which is asked too
             and not self.received
             and time.monotonic() - self.idle_since < expiry
+            and not _readable(self._fd)
         )
 
     def unread(self) -> bytearray:
@@ -265,6 +271,14 @@ class _Connection(asyncio.Protocol):
 
 # what the event loop's clock may be off by, read twice for the same instant (uvloop's counts whole milliseconds)
 _CLOCK_STEP = 0.001
+
+
+def _readable(fd: int) -> bool:
+    """Whether the kernel holds something of the socket to read: bytes, its end, or an error
+    (a socket gone is one too)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class _Message:
