@@ -719,6 +719,44 @@ def test_a_2xx_that_has_no_body_is_no_answer_the_next_backend_serves_and_alone_i
         upstream.close()
 
 
+@pytest.mark.parametrize("coding", ["gzip", "br", "deflate, gzip"])
+def test_a_2xx_in_a_content_coding_is_no_answer_the_next_backend_serves_and_alone_it_is_a_502(
+        stack_factory, mock, coding):
+    """The gateway asks for no content coding (it relays the bytes as they come), yet a backend
+    (a proxy in front of it) compresses its 200 all the same. A stream took it for its stream:
+    200 to the client, then the error event, billed the prompt's estimate. It is no answer the
+    gateway or the client can read: the next backend serves, and where there is none it is a 502
+    before any stream, billed nothing, as a buffered one already was."""
+    import gzip
+
+    def compressed(conn: socket.socket, body: bytes) -> None:
+        stream = json.loads(body).get("stream")
+        answer = gzip.compress(b'data: {"choices": []}\n\n' if stream else b'{"choices": []}')
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: " + (b"text/event-stream" if stream else b"application/json")
+                     + b"\r\nContent-Encoding: " + coding.encode() + b"\r\nConnection: close\r\n"
+                     + b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
+
+    upstream = RawUpstream(compressed)
+    try:
+        pair = model("pair-model", [{"name": "coded", "url": upstream.url}, {"name": "b", "url": mock.url}])
+        alone = model("alone-model", [{"name": "coded", "url": upstream.url}])
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [pair, alone]})
+        org_id, key = stack.org()
+        ledger = LedgerCheck(stack, org_id)
+        for stream in (False, True):
+            served = ledger.saw(stack.post(CHAT, {"model": "pair-model", "messages": MESSAGES, "stream": stream}, key))
+            assert served.status_code == 200, served.text
+            assert "error" not in served.text and (not stream or data_events(served.text)[-1] == "[DONE]")
+            refused = ledger.saw(stack.post(CHAT, {"model": "alone-model", "messages": MESSAGES, "stream": stream}, key))
+            assert refused.status_code == 502 and refused.headers["content-type"].startswith("text/plain"), refused.text
+        events = {event.gen_id: event for event in ledger.check()}
+        assert [events[gen_id].status for gen_id in ledger.gen_ids] == ["success", "upstream_error"] * 2
+        assert [events[gen_id].upstream for gen_id in ledger.gen_ids][::2] == ["b", "b"]
+        assert all(events[gen_id].cost == 0 for gen_id in ledger.gen_ids[1::2])
+    finally:
+        upstream.close()
+
+
 def test_a_4xx_that_echoes_its_request_headers_does_not_hand_the_client_the_upstream_key(
         stack_factory, mock, monkeypatch):
     """A model server writes the headers it was sent into its 400 (some proxies and debug

@@ -341,7 +341,11 @@ class UpstreamClient:
                     raise
                 last_timeout = None
                 status = response.status
-                if 200 <= status < 300 and status not in _NO_BODY:
+                # a 2xx with no body, or in a content coding (asked for none: it would be relayed
+                # coded), is no answer to a completion (a proxy's): counted as a 5xx, the next tried
+                coding = _content_coded(response) if 200 <= status < 300 else ""
+                unreadable = status in _NO_BODY or bool(coding)
+                if 200 <= status < 300 and not unreadable:
                     after_failure = bool(failed_answers)
                     _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=True)
                     health.answered(model.id, backend, request, client, failed=False, models_backends=enabled,
@@ -351,9 +355,8 @@ class UpstreamClient:
                         model=model, deadline=deadline, request=request, client=client, timed_out=self.timed_out,
                         sent_bytes=len(content), after_failure=after_failure,
                     )
-                # any answer below 500 means the backend works: the request was at fault, not the backend;
-                # a 2xx that has no body is no answer to a completion (a proxy's), counted as a 5xx
-                if status >= 500 or status in _NO_BODY:
+                # any answer below 500 means the backend works: the request was at fault, not the backend
+                if status >= 500 or unreadable:
                     failed_answers.append((backend, probe))
                 else:
                     health.answered(model.id, backend, request, client, failed=False, models_backends=enabled,
@@ -365,7 +368,7 @@ class UpstreamClient:
                     rejected.backend = backend.name  # the upstream that answered, for the usage event
                     raise rejected
                 await response.aclose()
-                failures.append(f"{backend.name}: HTTP {status}")
+                failures.append(f"{backend.name}: HTTP {status}" + (f" in content coding {coding[:40]!r}" if coding else ""))
         finally:  # anything left untold: no backend served it (all failed, a 4xx to answer, a cancellation)
             _tell_failed_answers(health, model.id, request, client, enabled, failed_answers, served=False)
         if not failures:  # every backend was out of service or being probed by another request
@@ -381,6 +384,13 @@ class UpstreamClient:
 
 # 2xx statuses that have no body (RFC 9110): no completion, no stream; the next backend is tried
 _NO_BODY = frozenset({204, 205})
+
+
+def _content_coded(response: Response) -> str:
+    """The content coding an answer is in, other than none ("" then): the gateway asks for
+    identity and decodes nothing."""
+    coding = (response.header("content-encoding") or "").strip(" \t")
+    return "" if coding.lower() in ("", "identity") else coding
 
 
 def _tell_failed_answers(health: BackendHealth, model_id: str, request: str, client: str, backends: list[Backend],
