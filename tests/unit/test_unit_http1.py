@@ -999,6 +999,22 @@ def test_a_status_line_that_is_not_http_is_refused(version):
     run(main())
 
 
+@pytest.mark.parametrize("status", [b"000", b"099", b"042"])
+def test_a_status_below_100_is_refused(status):
+    """No HTTP status is below 100 (RFC 9110 §15), and h11 refuses one: it was taken for a
+    final answer, its connection pooled, and counted as a backend that works."""
+    async def main():
+        http = client()
+        async with server(answering(b"HTTP/1.1 " + status + b" OK\r\nContent-Length: 2\r\n\r\n{}", then_wait=1)) \
+                as (url, _):
+            with pytest.raises(ProtocolFailure, match="status"):
+                await http.request("POST", url, headers={}, body=b"{}", read_timeout=2)
+            assert http.idle_connections == 0
+        await http.aclose()
+
+    run(main())
+
+
 @pytest.mark.parametrize("lead", [b"", b"\r\n", b"\r\n\r\n"], ids=["none", "an-empty-line", "two"])
 def test_a_status_line_trickled_a_byte_at_a_time_is_still_read(lead):
     """The protocol is told from the answer's first bytes, whatever pieces they come in, past
@@ -1159,6 +1175,8 @@ def test_trailers_are_bounded_and_never_taken_for_headers():
 @pytest.mark.parametrize("answer", [
     # HTTP/1.0 with chunked framing: RFC 9112 §6.1, the client closes the connection after it
     b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    # any HTTP/1.0 answer, its keep-alive asked for or not: h11 reuses none
+    b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\n{}",
     # bytes after the body's end, in the same read: a connection that says more than it was asked
     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}H",
     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}HTTP/1.1 200 OK\r\n",

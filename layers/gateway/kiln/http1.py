@@ -333,6 +333,8 @@ class _Message:
             self.keep_alive = False
             return
         status = self.parser.get_status_code()
+        if status < 100:  # no HTTP status (RFC 9110 §15), though the parser reads three digits
+            raise ProtocolFailure(f"malformed response: status {status:03d}")
         if 100 <= status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints…) is not the answer: its
             # headers are dropped and the parser goes on to the final one, which follows on
@@ -351,9 +353,9 @@ class _Message:
         self.status = status  # the final answer's, whatever the parser reads after it
         self.headers_complete = True
         # asked now: once the message is complete the parser has reset its flags. An HTTP/1.0
-        # answer framed as chunked is faulty framing: its connection is closed after it (RFC 9112 §6.1)
-        self.keep_alive = self.parser.should_keep_alive() and not (
-            self.coded and self.parser.get_http_version() == "1.0")
+        # answer's connection is closed after it, its keep-alive asked for or not, as h11 does
+        # (one framed as chunked is faulty framing besides: RFC 9112 §6.1)
+        self.keep_alive = self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"
 
     def on_body(self, body: bytes) -> None:
         if not self.complete:
@@ -810,6 +812,8 @@ def _feed(parser: object, data: bytes) -> None:
         # 101 Switching Protocols (or an upgrade): no HTTP answer to a POST will follow
         raise ProtocolFailure("the server switched protocols instead of answering") from None
     except httptools.HttpParserError as exc:
+        if isinstance(exc.__context__, ProtocolFailure):  # a callback's own (_Message), said as it is
+            raise exc.__context__ from None
         raise ProtocolFailure(f"malformed response: {exc}") from exc
 
 
