@@ -109,6 +109,12 @@ class StorageFaults:
         `answer`: (status, body) answered instead, as a proxy in front of DynamoDB would (a 504)."""
         return self._rule("lose", operation, when, times, answer=answer)
 
+    def late(self, operation: str, seconds: float, *, when: Callable[[dict], bool] = lambda payload: True,
+             times: int | None = None) -> list[int]:
+        """Lose the answer of matching `operation` calls at once, and apply them `seconds` later:
+        a write held in the network that lands after the gateway's retry of it."""
+        return self._rule("late", operation, when, times, delay=seconds)
+
     def unreachable(self, operation: str, *, when: Callable[[dict], bool] = lambda payload: True,
                     times: int | None = None) -> list[int]:
         """Refuse the connection for matching `operation` calls: nothing is sent."""
@@ -169,6 +175,11 @@ class StorageFaults:
         """The rule losing the answer to this call, already applied, if one does."""
         return self._firing("lose", operation, payload)
 
+    def held(self, operation: str, payload: dict) -> float | None:
+        """How long this call is held before it lands, its answer lost, if a rule holds it."""
+        rule = self._firing("late", operation, payload)
+        return rule["delay"] if rule is not None else None
+
     def refused(self, operation: str, payload: dict) -> bool:
         """Is the connection for this call to be refused (nothing sent)?"""
         return self._firing("unreachable", operation, payload) is not None
@@ -180,6 +191,7 @@ class FaultInjectingHttp(HttpClient):
     def __init__(self, faults: StorageFaults) -> None:
         super().__init__(ssl_context=client_context)
         self._faults = faults
+        self._landing: set[asyncio.Task] = set()  # the calls held, until they land
 
     async def request(self, method: str, url: str, *, headers: dict[str, str], body: bytes, **options: Any) -> Response:
         operation = headers.get("x-amz-target", "").rpartition(".")[2]
@@ -189,6 +201,16 @@ class FaultInjectingHttp(HttpClient):
             return injected
         if self._faults.refused(operation, payload):
             raise ConnectFailed("could not connect: connection refused (injected by the test)")
+        held = self._faults.held(operation, payload)
+        if held is not None:
+            async def land() -> None:
+                await asyncio.sleep(held)
+                await (await super(FaultInjectingHttp, self).request(method, url, headers=headers, body=body,
+                                                                     **options)).read()
+
+            self._landing.add(task := asyncio.get_running_loop().create_task(land()))
+            task.add_done_callback(self._landing.discard)
+            raise ProtocolFailure("connection reset after the request was sent (injected by the test)")
         delay = self._faults.delay(operation, payload)
         if delay:
             await asyncio.sleep(delay)

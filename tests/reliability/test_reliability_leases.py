@@ -248,6 +248,35 @@ def test_streams_stopped_for_their_leases_take_no_model_server_out_of_service(st
     assert all(row["state"] == "in_service" for row in stack.gateway.upstream.health.snapshot())
 
 
+def test_an_admission_that_lands_after_its_request_settled_does_not_hold_a_slot_for_good(stack_factory, mock):
+    """§2 step 5, §4: an admission's write lands after its retry was admitted, served and
+    settled (DynamoDB applied it late, its answer lost). Its lease, written again, belongs to a
+    request whose usage event exists: the reclaim that would free it wrote that event again,
+    was refused, and freed nothing, the org's other dead leases with it, each time. At its
+    limit of 1 the org was answered 429 for good. Such a lease is freed, billed nothing more."""
+    stack = stack_factory(**SCALED)
+    org_id, key = stack.org(credits="1", concurrency=1)
+    ledger = LedgerCheck(stack, org_id)
+    stack.faults.late("UpdateItem", 0.5, times=1,
+                      when=lambda payload: org_id in str(payload) and "#leases.#gen = :lease" in str(payload))
+    body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}]}
+    first = ledger.saw(stack.post(CHAT, body, key))
+    assert first.status_code == 200
+    time.sleep(1.0)  # the late write has landed: the settled request's lease is back
+    assert first.headers["X-Neocloud-Generation-Id"] in stack.org_info(org_id).leases
+    time.sleep(SCALED["lease_ttl_seconds"])  # and it has expired
+    statuses = []
+    for _ in range(10):
+        statuses.append(ledger.saw(stack.post(CHAT, body, key)).status_code)
+        if statuses[-1] == 200:
+            break
+        time.sleep(0.3)
+    assert statuses[-1] == 200, statuses
+    events = ledger.check()  # one event a generation, credits down by exactly their costs
+    assert [event.status for event in events] == ["success"] * 2
+    assert stack.org_info(org_id).in_flight == 0 and not stack.org_info(org_id).leases
+
+
 def test_a_stream_its_client_does_not_read_is_closed_for_its_lease_as_the_gateways_failure(stack_factory, mock):
     """A stream blocked writing to a client that reads nothing, when its lease cannot be kept: it
     is closed as if the client had left, but its usage event says what happened (gateway_error,

@@ -290,6 +290,33 @@ def test_expired_leases_are_reclaimed_when_the_org_is_below_its_limit(stack_fact
     assert stack.ledger.settle(live, _event(live)) == "settled"
 
 
+def test_a_lease_its_admission_brought_back_after_its_settle_is_freed_with_the_dead_beside_it(stack_factory):
+    """§2 step 5: an admission's write that DynamoDB applies again after its request settled (a
+    copy held in the network, its answer lost) brings the settled request's lease back. The
+    reclaim wrote its event again, was refused for it, and freed nothing: a crashed request's
+    lease beside it was held too, and at the org's limit every admission was 429, for good.
+    It is freed billed nothing more; the crashed one is billed as abandoned."""
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=2)
+    faults = StorageFaults()  # records every call
+    settled = _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    (write,) = [payload for operation, payload in faults.calls if operation == "UpdateItem"]
+    assert stack.ledger.settle(settled, _event(settled)) == "settled"
+    stack.dynamodb.update_item(**write)  # the same admission, landing late
+    crashed = _admit(stack, org_id)
+    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
+    time.sleep(0.4)
+    assert stack.org_info(org_id).expired_leases == 2
+    live = _admit(stack, org_id)  # both slots held by dead leases: reclaimed, then admitted
+    info = stack.org_info(org_id)
+    assert list(info.leases) == [live.gen_id]
+    events = {event.gen_id: event for event in stack.events(org_id)}
+    assert (events[settled.gen_id].status, events[settled.gen_id].cost) == ("success", Decimal("0.25"))
+    assert (events[crashed.gen_id].status, events[crashed.gen_id].cost) == ("abandoned", Decimal("0.5"))
+    assert info.credits == Decimal("0.25")
+    assert stack.ledger.settle(live, _event(live)) == "settled"
+
+
 def test_a_late_settle_after_a_billed_reclaim_is_charged_the_difference_only(stack_factory):
     stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
     org_id, _ = stack.org(credits="1", concurrency=1)

@@ -507,13 +507,19 @@ class Ledger:
         except Exception as exc:  # noqa: BLE001 - the next admission tries again
             log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id, "detail": f"{type(exc).__name__}: {exc}"}))
 
-    async def _reclaim(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
+    async def _reclaim(self, org_id: str, leases: list[Lease], seen: dict[str, Any],
+                       settled: frozenset[str] = frozenset()) -> None:
         """Free expired leases; each gets an `abandoned` usage event billed as of its last renewal,
-        added to its key's figures as `seen` (the org item the leases were read from) has them."""
+        added to its key's figures as `seen` (the org item the leases were read from) has them.
+        A lease whose generation has its event already (`settled`: a late copy of its admission
+        landed after its request settled, §2 step 5) is freed billed nothing more: its event
+        stands. Its event written again cancelled the whole reclaim, every dead lease of the org
+        held with it, for good."""
         names = {"#leases": ORG.leases, "#exp": LEASE.exp, "#credits": ORG.credits}
         values: dict[str, Any] = {}
         removes, unchanged = [], []
-        events = [self._kept(lease.abandoned_event()) for lease in leases]
+        billable = [lease for lease in leases if lease.gen_id not in settled]
+        events = [self._kept(lease.abandoned_event()) for lease in billable]
         for index, lease in enumerate(leases):
             names[f"#g{index}"] = lease.gen_id
             values[f":e{index}"] = {"N": repr(round(lease.expires, 3))}
@@ -526,23 +532,29 @@ class Ledger:
             values[":billed"] = {"N": number(billed)}
         else:
             del names["#credits"]
-        update += _key_bookkeeping([(lease, event.cost, _counted_in(lease, seen))
-                                    for lease, event in zip(leases, events, strict=True)], names, values)
+        charges = [(lease, event.cost, _counted_in(lease, seen)) for lease, event in zip(billable, events, strict=True)]
+        charges += [(lease, Decimal(0), ()) for lease in leases if lease.gen_id in settled]
+        update += _key_bookkeeping(charges, names, values)
         # the figures are those the markers in `seen` say: a change of a key's spend since
         # (its marker set, changed or removed) makes this reclaim one that raced
         unchanged += _markers_as_read(sorted({lease.key_id for lease in leases}), seen, names, values)
         items = [self._org_update(org_id, update, " AND ".join(unchanged), names, values)]
         items += [self._put_event(event, EVENT_IS_NEW) for event in events]
         items += tally_updates(self._usage_table, [(lease.key_id, lease.started, event.cost)
-                                                   for lease, event in zip(leases, events, strict=True)])
+                                                   for lease, event in zip(billable, events, strict=True)])
         gen_ids = [lease.gen_id for lease in leases]
         payload = {"TransactItems": items, "ClientRequestToken": client_token("r", json.dumps(items, sort_keys=True))}
         self._reclaiming.update(gen_ids)
         try:
             await self._retried("reclaim", "TransactWriteItems", payload)
             log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": gen_ids,
-                                    "billed": number(billed)}))
+                                    "billed": number(billed), "already_settled": sorted(settled)}))
         except TransactionCancelled as cancelled:
+            # events that exist: their requests settled, and their leases came back
+            found = {lease.gen_id for index, lease in enumerate(billable) if cancelled.failed_condition(1 + index)}
+            if found:
+                await self._reclaim(org_id, leases, seen, settled | found)
+                return
             # Another admission reclaimed them first, one was renewed or settled just now: nothing to do.
             log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "reasons": cancelled.reasons}))
         finally:
