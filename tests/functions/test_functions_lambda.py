@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ import pytest
 from kiln.web import openapi_path
 from kiln_ops.serve import free_port
 from kiln_ops.template import repo_root
+from support import data_events
 
 EVENTS = Path(__file__).resolve().parents[1] / "events"
 CONTEXT = SimpleNamespace(
@@ -351,6 +353,31 @@ def test_a_request_whose_event_lambda_cannot_carry_is_413_before_admission(stack
     # 404), sent to no model server
     plain = {"model": "no-such-model", "messages": [{"role": "user", "content": "word " * 600_000}]}
     assert stack.post("/v1/chat/completions", plain, key).status_code == 404
+
+
+def test_a_stream_lambda_cannot_carry_whole_ends_within_it_billed_for_what_it_carries(lambda_env, monkeypatch):
+    """In buffered mode a stream is answered whole too, in one JSON document of at most 6 MB: a
+    stream larger than that (some 30 000 tokens of vLLM's chunks) was settled as a success and
+    then lost, billed. It now ends before the bound with the error event, billed for the chunks
+    it carries, which reach the client. The bound made small here."""
+    import kiln.lambda_payload as payload
+
+    monkeypatch.setattr(payload, "LAMBDA_PAYLOAD_BYTES", 64 * 1024)
+    event = json.loads((EVENTS / "rest-chat-completions-stream.json").read_text()
+                       .replace("${KILN_API_KEY}", lambda_env.key))
+    body = json.loads(event["body"])
+    event["body"] = json.dumps({**body, "max_tokens": 20000, "mock": {"tokens": 20000}})
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert len(json.dumps(response)) <= 64 * 1024  # what the runtime can hand back
+    assert response["statusCode"] == 200
+    chunks = data_events(body_of(response))
+    assert "[DONE]" not in chunks and "larger than" in chunks[-1]["error"]["message"]
+    delivered = [chunk for chunk in chunks[:-1] if chunk["choices"] and chunk["choices"][0]["delta"].get("content")]
+    (settled,) = lambda_env.stack.events(lambda_env.org_id)
+    assert settled.status == "stream_interrupted" and 0 < settled.completion_tokens <= len(delivered)
+    assert lambda_env.stack.org_info(lambda_env.org_id).in_flight == 0
+    assert lambda_env.stack.org_info(lambda_env.org_id).credits == Decimal(10) - settled.cost
 
 
 def test_a_buffered_answer_lambda_cannot_carry_is_502_and_not_billed(lambda_env, monkeypatch):

@@ -33,7 +33,7 @@ from .errors import (
 )
 from .gateway import Gateway
 from .jsonio import dumps, loads_strict
-from .lambda_payload import answer_size
+from .lambda_payload import answer_size, escaped_size
 from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
 from .observability import RequestRecord
@@ -69,15 +69,46 @@ TOO_LARGE_TO_ANSWER = ("Bad gateway: the model's answer is larger than a buffere
                        "(a Lambda invocation's 6 MB, JSON-escaped). Ask for fewer tokens, or stream it.")
 CLIENT_READ_TOO_SLOWLY = "the client did not read the stream within the model's total time"  # its event's
 READ_TOO_SLOWLY = "The stream was ended: it was not read within the model's total time."  # the client's
+TOO_LARGE_TO_STREAM = ("The stream was ended: it is larger than an answer of this deployment can be (a Lambda "
+                       "invocation's 6 MB, JSON-escaped, in buffered mode). Ask for fewer tokens.")
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
 # a stream's last event, by how it ended (any other: the model server's failure)
-_CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST, "read_too_slowly": READ_TOO_SLOWLY}
+_CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST, "read_too_slowly": READ_TOO_SLOWLY,
+                 "too_large_to_answer": TOO_LARGE_TO_STREAM}
 
 
 # a write that takes longer waited on the client's reading (flow control): a write alone takes well
 # under a millisecond, and a client slower than a model's tokens holds each for longer than this
 _HELD = 0.05
+# what a stream answered whole (kiln.lambda_payload) keeps for its last event, at the most
+_TAIL_ROOM = 8192
+
+
+class _TooLargeToAnswer(Exception):
+    """A stream answered whole would outgrow what its invocation can answer; `relayed`: the
+    events made of its last read before the line that would."""
+
+    def __init__(self, relayed: bytes) -> None:
+        super().__init__()
+        self.relayed = relayed
+
+
+def _fed_within(relay: SseRelay, piece: bytes, room: int) -> tuple[bytes, int]:
+    """What the relay makes of `piece`, fed a line at a time while `room` lasts (a line's bytes
+    as the answer's JSON string holds them: what it is relayed as, near enough, the tail's room
+    kept for the difference), and the room left. What it bills is then what the client gets."""
+    out = b""
+    for line in piece.splitlines(keepends=True):
+        room -= escaped_size(line)
+        if room < 0:
+            raise _TooLargeToAnswer(out)
+        try:
+            out += relay.feed(line)
+        except EventTooLarge as exc:
+            exc.relayed = out + exc.relayed
+            raise
+    return out, room
 
 
 class _LeaseLost(Exception):
@@ -411,6 +442,9 @@ class Exchange:
         keepalive = self.gateway.settings.keepalive_seconds
         status, failure = "success", None
         waited_on_client = 0.0  # writes a client that reads slowly held: not the backend's time
+        # answered whole (buffered mode), a stream is bounded as a buffered answer is: it ends,
+        # its last event kept room for, before what it has relayed (JSON-escaped) could be lost
+        room = None if self._answer_limit is None else self._answer_limit - _TAIL_ROOM
         try:
             # One read at a time, each bounded by the keep-alive: `: keepalive` goes out whenever
             # the client has been sent nothing for that long (an upstream that is silent, or one
@@ -430,8 +464,11 @@ class Exchange:
                     out = KEEPALIVE  # silent for the interval
                 else:
                     try:
-                        out = relay.feed(piece)
-                    except EventTooLarge as exc:
+                        if room is None:
+                            out = relay.feed(piece)
+                        else:
+                            out, room = _fed_within(relay, piece, room)
+                    except (EventTooLarge, _TooLargeToAnswer) as exc:
                         if exc.relayed:  # the events before the one over the bound are the client's
                             yield exc.relayed
                         raise
@@ -459,6 +496,8 @@ class Exchange:
                 status, failure = "stream_interrupted", str(exc)
         except _LeaseLost:  # storage's failure, not the model server's: its health is not told
             status, failure = "lease_lost", LEASE_NOT_KEPT
+        except _TooLargeToAnswer:  # the deployment's bound, not the model server's failure
+            status, failure = "too_large_to_answer", "the stream outgrew what its invocation can answer"
         except asyncio.CancelledError:
             if not self._cancelled_for_the_lease():
                 await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
@@ -516,6 +555,8 @@ class Exchange:
             settled = "gateway_error"
         elif status == "read_too_slowly":  # as a client that reads nothing is, cut at its deadline
             settled = "client_disconnected"
+        elif status == "too_large_to_answer":
+            settled = "stream_interrupted"
         await self._settle(
             settled, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-__all__ = ["LAMBDA_PAYLOAD_BYTES", "answer_limit", "answer_size", "event_size", "event_too_large"]
+__all__ = ["LAMBDA_PAYLOAD_BYTES", "answer_limit", "answer_size", "escaped_size", "event_size", "event_too_large"]
 
 # a synchronous invocation's request and response payloads, each (AWS Lambda quotas)
 LAMBDA_PAYLOAD_BYTES = 6 * 1024 * 1024
@@ -50,4 +50,9 @@ def answer_size(body: bytes) -> int:
     character past ASCII escaped (the most it may take)."""
     if 6 * len(body) < LAMBDA_PAYLOAD_BYTES // 2:  # however it is escaped: far within
         return 6 * len(body)
-    return len(json.dumps(body.decode("utf-8", "replace")))
+    return escaped_size(body) + 2
+
+
+def escaped_size(piece: bytes) -> int:
+    """The bytes of a piece of a body (whole characters) inside the answer's JSON string."""
+    return len(json.dumps(piece.decode("utf-8", "replace"))) - 2
