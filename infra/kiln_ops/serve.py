@@ -77,6 +77,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._received = False
         self._head_open, self._head_bytes = False, 0
         self._answering: Any = None  # the request whose app runs (others wait behind it, unread)
+        self._refused = False  # a malformed request's 400 waits for the answers before it
         self._resuming = False  # reading the body of a request whose upgrade offer was declined
         self._arm(self.header_timeout, "headers")
 
@@ -96,6 +97,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     # read a head begins in may end another request's body, so only the parser's count is its.
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:  # nothing after a malformed request is read
+            return
         self._received = True
         inside = self._head_open  # a head begun in an earlier read, not finished
         counted = self._head_bytes
@@ -195,6 +198,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # reads the connection again, and starts a queued request
+        if self._refused and not self.transport.is_closing() and self._unanswered() is None:
+            self._refuse()  # the answers before the malformed request are out: its 400 now
+            return
         if self._read_timer is not None or self.transport.is_closing():
             return
         # what was waiting, unread, behind the answer now ends: a head's or a body's time starts
@@ -206,13 +212,24 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        # uvicorn tells the request it parsed last; the one answered, if a request was pipelined
+        # behind it, is told too: its client is gone as well
+        answering = self._unanswered()
+        if answering is not None and answering is not self.cycle:
+            answering.disconnected = True
+            answering.message_event.set()
         super().connection_lost(exc)
+
+    def _unanswered(self) -> Any:
+        """The request whose app runs and has not answered whole yet, if any."""
+        answering = self._answering
+        return answering if answering is not None and not answering.response_complete else None
 
     def _read_timed_out(self, what: str) -> None:
         self._read_timer = None
         if self.transport.is_closing():
             return
-        answering = self._answering if self._answering is not None and not self._answering.response_complete else None
+        answering = self._unanswered()
         late = self.cycle if what == "body" else None  # the request whose body is late (a head: none yet)
         if answering is not None and late is not answering:
             # a later request's head or body is late while an earlier one is answered (pipelined):
@@ -232,6 +249,21 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         self._disarm()
+        answering = self._unanswered()
+        # the malformed bytes are a later request's (a head begun, or a queued request's body) while
+        # an earlier one is answered: HTTP/1.1 answers in order, so the 400 waits for the answers
+        # before it (a queued request whose body is malformed is answered by the 400 alone)
+        later = self._head_open or self.cycle is not answering
+        if answering is not None and later:
+            if self.cycle is not None and self._queued(self.cycle):
+                self.pipeline.remove(next(entry for entry in self.pipeline if entry[0] is self.cycle))
+            self._refused = True
+            self.flow.pause_reading()
+            return
+        self._refuse()
+
+    def _refuse(self) -> None:
+        self._refused = True
         self.transport.write(_error_response(
             400, "Bad Request", "The request is not valid HTTP/1.1 (framing or headers).", "invalid_http_request"))
         self.transport.close()

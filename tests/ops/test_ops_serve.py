@@ -398,3 +398,57 @@ def test_after_a_declined_offer_a_request_that_closes_the_connection_is_answered
     assert b"400" not in received
     (first_status, first_body), second = answers(received)
     assert first_status == 200 and first_body.endswith(b"3\r\nend") and second == (200, b"")
+
+
+@pytest.mark.parametrize("broken", [
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n",  # no Host
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * (MAX_HEAD_BYTES + 10) + b"\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",  # its body
+], ids=["length", "coding", "host", "head", "chunk"])
+def test_a_malformed_request_pipelined_behind_one_still_answered_gets_its_400_after_that_answer(slow_server, broken):
+    """HTTP/1.1 answers pipelined requests in order: the 400 of a malformed request was written
+    at once, the connection closed, in the middle of the answer to the request before it (still
+    running, and billed), so the client took the 400 for that request's answer."""
+    received = exchange(slow_server, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + broken)
+    (first_status, first_body), (second_status, second_body) = answers(received)
+    assert first_status == 200 and first_body.endswith(b"data: [DONE]\n\n")
+    assert second_status == 400 and json.loads(second_body)["error"]["code"] == "invalid_http_request"
+
+
+def test_a_client_that_leaves_with_requests_queued_is_seen_gone_by_the_one_answered():
+    """A client that pipelined a request behind one still answered, then left: only the queued
+    request was told, so the one answered waited on as if its client were there (a stream's
+    slot held until its model server answered), and its first write then failed on the closed
+    connection. It is told the client is gone, as a client that pipelined nothing is."""
+    import asyncio
+
+    told = []
+
+    async def waits_for_its_client(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/wait":
+            started = time.monotonic()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            told.append(time.monotonic() - started)
+            await asyncio.sleep(0.1)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"late"})
+            told.append("sent")
+            return
+        await echo(scope, receive, send)
+
+    running = ServerThread(waits_for_its_client).start()
+    try:
+        with socket.create_connection((running.host, running.port), timeout=5) as raw:
+            raw.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(0.3)
+        deadline = time.monotonic() + 3
+        while len(told) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(told) == 2 and told[0] < 1.0, told
+    finally:
+        running.stop()
