@@ -198,8 +198,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # reads the connection again, and starts a queued request
-        if self._refused and not self.transport.is_closing() and self._unanswered() is None:
-            self._refuse()  # the answers before the malformed request are out: its 400 now
+        if self._refused:  # nothing after the malformed request is read: no read timer for it
+            if not self.transport.is_closing() and self._unanswered() is None:
+                self._refuse()  # the answers before the malformed request are out: its 400 now
             return
         if self._read_timer is not None or self.transport.is_closing():
             return
@@ -255,7 +256,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # before it (a queued request whose body is malformed is answered by the 400 alone)
         later = self._head_open or self.cycle is not answering
         if answering is not None and later:
-            if self.cycle is not None and self._queued(self.cycle):
+            if not self._head_open and self.cycle is not None and self._queued(self.cycle):
+                # its own body is malformed: the 400 is its answer, in its place
                 self.pipeline.remove(next(entry for entry in self.pipeline if entry[0] is self.cycle))
             self._refused = True
             self.flow.pause_reading()

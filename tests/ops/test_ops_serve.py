@@ -417,6 +417,38 @@ def test_a_malformed_request_pipelined_behind_one_still_answered_gets_its_400_af
     assert second_status == 400 and json.loads(second_body)["error"]["code"] == "invalid_http_request"
 
 
+@pytest.mark.parametrize("queued", [1, 2])
+def test_requests_queued_between_the_one_answered_and_a_malformed_one_are_each_answered(slow_server, queued):
+    """A valid request queued behind the one answered, a malformed one behind it: the 400 was
+    taken for the queued request's answer, the queued request dropped unanswered."""
+    good = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+    received = exchange(slow_server, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + good * queued
+                        + b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+    assert [(status, body if status == 200 else b"") for status, body in answers(received)][1:] == [
+        (200, b"hi")] * queued + [(400, b"")]
+
+
+def test_a_malformed_request_waits_for_answers_longer_than_the_header_timeout_and_is_still_refused():
+    """Waiting behind answers that outlast the head's timeout, the malformed request's head
+    timer closed the connection after them, the 400 never sent: no read timer runs for it."""
+    import asyncio
+
+    async def slow_answer(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await asyncio.sleep(0.6)
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    running = ServerThread(slow_answer, header_timeout=0.3, body_timeout=0.3).start()
+    try:
+        good = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        received = exchange(running, good * 3 + b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert [status for status, _ in answers(received)] == [200, 200, 200, 400]
+    finally:
+        running.stop()
+
+
 def test_a_client_that_leaves_with_requests_queued_is_seen_gone_by_the_one_answered():
     """A client that pipelined a request behind one still answered, then left: only the queued
     request was told, so the one answered waited on as if its client were there (a stream's
