@@ -984,6 +984,28 @@ def test_a_key_just_made_is_found_though_the_index_has_not_seen_it_yet(stack, ch
     assert answer.json()["id"] == key["id"]
 
 
+def test_a_caller_that_signs_for_a_function_url_reads_its_own_key_made_a_moment_ago(stack):
+    """GET /v1/key reads the caller's key by its secret, consistently. A caller that signs its
+    requests (a Function URL with IAM auth) gives its key in X-Kiln-Authorization: its signature
+    was taken for the secret, nothing found, and the index, not up to date yet, made it a 500."""
+    from botocore.auth import SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    _, admin = management_org(stack)
+    secret = call(stack, "POST", "/v1/keys", admin, {"label": "fresh"}).json()["secret"]
+    signed = AWSRequest("GET", "https://abc.lambda-url.us-east-1.on.aws/v1/key",
+                        headers={"X-Kiln-Authorization": f"Bearer {secret}"})
+    SigV4Auth(Credentials("AKIDEXAMPLE", "secret"), "lambda", "us-east-1").add_auth(signed)
+    behind = stack.faults.reply("Query", {"Items": [], "Count": 0, "ScannedCount": 0}, when=by_key_id)
+    try:
+        answer = stack.http.get("/v1/key", headers=dict(signed.headers.items()))
+    finally:
+        stack.faults.clear()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["label"] == "fresh" and behind == []  # found by its secret, the index not asked
+
+
 def test_a_key_is_answered_as_it_is_not_as_an_index_that_is_behind_has_it(stack):
     """What the index holds of a key may be older than the key (a change made a moment ago):
     the key itself is read, consistently, before it is shown or changed."""

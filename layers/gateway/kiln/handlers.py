@@ -75,7 +75,7 @@ async def complete(request: Request, api: ModelApi) -> Response:
                           answer_limit=answer_limit(request.scope)).respond(request.receive)  # 6
 
 
-def _credential(request: Request) -> str | None:
+def credential(request: Request) -> str | None:
     """The caller's Authorization header. Two of them are no key at all: which one a proxy
     meant to win cannot be known. A caller of a Function URL with IAM auth (deploy.md §2)
     signs its requests, its Authorization header the signature Lambda checked: its key is in
@@ -108,14 +108,14 @@ async def checks(
     the other with no I/O and no task; on a cold cache (a new execution environment, an entry
     that expired) the key's and the catalog's reads run at once, beside the body's upload, and
     a bad body is still answered before a bad key, a bad key before the catalog's state."""
-    credential = _credential(request)
+    given = credential(request)
     await gateway.check_maintenance()
-    if gateway.warm(credential, catalog=catalog) or (read_body is None and not catalog):
+    if gateway.warm(given, catalog=catalog) or (read_body is None and not catalog):
         body = await read_body(request) if read_body is not None else None
-        principal = await gateway.storage(gateway.auth.authenticate(credential))
+        principal = await gateway.storage(gateway.auth.authenticate(given))
         return principal, body, (await gateway.catalog() if catalog else None)
     async def key() -> Principal:  # the key's read made in its task: a task stopped unstarted leaves none behind
-        return await gateway.storage(gateway.auth.authenticate(credential))
+        return await gateway.storage(gateway.auth.authenticate(given))
 
     reads = asyncio.gather(key(), *((gateway.catalog(),) if catalog else ()), return_exceptions=True)
     body: Any = None

@@ -32,7 +32,7 @@ from .errors import (
     shortened,
 )
 from .gateway import Gateway
-from .handlers import checks, get_gateway, read_json
+from .handlers import checks, credential, get_gateway, read_json
 from .jsonio import dumps
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
@@ -176,7 +176,7 @@ async def _current_key(gateway: Gateway, request: Request, record: RequestRecord
 
 
 def _secret(request: Request) -> str:
-    (authorization,) = request.headers.getlist("authorization")  # authentication accepted exactly one
+    authorization = credential(request) or ""  # authentication accepted it: a bearer token
     return authorization.strip().partition(" ")[2].strip()
 
 
