@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -584,6 +585,44 @@ def test_clients_that_read_their_streams_slowly_do_not_take_a_healthy_backend_ou
         assert rows["a"]["recent_failures"] == 0 and rows["a"]["state"] == "in_service"
     finally:
         server.stop()
+
+
+async def _never_answers(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await asyncio.sleep(60)
+
+
+@pytest.mark.parametrize("case", ["after a failover", "a client that paused once"])
+def test_a_stream_its_backend_never_ends_is_the_backends_failure_whatever_its_client_did(stack_factory, mock, case):
+    """The other side of the test above: a backend that streams without end fails the request,
+    however its client read. Two ways it was put on the client instead, the backend told
+    nothing: served after a failover (the time spent on the first backend counted as the
+    client's), and a client that held one write for a while early on, then read at once.
+    (A client slower than such a backend to the end is what the stream waited on when it
+    was cut: that one is the client's, the backend told nothing either way.)"""
+    hang = ServerThread(_never_answers).start()
+    try:
+        first = [{"name": "a", "url": f"{hang.url}/v1"}] if case == "after a failover" else []
+        pair = model("pair-model", [*first, {"name": "b", "url": mock.url}],
+                     timeouts={"connect": 1, "first_byte": 1, "idle": 5, "total": 2.5})
+        stack, _ = production_health(stack_factory, mock, pair)
+        org_id, key = stack.org()
+        body = {"model": "pair-model", "messages": MESSAGES, "stream": True,
+                "mock": {"endless": True, "token_delay_ms": 2}}  # faster than the client, once it reads
+        if first:
+            text = stack.post(CHAT, body, key).text
+        else:
+            text = _read_slowly(stack, key, body, 1.0).decode(errors="replace")
+        (event,) = wait_for_events(stack, org_id, 1)
+        assert (event.status, event.error) == ("stream_interrupted", "exceeded the model's total time")
+        assert data_events(text)[-1]["error"]["message"] == "The model backend failed while streaming the response."
+        rows = {row["backend"]: row for row in stack.gateway.upstream.health.snapshot() if "pair-model" in row["models"]}
+        assert rows["b"]["recent_failures"] == 1
+    finally:
+        hang.stop()
 
 
 def test_a_shared_backend_taken_out_for_one_model_is_still_tried_for_a_model_it_is_the_last_of(stack_factory, mock):

@@ -441,7 +441,9 @@ class Exchange:
         deadline = upstream.sent_at + self.call.model.timeouts.total
         keepalive = self.gateway.settings.keepalive_seconds
         status, failure = "success", None
-        waited_on_client = 0.0  # writes a client that reads slowly held: not the backend's time
+        # the request's deadline, failover included, as the upstream's reads are cut at it
+        cut_at = upstream.deadline if upstream.deadline is not None else deadline
+        cut_while_held = False  # the deadline passed while the client held a write
         # answered whole (buffered mode), a stream is bounded as a buffered answer is: it ends,
         # its last event kept room for, before what it has relayed (JSON-escaped) could be lost
         room = None if self._answer_limit is None else self._answer_limit - _TAIL_ROOM
@@ -480,16 +482,18 @@ class Exchange:
                     written_at = time.monotonic()
                     yield out
                     sent_at = time.monotonic()
-                    if sent_at - written_at > _HELD:
-                        waited_on_client += sent_at - written_at
+                    if sent_at > cut_at and written_at <= cut_at and sent_at - written_at > _HELD:
+                        cut_while_held = True
                 if relay.failure:
                     raise UpstreamStreamError(relay.failure)
                 if relay.done:
                     break
         except UpstreamStreamError as exc:
-            if exc.timeout == "total" and time.monotonic() - waited_on_client <= deadline:
-                # the backend was waited on for less than the total: the client's reading took the
-                # rest, so the backend's health is not told (one client cannot take it out, §5)
+            if exc.timeout == "total" and cut_while_held:
+                # the total ran out while the gateway waited on the client's reading, what the
+                # backend sent piling up: not the backend's failure, and its health is not told
+                # (one client cannot take it out, §5); a backend that never ends is cut as it
+                # streams, the client reading or not
                 status, failure = "read_too_slowly", CLIENT_READ_TOO_SLOWLY
             else:
                 upstream.broke()
