@@ -758,7 +758,9 @@ def test_a_2xx_that_has_no_body_is_no_answer_the_next_backend_serves_and_alone_i
         upstream.close()
 
 
-@pytest.mark.parametrize("coding", ["gzip", "br", "deflate, gzip"])
+@pytest.mark.parametrize("coding", [b"gzip", b"br", b"deflate, gzip", b"identity\r\nContent-Encoding: gzip",
+                                    b"\r\nContent-Encoding: x-gzip"],
+                         ids=["gzip", "br", "two", "identity-then-gzip", "empty-then-x-gzip"])
 def test_a_2xx_in_a_content_coding_is_no_answer_the_next_backend_serves_and_alone_it_is_a_502(
         stack_factory, mock, coding):
     """The gateway asks for no content coding (it relays the bytes as they come), yet a backend
@@ -772,7 +774,7 @@ def test_a_2xx_in_a_content_coding_is_no_answer_the_next_backend_serves_and_alon
         stream = json.loads(body).get("stream")
         answer = gzip.compress(b'data: {"choices": []}\n\n' if stream else b'{"choices": []}')
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: " + (b"text/event-stream" if stream else b"application/json")
-                     + b"\r\nContent-Encoding: " + coding.encode() + b"\r\nConnection: close\r\n"
+                     + b"\r\nContent-Encoding: " + coding + b"\r\nConnection: close\r\n"
                      + b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
 
     upstream = RawUpstream(compressed)
@@ -792,6 +794,31 @@ def test_a_2xx_in_a_content_coding_is_no_answer_the_next_backend_serves_and_alon
         assert [events[gen_id].status for gen_id in ledger.gen_ids] == ["success", "upstream_error"] * 2
         assert [events[gen_id].upstream for gen_id in ledger.gen_ids][::2] == ["b", "b"]
         assert all(events[gen_id].cost == 0 for gen_id in ledger.gen_ids[1::2])
+    finally:
+        upstream.close()
+
+
+@pytest.mark.parametrize("coding", [b"identity", b"none", b"identity, identity", b"IDENTITY", b""])
+def test_a_2xx_that_names_no_content_coding_is_served(stack_factory, mock, coding):
+    """`Content-Encoding: none` is how many servers keep a proxy from compressing an SSE stream
+    (Next.js, Node): such an answer, or one naming identity however written, is plain, and was
+    taken for a coded one, a 502, its backend counted as failing."""
+    def plain(conn: socket.socket, body: bytes) -> None:
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+        answer = b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(chunk).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: " + coding
+                     + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(answer) + answer)
+
+    upstream = RawUpstream(plain)
+    try:
+        stack = stack_factory(catalog={**catalog_for_tests(mock.url),
+                                       "models": [model("alone-model", [{"name": "plain", "url": upstream.url}])]})
+        org_id, key = stack.org()
+        ledger = LedgerCheck(stack, org_id)
+        served = ledger.saw(stack.post(CHAT, {"model": "alone-model", "messages": MESSAGES, "stream": True}, key))
+        assert served.status_code == 200 and data_events(served.text)[-1] == "[DONE]", served.text
+        assert [event.status for event in ledger.check()] == ["success"]
     finally:
         upstream.close()
 

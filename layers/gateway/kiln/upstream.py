@@ -387,10 +387,12 @@ _NO_BODY = frozenset({204, 205})
 
 
 def _content_coded(response: Response) -> str:
-    """The content coding an answer is in, other than none ("" then): the gateway asks for
-    identity and decodes nothing."""
-    coding = (response.header("content-encoding") or "").strip(" \t")
-    return "" if coding.lower() in ("", "identity") else coding
+    """The content codings an answer is in, every Content-Encoding header read ("" for none): the
+    gateway asks for identity and decodes nothing. `none`, which no registry has, is how servers
+    keep a proxy from compressing a stream: it names no coding either."""
+    codings = [coding.strip(" \t") for name, value in response.headers if name == b"content-encoding"
+               for coding in value.decode("latin-1").split(",")]
+    return ", ".join(coding for coding in codings if coding.lower() not in ("", "identity", "none"))
 
 
 def _tell_failed_answers(health: BackendHealth, model_id: str, request: str, client: str, backends: list[Backend],
