@@ -95,20 +95,24 @@ class _TooLargeToAnswer(Exception):
 
 
 def _fed_within(relay: SseRelay, piece: bytes, room: int) -> tuple[bytes, int]:
-    """What the relay makes of `piece`, fed a line at a time while `room` lasts (a line's bytes
-    as the answer's JSON string holds them: what it is relayed as, near enough, the tail's room
-    kept for the difference), and the room left. What it bills is then what the client gets."""
-    out = b""
+    """What the relay makes of `piece` within `room` (bytes as the answer's JSON string holds
+    them: what it is relayed as, near enough, the tail's room kept for the difference), and the
+    room left. A piece that would outgrow it is fed a line at a time, up to the line that would:
+    what the stream bills is then what the client gets."""
+    size = escaped_size(piece)
+    if size <= room:
+        return relay.feed(piece), room - size
+    made: list[bytes] = []
     for line in piece.splitlines(keepends=True):
         room -= escaped_size(line)
         if room < 0:
-            raise _TooLargeToAnswer(out)
+            raise _TooLargeToAnswer(b"".join(made))
         try:
-            out += relay.feed(line)
+            made.append(relay.feed(line))
         except EventTooLarge as exc:
-            exc.relayed = out + exc.relayed
+            exc.relayed = b"".join(made) + exc.relayed
             raise
-    return out, room
+    return b"".join(made), room
 
 
 class _LeaseLost(Exception):

@@ -275,7 +275,9 @@ _CLOCK_STEP = 0.001
 
 def _readable(fd: int) -> bool:
     """Whether the kernel holds something of the socket to read: bytes, its end, or an error
-    (a socket gone is one too)."""
+    (a socket gone is one too); a transport with no socket to ask (-1) is not asked."""
+    if fd < 0:
+        return False
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))
