@@ -442,11 +442,11 @@ class Exchange:
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes,
             request_bytes=upstream.sent_bytes, echoes=self._echoes, offered=self._offered,
         )
-        deadline = upstream.sent_at + self.call.model.timeouts.total
+        # the request's deadline, failover included, as the upstream's reads are cut at it
+        deadline = upstream.deadline if upstream.deadline is not None else \
+            upstream.sent_at + self.call.model.timeouts.total
         keepalive = self.gateway.settings.keepalive_seconds
         status, failure = "success", None
-        # the request's deadline, failover included, as the upstream's reads are cut at it
-        cut_at = upstream.deadline if upstream.deadline is not None else deadline
         cut_while_held = False  # the deadline passed while the client held a write
         # answered whole (buffered mode), a stream is bounded as a buffered answer is: it ends,
         # its last event kept room for, before what it has relayed (JSON-escaped) could be lost
@@ -483,10 +483,9 @@ class Exchange:
                     elif not out and now - sent_at >= keepalive:
                         out = KEEPALIVE  # always between two whole events: the relay sends only those
                 if out:
-                    written_at = time.monotonic()
                     yield out
                     sent_at = time.monotonic()
-                    if sent_at > cut_at and written_at <= cut_at and sent_at - written_at > _HELD:
+                    if sent_at > deadline and sent_at - now > _HELD:  # (`now` was within it)
                         cut_while_held = True
                 if relay.failure:
                     raise UpstreamStreamError(relay.failure)
