@@ -733,14 +733,22 @@ def test_a_2xx_that_has_no_body_is_no_answer_the_next_backend_serves_and_alone_i
     def empty(conn: socket.socket, body: bytes) -> None:
         conn.sendall(b"HTTP/1.1 " + status + b"\r\nConnection: close\r\n\r\n")
 
-    upstream = RawUpstream(empty)
+    mark = len(TELEMETRY.text())
+    assert _no_answer_is_passed_over_and_alone_a_502(stack_factory, mock, empty) == 4
+    assert TELEMETRY.text()[mark:].count(f'"x: HTTP {status.split()[0].decode()}"') == 2  # the alone ones
+
+
+def _no_answer_is_passed_over_and_alone_a_502(stack_factory, mock, answer) -> int:
+    """A backend `x` that answers as `answer` does, first of a pair and alone, buffered and
+    streamed: the pair's next backend serves, alone it is a 502 before any stream, settled
+    `upstream_error` and billed nothing. The requests `x` was sent."""
+    upstream = RawUpstream(answer)
     try:
-        pair = model("pair-model", [{"name": "empty", "url": upstream.url}, {"name": "b", "url": mock.url}])
-        alone = model("alone-model", [{"name": "empty", "url": upstream.url}])
+        pair = model("pair-model", [{"name": "x", "url": upstream.url}, {"name": "b", "url": mock.url}])
+        alone = model("alone-model", [{"name": "x", "url": upstream.url}])
         stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [pair, alone]})
         org_id, key = stack.org()
         ledger = LedgerCheck(stack, org_id)
-        mark = len(TELEMETRY.text())
         for stream in (False, True):
             served = ledger.saw(stack.post(CHAT, {"model": "pair-model", "messages": MESSAGES, "stream": stream}, key))
             assert served.status_code == 200, served.text
@@ -748,12 +756,10 @@ def test_a_2xx_that_has_no_body_is_no_answer_the_next_backend_serves_and_alone_i
             refused = ledger.saw(stack.post(CHAT, {"model": "alone-model", "messages": MESSAGES, "stream": stream}, key))
             assert refused.status_code == 502 and refused.headers["content-type"].startswith("text/plain"), refused.text
         events = {event.gen_id: event for event in ledger.check()}
-        assert upstream.requests == 4
-        assert TELEMETRY.text()[mark:].count(f'"empty: HTTP {status.split()[0].decode()}"') == 2  # the alone ones
-        statuses = [events[gen_id].status for gen_id in ledger.gen_ids]
-        assert statuses == ["success", "upstream_error"] * 2
+        assert [events[gen_id].status for gen_id in ledger.gen_ids] == ["success", "upstream_error"] * 2
         assert [events[gen_id].upstream for gen_id in ledger.gen_ids][::2] == ["b", "b"]
         assert all(events[gen_id].cost == 0 for gen_id in ledger.gen_ids[1::2])
+        return upstream.requests
     finally:
         upstream.close()
 
@@ -777,25 +783,7 @@ def test_a_2xx_in_a_content_coding_is_no_answer_the_next_backend_serves_and_alon
                      + b"\r\nContent-Encoding: " + coding + b"\r\nConnection: close\r\n"
                      + b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
 
-    upstream = RawUpstream(compressed)
-    try:
-        pair = model("pair-model", [{"name": "coded", "url": upstream.url}, {"name": "b", "url": mock.url}])
-        alone = model("alone-model", [{"name": "coded", "url": upstream.url}])
-        stack = stack_factory(catalog={**catalog_for_tests(mock.url), "models": [pair, alone]})
-        org_id, key = stack.org()
-        ledger = LedgerCheck(stack, org_id)
-        for stream in (False, True):
-            served = ledger.saw(stack.post(CHAT, {"model": "pair-model", "messages": MESSAGES, "stream": stream}, key))
-            assert served.status_code == 200, served.text
-            assert "error" not in served.text and (not stream or data_events(served.text)[-1] == "[DONE]")
-            refused = ledger.saw(stack.post(CHAT, {"model": "alone-model", "messages": MESSAGES, "stream": stream}, key))
-            assert refused.status_code == 502 and refused.headers["content-type"].startswith("text/plain"), refused.text
-        events = {event.gen_id: event for event in ledger.check()}
-        assert [events[gen_id].status for gen_id in ledger.gen_ids] == ["success", "upstream_error"] * 2
-        assert [events[gen_id].upstream for gen_id in ledger.gen_ids][::2] == ["b", "b"]
-        assert all(events[gen_id].cost == 0 for gen_id in ledger.gen_ids[1::2])
-    finally:
-        upstream.close()
+    assert _no_answer_is_passed_over_and_alone_a_502(stack_factory, mock, compressed) == 4
 
 
 @pytest.mark.parametrize("coding", [b"identity", b"none", b"identity, identity", b"IDENTITY", b""])

@@ -890,25 +890,22 @@ def test_a_connection_whose_stray_answer_the_loop_has_not_taken_yet_is_not_reuse
     port = listener.getsockname()[1]
     accepted = []
 
-    def serve():
+    def answer(body: bytes, then: bytes = b"") -> None:
+        """Accept a connection, answer its request (body `body`) with that body, then `then`."""
         connection, _ = listener.accept()
         accepted.append(connection)
         with connection:
             head = b""
-            while b"first" not in head:
+            while body not in head:
                 head += connection.recv(65536)
-            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst")
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             time.sleep(0.02)
-            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nSTRAY!")
+            connection.sendall(then)
             time.sleep(0.5)
-        second, _ = listener.accept()  # the next request, on a connection of its own
-        accepted.append(second)
-        with second:
-            head = b""
-            while b"second" not in head:
-                head += second.recv(65536)
-            second.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
-            time.sleep(0.2)
+
+    def serve():
+        answer(b"first", then=b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nSTRAY!")
+        answer(b"second")  # the next request, on a connection of its own
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
