@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from decimal import Context, Decimal
 
 import pytest
 
 from kiln.errors import InsufficientCredits, KeySpendLimitExceeded, OrganizationDisabled, RateLimitExceeded
 from kiln.store import StorageError, UnstorableValue, UsageEvent
-from kiln.store.clock import iso_ms
 from kiln.store.keyspend import KeyLimits
 from kiln.store.orgs import set_status
 from kiln.store.usage import get_event
@@ -317,21 +315,6 @@ def test_a_lease_its_admission_brought_back_after_its_settle_is_freed_with_the_d
     assert (events[crashed.gen_id].status, events[crashed.gen_id].cost) == ("abandoned", Decimal("0.5"))
     assert info.credits == Decimal("0.25")
     assert stack.ledger.settle(live, _event(live)) == "settled"
-
-
-def test_an_event_expires_its_retention_after_its_request_even_when_replayed_later(stack_factory):
-    """UsageRetentionDays: events expire that many days after their request (deploy.md). One
-    settled by a replay weeks later (kiln admin replay-usage) expired that much later than the
-    events of its day: its expiry was counted from the replay."""
-    stack = stack_factory(usage_retention_days=30)
-    org_id, _ = stack.org(credits="1")
-    for started_days_ago in (0, 20):
-        lease = _admit(stack, org_id)
-        created = time.time() - started_days_ago * 86400
-        event = replace(_event(lease), created_at=iso_ms(created))
-        assert stack.ledger.settle(lease, event) == "settled"
-        stored = get_event(stack.tables, lease.gen_id)
-        assert abs(stored.expires_at - (created + 30 * 86400)) < 2, (started_days_ago, stored.expires_at - created)
 
 
 def test_a_late_settle_after_a_billed_reclaim_is_charged_the_difference_only(stack_factory):

@@ -65,7 +65,7 @@ from ..errors import (
     RateLimitExceeded,
 )
 from ..jsonio import decimal_text
-from .clock import epoch_of, iso_ms, to_the_ms
+from .clock import iso_ms, to_the_ms
 from .codec import exact_sum, number, to_item, within_digits
 from .errors import (
     ConditionFailed,
@@ -786,10 +786,9 @@ class Ledger:
         return (answer or {}).get("Item")
 
     def _kept(self, event: UsageEvent) -> UsageEvent:
-        """The event as it will be stored: its expiry (retention) fixed, counted from its request
-        (a replay's from when the request was made), its cost within 38 digits."""
+        """The event as it will be stored: its expiry (retention) fixed, its cost within 38 digits."""
         if self._retention_seconds and event.expires_at is None:
-            event = replace(event, expires_at=int(epoch_of(event.created_at) + self._retention_seconds))
+            event = replace(event, expires_at=int(self._clock() + self._retention_seconds))
         rounded = within_digits(event.cost)
         if rounded != event.cost:
             log.warning(json.dumps({"event": "cost_rounded", "gen_id": event.gen_id, "digits": 38}))
