@@ -595,6 +595,28 @@ async def _never_answers(scope, receive, send):
     await asyncio.sleep(60)
 
 
+@pytest.mark.parametrize("failover", [False, True])
+def test_a_client_that_reads_nothing_is_cut_at_the_requests_deadline_failover_included(stack_factory, mock, failover):
+    """§5: the model's total covers every backend tried. A client that reads nothing was cut at
+    the serving backend's attempt plus the total: after failovers, past the function's own
+    timeout at the catalog's longest total, the request then never settled."""
+    hang = ServerThread(_never_answers).start()
+    big = ServerThread(_seven_megabytes_at_once).start()
+    try:
+        first = [{"name": "a", "url": f"{hang.url}/v1"}] if failover else []
+        pair = model("pair-model", [*first, {"name": "b", "url": f"{big.url}/v1"}],
+                     timeouts={"connect": 1, "first_byte": 1.5, "idle": 5, "total": 2.5})
+        stack, _ = production_health(stack_factory, mock, pair, keepalive_seconds=0.5)
+        org_id, key = stack.org()
+        _read_slowly(stack, key, {"model": "pair-model", "messages": MESSAGES, "stream": True}, 5.0)
+        (event,) = wait_for_events(stack, org_id, 1)
+        # the request's deadline and the client's last keep-alive interval, its settle's time besides
+        assert event.status == "client_disconnected" and event.duration_ms <= 3300, (event.status, event.duration_ms)
+    finally:
+        hang.stop()
+        big.stop()
+
+
 @pytest.mark.parametrize("case", ["after a failover", "a client that paused once"])
 def test_a_stream_its_backend_never_ends_is_the_backends_failure_whatever_its_client_did(stack_factory, mock, case):
     """The other side of the test above: a backend that streams without end fails the request,

@@ -94,6 +94,12 @@ class _TooLargeToAnswer(Exception):
         self.relayed = relayed
 
 
+def _deadline_of(upstream: UpstreamExchange, total: float) -> float:
+    """The request's deadline (monotonic), every backend tried included, as the upstream's reads
+    are cut at it."""
+    return upstream.deadline if upstream.deadline is not None else upstream.sent_at + total
+
+
 def _fed_within(relay: SseRelay, piece: bytes, room: int) -> tuple[bytes, int]:
     """What the relay makes of `piece` within `room` (bytes as the answer's JSON string holds
     them: what it is relayed as, near enough, the tail's room kept for the difference), and the
@@ -180,9 +186,9 @@ class Exchange:
         self.upstream_name = upstream.backend.name
         self.record.backend_failures = len(upstream.failures)
         if self.call.stream:
-            # the upstream's part is bounded by the model's total time (kiln.http1, _relay); the
-            # client's by the same, plus one keep-alive interval for the last bytes
-            deadline = upstream.sent_at + self.call.model.timeouts.total + self.gateway.settings.keepalive_seconds
+            # the upstream's part is bounded by the model's total time, every backend tried included
+            # (kiln.http1, _relay); the client's by the same, plus one keep-alive interval for the last bytes
+            deadline = _deadline_of(upstream, self.call.model.timeouts.total) + self.gateway.settings.keepalive_seconds
             self._worker = None  # this task sends the stream from here: the response is interrupted instead
             self._response = RelayResponse(self._relay(upstream), self.gen_id, on_close=self._never_relayed,
                                            deadline=deadline)
@@ -412,8 +418,7 @@ class Exchange:
 
     async def _buffered(self, upstream: UpstreamExchange) -> Response:
         self.ttfb_ms = int((time.monotonic() - self.started) * 1000)
-        deadline = upstream.sent_at + self.call.model.timeouts.total
-        raw = await upstream.read_body(deadline)
+        raw = await upstream.read_body(_deadline_of(upstream, self.call.model.timeouts.total))
         api = self.call.api
         answer = _parse_answer(raw, api)
         # the answer's texts are at least their fewest tokens, as a stream's are; what they
@@ -442,9 +447,7 @@ class Exchange:
             client_wants_usage=self.call.client_wants_usage, max_event_bytes=self.call.model.limits.event_bytes,
             request_bytes=upstream.sent_bytes, echoes=self._echoes, offered=self._offered,
         )
-        # the request's deadline, failover included, as the upstream's reads are cut at it
-        deadline = upstream.deadline if upstream.deadline is not None else \
-            upstream.sent_at + self.call.model.timeouts.total
+        deadline = _deadline_of(upstream, self.call.model.timeouts.total)
         keepalive = self.gateway.settings.keepalive_seconds
         status, failure = "success", None
         cut_while_held = False  # the deadline passed while the client held a write
