@@ -124,14 +124,18 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self.idle_since = time.monotonic()
         self.reused = False
-        self._fd = -1  # the socket's, for what the kernel holds that the transport has not handed on
+        # the socket's, for what the kernel holds that the transport has not handed on: bytes, its
+        # end or an error (a transport with no socket to ask is not asked)
+        self._socket_poll: select.poll | None = None
 
     # -- the transport's callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else -1
+        if sock is not None and sock.fileno() >= 0:  # asked at each checkout (usable)
+            self._socket_poll = select.poll()
+            self._socket_poll.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         self.received += data
@@ -179,7 +183,7 @@ class _Connection(asyncio.Protocol):
             # was busy when they came) wait in the kernel, which is asked too
             and not self.received
             and time.monotonic() - self.idle_since < expiry
-            and not _readable(self._fd)
+            and not (self._socket_poll is not None and self._socket_poll.poll(0))
         )
 
     def unread(self) -> bytearray:
@@ -271,16 +275,6 @@ class _Connection(asyncio.Protocol):
 
 # what the event loop's clock may be off by, read twice for the same instant (uvloop's counts whole milliseconds)
 _CLOCK_STEP = 0.001
-
-
-def _readable(fd: int) -> bool:
-    """Whether the kernel holds something of the socket to read: bytes, its end, or an error
-    (a socket gone is one too); a transport with no socket to ask (-1) is not asked."""
-    if fd < 0:
-        return False
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 class _Message:
