@@ -380,6 +380,24 @@ def test_a_stream_lambda_cannot_carry_whole_ends_within_it_billed_for_what_it_ca
     assert lambda_env.stack.org_info(lambda_env.org_id).credits == Decimal(10) - settled.cost
 
 
+def test_a_stream_answered_whole_counts_its_keepalives_against_the_bound(lambda_env, monkeypatch):
+    """A silent model server's stream is kept alive with `: keepalive` comments; answered whole,
+    they are part of the answer too, and at a short interval over a long wait they outgrew the
+    room its last event keeps. The bound made small here, and the interval."""
+    import kiln.lambda_payload as payload
+
+    monkeypatch.setattr(payload, "LAMBDA_PAYLOAD_BYTES", 2048 + 8192 + 300)
+    monkeypatch.setenv("KILN_KEEPALIVE_SECONDS", "0.002")
+    event = json.loads((EVENTS / "rest-chat-completions-stream.json").read_text()
+                       .replace("${KILN_API_KEY}", lambda_env.key))
+    event["body"] = json.dumps({**json.loads(event["body"]), "mock": {"ttft_ms": 3000}})
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert len(json.dumps(response)) <= payload.LAMBDA_PAYLOAD_BYTES
+    assert "larger than" in data_events(body_of(response))[-1]["error"]["message"]
+    assert lambda_env.stack.org_info(lambda_env.org_id).in_flight == 0
+
+
 def test_a_buffered_answer_lambda_cannot_carry_is_502_and_not_billed(lambda_env, monkeypatch):
     """Mangum answers with one JSON document of at most 6 MB: an answer larger than that, once
     escaped, was settled as a success and then lost (API Gateway's 5xx, which the SDKs retry,

@@ -100,6 +100,13 @@ def _deadline_of(upstream: UpstreamExchange, total: float) -> float:
     return upstream.deadline if upstream.deadline is not None else upstream.sent_at + total
 
 
+def _room_after(comment: bytes, room: int) -> int:
+    """The room left once `comment` (a keep-alive, nothing to bill) is in the answer."""
+    if len(comment) > room:
+        raise _TooLargeToAnswer(b"")
+    return room - len(comment)
+
+
 def _fed_within(relay: SseRelay, piece: bytes, room: int) -> tuple[bytes, int]:
     """What the relay makes of `piece` within `room` (bytes as the answer's JSON string holds
     them: what it is relayed as, near enough, the tail's room kept for the difference), and the
@@ -471,6 +478,8 @@ class Exchange:
                     raise UpstreamStreamError(self.call.api.unfinished)
                 if piece is None:
                     out = KEEPALIVE  # silent for the interval
+                    if room is not None:
+                        room = _room_after(KEEPALIVE, room)
                 else:
                     try:
                         if room is None:
@@ -485,6 +494,8 @@ class Exchange:
                         self.ttfb_ms = int((now - self.started) * 1000)
                     elif not out and now - sent_at >= keepalive:
                         out = KEEPALIVE  # always between two whole events: the relay sends only those
+                        if room is not None:
+                            room = _room_after(KEEPALIVE, room)
                 if out:
                     yield out
                     sent_at = time.monotonic()
