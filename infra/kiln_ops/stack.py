@@ -9,7 +9,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from kiln.settings import Settings
+from kiln.settings import Settings, SettingsError
 
 from .provision import client_config
 
@@ -27,7 +27,7 @@ OUTPUTS = {
 OPTIONAL_OUTPUTS = {"UpstreamApiKeyParameterName": "upstream_api_key_parameter"}
 # template.yaml parameter → the settings field it fills, as the stack's functions read it (a
 # usage event replayed by `kiln admin` expires as the functions' own do)
-PARAMETERS = {"UsageRetentionDays": ("usage_retention_days", int)}
+PARAMETERS = {"UsageRetentionDays": "usage_retention_days"}
 
 
 class StackNotFound(Exception):
@@ -60,5 +60,14 @@ def settings_from_stack(stack_name: str, base: Settings, session: Any = None) ->
         region=outputs.get("Region", region),
         **{field: outputs[output] for output, field in OUTPUTS.items()},
         **{field: outputs[output] for output, field in OPTIONAL_OUTPUTS.items() if output in outputs},
-        **{field: kind(parameters[name]) for name, (field, kind) in PARAMETERS.items() if parameters.get(name)},
+        **{field: _as_setting(stack_name, name, field, parameters[name])
+           for name, field in PARAMETERS.items() if parameters.get(name)},
     )
+
+
+def _as_setting(stack_name: str, name: str, field: str, value: str) -> Any:
+    """A stack parameter's value read as the functions read the variable it sets."""
+    try:
+        return getattr(Settings.from_env({f"KILN_{field.upper()}": value}), field)
+    except SettingsError as exc:
+        raise SettingsError(f"stack {stack_name!r}: its parameter {name}: {exc}") from None

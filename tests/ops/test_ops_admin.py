@@ -1136,6 +1136,7 @@ def deployed_stack(stack):
 def test_stack_option_takes_the_usage_retention_the_stacks_functions_have(stack):
     """`kiln admin --stack` kept the usage events it writes (replay-usage) forever, while the
     stack's functions, by its UsageRetentionDays (400 by default), let theirs expire."""
+    from kiln.settings import SettingsError
     from kiln_ops.stack import settings_from_stack
 
     elsewhere = replace(Settings(), aws_endpoint_url=stack.settings.aws_endpoint_url)
@@ -1146,6 +1147,14 @@ def test_stack_option_takes_the_usage_retention_the_stacks_functions_have(stack)
             assert settings_from_stack(name, elsewhere).usage_retention_days == days
         finally:
             client.delete_stack(StackName=name)
+    # a value the functions could not read either (CloudFormation's Number takes 30.5): one line
+    client, name = _deploy(stack, retention, {"UsageRetentionDays": "30.5"})
+    try:
+        with pytest.raises(SettingsError, match=f"stack '{name}': its parameter UsageRetentionDays: "
+                                                "KILN_USAGE_RETENTION_DAYS must be an integer, got '30.5'"):
+            settings_from_stack(name, elsewhere)
+    finally:
+        client.delete_stack(StackName=name)
 
 
 def test_stack_option_reads_the_tables_from_the_stack_outputs(capsys, stack, deployed_stack):
