@@ -390,9 +390,11 @@ def _content_coded(response: Response) -> str:
     """The content codings an answer is in, every Content-Encoding header read ("" for none): the
     gateway asks for identity and decodes nothing. `none`, which no registry has, is how servers
     keep a proxy from compressing a stream: it names no coding either."""
-    codings = [coding.strip(" \t") for name, value in response.headers if name == b"content-encoding"
-               for coding in value.decode("latin-1").split(",")]
-    return ", ".join(coding for coding in codings if coding.lower() not in ("", "identity", "none"))
+    codings: list[str] = []
+    for name, value in response.headers:  # nearly every answer has none: one pass, nothing made
+        if name == b"content-encoding":
+            codings += (coding.strip(" \t") for coding in value.decode("latin-1").split(","))
+    return ", ".join(coding for coding in codings if coding.lower() not in ("", "identity", "none")) if codings else ""
 
 
 def _tell_failed_answers(health: BackendHealth, model_id: str, request: str, client: str, backends: list[Backend],
