@@ -79,8 +79,10 @@ _CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST, "read_to
 
 
 # a write that takes longer waited on the client's reading (flow control): a write alone takes well
-# under a millisecond, and a client slower than a model's tokens holds each for longer than this
-_HELD = 0.05
+# under a millisecond, and a client slower than a model's tokens holds each for seconds; a function
+# on Lambda's smaller sizes, its CPU share spent, is paused for most of each 100 ms quota period
+# (CFS), so a write across two such pauses is still not taken for the client's
+_HELD = 0.25
 # what a stream answered whole (kiln.lambda_payload) keeps for its last event, at the most
 _TAIL_ROOM = 8192
 
