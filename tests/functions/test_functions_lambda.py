@@ -380,6 +380,32 @@ def test_a_stream_lambda_cannot_carry_whole_ends_within_it_billed_for_what_it_ca
     assert lambda_env.stack.org_info(lambda_env.org_id).credits == Decimal(10) - settled.cost
 
 
+def test_a_stream_whose_last_event_grows_as_written_again_still_fits_its_invocation(lambda_env, monkeypatch):
+    """A stream's last event (chat's usage chunk, the Responses API's final event) is the model
+    server's, written again with the bill in it. Written again it can grow far past the room kept
+    for it (`1E15` is `1000000000000000.0`): the answer outgrew what the invocation can hand back,
+    billed as a success. It now ends with the error event, the content the client got billed."""
+    import kiln.lambda_payload as payload
+
+    monkeypatch.setattr(payload, "LAMBDA_PAYLOAD_BYTES", 64 * 1024)
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-oss-120b",
+             "choices": [{"index": 0, "delta": {"content": "Hello there"}, "finish_reason": None}]}
+    last = {**chunk, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11},
+            "x": "[" + ",".join(["1E15"] * 6000) + "]"}
+    raw_last = json.dumps(last).replace('"x": "[', '"x": [').replace(']"}', ']}')  # numbers, as sent
+    event = json.loads((EVENTS / "rest-chat-completions-stream.json").read_text()
+                       .replace("${KILN_API_KEY}", lambda_env.key))
+    event["body"] = json.dumps({**json.loads(event["body"]), "mock": {"raw_events": [json.dumps(chunk), raw_last]}})
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert len(json.dumps(response)) <= payload.LAMBDA_PAYLOAD_BYTES
+    chunks = data_events(body_of(response))
+    assert "larger than" in chunks[-1]["error"]["message"] and chunks[0]["choices"][0]["delta"]["content"]
+    (settled,) = lambda_env.stack.events(lambda_env.org_id)
+    assert settled.status == "stream_interrupted" and settled.completion_tokens == 2
+    assert lambda_env.stack.org_info(lambda_env.org_id).in_flight == 0
+
+
 def test_a_stream_answered_whole_counts_its_keepalives_against_the_bound(lambda_env, monkeypatch):
     """A silent model server's stream is kept alive with `: keepalive` comments; answered whole,
     they are part of the answer too, and at a short interval over a long wait they outgrew the

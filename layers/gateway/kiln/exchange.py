@@ -71,6 +71,7 @@ CLIENT_READ_TOO_SLOWLY = "the client did not read the stream within the model's 
 READ_TOO_SLOWLY = "The stream was ended: it was not read within the model's total time."  # the client's
 TOO_LARGE_TO_STREAM = ("The stream was ended: it is larger than an answer of this deployment can be (a Lambda "
                        "invocation's 6 MB, JSON-escaped, in buffered mode). Ask for fewer tokens.")
+OUTGREW = "the stream outgrew what its invocation can answer"  # its event's
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
 # a stream's last event, by how it ended (any other: the model server's failure)
@@ -520,7 +521,7 @@ class Exchange:
         except _LeaseLost:  # storage's failure, not the model server's: its health is not told
             status, failure = "lease_lost", LEASE_NOT_KEPT
         except _TooLargeToAnswer:  # the deployment's bound, not the model server's failure
-            status, failure = "too_large_to_answer", "the stream outgrew what its invocation can answer"
+            status, failure = "too_large_to_answer", OUTGREW
         except asyncio.CancelledError:
             if not self._cancelled_for_the_lease():
                 await self._end_stream(upstream, relay, "client_disconnected", self._why_cut(deadline))
@@ -535,7 +536,7 @@ class Exchange:
         except Exception as exc:  # a fault of ours: still settle, still end the stream clearly
             log.exception("stream %s failed inside the gateway", self.gen_id)
             status, failure = "gateway_error", f"gateway error: {type(exc).__name__}"
-        yield LastPiece(await self._end_stream(upstream, relay, status, failure))
+        yield LastPiece(await self._end_stream(upstream, relay, status, failure, room=room))
 
     @staticmethod
     def _why_cut(deadline: float) -> str:
@@ -543,8 +544,10 @@ class Exchange:
             return CLIENT_READ_TOO_SLOWLY
         return "the client disconnected"
 
-    async def _end_stream(self, upstream: UpstreamExchange, relay: SseRelay, status: str, error: str | None) -> bytes:
+    async def _end_stream(self, upstream: UpstreamExchange, relay: SseRelay, status: str, error: str | None,
+                          *, room: int | None = None) -> bytes:
         """Close the upstream, settle, and return the stream's last bytes; never raises.
+        `room`: what is left of a stream answered whole (buffered mode), its last event's room aside.
 
         A success ends with the usage chunk (if the client asked) and `[DONE]`; any other
         end with the §5 error event (nothing, for a client that is gone). Should billing or
@@ -573,6 +576,10 @@ class Exchange:
             except Exception as exc:  # noqa: BLE001 - the usage stands; only the last bytes failed
                 log.exception("stream %s: its last event could not be written", self.gen_id)
                 status, error = "gateway_error", f"gateway error: {type(exc).__name__}"
+            if room is not None and escaped_size(tail) > room + _TAIL_ROOM:
+                # the model server's last event, written again with the bill in it, can outgrow its
+                # room (`1E15` is `1000000000000000.0`): not sent, the stream ends within its bound
+                status, error, tail = "too_large_to_answer", OUTGREW, b""
         settled = "upstream_error" if status == "success" and relay.upstream_failed else status
         if status == "lease_lost":
             settled = "gateway_error"
