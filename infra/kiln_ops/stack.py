@@ -6,10 +6,10 @@ Region and credentials come from the usual AWS configuration (environment, profi
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
-from kiln.settings import Settings, SettingsError
+from kiln.settings import Settings, SettingsError, variable
 
 from .provision import client_config
 
@@ -68,6 +68,7 @@ def settings_from_stack(stack_name: str, base: Settings, session: Any = None) ->
 def _as_setting(stack_name: str, name: str, field: str, value: str) -> Any:
     """A stack parameter's value read as the functions read the variable it sets."""
     try:
-        return getattr(Settings.from_env({f"KILN_{field.upper()}": value}), field)
+        declared = next(declared for declared in fields(Settings) if declared.name == field)
+        return getattr(Settings.from_env({variable(declared): value}), field)
     except SettingsError as exc:
         raise SettingsError(f"stack {stack_name!r}: its parameter {name}: {exc}") from None

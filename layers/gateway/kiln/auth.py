@@ -191,11 +191,12 @@ class Authenticator:
 
 def _key_hash(authorization: str | None) -> str | None:
     """The hash a key is stored by, if the header carries something shaped like a key."""
-    secret = _bearer(authorization)
+    secret = bearer_token(authorization)
     return hash_secret(secret) if secret is not None and looks_like_key(secret) else None
 
 
-def _bearer(authorization: str | None) -> str | None:
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of a `Bearer` Authorization header; None for any other."""
     if not authorization:
         return None
     scheme, _, token = authorization.strip().partition(" ")

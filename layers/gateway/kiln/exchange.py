@@ -74,6 +74,12 @@ TOO_LARGE_TO_STREAM = ("The stream was ended: it is larger than an answer of thi
 OUTGREW = "the stream outgrew what its invocation can answer"  # its event's
 SLOT_LOST = ("The request was stopped: storage was unavailable for too long to keep its concurrency slot. "
              "Please retry.")
+# a stream's event status, by how it ended where that is no status of its own
+_SETTLED_AS = {
+    "lease_lost": "gateway_error",
+    "read_too_slowly": "client_disconnected",  # as a client that reads nothing is, cut at its deadline
+    "too_large_to_answer": "stream_interrupted",
+}
 # a stream's last event, by how it ended (any other: the model server's failure)
 _CUT_MESSAGES = {"gateway_error": GATEWAY_CUT, "lease_lost": SLOT_LOST, "read_too_slowly": READ_TOO_SLOWLY,
                  "too_large_to_answer": TOO_LARGE_TO_STREAM}
@@ -580,13 +586,7 @@ class Exchange:
                 # the model server's last event, written again with the bill in it, can outgrow its
                 # room (`1E15` is `1000000000000000.0`): not sent, the stream ends within its bound
                 status, error, tail = "too_large_to_answer", OUTGREW, b""
-        settled = "upstream_error" if status == "success" and relay.upstream_failed else status
-        if status == "lease_lost":
-            settled = "gateway_error"
-        elif status == "read_too_slowly":  # as a client that reads nothing is, cut at its deadline
-            settled = "client_disconnected"
-        elif status == "too_large_to_answer":
-            settled = "stream_interrupted"
+        settled = "upstream_error" if status == "success" and relay.upstream_failed else _SETTLED_AS.get(status, status)
         await self._settle(
             settled, http_status=200, usage=usage, cost=cost, finish_reason=relay.finish_reason, error=error
         )

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .auth import Principal
+from .auth import Principal, bearer_token
 from .errors import (
     GatewayError,
     InvalidJson,
@@ -176,8 +176,7 @@ async def _current_key(gateway: Gateway, request: Request, record: RequestRecord
 
 
 def _secret(request: Request) -> str:
-    authorization = credential(request) or ""  # authentication accepted it: a bearer token
-    return authorization.strip().partition(" ")[2].strip()
+    return bearer_token(credential(request)) or ""  # authentication accepted it
 
 
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")

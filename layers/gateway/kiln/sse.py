@@ -511,7 +511,7 @@ def _reasoning_copies(data: Any) -> list[str]:
 # completion's `text`; a tool call's arguments and an audio reply's transcript apart
 _DELTA_TEXTS = ("content", "reasoning_content", "reasoning", "refusal", "reasoning_details")
 # the names of a text field, in a part or a detail too (`_TEXT_KEYS`)
-_TEXT_NAMES = frozenset(("content", "text", "reasoning_content", "reasoning", "refusal", "arguments", "transcript"))
+_TEXT_NAMES = frozenset(name.decode() for name in _TEXT_KEYS.split(b"|"))
 
 
 def _unstrung_texts(data: Any) -> list[bytes]:
