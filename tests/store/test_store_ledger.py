@@ -317,6 +317,29 @@ def test_a_lease_its_admission_brought_back_after_its_settle_is_freed_with_the_d
     assert stack.ledger.settle(live, _event(live)) == "settled"
 
 
+def test_a_reclaim_that_lost_its_race_is_not_tried_again(stack_factory):
+    """Two environments reclaim the same dead lease at once: DynamoDB cancels the second's
+    transaction for the org item's condition (the lease is gone) and for the event's (the first
+    wrote it). That is a race lost, not a lease whose request settled (above), where the org
+    item's condition holds: nothing is tried again. It was, a second transaction for each
+    environment that lost, which under contention the storage's retry budget must cover too."""
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    crashed = _admit(stack, org_id)
+    time.sleep(0.4)
+    faults = StorageFaults()
+    # DynamoDB's answer to the reclaim that lost: its org update, its event's Put, its tally's
+    faults.fail("TransactWriteItems", code="TransactionCanceledException", times=1,
+                reasons=["ConditionalCheckFailed", "ConditionalCheckFailed", "None"])
+    with pytest.raises(RateLimitExceeded):
+        _admit(stack, org_id, SyncLedger(stack.settings, faults))
+    assert faults.count("TransactWriteItems") == 1
+    assert stack.events(org_id) == []
+    live = _admit(stack, org_id)  # the dead lease reclaimed by the next admission, as ever
+    assert [(event.gen_id, event.status) for event in stack.events(org_id)] == [(crashed.gen_id, "abandoned")]
+    assert stack.ledger.settle(live, _event(live)) == "settled"
+
+
 def test_a_late_settle_after_a_billed_reclaim_is_charged_the_difference_only(stack_factory):
     stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
     org_id, _ = stack.org(credits="1", concurrency=1)

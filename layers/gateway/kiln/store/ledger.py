@@ -550,9 +550,11 @@ class Ledger:
             log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": gen_ids,
                                     "billed": number(billed), "already_settled": sorted(settled)}))
         except TransactionCancelled as cancelled:
-            # events that exist: their requests settled, and their leases came back
+            # events that exist, while the leases are as read (the org item's condition held): their
+            # requests settled, and their leases came back. Where the leases are gone too, another
+            # reclaim wrote those events: a race lost, nothing to try again
             found = {lease.gen_id for index, lease in enumerate(billable) if cancelled.failed_condition(1 + index)}
-            if found:
+            if found and not cancelled.failed_condition(0):
                 await self._reclaim(org_id, leases, seen, settled | found)
                 return
             # Another admission reclaimed them first, one was renewed or settled just now: nothing to do.
