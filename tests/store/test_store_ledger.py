@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from decimal import Context, Decimal
@@ -10,10 +11,12 @@ import pytest
 
 from kiln.errors import InsufficientCredits, KeySpendLimitExceeded, OrganizationDisabled, RateLimitExceeded
 from kiln.store import StorageError, UnstorableValue, UsageEvent
+from kiln.store import ledger as ledger_module
 from kiln.store.keyspend import KeyLimits
+from kiln.store.ledger import with_ledger
 from kiln.store.orgs import set_status
 from kiln.store.usage import get_event
-from support import StorageFaults, SyncLedger
+from support import FaultInjectingHttp, StorageFaults, SyncLedger
 
 
 def _event(lease, cost: str = "0.25", status: str = "success") -> UsageEvent:
@@ -338,6 +341,91 @@ def test_a_reclaim_that_lost_its_race_is_not_tried_again(stack_factory):
     live = _admit(stack, org_id)  # the dead lease reclaimed by the next admission, as ever
     assert [(event.gen_id, event.status) for event in stack.events(org_id)] == [(crashed.gen_id, "abandoned")]
     assert stack.ledger.settle(live, _event(live)) == "settled"
+
+
+def _refuse_reclaims(faults: StorageFaults, refusal: str, times: int) -> None:
+    """Storage refusing `times` reclaims for now: a hot org item's conflicts, or throttling."""
+    def reclaim(payload: dict) -> bool:  # a reclaim's transaction, not a settle's
+        return payload.get("ClientRequestToken", "").startswith("r-")
+
+    if refusal == "conflicts":  # its org update and its tally's met another transaction
+        faults.fail("TransactWriteItems", code="TransactionCanceledException", times=times, when=reclaim,
+                    reasons=["TransactionConflict", "None", "TransactionConflict"])
+    else:
+        faults.fail("TransactWriteItems", code="ThrottlingException", times=times, when=reclaim)
+
+
+def _until_no_lease(stack, org_id: str, seconds: float = 10.0):
+    """Wait, on the ledger's own loop, until the org holds no lease (an assertion past `seconds`)."""
+
+    async def wait(_ledger) -> None:
+        deadline = time.monotonic() + seconds
+        while (info := await asyncio.to_thread(stack.org_info, org_id)).leases:
+            assert time.monotonic() < deadline, f"the dead lease is still held: {info.leases}"
+            await asyncio.sleep(0.05)
+
+    return wait
+
+
+@pytest.mark.parametrize("refusal", ["conflicts", "throttling"])
+def test_a_reclaim_refused_for_now_at_the_limit_goes_on_by_itself_and_the_admission_is_429(
+        stack_factory, monkeypatch, refusal):
+    """An admission at its org's limit reclaims the dead leases first. Where storage refused that
+    reclaim past its retry budget, it was dropped: conflicts were taken for a race lost,
+    throttling answered 503. Either way the dead lease stayed, its `abandoned` event unwritten
+    and its tokens unbilled until some later admission came, and an org that sent nothing more
+    kept it for good. The admission now answers as the org item stands (429: its slots are
+    held), and the reclaim goes on in rounds in the background: the slot comes free and the
+    dead request is billed with no request more."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 0.05)
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=3)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    crashed = _admit(stack, org_id)
+    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
+    time.sleep(1.1)
+    faults = StorageFaults()
+    _refuse_reclaims(faults, refusal, times=3)
+
+    async def refused_then_freed(ledger) -> None:
+        with pytest.raises(RateLimitExceeded):
+            await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                               streamed=False)
+        await _until_no_lease(stack, org_id)(ledger)
+
+    with_ledger(stack.settings, refused_then_freed, http=FaultInjectingHttp(faults))
+    assert faults.count("TransactWriteItems") == 4  # the budget's 3 tries refused, and one more that landed
+    assert [(e.gen_id, e.status, e.cost) for e in stack.events(org_id)] == [(crashed.gen_id, "abandoned", Decimal("0.5"))]
+    assert stack.org_info(org_id).credits == Decimal("0.5")
+    live = _admit(stack, org_id)  # the slot is free: nothing to reclaim in its way
+    assert stack.ledger.settle(live, _event(live)) == "settled"
+
+
+@pytest.mark.parametrize("refusal", ["conflicts", "throttling"])
+def test_a_background_reclaim_refused_for_now_goes_on_in_rounds(stack_factory, monkeypatch, refusal):
+    """Below the limit, the dead leases an admission saw are reclaimed off its path. A reclaim
+    refused past its budget was dropped there too, the org's dead requests unbilled until an
+    admission at its limit, which an org that stopped sending never makes."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 0.05)
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=3)
+    org_id, _ = stack.org(credits="1", concurrency=8)
+    crashed = _admit(stack, org_id)
+    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
+    time.sleep(1.1)
+    faults = StorageFaults()
+    _refuse_reclaims(faults, refusal, times=3)
+    live: list = []
+
+    async def admitted_then_freed(ledger) -> None:
+        live.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                                       streamed=False))
+        await ledger.settle(live[0], _event(live[0], cost="0.125"))
+        await _until_no_lease(stack, org_id)(ledger)
+
+    with_ledger(stack.settings, admitted_then_freed, http=FaultInjectingHttp(faults))
+    assert faults.count("TransactWriteItems") == 5  # the settle, the 3 refused, and one more that landed
+    events = {e.gen_id: (e.status, e.cost) for e in stack.events(org_id)}
+    assert events == {crashed.gen_id: ("abandoned", Decimal("0.5")), live[0].gen_id: ("success", Decimal("0.125"))}
+    assert stack.org_info(org_id).credits == Decimal("0.375")
 
 
 def test_a_late_settle_after_a_billed_reclaim_is_charged_the_difference_only(stack_factory):

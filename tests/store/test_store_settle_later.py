@@ -10,7 +10,7 @@ import pytest
 
 from kiln.aws import AwsError
 from kiln.store import ledger as ledger_module
-from kiln.store.errors import StorageError, TransientStorageError
+from kiln.store.errors import StorageError, TransactionCancelled, TransientStorageError
 from kiln.store.ledger import Ledger
 from kiln.store.retry import RetryPolicy
 
@@ -150,5 +150,39 @@ def test_take_backs_in_rounds_neither_crowd_out_late_settles_nor_wait_for_their_
         ledger.settle_later(SimpleNamespace(gen_id="billed"), None)
         await asyncio.wait_for(settled.wait(), 1.0)  # its first round, with take-backs going on
         await ledger.drain()
+
+    asyncio.run(main())
+
+
+def test_reclaim_rounds_end_when_one_lands_or_is_refused_for_good_and_on_close(monkeypatch):
+    """A reclaim storage refused for now goes on in rounds (tests/store/test_store_ledger.py
+    shows it on DynamoDB). Here, what ends them: a round that lands, a refusal for good; the
+    process closing stops the rest. While they go on, their leases are theirs: an admission
+    that sees them expired starts no reclaim of its own."""
+    _quick(monkeypatch, cap=10)
+
+    async def main():
+        ledger = Ledger(None, orgs_table="o", usage_table="u", lease_ttl=60.0)
+        calls: Counter = Counter()
+
+        async def reclaim(org_id, leases, seen, settled=frozenset()):
+            calls[org_id] += 1
+            if org_id == "refused":
+                raise StorageError("validation", "ValidationException")
+            if org_id == "lands" and calls[org_id] == 3:
+                return
+            raise TransactionCancelled(["TransactionConflict", None, "TransactionConflict"])
+
+        ledger._reclaim = reclaim
+        for org_id in ("refused", "lands", "conflicted"):
+            ledger._reclaim_in_rounds(org_id, [SimpleNamespace(gen_id=f"gen-{org_id}")], {})
+        await asyncio.sleep(0)
+        ledger._reclaim_later("conflicted", [SimpleNamespace(gen_id="gen-conflicted")], {})
+        assert not ledger._background  # left to the rounds
+        await asyncio.sleep(0.3)
+        assert calls["refused"] == 1 and calls["lands"] == 3 and calls["conflicted"] > 3
+        assert list(ledger._reclaiming) == ["gen-conflicted"]
+        await ledger.drain()
+        assert not ledger._reclaiming_later and not ledger._reclaiming
 
     asyncio.run(main())

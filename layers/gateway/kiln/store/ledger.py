@@ -19,7 +19,9 @@ slot for at most the TTL, and one that keeps running never loses it.
   the tokens relayed so far and their cost.
 - **Reclaiming** is one transaction: remove the expired leases (conditioned on their expiry
   being the one read, so a renewal in between wins), debit what their last renewals
-  recorded, and write one `abandoned` usage event each, billed for exactly that.
+  recorded, and write one `abandoned` usage event each, billed for exactly that. One that
+  storage refuses past the retry budget (conflicts, throttling) goes on in rounds in the
+  background; an admission at the limit that needed it is tried again as the item stands.
 - **Settling** is one transaction: remove the lease, debit the cost, write the usage event.
   It is conditioned on the lease still being there, and carries a ClientRequestToken made
   from the generation id: a retry after a lost answer is recognised, by DynamoDB (the token)
@@ -51,6 +53,7 @@ import logging
 import random
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Awaitable, Callable, Coroutine, Iterator, TypeVar
@@ -133,6 +136,7 @@ SETTLE_LATER_PAUSE = 1.0
 SETTLE_LATER_MAX_PAUSE = 16.0
 MAX_SETTLING_LATER = 256
 MAX_TAKING_BACK = 256  # leases refused admissions may have written, taken back in rounds
+MAX_RECLAIMING_LATER = 64  # reclaims storage refused for now, gone on with in rounds
 
 ABANDONED_ERROR = "lease expired before the request settled (gateway crash or timeout)"
 
@@ -251,7 +255,8 @@ class Ledger:
         self._settling_later: set[asyncio.Task] = set()  # settle_later's, stopped when the ledger closes
         self._taking_back: set[asyncio.Task] = set()  # _take_back_later's, stopped alike
         self._settle_later_turn = asyncio.Semaphore(1)
-        self._reclaiming: set[str] = set()  # generation ids a reclaim of this process is working on
+        self._reclaiming_later: set[asyncio.Task] = set()  # _reclaim_in_rounds's, stopped alike
+        self._reclaiming: Counter[str] = Counter()  # generation ids reclaims of this process are working on
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
 
     @property
@@ -335,7 +340,7 @@ class Ledger:
                 refusal = self._refusal(old, key_id, limits, now)
                 expired = self._expired_leases(org_id, old or {}, self._clock())
                 if attempt == 0 and expired and isinstance(refusal, RateLimitExceeded):
-                    await self._reclaim(org_id, expired, old or {})
+                    await self._reclaim_now(org_id, expired, old or {})
                     continue
                 raise refusal from None
             old = (answer or {}).get("Attributes") or {}
@@ -376,8 +381,8 @@ class Ledger:
         org's slot until it expired, then be reclaimed as the `abandoned` event of a generation
         id no client saw, a request refused with 503 (§1: such a request writes no event)."""
         if not await self._taken_back(lease):
-            self._go_on_later(self._take_back_later(lease), lease, self._taking_back, MAX_TAKING_BACK,
-                              "take_back_later_full")
+            self._go_on_later(self._take_back_later(lease), self._taking_back, MAX_TAKING_BACK,
+                              "take_back_later_full", generation_id=lease.gen_id)
 
     async def _taken_back(self, lease: Lease, *, once: bool = False) -> bool:
         """One take-back within the policy (`once`: a single call): False where storage refused
@@ -501,11 +506,61 @@ class Ledger:
         finally:
             self._pruning.discard(org_id)
 
+    async def _reclaim_now(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
+        """The reclaim of an admission refused at its org's limit. Storage that refused it for now
+        (the org item's conflicts, throttling: it answers) does not fail the admission, which is
+        tried again as the item stands (429 while the dead leases hold the slots): the reclaim
+        goes on in rounds. Storage that did not answer, or refused it for good, fails it (503)."""
+        try:
+            await self._reclaim(org_id, leases, seen)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._reclaim_in_rounds(org_id, leases, seen)
+            if may_have_been_applied(exc):
+                raise
+
     async def _reclaim_quietly(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         try:
             await self._reclaim(org_id, leases, seen)
         except Exception as exc:  # noqa: BLE001 - the next admission tries again
+            if is_transient(exc):
+                self._reclaim_in_rounds(org_id, leases, seen)
+                return
             log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id, "detail": f"{type(exc).__name__}: {exc}"}))
+
+    def _reclaim_in_rounds(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
+        """Go on with a reclaim storage refused past its retry budget. Dropped, its dead leases
+        stayed, their `abandoned` events unwritten and their tokens unbilled, until an
+        admission came that saw them, which an org that stopped sending never makes."""
+        gen_ids = [lease.gen_id for lease in leases]
+        self._go_on_later(self._reclaim_later_rounds(org_id, leases, seen), self._reclaiming_later,
+                          MAX_RECLAIMING_LATER, "reclaim_later_full", org_id=org_id, gen_ids=gen_ids)
+
+    async def _reclaim_later_rounds(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
+        """Rounds of the reclaim, each a whole retry budget, the pauses between them jittered and
+        doubling as a late settle's, for twice the lease time; its leases are this process's
+        meanwhile (an admission that sees them expired leaves them to it). Each round is
+        conditioned as the first was: one that finds the leases renewed, settled or reclaimed
+        elsewhere since, or a key's spend changed, ends it (the next admission reclaims them)."""
+        gen_ids = [lease.gen_id for lease in leases]
+        self._reclaiming.update(gen_ids)
+        try:
+            for pause in self._round_pauses(jitter=True):
+                await asyncio.sleep(pause)
+                try:
+                    await self._reclaim(org_id, leases, seen)
+                except Exception as exc:  # noqa: BLE001 - a background task must not raise
+                    if is_transient(exc):
+                        continue
+                    log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id,
+                                            "detail": f"{type(exc).__name__}: {exc}"}))
+                return
+            log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id, "gen_ids": gen_ids,
+                                    "detail": "storage refused every round: the next admission reclaims them"}))
+        finally:
+            self._reclaiming.subtract(gen_ids)
+            self._reclaiming += Counter()  # drop the generation ids no reclaim works on any more
 
     async def _reclaim(self, org_id: str, leases: list[Lease], seen: dict[str, Any],
                        settled: frozenset[str] = frozenset()) -> None:
@@ -557,10 +612,13 @@ class Ledger:
             if found and not cancelled.failed_condition(0):
                 await self._reclaim(org_id, leases, seen, settled | found)
                 return
+            if cancelled.transient:  # the retry budget spent on conflicts or throttling: not done
+                raise
             # Another admission reclaimed them first, one was renewed or settled just now: nothing to do.
             log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "reasons": cancelled.reasons}))
         finally:
-            self._reclaiming.difference_update(gen_ids)
+            self._reclaiming.subtract(gen_ids)
+            self._reclaiming += Counter()  # drop the generation ids no reclaim works on any more
 
     def settle_later(self, lease: Lease, event: UsageEvent) -> None:
         """Go on settling in the background a request whose settle spent its retry budget on
@@ -571,18 +629,19 @@ class Ledger:
         nothing, for one shorter than the renewal interval. The caller has logged the event
         already (`usage_unsettled`): a replay of that line after this settled is told
         `already_settled`."""
-        self._go_on_later(self._settle_later(lease, event), lease, self._settling_later, MAX_SETTLING_LATER,
-                          "settle_later_full")
+        self._go_on_later(self._settle_later(lease, event), self._settling_later, MAX_SETTLING_LATER,
+                          "settle_later_full", generation_id=lease.gen_id)
 
     @staticmethod
-    def _go_on_later(work: Coroutine[Any, Any, None], lease: Lease, tasks: set[asyncio.Task], bound: int,
-                     full: str) -> None:
-        """Run `work` (rounds of a write for `lease`) in a task of `tasks`, which drain() stops,
-        at most `bound` at once: in a storm, the log keeps the rest (a settle's line is for the
-        replay; a lease not taken back is reclaimed when it expires), and says so (`full`)."""
+    def _go_on_later(work: Coroutine[Any, Any, None], tasks: set[asyncio.Task], bound: int, full: str,
+                     **about: Any) -> None:
+        """Run `work` (rounds of a write) in a task of `tasks`, which drain() stops, at most
+        `bound` at once: in a storm, the log keeps the rest (a settle's line is for the replay;
+        a lease not taken back or not reclaimed is reclaimed by a later admission), and says so
+        (`full`, with what the write was `about`)."""
         if len(tasks) >= bound:
             work.close()
-            log.error(json.dumps({"event": full, "generation_id": lease.gen_id}))
+            log.error(json.dumps({"event": full, **about}))
             return
         task = asyncio.get_running_loop().create_task(work)
         tasks.add(task)
@@ -622,10 +681,11 @@ class Ledger:
         the settles going on in the background stop (their events are in the log)."""
         # a reclaim or first take-back that fails while this waits may start rounds of its own:
         # those are stopped too, until nothing is left
-        while self._settling_later or self._taking_back or self._background:
-            for task in (*self._settling_later, *self._taking_back):
+        while self._settling_later or self._taking_back or self._reclaiming_later or self._background:
+            later = (*self._settling_later, *self._taking_back, *self._reclaiming_later)
+            for task in later:
                 task.cancel()
-            await asyncio.gather(*self._settling_later, *self._taking_back, *self._background, return_exceptions=True)
+            await asyncio.gather(*later, *self._background, return_exceptions=True)
 
     # -- settlement ------------------------------------------------------------------------
 
