@@ -135,7 +135,7 @@ def test_sigkill_mid_stream_the_slots_come_back_within_90_s_and_every_admission_
         while True:  # 8 at once, until all 8 are served (429 while the dead requests hold the slots)
             answers = _concurrently(base, key, 8)
             served += [a.headers["X-Neocloud-Generation-Id"] for a in answers if a.status_code == 200]
-            assert {a.status_code for a in answers} <= {200, 429}
+            assert {a.status_code for a in answers} <= {200, 429}, [(a.status_code, a.text) for a in answers]
             if all(a.status_code == 200 for a in answers):
                 break
             assert time.monotonic() - killed_at < RECOVERY_LIMIT, "the org was still locked out 90 s after the crash"
@@ -143,8 +143,14 @@ def test_sigkill_mid_stream_the_slots_come_back_within_90_s_and_every_admission_
         recovery = time.monotonic() - killed_at
         assert recovery < RECOVERY_LIMIT
         print(f"\n[{case}] 8 concurrent requests served again {recovery:.1f} s after the SIGKILL")
-        org = get_org(tables, "demo")
-        assert org.in_flight == 0 and org.leases == {}
+        # The last admissions may have seen the last dead leases past their expiry below the limit:
+        # those are reclaimed off the requests' paths, in the background (in rounds where storage
+        # refuses them for now), so they are gone shortly after, with no request more.
+        settled_by = time.monotonic() + 30
+        while (org := get_org(tables, "demo")).leases:
+            assert time.monotonic() < settled_by, f"dead leases never reclaimed: {org.leases}"
+            time.sleep(0.2)
+        assert org.in_flight == 0
 
         events = {event.gen_id: event for event in query_events(tables, "demo")}
         assert sorted(events) == sorted(crashed_ids + served)  # every admission ended with exactly one event
