@@ -343,8 +343,9 @@ def test_a_reclaim_that_lost_its_race_is_not_tried_again(stack_factory):
     assert stack.ledger.settle(live, _event(live)) == "settled"
 
 
-def _refuse_reclaims(faults: StorageFaults, refusal: str, times: int) -> None:
-    """Storage refusing `times` reclaims for now: a hot org item's conflicts, or throttling."""
+def _refuse_reclaims(faults: StorageFaults, refusal: str, times: int | None) -> None:
+    """Storage refusing `times` reclaims (None: every one) for now: a hot org item's conflicts,
+    or throttling."""
     def reclaim(payload: dict) -> bool:  # a reclaim's transaction, not a settle's
         return payload.get("ClientRequestToken", "").startswith("r-")
 
@@ -368,15 +369,15 @@ def _until_no_lease(stack, org_id: str, seconds: float = 10.0):
 
 
 @pytest.mark.parametrize("refusal", ["conflicts", "throttling"])
-def test_a_reclaim_refused_for_now_at_the_limit_goes_on_by_itself_and_the_admission_is_429(
-        stack_factory, monkeypatch, refusal):
+def test_a_reclaim_refused_for_now_at_the_limit_goes_on_by_itself(stack_factory, monkeypatch, refusal):
     """An admission at its org's limit reclaims the dead leases first. Where storage refused that
-    reclaim past its retry budget, it was dropped: conflicts were taken for a race lost,
-    throttling answered 503. Either way the dead lease stayed, its `abandoned` event unwritten
-    and its tokens unbilled until some later admission came, and an org that sent nothing more
-    kept it for good. The admission now answers as the org item stands (429: its slots are
-    held), and the reclaim goes on in rounds in the background: the slot comes free and the
-    dead request is billed with no request more."""
+    reclaim past its retry budget, it was dropped: conflicts were taken for a race lost. The
+    dead lease stayed, its `abandoned` event unwritten and its tokens unbilled until some later
+    admission came, and an org that sent nothing more kept it for good. The reclaim now goes
+    on in rounds in the background: the slot comes free and the dead request is billed with no
+    request more. The admission is answered as §2 step 5 has it: the org item's conflicts
+    (its own requests' writes) are no 503, it is tried again as the item stands (429, the
+    slots held); throttling past the budget is 503 `storage_unavailable`."""
     monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 0.05)
     stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=3)
     org_id, _ = stack.org(credits="1", concurrency=1)
@@ -387,7 +388,7 @@ def test_a_reclaim_refused_for_now_at_the_limit_goes_on_by_itself_and_the_admiss
     _refuse_reclaims(faults, refusal, times=3)
 
     async def refused_then_freed(ledger) -> None:
-        with pytest.raises(RateLimitExceeded):
+        with pytest.raises(RateLimitExceeded if refusal == "conflicts" else StorageError):
             await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
                                streamed=False)
         await _until_no_lease(stack, org_id)(ledger)
@@ -426,6 +427,58 @@ def test_a_background_reclaim_refused_for_now_goes_on_in_rounds(stack_factory, m
     events = {e.gen_id: (e.status, e.cost) for e in stack.events(org_id)}
     assert events == {crashed.gen_id: ("abandoned", Decimal("0.5")), live[0].gen_id: ("success", Decimal("0.125"))}
     assert stack.org_info(org_id).credits == Decimal("0.375")
+
+
+def test_admissions_at_the_limit_leave_a_reclaim_going_on_in_rounds_to_it(stack_factory, monkeypatch):
+    """While a reclaim goes on in rounds, every admission at the limit sent the same reclaim
+    again, a whole retry budget each before its client heard anything, and refused, started
+    one more round of the same leases: a client retrying its 429s filled the process's bound
+    of rounds, and another org's reclaim was dropped for want of room."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 30.0)  # the rounds wait: they are counted
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=2)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    _admit(stack, org_id)
+    time.sleep(1.1)
+    faults = StorageFaults()
+    _refuse_reclaims(faults, "conflicts", times=None)
+    seen: dict = {}
+
+    async def retried(ledger) -> None:
+        for _ in range(4):  # a client trying its 429 again
+            with pytest.raises(RateLimitExceeded):
+                await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                                   streamed=False)
+        seen["rounds"] = len(ledger._reclaiming_later)
+
+    with_ledger(stack.settings, retried, http=FaultInjectingHttp(faults))
+    assert seen["rounds"] == 1
+    assert faults.count("TransactWriteItems") == 2  # the first admission's budget; the others left it to the rounds
+
+
+def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
+    """An admission in flight when its process closes (drain) whose reclaim is then refused for
+    now started rounds after drain() had stopped the others: they went on against a client
+    about to be closed. The next admission reclaims those leases instead."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 0.05)
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=2)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    _admit(stack, org_id)
+    time.sleep(1.1)
+    faults = StorageFaults()
+    _refuse_reclaims(faults, "conflicts", times=None)
+    seen: dict = {}
+
+    async def closed_meanwhile(ledger) -> None:
+        admission = asyncio.ensure_future(ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
+                                                       endpoint="completions", streamed=False))
+        await asyncio.sleep(0)  # its write in flight
+        await ledger.drain()
+        with pytest.raises(RateLimitExceeded):
+            await admission
+        seen["rounds"] = len(ledger._reclaiming_later)
+
+    with_ledger(stack.settings, closed_meanwhile, http=FaultInjectingHttp(faults))
+    assert seen["rounds"] == 0
 
 
 def test_a_late_settle_after_a_billed_reclaim_is_charged_the_difference_only(stack_factory):

@@ -181,8 +181,8 @@ def test_reclaim_rounds_end_when_one_lands_or_is_refused_for_good_and_on_close(m
         assert not ledger._background  # left to the rounds
         await asyncio.sleep(0.3)
         assert calls["refused"] == 1 and calls["lands"] == 3 and calls["conflicted"] > 3
-        assert list(ledger._reclaiming) == ["gen-conflicted"]
+        assert list(ledger._in_rounds) == ["gen-conflicted"]
         await ledger.drain()
-        assert not ledger._reclaiming_later and not ledger._reclaiming
+        assert not ledger._reclaiming_later and not ledger._in_rounds and not ledger._reclaiming
 
     asyncio.run(main())

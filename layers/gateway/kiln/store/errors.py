@@ -31,6 +31,7 @@ __all__ = [
     "condition_failure",
     "is_transient",
     "may_have_been_applied",
+    "met_another_write",
     "translate_storage_error",
 ]
 
@@ -51,6 +52,8 @@ TRANSIENT_CODES = frozenset(
 # Of those, the ones that say the call went unanswered (it may have been applied), and those
 # of DynamoDB's own faults (a 5xx, whatever status it came with)
 _UNANSWERED_CODES = frozenset({"ConnectionError", "InternalServerError", "InternalFailure", "ServiceUnavailable"})
+# Of those, the ones that say the call met another write of its items.
+_ANOTHER_WRITE_CODES = frozenset({"TransactionConflictException", "TransactionInProgressException"})
 # Cancellation reasons of a transaction that another try may cure.
 TRANSIENT_REASONS = frozenset({"TransactionConflict", "ThrottlingError", "ProvisionedThroughputExceeded"})
 
@@ -138,6 +141,16 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, TransactionCancelled):
         return exc.transient
     return isinstance(exc, TransientStorageError)
+
+
+def met_another_write(exc: BaseException) -> bool:
+    """Whether a transient refusal says only that the call met another write of its items (a
+    transaction in flight, the same ClientRequestToken still being applied): one request's
+    write meeting another's, not storage's own refusal (throttling, a 5xx, a lost answer)."""
+    if isinstance(exc, TransactionCancelled):
+        transient = [reason for reason in exc.reasons if reason in TRANSIENT_REASONS]
+        return bool(transient) and all(reason == "TransactionConflict" for reason in transient)
+    return isinstance(exc, TransientStorageError) and exc.code in _ANOTHER_WRITE_CODES
 
 
 def may_have_been_applied(exc: BaseException) -> bool:

@@ -78,6 +78,7 @@ from .errors import (
     TransientStorageError,
     is_transient,
     may_have_been_applied,
+    met_another_write,
     translate_storage_error,
 )
 from .keyspend import (
@@ -257,6 +258,8 @@ class Ledger:
         self._settle_later_turn = asyncio.Semaphore(1)
         self._reclaiming_later: set[asyncio.Task] = set()  # _reclaim_in_rounds's, stopped alike
         self._reclaiming: Counter[str] = Counter()  # generation ids reclaims of this process are working on
+        self._in_rounds: Counter[str] = Counter()  # of those, the ids reclaims going on in rounds hold
+        self._closing = False  # drain() has begun: no write is gone on with later any more
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
 
     @property
@@ -468,7 +471,7 @@ class Ledger:
 
     def _reclaim_later(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         """Reclaim in a task of its own: the admission that noticed them does not wait."""
-        leases = [lease for lease in leases if lease.gen_id not in self._reclaiming]
+        leases = [lease for lease in leases if lease.gen_id not in self._reclaiming and lease.gen_id not in self._in_rounds]
         if not leases:
             return
         self._in_background(self._reclaim_quietly(org_id, leases, seen))
@@ -507,17 +510,21 @@ class Ledger:
             self._pruning.discard(org_id)
 
     async def _reclaim_now(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
-        """The reclaim of an admission refused at its org's limit. Storage that refused it for now
-        (the org item's conflicts, throttling: it answers) does not fail the admission, which is
-        tried again as the item stands (429 while the dead leases hold the slots): the reclaim
-        goes on in rounds. Storage that did not answer, or refused it for good, fails it (503)."""
+        """The reclaim of an admission refused at its org's limit; leases a reclaim going on in
+        rounds holds are left to it. One refused for now goes on in rounds. Refused by the org
+        item's conflicts (its own requests' writes, §2 step 5), it does not fail the admission,
+        tried again as the item stands (429 while the dead leases hold the slots); by
+        throttling, an outage or for good, it does (503)."""
+        leases = [lease for lease in leases if lease.gen_id not in self._in_rounds]
+        if not leases:
+            return
         try:
             await self._reclaim(org_id, leases, seen)
         except Exception as exc:
             if not is_transient(exc):
                 raise
             self._reclaim_in_rounds(org_id, leases, seen)
-            if may_have_been_applied(exc):
+            if not met_another_write(exc):
                 raise
 
     async def _reclaim_quietly(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
@@ -533,9 +540,13 @@ class Ledger:
         """Go on with a reclaim storage refused past its retry budget. Dropped, its dead leases
         stayed, their `abandoned` events unwritten and their tokens unbilled, until an
         admission came that saw them, which an org that stopped sending never makes."""
+        leases = [lease for lease in leases if lease.gen_id not in self._in_rounds]
         gen_ids = [lease.gen_id for lease in leases]
-        self._go_on_later(self._reclaim_later_rounds(org_id, leases, seen), self._reclaiming_later,
-                          MAX_RECLAIMING_LATER, "reclaim_later_full", org_id=org_id, gen_ids=gen_ids)
+        task = self._go_on_later(self._reclaim_later_rounds(org_id, leases, seen), self._reclaiming_later,
+                                 MAX_RECLAIMING_LATER, "reclaim_later_full", org_id=org_id, gen_ids=gen_ids)
+        if task is not None:  # its leases are its own from now on, until it ends
+            _hold(self._in_rounds, gen_ids)
+            task.add_done_callback(lambda _: _release(self._in_rounds, gen_ids))
 
     async def _reclaim_later_rounds(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         """Rounds of the reclaim, each a whole retry budget, the pauses between them jittered and
@@ -543,24 +554,19 @@ class Ledger:
         meanwhile (an admission that sees them expired leaves them to it). Each round is
         conditioned as the first was: one that finds the leases renewed, settled or reclaimed
         elsewhere since, or a key's spend changed, ends it (the next admission reclaims them)."""
-        gen_ids = [lease.gen_id for lease in leases]
-        self._reclaiming.update(gen_ids)
-        try:
-            for pause in self._round_pauses(jitter=True):
-                await asyncio.sleep(pause)
-                try:
-                    await self._reclaim(org_id, leases, seen)
-                except Exception as exc:  # noqa: BLE001 - a background task must not raise
-                    if is_transient(exc):
-                        continue
-                    log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id,
-                                            "detail": f"{type(exc).__name__}: {exc}"}))
-                return
-            log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id, "gen_ids": gen_ids,
-                                    "detail": "storage refused every round: the next admission reclaims them"}))
-        finally:
-            self._reclaiming.subtract(gen_ids)
-            self._reclaiming += Counter()  # drop the generation ids no reclaim works on any more
+        for pause in self._round_pauses(jitter=True):
+            await asyncio.sleep(pause)
+            try:
+                await self._reclaim(org_id, leases, seen)
+            except Exception as exc:  # noqa: BLE001 - a background task must not raise
+                if is_transient(exc):
+                    continue
+                log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id,
+                                        "detail": f"{type(exc).__name__}: {exc}"}))
+            return
+        log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id,
+                                "gen_ids": [lease.gen_id for lease in leases],
+                                "detail": "storage refused every round: the next admission reclaims them"}))
 
     async def _reclaim(self, org_id: str, leases: list[Lease], seen: dict[str, Any],
                        settled: frozenset[str] = frozenset()) -> None:
@@ -599,7 +605,7 @@ class Ledger:
                                                    for lease, event in zip(billable, events, strict=True)])
         gen_ids = [lease.gen_id for lease in leases]
         payload = {"TransactItems": items, "ClientRequestToken": client_token("r", json.dumps(items, sort_keys=True))}
-        self._reclaiming.update(gen_ids)
+        _hold(self._reclaiming, gen_ids)
         try:
             await self._retried("reclaim", "TransactWriteItems", payload)
             log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": gen_ids,
@@ -617,8 +623,7 @@ class Ledger:
             # Another admission reclaimed them first, one was renewed or settled just now: nothing to do.
             log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "reasons": cancelled.reasons}))
         finally:
-            self._reclaiming.subtract(gen_ids)
-            self._reclaiming += Counter()  # drop the generation ids no reclaim works on any more
+            _release(self._reclaiming, gen_ids)
 
     def settle_later(self, lease: Lease, event: UsageEvent) -> None:
         """Go on settling in the background a request whose settle spent its retry budget on
@@ -632,20 +637,22 @@ class Ledger:
         self._go_on_later(self._settle_later(lease, event), self._settling_later, MAX_SETTLING_LATER,
                           "settle_later_full", generation_id=lease.gen_id)
 
-    @staticmethod
-    def _go_on_later(work: Coroutine[Any, Any, None], tasks: set[asyncio.Task], bound: int, full: str,
-                     **about: Any) -> None:
+    def _go_on_later(self, work: Coroutine[Any, Any, None], tasks: set[asyncio.Task], bound: int, full: str,
+                     **about: Any) -> asyncio.Task | None:
         """Run `work` (rounds of a write) in a task of `tasks`, which drain() stops, at most
-        `bound` at once: in a storm, the log keeps the rest (a settle's line is for the replay;
-        a lease not taken back or not reclaimed is reclaimed by a later admission), and says so
-        (`full`, with what the write was `about`)."""
-        if len(tasks) >= bound:
+        `bound` at once, and none once drain() has begun: the log keeps the rest (a settle's
+        line is for the replay; a lease not taken back or not reclaimed is reclaimed by a later
+        admission), and says so where the bound was the cause (`full`, with what the write was
+        `about`). The task, or None."""
+        if self._closing or len(tasks) >= bound:
             work.close()
-            log.error(json.dumps({"event": full, **about}))
-            return
+            if not self._closing:
+                log.error(json.dumps({"event": full, **about}))
+            return None
         task = asyncio.get_running_loop().create_task(work)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        return task
 
     async def _settle_later(self, lease: Lease, event: UsageEvent) -> None:
         """Rounds of the settle, each a whole retry budget, one such settle of this process at
@@ -681,6 +688,7 @@ class Ledger:
         the settles going on in the background stop (their events are in the log)."""
         # a reclaim or first take-back that fails while this waits may start rounds of its own:
         # those are stopped too, until nothing is left
+        self._closing = True
         while self._settling_later or self._taking_back or self._reclaiming_later or self._background:
             later = (*self._settling_later, *self._taking_back, *self._reclaiming_later)
             for task in later:
@@ -886,6 +894,18 @@ class Ledger:
             return await self._aws.dynamodb(operation, payload)
         except Exception as exc:  # noqa: BLE001 - translated into the storage error tree
             raise translate_storage_error(exc) from exc
+
+
+def _hold(held: Counter[str], gen_ids: list[str]) -> None:
+    held.update(gen_ids)
+
+
+def _release(held: Counter[str], gen_ids: list[str]) -> None:
+    """Count `gen_ids` out of `held`, dropping those no one holds any more."""
+    held.subtract(gen_ids)
+    for gen_id in gen_ids:
+        if held[gen_id] <= 0:
+            del held[gen_id]
 
 
 def _settle_failed(cancelled: TransactionCancelled) -> StorageError:
