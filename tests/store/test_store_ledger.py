@@ -437,21 +437,24 @@ def test_admissions_at_the_limit_leave_a_reclaim_going_on_in_rounds_to_it(stack_
     monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 30.0)  # the rounds wait: they are counted
     stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=2)
     org_id, _ = stack.org(credits="1", concurrency=1)
-    _admit(stack, org_id)
+    dead = _admit(stack, org_id)
     time.sleep(1.1)
     faults = StorageFaults()
     _refuse_reclaims(faults, "conflicts", times=None)
     seen: dict = {}
 
+    def admission(ledger):
+        return ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions", streamed=False)
+
     async def retried(ledger) -> None:
         for _ in range(4):  # a client trying its 429 again
             with pytest.raises(RateLimitExceeded):
-                await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
-                                   streamed=False)
-        seen["rounds"] = len(ledger._reclaiming_later)
+                await admission(ledger)
+        seen["rounds"] = sorted(ledger._in_rounds)
+        seen["tasks"] = len(ledger._reclaiming_later)
 
     with_ledger(stack.settings, retried, http=FaultInjectingHttp(faults))
-    assert seen["rounds"] == 1
+    assert seen["tasks"] == 1 and seen["rounds"] == [dead.gen_id]
     assert faults.count("TransactWriteItems") == 2  # the first admission's budget; the others left it to the rounds
 
 

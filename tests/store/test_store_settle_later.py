@@ -176,6 +176,9 @@ def test_reclaim_rounds_end_when_one_lands_or_is_refused_for_good_and_on_close(m
         ledger._reclaim = reclaim
         for org_id in ("refused", "lands", "conflicted"):
             ledger._reclaim_in_rounds(org_id, [SimpleNamespace(gen_id=f"gen-{org_id}")], {})
+        # another reclaim of the same lease, refused at the same moment: the rounds going on have it
+        ledger._reclaim_in_rounds("conflicted", [SimpleNamespace(gen_id="gen-conflicted")], {})
+        assert len(ledger._reclaiming_later) == 3
         await asyncio.sleep(0)
         ledger._reclaim_later("conflicted", [SimpleNamespace(gen_id="gen-conflicted")], {})
         assert not ledger._background  # left to the rounds

@@ -541,12 +541,15 @@ class Ledger:
         stayed, their `abandoned` events unwritten and their tokens unbilled, until an
         admission came that saw them, which an org that stopped sending never makes."""
         leases = [lease for lease in leases if lease.gen_id not in self._in_rounds]
+        if not leases:  # another reclaim of them, refused at the same moment, went on first
+            return
         gen_ids = [lease.gen_id for lease in leases]
         task = self._go_on_later(self._reclaim_later_rounds(org_id, leases, seen), self._reclaiming_later,
                                  MAX_RECLAIMING_LATER, "reclaim_later_full", org_id=org_id, gen_ids=gen_ids)
         if task is not None:  # its leases are its own from now on, until it ends
             _hold(self._in_rounds, gen_ids)
             task.add_done_callback(lambda _: _release(self._in_rounds, gen_ids))
+            log.info(json.dumps({"event": "reclaim_goes_on_later", "org_id": org_id, "gen_ids": gen_ids}))
 
     async def _reclaim_later_rounds(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         """Rounds of the reclaim, each a whole retry budget, the pauses between them jittered and
