@@ -324,23 +324,30 @@ def test_a_reclaim_that_lost_its_race_is_not_tried_again(stack_factory):
     """Two environments reclaim the same dead lease at once: DynamoDB cancels the second's
     transaction for the org item's condition (the lease is gone) and for the event's (the first
     wrote it). That is a race lost, not a lease whose request settled (above), where the org
-    item's condition holds: nothing is tried again. It was, a second transaction for each
-    environment that lost, which under contention the storage's retry budget must cover too."""
+    item's condition holds: the second reads the org item again, finds nothing of its own left
+    dead, and sends nothing more. It sent a second transaction, which under contention the
+    storage's retry budget must cover too."""
     stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
-    org_id, _ = stack.org(credits="1", concurrency=1)
-    crashed = _admit(stack, org_id)
+    org_id, _ = stack.org(credits="1", concurrency=2)
+    crashed = [_admit(stack, org_id), _admit(stack, org_id)]
     time.sleep(0.4)
-    faults = StorageFaults()
-    # DynamoDB's answer to the reclaim that lost: its org update, its event's Put, its tally's
-    faults.fail("TransactWriteItems", code="TransactionCanceledException", times=1,
-                reasons=["ConditionalCheckFailed", "ConditionalCheckFailed", "None"])
-    with pytest.raises(RateLimitExceeded):
-        _admit(stack, org_id, SyncLedger(stack.settings, faults))
-    assert faults.count("TransactWriteItems") == 1
-    assert stack.events(org_id) == []
-    live = _admit(stack, org_id)  # the dead lease reclaimed by the next admission, as ever
-    assert [(event.gen_id, event.status) for event in stack.events(org_id)] == [(crashed.gen_id, "abandoned")]
-    assert stack.ledger.settle(live, _event(live)) == "settled"
+    faults = StorageFaults()  # records every call
+
+    async def two_environments(ledger) -> None:
+        item = (await ledger._call("GetItem", {"TableName": stack.settings.orgs_table,
+                                               "Key": {"org_id": {"S": org_id}}, "ConsistentRead": True}))["Item"]
+        dead = ledger._expired_leases(org_id, item, time.time())
+        await ledger._reclaim(org_id, dead, item)  # one takes both
+        faults.calls.clear()
+        # the other had read the item when one of them was dead (the same read would be the same
+        # transaction, which DynamoDB answers as done by its ClientRequestToken)
+        await ledger._reclaim(org_id, [lease for lease in dead if lease.gen_id == crashed[0].gen_id], item)
+
+    with_ledger(stack.settings, two_environments, http=FaultInjectingHttp(faults))
+    assert [operation for operation, _ in faults.calls] == ["TransactWriteItems", "GetItem"]
+    assert sorted((event.gen_id, event.status) for event in stack.events(org_id)) == sorted(
+        (lease.gen_id, "abandoned") for lease in crashed)
+    assert stack.org_info(org_id).leases == {}
 
 
 def _refuse_reclaims(faults: StorageFaults, refusal: str, times: int | None) -> None:
@@ -429,6 +436,34 @@ def test_a_background_reclaim_refused_for_now_goes_on_in_rounds(stack_factory, m
     assert stack.org_info(org_id).credits == Decimal("0.375")
 
 
+def test_admissions_of_one_process_at_the_limit_wait_for_its_reclaim_rather_than_send_their_own(stack_factory):
+    """After a crash, the org's next requests all meet its limit at once, each seeing the dead
+    leases. In a process serving them together (the local server, a runtime with concurrency),
+    each sent its own reclaim of them: transactions over the same org item, events and tallies
+    that conflicted with one another, and where their reads differed, cancelled each other. The
+    first reclaims them; the others wait for it, then are admitted."""
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=4)
+    dead = [_admit(stack, org_id) for _ in range(4)]
+    time.sleep(0.4)
+    faults = StorageFaults()  # records every call
+    admitted: list = []
+
+    async def together(ledger) -> None:
+        leases = await asyncio.gather(*[
+            ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions", streamed=False)
+            for _ in range(4)])
+        admitted.extend(leases)
+        for lease in leases:
+            await ledger.settle(lease, _event(lease, cost="0.125"))
+
+    with_ledger(stack.settings, together, http=FaultInjectingHttp(faults))
+    assert faults.count("TransactWriteItems", lambda payload: payload["ClientRequestToken"].startswith("r-")) == 1
+    events = {e.gen_id: e.status for e in stack.events(org_id)}
+    assert events == {**{lease.gen_id: "abandoned" for lease in dead}, **{lease.gen_id: "success" for lease in admitted}}
+    assert stack.org_info(org_id).leases == {}
+
+
 def test_admissions_at_the_limit_leave_a_reclaim_going_on_in_rounds_to_it(stack_factory, monkeypatch):
     """While a reclaim goes on in rounds, every admission at the limit sent the same reclaim
     again, a whole retry budget each before its client heard anything, and refused, started
@@ -482,6 +517,34 @@ def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
 
     with_ledger(stack.settings, closed_meanwhile, http=FaultInjectingHttp(faults))
     assert seen["rounds"] == 0
+
+
+def test_a_reclaim_that_meets_part_of_its_leases_reclaimed_elsewhere_still_frees_the_rest(stack_factory):
+    """Two environments read the org item at different moments and reclaim what each saw dead:
+    one took lease A, then the other's transaction for A and B was cancelled for A, and B was
+    left: its slot held, its `abandoned` event unwritten, until some later admission, which an
+    org that stopped sending never makes. A reclaim whose org item changed since its read
+    reads it again and reclaims those of its leases still dead."""
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=8)
+    first, second = _admit(stack, org_id), _admit(stack, org_id)
+    stack.ledger.renew(first, (1, 2, Decimal("0.25")))
+    stack.ledger.renew(second, (1, 2, Decimal("0.125")))
+    time.sleep(0.4)
+
+    async def two_environments(ledger) -> None:
+        item = (await ledger._call("GetItem", {"TableName": stack.settings.orgs_table,
+                                               "Key": {"org_id": {"S": org_id}}, "ConsistentRead": True}))["Item"]
+        dead = ledger._expired_leases(org_id, item, time.time())
+        assert sorted(lease.gen_id for lease in dead) == sorted([first.gen_id, second.gen_id])
+        await ledger._reclaim(org_id, [lease for lease in dead if lease.gen_id == first.gen_id], item)
+        await ledger._reclaim(org_id, dead, item)  # read before the first reclaim landed
+
+    with_ledger(stack.settings, two_environments)
+    assert stack.org_info(org_id).leases == {}
+    events = {e.gen_id: (e.status, e.cost) for e in stack.events(org_id)}
+    assert events == {first.gen_id: ("abandoned", Decimal("0.25")), second.gen_id: ("abandoned", Decimal("0.125"))}
+    assert stack.org_info(org_id).credits == Decimal("0.625")
 
 
 def test_a_late_settle_after_a_billed_reclaim_is_charged_the_difference_only(stack_factory):

@@ -126,6 +126,8 @@ MAX_RECLAIM = 49
 # A late settle reads the abandoned event again when it changed between its read and its write
 # (replaced by another settle: then it is done; tallied by `kiln admin keys tally`): this many times.
 MAX_EVENT_READS = 3
+# A reclaim that met the org item changed since its read reads it again, this many times.
+MAX_RECLAIM_READS = 3
 # Past periods' spend figures removed in one write, at most.
 MAX_PRUNE = 100
 # A settle that finds its key's marker changed reads it and tries again, this many times;
@@ -260,6 +262,7 @@ class Ledger:
         self._reclaiming: Counter[str] = Counter()  # generation ids reclaims of this process are working on
         self._in_rounds: Counter[str] = Counter()  # of those, the ids reclaims going on in rounds hold
         self._closing = False  # drain() has begun: no write is gone on with later any more
+        self._reclaim_ended: asyncio.Event | None = None  # set when a reclaim of this process ends
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
 
     @property
@@ -515,17 +518,33 @@ class Ledger:
         item's conflicts (its own requests' writes, §2 step 5), it does not fail the admission,
         tried again as the item stands (429 while the dead leases hold the slots); by
         throttling, an outage or for good, it does (503)."""
-        leases = [lease for lease in leases if lease.gen_id not in self._in_rounds]
-        if not leases:
-            return
-        try:
-            await self._reclaim(org_id, leases, seen)
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            self._reclaim_in_rounds(org_id, leases, seen)
-            if not met_another_write(exc):
-                raise
+        # leases another request of this process is reclaiming now: waited for, not sent again
+        # (the same transaction, or one over the same items, each conflicting with the others)
+        theirs = [lease.gen_id for lease in leases if lease.gen_id in self._reclaiming]
+        leases = [lease for lease in leases if lease.gen_id not in self._in_rounds and lease.gen_id not in self._reclaiming]
+        if leases:
+            try:
+                await self._reclaim(org_id, leases, seen)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._reclaim_in_rounds(org_id, leases, seen)
+                if not met_another_write(exc):
+                    raise
+        await self._until_reclaimed(theirs)
+
+    async def _until_reclaimed(self, gen_ids: list[str]) -> None:
+        """Wait until no reclaim of this process works on `gen_ids` any more (each ends within its
+        retry budget: landed, raced, or gone on in rounds)."""
+        while any(gen_id in self._reclaiming for gen_id in gen_ids):
+            if self._reclaim_ended is None:
+                self._reclaim_ended = asyncio.Event()
+            await self._reclaim_ended.wait()
+
+    def _tell_reclaim_ended(self) -> None:
+        ended, self._reclaim_ended = self._reclaim_ended, None
+        if ended is not None:
+            ended.set()
 
     async def _reclaim_quietly(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         try:
@@ -572,13 +591,15 @@ class Ledger:
                                 "detail": "storage refused every round: the next admission reclaims them"}))
 
     async def _reclaim(self, org_id: str, leases: list[Lease], seen: dict[str, Any],
-                       settled: frozenset[str] = frozenset()) -> None:
+                       settled: frozenset[str] = frozenset(), reads: int = MAX_RECLAIM_READS) -> None:
         """Free expired leases; each gets an `abandoned` usage event billed as of its last renewal,
         added to its key's figures as `seen` (the org item the leases were read from) has them.
         A lease whose generation has its event already (`settled`: a late copy of its admission
         landed after its request settled, §2 step 5) is freed billed nothing more: its event
         stands. Its event written again cancelled the whole reclaim, every dead lease of the org
-        held with it, for good."""
+        held with it, for good. Where the org item changed since `seen` (some of the leases
+        renewed, settled or reclaimed elsewhere, a key's spend changed), it is read again and
+        those of the leases still dead are reclaimed (`reads` times at most)."""
         names = {"#leases": ORG.leases, "#exp": LEASE.exp, "#credits": ORG.credits}
         values: dict[str, Any] = {}
         removes, unchanged = [], []
@@ -619,14 +640,35 @@ class Ledger:
             # reclaim wrote those events: a race lost, nothing to try again
             found = {lease.gen_id for index, lease in enumerate(billable) if cancelled.failed_condition(1 + index)}
             if found and not cancelled.failed_condition(0):
-                await self._reclaim(org_id, leases, seen, settled | found)
+                await self._reclaim(org_id, leases, seen, settled | found, reads)
                 return
             if cancelled.transient:  # the retry budget spent on conflicts or throttling: not done
                 raise
+            if cancelled.failed_condition(0) and reads > 0:
+                await self._reclaim_still_dead(org_id, gen_ids, reads - 1)
+                return
             # Another admission reclaimed them first, one was renewed or settled just now: nothing to do.
             log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "reasons": cancelled.reasons}))
         finally:
             _release(self._reclaiming, gen_ids)
+            self._tell_reclaim_ended()
+
+    async def _reclaim_still_dead(self, org_id: str, gen_ids: list[str], reads: int) -> None:
+        """A reclaim met the org item changed since its read: some of its leases may be gone or
+        alive, the rest still dead, and nothing else may come for them (another environment
+        reclaimed part of them, an org that stopped sending). Read it again; reclaim those."""
+        answer = await self._retried("reclaim", "GetItem", {
+            "TableName": self._orgs_table,
+            "Key": {ORG.hash_key: {"S": org_id}},
+            "ConsistentRead": True,
+        })
+        org = (answer or {}).get("Item") or {}
+        wanted = set(gen_ids)
+        left = [lease for lease in self._expired_leases(org_id, org, self._clock()) if lease.gen_id in wanted]
+        if left:
+            await self._reclaim(org_id, left, org, reads=reads)
+        else:  # another admission reclaimed them first, or they were renewed or settled just now
+            log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "gen_ids": gen_ids}))
 
     def settle_later(self, lease: Lease, event: UsageEvent) -> None:
         """Go on settling in the background a request whose settle spent its retry budget on
