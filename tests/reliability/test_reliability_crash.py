@@ -57,6 +57,12 @@ def _start_dev(emulator_url: str, tmp_path, lease_env: dict[str, str]) -> tuple[
     return process, exports
 
 
+def _leases_as_stored(tables, settings) -> dict[str, dict[str, str | None]]:
+    item = tables.client.get_item(TableName=settings.orgs_table, Key={"org_id": {"S": "demo"}}, ConsistentRead=True)
+    return {gen_id: {name: value.get("N") for name, value in lease["M"].items()}
+            for gen_id, lease in item["Item"]["leases"]["M"].items()}
+
+
 def _concurrently(base: str, key: str, count: int) -> list[httpx.Response]:
     quick = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     answers: list[httpx.Response] = []
@@ -124,9 +130,12 @@ def test_sigkill_mid_stream_the_slots_come_back_within_90_s_and_every_admission_
         for thread in threads:
             thread.join(timeout=10)
         assert len(crashed_ids) == 8
-        item = tables.client.get_item(TableName=settings.orgs_table, Key={"org_id": {"S": "demo"}}, ConsistentRead=True)
-        last_renewal = {gen_id: {name: value.get("N") for name, value in lease["M"].items()}
-                        for gen_id, lease in item["Item"]["leases"]["M"].items()}
+        # the leases as their last renewals left them: a renewal sent just before the kill may
+        # still land, so read until two reads a moment apart agree
+        last_renewal, before = _leases_as_stored(tables, settings), None
+        while last_renewal != before:
+            time.sleep(0.5)
+            before, last_renewal = last_renewal, _leases_as_stored(tables, settings)
         assert sorted(last_renewal) == sorted(crashed_ids)  # nobody settled: the leases are still held
 
         gateway, exports = _start_dev(emulator.url, tmp_path, lease_env)  # same tables, a fresh process and key
