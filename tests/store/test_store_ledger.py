@@ -493,6 +493,36 @@ def test_admissions_at_the_limit_leave_a_reclaim_going_on_in_rounds_to_it(stack_
     assert faults.count("TransactWriteItems") == 2  # the first admission's budget; the others left it to the rounds
 
 
+def test_dead_leases_past_those_a_reclaim_going_on_holds_are_reclaimed_at_the_limit(stack_factory, monkeypatch):
+    """A reclaim takes the oldest 49 dead leases at most. Once rounds held those, an admission
+    at the limit took the same 49 and left them to the rounds, and the org's other dead leases,
+    its slots too, were tried by no one until a round landed."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 30.0)  # the rounds wait
+    stack = stack_factory(lease_ttl_seconds=4.0, lease_renew_seconds=1.0, storage_retry_attempts=2)
+    org_id, _ = stack.org(credits="10", concurrency=60)
+    with_ledger(stack.settings, lambda ledger: asyncio.gather(*[
+        ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions", streamed=False)
+        for _ in range(60)]))
+    assert len(stack.org_info(org_id).leases) == 60
+    time.sleep(4.1)
+    faults = StorageFaults()
+    _refuse_reclaims(faults, "conflicts", times=2)  # the first reclaim's budget: it goes on in rounds
+    answers: list = []
+
+    async def retried(ledger) -> None:
+        for _ in range(2):
+            try:
+                answers.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
+                                                  endpoint="completions", streamed=False))
+            except RateLimitExceeded as refused:
+                answers.append(refused)
+
+    with_ledger(stack.settings, retried, http=FaultInjectingHttp(faults))
+    assert isinstance(answers[0], RateLimitExceeded)  # the 49 oldest left to the rounds
+    assert not isinstance(answers[1], RateLimitExceeded)  # the 11 others reclaimed, a slot for it
+    assert len(stack.org_info(org_id).leases) == 49 + 1
+
+
 def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
     """An admission in flight when its process closes (drain) whose reclaim is then refused for
     now started rounds after drain() had stopped the others: they went on against a client

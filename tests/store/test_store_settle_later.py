@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -13,6 +14,16 @@ from kiln.store import ledger as ledger_module
 from kiln.store.errors import StorageError, TransactionCancelled, TransientStorageError
 from kiln.store.ledger import Ledger
 from kiln.store.retry import RetryPolicy
+from kiln.store.schema import LEASE, ORG
+
+
+def _org_with_dead(gen_ids: list[str]) -> dict:
+    """An org item (as DynamoDB answers it) below its limit, holding these leases, all dead."""
+    now = time.time()
+    dead = {LEASE.exp: {"N": repr(round(now - 5, 3))}, LEASE.started: {"N": repr(now - 70)}, LEASE.key: {"S": "key_1"},
+            LEASE.model: {"S": "m"}, LEASE.endpoint: {"S": "completions"}, LEASE.streamed: {"BOOL": False}}
+    return {ORG.org_id: {"S": "org"}, ORG.status: {"S": "active"}, ORG.credits: {"N": "10"},
+            ORG.concurrency_limit: {"N": "8"}, ORG.leases: {"M": {gen_id: {"M": dead} for gen_id in gen_ids}}}
 
 
 def _quick(monkeypatch, cap: int) -> None:
@@ -180,12 +191,48 @@ def test_reclaim_rounds_end_when_one_lands_or_is_refused_for_good_and_on_close(m
         ledger._reclaim_in_rounds("conflicted", [SimpleNamespace(gen_id="gen-conflicted")], {})
         assert len(ledger._reclaiming_later) == 3
         await asyncio.sleep(0)
-        ledger._reclaim_later("conflicted", [SimpleNamespace(gen_id="gen-conflicted")], {})
+
+        async def admitted(operation, payload):  # an admission that sees the lease the rounds hold, dead
+            return {"Attributes": _org_with_dead(["gen-conflicted"])}
+
+        ledger._call = admitted
+        await ledger.admit(org_id="org", key_id="key_1", model="m", endpoint="completions", streamed=False)
         assert not ledger._background  # left to the rounds
         await asyncio.sleep(0.3)
         assert calls["refused"] == 1 and calls["lands"] == 3 and calls["conflicted"] > 3
         assert list(ledger._in_rounds) == ["gen-conflicted"]
         await ledger.drain()
         assert not ledger._reclaiming_later and not ledger._in_rounds and not ledger._reclaiming
+
+    asyncio.run(main())
+
+
+def test_admissions_answered_together_send_one_background_reclaim_of_the_same_dead_lease():
+    """Two admissions of one process whose answers came in the same turn of the loop both saw
+    a dead lease below the limit: each started a reclaim of it, as the first had not begun
+    yet to hold it."""
+
+    async def main():
+        ledger = Ledger(None, orgs_table="o", usage_table="u", lease_ttl=60.0)
+        answered = asyncio.Event()
+        reclaims: Counter = Counter()
+
+        async def call(operation, payload):
+            if operation == "UpdateItem":  # the admissions, answered together
+                await answered.wait()
+                return {"Attributes": _org_with_dead(["gen-dead"])}
+            assert operation == "TransactWriteItems"
+            reclaims.update(item["Put"]["Item"]["gen_id"]["S"] for item in payload["TransactItems"] if "Put" in item)
+            await asyncio.sleep(0.01)
+            return {}
+
+        ledger._call = call
+        admissions = [asyncio.ensure_future(ledger.admit(org_id="org", key_id="key_1", model="m",
+                                                         endpoint="completions", streamed=False)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        answered.set()
+        await asyncio.gather(*admissions)
+        await ledger.drain()
+        assert reclaims == {"gen-dead": 1}
 
     asyncio.run(main())

@@ -37,7 +37,7 @@ slot for at most the TTL, and one that keeps running never loses it.
   (key management changed the key since), the settle reads the marker and adds the cost to
   the figure it says, under a token of its own. A reclaim and a late settle add to the
   figure the marker says in the org item they read, on the condition that it still says
-  so (a reclaim that meets a change is left to the next admission; a late settle reads again).
+  so (a reclaim that meets a change reads the org item again, and so does a late settle).
 - **A key's tally** (kiln.store.tally): each of those transactions that writes a usage event
   also adds its cost (a replacement, the difference) to the key's tally of the event's
   month and day, so what a key spent is read without reading its events.
@@ -344,13 +344,15 @@ class Ledger:
             except ConditionFailed as refused:
                 old = refused.old_item
                 refusal = self._refusal(old, key_id, limits, now)
-                expired = self._expired_leases(org_id, old or {}, self._clock())
+                # the dead leases, but for those reclaims going on in rounds hold (left to them)
+                expired = self._expired_leases(org_id, old or {}, self._clock(), lambda gen: gen not in self._in_rounds)
                 if attempt == 0 and expired and isinstance(refusal, RateLimitExceeded):
                     await self._reclaim_now(org_id, expired, old or {})
                     continue
                 raise refusal from None
             old = (answer or {}).get("Attributes") or {}
-            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), keep=lease.gen_id), old)
+            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), lambda gen: gen != lease.gen_id
+                                                             and gen not in self._reclaiming and gen not in self._in_rounds), old)
             self._prune_later(org_id, stale_spend_attributes(old, now))
             return lease
         raise AssertionError("unreachable")
@@ -388,7 +390,7 @@ class Ledger:
         id no client saw, a request refused with 503 (§1: such a request writes no event)."""
         if not await self._taken_back(lease):
             self._go_on_later(self._take_back_later(lease), self._taking_back, MAX_TAKING_BACK,
-                              "take_back_later_full", generation_id=lease.gen_id)
+                              "take_back_later", generation_id=lease.gen_id)
 
     async def _taken_back(self, lease: Lease, *, once: bool = False) -> bool:
         """One take-back within the policy (`once`: a single call): False where storage refused
@@ -465,19 +467,32 @@ class Ledger:
     # -- reclaiming ------------------------------------------------------------------------
 
     @staticmethod
-    def _expired_leases(org_id: str, old: dict[str, Any], now: float, keep: str | None = None) -> list[Lease]:
+    def _expired_leases(org_id: str, old: dict[str, Any], now: float,
+                        wanted: Callable[[str], bool] = lambda gen_id: True) -> list[Lease]:
+        """The leases of `old` (an org item) past their expiry at `now` whose generation ids are
+        `wanted`, the oldest first, as many as one reclaim takes. Those not wanted are left out
+        before the count: left out after it, the ones a reclaim already holds would take up the
+        count, and the org's other dead leases, beyond it, go untried."""
         leases = old.get(ORG.leases, {}).get("M", {})
         # only the expired ones are read whole: an admission sees every lease of its org
         found = [Lease.from_attribute(gen, org_id, value) for gen, value in leases.items()
-                 if gen != keep and _expiry(value) <= now]
+                 if _expiry(value) <= now and wanted(gen)]
         return sorted(found, key=lambda lease: lease.expires)[:MAX_RECLAIM]
 
     def _reclaim_later(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
-        """Reclaim in a task of its own: the admission that noticed them does not wait."""
-        leases = [lease for lease in leases if lease.gen_id not in self._reclaiming and lease.gen_id not in self._in_rounds]
+        """Reclaim in a task of its own: the admission that noticed them does not wait. Its
+        leases are held from now (not from the task's first step): another admission answered
+        in the same turn of the loop leaves them to it."""
         if not leases:
             return
-        self._in_background(self._reclaim_quietly(org_id, leases, seen))
+        gen_ids = [lease.gen_id for lease in leases]
+        _hold(self._reclaiming, gen_ids)
+
+        def ended(_: asyncio.Task) -> None:
+            _release(self._reclaiming, gen_ids)
+            self._tell_reclaim_ended()
+
+        self._in_background(self._reclaim_quietly(org_id, leases, seen)).add_done_callback(ended)
 
     def _prune_later(self, org_id: str, stale: list[str]) -> None:
         """Remove spend figures of periods that are over, in a task of its own."""
@@ -486,11 +501,12 @@ class Ledger:
         self._pruning.add(org_id)
         self._in_background(self._prune(org_id, stale[:MAX_PRUNE]))
 
-    def _in_background(self, work: Awaitable[None]) -> None:
+    def _in_background(self, work: Awaitable[None]) -> asyncio.Task:
         """Run `work` in a task of its own, held until done (drain() waits for it)."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _prune(self, org_id: str, stale: list[str]) -> None:
         names = {f"#p{index}": name for index, name in enumerate(stale)}
@@ -535,7 +551,8 @@ class Ledger:
 
     async def _until_reclaimed(self, gen_ids: list[str]) -> None:
         """Wait until no reclaim of this process works on `gen_ids` any more (each ends within its
-        retry budget: landed, raced, or gone on in rounds)."""
+        retry budgets, one for each read of the org item again: landed, raced, or gone on in
+        rounds)."""
         while any(gen_id in self._reclaiming for gen_id in gen_ids):
             if self._reclaim_ended is None:
                 self._reclaim_ended = asyncio.Event()
@@ -564,7 +581,7 @@ class Ledger:
             return
         gen_ids = [lease.gen_id for lease in leases]
         task = self._go_on_later(self._reclaim_later_rounds(org_id, leases, seen), self._reclaiming_later,
-                                 MAX_RECLAIMING_LATER, "reclaim_later_full", org_id=org_id, gen_ids=gen_ids)
+                                 MAX_RECLAIMING_LATER, "reclaim_later", org_id=org_id, gen_ids=gen_ids)
         if task is not None:  # its leases are its own from now on, until it ends
             _hold(self._in_rounds, gen_ids)
             task.add_done_callback(lambda _: _release(self._in_rounds, gen_ids))
@@ -573,9 +590,9 @@ class Ledger:
     async def _reclaim_later_rounds(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         """Rounds of the reclaim, each a whole retry budget, the pauses between them jittered and
         doubling as a late settle's, for twice the lease time; its leases are this process's
-        meanwhile (an admission that sees them expired leaves them to it). Each round is
-        conditioned as the first was: one that finds the leases renewed, settled or reclaimed
-        elsewhere since, or a key's spend changed, ends it (the next admission reclaims them)."""
+        meanwhile (an admission that sees them expired leaves them to it). A round that finds
+        the org item changed since (leases renewed, settled or reclaimed elsewhere, a key's
+        spend changed) reads it again and reclaims those still dead, as any reclaim does."""
         for pause in self._round_pauses(jitter=True):
             await asyncio.sleep(pause)
             try:
@@ -664,7 +681,7 @@ class Ledger:
         })
         org = (answer or {}).get("Item") or {}
         wanted = set(gen_ids)
-        left = [lease for lease in self._expired_leases(org_id, org, self._clock()) if lease.gen_id in wanted]
+        left = self._expired_leases(org_id, org, self._clock(), wanted.__contains__)
         if left:
             await self._reclaim(org_id, left, org, reads=reads)
         else:  # another admission reclaimed them first, or they were renewed or settled just now
@@ -680,19 +697,21 @@ class Ledger:
         already (`usage_unsettled`): a replay of that line after this settled is told
         `already_settled`."""
         self._go_on_later(self._settle_later(lease, event), self._settling_later, MAX_SETTLING_LATER,
-                          "settle_later_full", generation_id=lease.gen_id)
+                          "settle_later", generation_id=lease.gen_id)
 
-    def _go_on_later(self, work: Coroutine[Any, Any, None], tasks: set[asyncio.Task], bound: int, full: str,
+    def _go_on_later(self, work: Coroutine[Any, Any, None], tasks: set[asyncio.Task], bound: int, what: str,
                      **about: Any) -> asyncio.Task | None:
-        """Run `work` (rounds of a write) in a task of `tasks`, which drain() stops, at most
-        `bound` at once, and none once drain() has begun: the log keeps the rest (a settle's
-        line is for the replay; a lease not taken back or not reclaimed is reclaimed by a later
-        admission), and says so where the bound was the cause (`full`, with what the write was
-        `about`). The task, or None."""
+        """Run `work` (rounds of a write, `what`) in a task of `tasks`, which drain() stops, at
+        most `bound` at once, and none once drain() has begun: the log keeps the rest (a
+        settle's line is for the replay; a lease not taken back or not reclaimed is reclaimed
+        by a later admission), and says which (`<what>_full`, `<what>_stopped`: the process
+        closing) and what the write was `about`. The task, or None."""
         if self._closing or len(tasks) >= bound:
             work.close()
-            if not self._closing:
-                log.error(json.dumps({"event": full, **about}))
+            if self._closing:
+                log.info(json.dumps({"event": f"{what}_stopped", **about}))
+            else:
+                log.error(json.dumps({"event": f"{what}_full", **about}))
             return None
         task = asyncio.get_running_loop().create_task(work)
         tasks.add(task)
