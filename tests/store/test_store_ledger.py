@@ -375,6 +375,20 @@ def _until_no_lease(stack, org_id: str, seconds: float = 10.0):
     return wait
 
 
+def _a_dead_lease_whose_reclaims_are_refused(stack_factory, monkeypatch, refusal: str, concurrency: int):
+    """An org of this limit with one dead lease (renewed: 0.5 to bill), its next 3 reclaims (a
+    retry budget) refused for now, the rounds' pauses short: (stack, org id, lease, faults)."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 0.05)
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=3)
+    org_id, _ = stack.org(credits="1", concurrency=concurrency)
+    crashed = _admit(stack, org_id)
+    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
+    time.sleep(1.1)
+    faults = StorageFaults()
+    _refuse_reclaims(faults, refusal, times=3)
+    return stack, org_id, crashed, faults
+
+
 @pytest.mark.parametrize("refusal", ["conflicts", "throttling"])
 def test_a_reclaim_refused_for_now_at_the_limit_goes_on_by_itself(stack_factory, monkeypatch, refusal):
     """An admission at its org's limit reclaims the dead leases first. Where storage refused that
@@ -385,14 +399,7 @@ def test_a_reclaim_refused_for_now_at_the_limit_goes_on_by_itself(stack_factory,
     request more. The admission is answered as §2 step 5 has it: the org item's conflicts
     (its own requests' writes) are no 503, it is tried again as the item stands (429, the
     slots held); throttling past the budget is 503 `storage_unavailable`."""
-    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 0.05)
-    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=3)
-    org_id, _ = stack.org(credits="1", concurrency=1)
-    crashed = _admit(stack, org_id)
-    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
-    time.sleep(1.1)
-    faults = StorageFaults()
-    _refuse_reclaims(faults, refusal, times=3)
+    stack, org_id, crashed, faults = _a_dead_lease_whose_reclaims_are_refused(stack_factory, monkeypatch, refusal, 1)
 
     async def refused_then_freed(ledger) -> None:
         with pytest.raises(RateLimitExceeded if refusal == "conflicts" else StorageError):
@@ -413,14 +420,7 @@ def test_a_background_reclaim_refused_for_now_goes_on_in_rounds(stack_factory, m
     """Below the limit, the dead leases an admission saw are reclaimed off its path. A reclaim
     refused past its budget was dropped there too, the org's dead requests unbilled until an
     admission at its limit, which an org that stopped sending never makes."""
-    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 0.05)
-    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=3)
-    org_id, _ = stack.org(credits="1", concurrency=8)
-    crashed = _admit(stack, org_id)
-    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
-    time.sleep(1.1)
-    faults = StorageFaults()
-    _refuse_reclaims(faults, refusal, times=3)
+    stack, org_id, crashed, faults = _a_dead_lease_whose_reclaims_are_refused(stack_factory, monkeypatch, refusal, 8)
     live: list = []
 
     async def admitted_then_freed(ledger) -> None:
