@@ -359,6 +359,9 @@ def _refuse_reclaims(faults: StorageFaults, refusal: str, times: int | None) -> 
     if refusal == "conflicts":  # its org update and its tally's met another transaction
         faults.fail("TransactWriteItems", code="TransactionCanceledException", times=times, when=reclaim,
                     reasons=["TransactionConflict", "None", "TransactionConflict"])
+    elif refusal == "throttled items":  # a cancellation naming the throttling
+        faults.fail("TransactWriteItems", code="TransactionCanceledException", times=times, when=reclaim,
+                    reasons=["ThrottlingError", "None", "None"])
     else:
         faults.fail("TransactWriteItems", code="ThrottlingException", times=times, when=reclaim)
 
@@ -389,7 +392,7 @@ def _a_dead_lease_whose_reclaims_are_refused(stack_factory, monkeypatch, refusal
     return stack, org_id, crashed, faults
 
 
-@pytest.mark.parametrize("refusal", ["conflicts", "throttling"])
+@pytest.mark.parametrize("refusal", ["conflicts", "throttling", "throttled items"])
 def test_a_reclaim_refused_for_now_at_the_limit_goes_on_by_itself(stack_factory, monkeypatch, refusal):
     """An admission at its org's limit reclaims the dead leases first. Where storage refused that
     reclaim past its retry budget, it was dropped: conflicts were taken for a race lost. The
@@ -468,7 +471,8 @@ def test_admissions_at_the_limit_leave_a_reclaim_going_on_in_rounds_to_it(stack_
     """While a reclaim goes on in rounds, every admission at the limit sent the same reclaim
     again, a whole retry budget each before its client heard anything, and refused, started
     one more round of the same leases: a client retrying its 429s filled the process's bound
-    of rounds, and another org's reclaim was dropped for want of room."""
+    of rounds, and another org's reclaim was dropped for want of room. Each now makes one try
+    of it, a single call, and leaves the rest to the rounds."""
     monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 30.0)  # the rounds wait: they are counted
     stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=2)
     org_id, _ = stack.org(credits="1", concurrency=1)
@@ -490,7 +494,7 @@ def test_admissions_at_the_limit_leave_a_reclaim_going_on_in_rounds_to_it(stack_
 
     with_ledger(stack.settings, retried, http=FaultInjectingHttp(faults))
     assert seen["tasks"] == 1 and seen["rounds"] == [dead.gen_id]
-    assert faults.count("TransactWriteItems") == 2  # the first admission's budget; the others left it to the rounds
+    assert faults.count("TransactWriteItems") == 2 + 3  # the first admission's budget; one call of each other
 
 
 def test_dead_leases_past_those_a_reclaim_going_on_holds_are_reclaimed_at_the_limit(stack_factory, monkeypatch):
@@ -523,6 +527,54 @@ def test_dead_leases_past_those_a_reclaim_going_on_holds_are_reclaimed_at_the_li
     assert len(stack.org_info(org_id).leases) == 49 + 1
 
 
+def test_an_admission_at_the_limit_tries_once_itself_the_reclaim_rounds_are_waiting_to_make(stack_factory, monkeypatch):
+    """Rounds pause between tries, up to 16 s. An admission at the limit left the dead leases to
+    them, and was told 429 at once: storage answering again, the org's clients were refused for
+    up to a pause more, with no request of theirs in flight. It now tries the reclaim once
+    itself (one call, not a budget: storage that still refuses is not sent a budget more per
+    request), and is admitted where it lands."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 30.0)  # the rounds wait
+    stack = stack_factory(lease_ttl_seconds=4.0, lease_renew_seconds=1.0, storage_retry_attempts=2)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    dead = _admit(stack, org_id)
+    time.sleep(4.1)
+    faults = StorageFaults()
+    _refuse_reclaims(faults, "throttling", times=3)  # the first admission's budget, then one more call
+    answers: list = []
+
+    async def retried(ledger) -> None:
+        for _ in range(3):
+            try:
+                answers.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
+                                                  endpoint="completions", streamed=False))
+            except StorageError:
+                answers.append(StorageError)
+            except RateLimitExceeded:
+                answers.append(RateLimitExceeded)
+
+    with_ledger(stack.settings, retried, http=FaultInjectingHttp(faults))
+    assert answers[:2] == [StorageError, RateLimitExceeded]  # throttled past its budget; then its one try throttled
+    assert answers[2].gen_id in stack.org_info(org_id).leases  # storage answers: reclaimed, admitted
+    assert [(e.gen_id, e.status) for e in stack.events(org_id)] == [(dead.gen_id, "abandoned")]
+
+
+def test_a_lease_admitted_after_a_reclaim_lives_its_whole_time(stack_factory):
+    """An admission at the limit waits for the reclaim of the dead leases, then writes its lease:
+    the expiry it wrote was counted from before the wait, and a slow reclaim left the request a
+    lease that had nearly run out, its keeper giving it up before its first renewal."""
+    stack = stack_factory(lease_ttl_seconds=2.0, lease_renew_seconds=0.5)
+    org_id, _ = stack.org(credits="1", concurrency=1)
+    _admit(stack, org_id)
+    time.sleep(2.1)
+    faults = StorageFaults()
+    faults.slow("TransactWriteItems", 1.5, when=lambda payload: payload.get("ClientRequestToken", "").startswith("r-"))
+    lease = SyncLedger(stack.settings, faults).admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
+                                                     endpoint="completions", streamed=False)
+    admitted_at = time.time()
+    assert lease.expires >= admitted_at + 2.0 - 0.3
+    assert float(stack.org_info(org_id).leases[lease.gen_id]["exp"]) == round(lease.expires, 3)
+
+
 def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
     """An admission in flight when its process closes (drain) whose reclaim is then refused for
     now started rounds after drain() had stopped the others: they went on against a client
@@ -547,6 +599,27 @@ def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
 
     with_ledger(stack.settings, closed_meanwhile, http=FaultInjectingHttp(faults))
     assert seen["rounds"] == 0
+
+
+def test_no_background_reclaim_starts_once_the_ledger_is_closing(stack_factory):
+    """Below the limit alike: an admission in flight when drain() ran, seeing a dead lease, started
+    its background reclaim after drain() had returned, against a client about to be closed."""
+    stack = stack_factory(lease_ttl_seconds=0.3, lease_renew_seconds=0.1)
+    org_id, _ = stack.org(credits="1", concurrency=8)
+    _admit(stack, org_id)
+    time.sleep(0.4)
+    seen: dict = {}
+
+    async def closed_meanwhile(ledger) -> None:
+        admission = asyncio.ensure_future(ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
+                                                       endpoint="completions", streamed=False))
+        await asyncio.sleep(0)  # its write in flight
+        await ledger.drain()
+        await admission
+        seen["after"] = (len(ledger._background), dict(ledger._reclaiming))
+
+    with_ledger(stack.settings, closed_meanwhile)
+    assert seen["after"] == (0, {})
 
 
 def test_a_reclaim_that_meets_part_of_its_leases_reclaimed_elsewhere_still_frees_the_rest(stack_factory):

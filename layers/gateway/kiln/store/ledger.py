@@ -56,6 +56,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from decimal import Decimal
+from functools import partial
 from typing import Any, Awaitable, Callable, Coroutine, Iterator, TypeVar
 
 from ..aws import AwsClient, tried_once
@@ -323,6 +324,7 @@ class Ledger:
             "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
         }
         applied_maybe = []  # a try whose answer was lost (or a 5xx) may have taken the slot
+        own = lease.gen_id
 
         async def admission() -> Any:
             try:
@@ -344,14 +346,14 @@ class Ledger:
             except ConditionFailed as refused:
                 old = refused.old_item
                 refusal = self._refusal(old, key_id, limits, now)
-                # the dead leases, but for those reclaims going on in rounds hold (left to them)
-                expired = self._expired_leases(org_id, old or {}, self._clock(), lambda gen: gen not in self._in_rounds)
-                if attempt == 0 and expired and isinstance(refusal, RateLimitExceeded):
-                    await self._reclaim_now(org_id, expired, old or {})
+                if attempt == 0 and isinstance(refusal, RateLimitExceeded) and await self._reclaim_now(org_id, old or {}):
+                    # its expiry counted from now: the reclaim may have taken a while
+                    lease = replace(lease, expires=self._clock() + self._lease_ttl)
+                    values[":lease"] = lease.to_attribute()
                     continue
                 raise refusal from None
             old = (answer or {}).get("Attributes") or {}
-            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), lambda gen: gen != lease.gen_id
+            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), lambda gen: gen != own
                                                              and gen not in self._reclaiming and gen not in self._in_rounds), old)
             self._prune_later(org_id, stale_spend_attributes(old, now))
             return lease
@@ -485,6 +487,9 @@ class Ledger:
         in the same turn of the loop leaves them to it."""
         if not leases:
             return
+        task = self._in_background(self._reclaim_quietly(org_id, leases, seen))
+        if task is None:
+            return
         gen_ids = [lease.gen_id for lease in leases]
         _hold(self._reclaiming, gen_ids)
 
@@ -492,17 +497,22 @@ class Ledger:
             _release(self._reclaiming, gen_ids)
             self._tell_reclaim_ended()
 
-        self._in_background(self._reclaim_quietly(org_id, leases, seen)).add_done_callback(ended)
+        task.add_done_callback(ended)
 
     def _prune_later(self, org_id: str, stale: list[str]) -> None:
         """Remove spend figures of periods that are over, in a task of its own."""
         if not stale or org_id in self._pruning:
             return
-        self._pruning.add(org_id)
-        self._in_background(self._prune(org_id, stale[:MAX_PRUNE]))
+        if self._in_background(self._prune(org_id, stale[:MAX_PRUNE])) is not None:
+            self._pruning.add(org_id)
 
-    def _in_background(self, work: Awaitable[None]) -> asyncio.Task:
-        """Run `work` in a task of its own, held until done (drain() waits for it)."""
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task | None:
+        """Run `work` in a task of its own, held until done (drain() waits for it); once drain()
+        has begun, not at all (the task, or None)."""
+        if self._closing:
+            work.close()
+            log.info(json.dumps({"event": "background_write_stopped", "write": work.__qualname__}))
+            return None
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -528,26 +538,44 @@ class Ledger:
         finally:
             self._pruning.discard(org_id)
 
-    async def _reclaim_now(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
-        """The reclaim of an admission refused at its org's limit; leases a reclaim going on in
-        rounds holds are left to it. One refused for now goes on in rounds. Refused by the org
-        item's conflicts (its own requests' writes, §2 step 5), it does not fail the admission,
-        tried again as the item stands (429 while the dead leases hold the slots); by
-        throttling, an outage or for good, it does (503)."""
-        # leases another request of this process is reclaiming now: waited for, not sent again
-        # (the same transaction, or one over the same items, each conflicting with the others)
-        theirs = [lease.gen_id for lease in leases if lease.gen_id in self._reclaiming]
-        leases = [lease for lease in leases if lease.gen_id not in self._in_rounds and lease.gen_id not in self._reclaiming]
-        if leases:
+    async def _reclaim_now(self, org_id: str, seen: dict[str, Any]) -> bool:
+        """The reclaim of an admission refused at its org's limit, of the dead leases `seen` (the
+        org item as refused) holds; whether it is worth trying the admission again.
+
+        Dead leases another request of this process is reclaiming now are waited for, not sent
+        again (the same transaction, or one over the same items, each conflicting with the
+        others). The others are reclaimed within the retry budget; refused for now, they go on
+        in rounds. Refused by the org item's conflicts (its own requests' writes, §2 step 5),
+        that does not fail the admission, tried again as the item stands (429 while the dead
+        leases hold the slots); by throttling, an outage or for good, it does (503). Where
+        rounds hold every dead lease, pausing between their tries, one try is made here, a
+        single call: storage answering again, the org is not refused until their next round."""
+        now = self._clock()
+        free = self._expired_leases(org_id, seen, now, lambda gen: gen not in self._in_rounds)
+        theirs = [lease.gen_id for lease in free if lease.gen_id in self._reclaiming]
+        mine = [lease for lease in free if lease.gen_id not in self._reclaiming]
+        if mine:
             try:
-                await self._reclaim(org_id, leases, seen)
+                await self._reclaim(org_id, mine, seen)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
-                self._reclaim_in_rounds(org_id, leases, seen)
+                self._reclaim_in_rounds(org_id, mine, seen)
                 if not met_another_write(exc):
+                    raise _storage_error(exc) from exc
+        elif not theirs:
+            pausing = self._expired_leases(org_id, seen, now, lambda gen: gen in self._in_rounds
+                                           and gen not in self._reclaiming)
+            if not pausing:
+                return False
+            try:
+                await self._reclaim(org_id, pausing, seen, once=True)
+            except Exception as exc:
+                if not is_transient(exc):
                     raise
+                return False  # still refused: the rounds go on
         await self._until_reclaimed(theirs)
+        return True
 
     async def _until_reclaimed(self, gen_ids: list[str]) -> None:
         """Wait until no reclaim of this process works on `gen_ids` any more (each ends within its
@@ -608,7 +636,8 @@ class Ledger:
                                 "detail": "storage refused every round: the next admission reclaims them"}))
 
     async def _reclaim(self, org_id: str, leases: list[Lease], seen: dict[str, Any],
-                       settled: frozenset[str] = frozenset(), reads: int = MAX_RECLAIM_READS) -> None:
+                       settled: frozenset[str] = frozenset(), reads: int = MAX_RECLAIM_READS, *,
+                       once: bool = False) -> None:
         """Free expired leases; each gets an `abandoned` usage event billed as of its last renewal,
         added to its key's figures as `seen` (the org item the leases were read from) has them.
         A lease whose generation has its event already (`settled`: a late copy of its admission
@@ -616,7 +645,8 @@ class Ledger:
         stands. Its event written again cancelled the whole reclaim, every dead lease of the org
         held with it, for good. Where the org item changed since `seen` (some of the leases
         renewed, settled or reclaimed elsewhere, a key's spend changed), it is read again and
-        those of the leases still dead are reclaimed (`reads` times at most)."""
+        those of the leases still dead are reclaimed (`reads` times at most). `once`: its
+        transaction sent once, not tried again within the retry budget."""
         names = {"#leases": ORG.leases, "#exp": LEASE.exp, "#credits": ORG.credits}
         values: dict[str, Any] = {}
         removes, unchanged = [], []
@@ -648,7 +678,7 @@ class Ledger:
         payload = {"TransactItems": items, "ClientRequestToken": client_token("r", json.dumps(items, sort_keys=True))}
         _hold(self._reclaiming, gen_ids)
         try:
-            await self._retried("reclaim", "TransactWriteItems", payload)
+            await (self._call if once else partial(self._retried, "reclaim"))("TransactWriteItems", payload)
             log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": gen_ids,
                                     "billed": number(billed), "already_settled": sorted(settled)}))
         except TransactionCancelled as cancelled:
@@ -972,11 +1002,16 @@ def _release(held: Counter[str], gen_ids: list[str]) -> None:
             del held[gen_id]
 
 
-def _settle_failed(cancelled: TransactionCancelled) -> StorageError:
-    """A settle's cancellation past its retry budget: transient when conflicts or throttling
-    spent it (refusals that say nothing of the settle: it may go on in the background)."""
+def _storage_error(exc: BaseException) -> BaseException:
+    """A reclaim's failure past its retry budget as the storage error it is (a cancellation too)."""
+    return _settle_failed(exc, "reclaim") if isinstance(exc, TransactionCancelled) else exc
+
+
+def _settle_failed(cancelled: TransactionCancelled, what: str = "settle") -> StorageError:
+    """A settle's (or `what`'s) cancellation past its retry budget: transient when conflicts or
+    throttling spent it (refusals that say nothing of the write: it may go on in the background)."""
     error = TransientStorageError if cancelled.transient else StorageError
-    return error(f"settle cancelled: {cancelled.reasons}")
+    return error(f"{what} cancelled: {cancelled.reasons}")
 
 
 def _expiry(lease: dict[str, Any]) -> float:
