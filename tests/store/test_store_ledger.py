@@ -575,6 +575,118 @@ def test_a_lease_admitted_after_a_reclaim_lives_its_whole_time(stack_factory):
     assert float(stack.org_info(org_id).leases[lease.gen_id]["exp"]) == round(lease.expires, 3)
 
 
+def _reclaims(payload: dict) -> bool:
+    return payload.get("ClientRequestToken", "").startswith("r-")
+
+
+def _admissions_of(org_id: str):
+    return lambda payload: (payload.get("Key", {}).get("org_id", {}).get("S") == org_id
+                            and payload.get("UpdateExpression", "").startswith("SET #leases.#gen"))
+
+
+def test_admissions_at_the_limit_together_each_get_a_slot_the_rounds_free(stack_factory, monkeypatch):
+    """Two dead leases held by rounds, storage answering again, two admissions at once: the first
+    made its one try; the second, finding those leases in that try, neither waited for it nor
+    made its own, and was told 429 while both slots came free a moment later."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 30.0)  # the rounds wait
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=2)
+    org_id, _ = stack.org(credits="1", concurrency=2)
+    _admit(stack, org_id)
+    _admit(stack, org_id)
+    time.sleep(1.1)
+    faults = StorageFaults()
+    faults.fail("TransactWriteItems", code="ThrottlingException", times=2, when=_reclaims)
+    answers: list = []
+
+    async def one(ledger):
+        try:
+            return await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                                      streamed=False)
+        except (RateLimitExceeded, StorageError) as refused:
+            return refused
+
+    async def together(ledger) -> None:
+        answers.append(await one(ledger))  # throttled past its budget (503): the rounds hold both
+        answers.extend(await asyncio.gather(one(ledger), one(ledger)))
+
+    with_ledger(stack.settings, together, http=FaultInjectingHttp(faults))
+    assert isinstance(answers[0], StorageError)
+    assert sorted(stack.org_info(org_id).leases) == sorted(answer.gen_id for answer in answers[1:])
+
+
+def test_the_one_try_at_the_limit_is_one_call_whatever_it_meets(stack_factory, monkeypatch):
+    """Its transaction cancelled for the org item changed since, the one try read the item again
+    and reclaimed on within whole budgets: storage still refusing got a budget more per request."""
+    monkeypatch.setattr(ledger_module, "SETTLE_LATER_PAUSE", 30.0)  # the rounds wait
+    stack, org_id, _, faults = _a_dead_lease_whose_reclaims_are_refused(stack_factory, monkeypatch, "throttling", 1)
+    faults.fail("TransactWriteItems", code="TransactionCanceledException", times=1, when=_reclaims,
+                reasons=["ConditionalCheckFailed", "None", "None"])
+    answers: list = []
+
+    async def twice(ledger) -> None:
+        for _ in range(2):
+            try:
+                answers.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
+                                                  endpoint="completions", streamed=False))
+            except (RateLimitExceeded, StorageError) as refused:
+                answers.append(refused)
+        answers.append((faults.count("TransactWriteItems"), faults.count("GetItem")))
+
+    with_ledger(stack.settings, twice, http=FaultInjectingHttp(faults))
+    assert isinstance(answers[0], StorageError) and isinstance(answers[1], RateLimitExceeded)
+    assert answers[2] == (3 + 1, 0)  # the budget throttled, then the one try: no read, no budget
+
+
+def test_a_late_copy_of_an_admission_does_not_set_its_lease_back(stack_factory):
+    """An admission's write held in the network lands after its retry was applied and its request
+    renewed the lease: it wrote the lease again as admitted, its expiry set back (another
+    environment could reclaim a running request's lease) and what the renewal recorded gone."""
+    stack = stack_factory(lease_ttl_seconds=5.0, lease_renew_seconds=1.0)
+    org_id, _ = stack.org(credits="1", concurrency=2)
+    faults = StorageFaults()
+    faults.late("UpdateItem", 1.0, times=1, when=_admissions_of(org_id))
+    seen: dict = {}
+
+    async def renewed_then_landed(ledger) -> None:
+        lease = await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                                   streamed=False)
+        await asyncio.sleep(0.3)
+        seen["renewed"] = await ledger.renew(lease, (3, 4, Decimal("0.01")))
+        await asyncio.sleep(1.2)  # the first try lands meanwhile
+        seen["stored"] = (await asyncio.to_thread(stack.org_info, org_id)).leases[lease.gen_id]
+        await ledger.settle(lease, _event(lease))
+
+    with_ledger(stack.settings, renewed_then_landed, http=FaultInjectingHttp(faults))
+    assert float(seen["stored"]["exp"]) == round(seen["renewed"], 3)
+    assert (seen["stored"].get("pt"), seen["stored"].get("ct")) == (3, 4)
+
+
+def test_an_admission_answered_503_while_the_process_closes_still_takes_its_lease_back(stack_factory):
+    """drain() stops background writes that a later admission makes again; it stopped the take-back
+    of an admission answered 503 too, and that lease stayed, to be reclaimed as the `abandoned`
+    event of a request its client was told was refused."""
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3, storage_retry_attempts=2)
+    org_a, _ = stack.org(credits="1", concurrency=8)
+    org_b, _ = stack.org(credits="1", concurrency=8)
+    _admit(stack, org_a)
+    time.sleep(1.1)  # org A: a dead lease, reclaimed off the path of A's next admission
+    faults = StorageFaults()
+    faults.slow("TransactWriteItems", 1.5, when=_reclaims)  # drain() waits for it
+    faults.lose("UpdateItem", when=_admissions_of(org_b))  # every answer to B's admission lost
+
+    async def closing(ledger) -> None:
+        await ledger.admit(org_id=org_a, key_id="key_1", model="qwen3-32b", endpoint="completions", streamed=False)
+        refused = asyncio.ensure_future(ledger.admit(org_id=org_b, key_id="key_1", model="qwen3-32b",
+                                                     endpoint="completions", streamed=False))
+        await asyncio.sleep(0)
+        await ledger.drain()
+        with pytest.raises(StorageError):
+            await refused
+
+    with_ledger(stack.settings, closing, http=FaultInjectingHttp(faults))
+    assert stack.org_info(org_b).leases == {}
+
+
 def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
     """An admission in flight when its process closes (drain) whose reclaim is then refused for
     now started rounds after drain() had stopped the others: they went on against a client

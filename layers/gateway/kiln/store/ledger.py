@@ -110,6 +110,9 @@ ORG_ACTIVE = "#status = :active"
 HAS_CREDITS = "#credits > :zero"
 HAS_FREE_SLOT = "size(#leases) < #limit"
 LEASE_HELD = "attribute_exists(#leases.#gen)"
+# an admission's own lease as it wrote it (a retry's), not one renewed since or written again later
+OWN_LEASE_AS_ADMITTED = "attribute_exists(#leases.#gen) AND #leases.#gen.#exp <= :exp"
+LEASE_NOT_HELD = "attribute_not_exists(#leases.#gen)"
 ORG_CHECKS = (ORG_EXISTS, ORG_ACTIVE, HAS_CREDITS, HAS_FREE_SLOT)
 # a key's own limits (contract §10), on its attributes of the org item (kiln.store.keyspend)
 KEY_HAS_FREE_SLOT = "(attribute_not_exists(#key_leases) OR size(#key_leases) < :key_limit)"
@@ -295,12 +298,14 @@ class Ledger:
             "#leases": ORG.leases,
             "#limit": ORG.concurrency_limit,
             "#gen": lease.gen_id,
+            "#exp": LEASE.exp,
             "#key_leases": leases_attribute(key_id),
         }
         values: dict[str, Any] = {
             ":active": {"S": "active"},
             ":zero": {"N": "0"},
             ":lease": lease.to_attribute(),
+            ":exp": lease.to_attribute()["M"][LEASE.exp],
             ":gen_ids": {"SS": [lease.gen_id]},
         }
         if limits.concurrency is not None:
@@ -317,7 +322,9 @@ class Ledger:
             "Key": {ORG.hash_key: {"S": org_id}},
             # the key's set of generation ids in flight: ADD of a set, so a retry adds nothing twice
             "UpdateExpression": "SET #leases.#gen = :lease ADD #key_leases :gen_ids",
-            "ConditionExpression": f"{LEASE_HELD} OR ({' AND '.join(checks)})",
+            # a copy of an earlier try landing late (held in the network) finds its lease renewed
+            # or written again with a later expiry, and changes nothing
+            "ConditionExpression": f"({OWN_LEASE_AS_ADMITTED}) OR ({LEASE_NOT_HELD} AND {' AND '.join(checks)})",
             "ExpressionAttributeNames": names,
             "ExpressionAttributeValues": values,
             "ReturnValues": "ALL_OLD",
@@ -350,6 +357,7 @@ class Ledger:
                     # its expiry counted from now: the reclaim may have taken a while
                     lease = replace(lease, expires=self._clock() + self._lease_ttl)
                     values[":lease"] = lease.to_attribute()
+                    values[":exp"] = values[":lease"]["M"][LEASE.exp]
                     continue
                 raise refusal from None
             old = (answer or {}).get("Attributes") or {}
@@ -487,10 +495,11 @@ class Ledger:
         in the same turn of the loop leaves them to it."""
         if not leases:
             return
-        task = self._in_background(self._reclaim_quietly(org_id, leases, seen))
-        if task is None:
-            return
         gen_ids = [lease.gen_id for lease in leases]
+        if self._closing:  # drain() has begun: the next admission that sees them reclaims them
+            log.info(json.dumps({"event": "reclaim_later_stopped", "org_id": org_id, "gen_ids": gen_ids}))
+            return
+        task = self._in_background(self._reclaim_quietly(org_id, leases, seen))
         _hold(self._reclaiming, gen_ids)
 
         def ended(_: asyncio.Task) -> None:
@@ -501,18 +510,13 @@ class Ledger:
 
     def _prune_later(self, org_id: str, stale: list[str]) -> None:
         """Remove spend figures of periods that are over, in a task of its own."""
-        if not stale or org_id in self._pruning:
+        if not stale or org_id in self._pruning or self._closing:  # the next admission prunes them
             return
-        if self._in_background(self._prune(org_id, stale[:MAX_PRUNE])) is not None:
-            self._pruning.add(org_id)
+        self._pruning.add(org_id)
+        self._in_background(self._prune(org_id, stale[:MAX_PRUNE]))
 
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task | None:
-        """Run `work` in a task of its own, held until done (drain() waits for it); once drain()
-        has begun, not at all (the task, or None)."""
-        if self._closing:
-            work.close()
-            log.info(json.dumps({"event": "background_write_stopped", "write": work.__qualname__}))
-            return None
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run `work` in a task of its own, held until done (drain() waits for it)."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -551,9 +555,9 @@ class Ledger:
         rounds hold every dead lease, pausing between their tries, one try is made here, a
         single call: storage answering again, the org is not refused until their next round."""
         now = self._clock()
-        free = self._expired_leases(org_id, seen, now, lambda gen: gen not in self._in_rounds)
-        theirs = [lease.gen_id for lease in free if lease.gen_id in self._reclaiming]
-        mine = [lease for lease in free if lease.gen_id not in self._reclaiming]
+        # under a try of this process now (a request's, a round's): waited for
+        theirs = [lease.gen_id for lease in self._expired_leases(org_id, seen, now, self._reclaiming.__contains__)]
+        mine = self._expired_leases(org_id, seen, now, lambda gen: gen not in self._in_rounds and gen not in self._reclaiming)
         if mine:
             try:
                 await self._reclaim(org_id, mine, seen)
@@ -564,8 +568,7 @@ class Ledger:
                 if not met_another_write(exc):
                     raise _storage_error(exc) from exc
         elif not theirs:
-            pausing = self._expired_leases(org_id, seen, now, lambda gen: gen in self._in_rounds
-                                           and gen not in self._reclaiming)
+            pausing = self._expired_leases(org_id, seen, now, self._in_rounds.__contains__)
             if not pausing:
                 return False
             try:
@@ -682,6 +685,11 @@ class Ledger:
             log.warning(json.dumps({"event": "leases_reclaimed", "org_id": org_id, "gen_ids": gen_ids,
                                     "billed": number(billed), "already_settled": sorted(settled)}))
         except TransactionCancelled as cancelled:
+            if once:  # one call, whatever it met: the rounds go on with what is left
+                if cancelled.transient:
+                    raise
+                log.info(json.dumps({"event": "reclaim_raced", "org_id": org_id, "reasons": cancelled.reasons}))
+                return
             # events that exist, while the leases are as read (the org item's condition held): their
             # requests settled, and their leases came back. Where the leases are gone too, another
             # reclaim wrote those events: a race lost, nothing to try again
