@@ -304,8 +304,8 @@ class Ledger:
         values: dict[str, Any] = {
             ":active": {"S": "active"},
             ":zero": {"N": "0"},
-            ":lease": lease.to_attribute(),
-            ":exp": lease.to_attribute()["M"][LEASE.exp],
+            ":lease": (written := lease.to_attribute()),
+            ":exp": written["M"][LEASE.exp],
             ":gen_ids": {"SS": [lease.gen_id]},
         }
         if limits.concurrency is not None:
