@@ -366,6 +366,18 @@ def _refuse_reclaims(faults: StorageFaults, refusal: str, times: int | None) -> 
         faults.fail("TransactWriteItems", code="ThrottlingException", times=times, when=reclaim)
 
 
+async def _admissions(ledger, org_id: str, count: int) -> list:
+    """`count` admissions one after another: each one's lease, or the refusal (429, 503) it met."""
+    answers: list = []
+    for _ in range(count):
+        try:
+            answers.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                                              streamed=False))
+        except (RateLimitExceeded, StorageError) as refused:
+            answers.append(refused)
+    return answers
+
+
 def _until_no_lease(stack, org_id: str, seconds: float = 10.0):
     """Wait, on the ledger's own loop, until the org holds no lease (an assertion past `seconds`)."""
 
@@ -511,17 +523,7 @@ def test_dead_leases_past_those_a_reclaim_going_on_holds_are_reclaimed_at_the_li
     time.sleep(4.1)
     faults = StorageFaults()
     _refuse_reclaims(faults, "conflicts", times=2)  # the first reclaim's budget: it goes on in rounds
-    answers: list = []
-
-    async def retried(ledger) -> None:
-        for _ in range(2):
-            try:
-                answers.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
-                                                  endpoint="completions", streamed=False))
-            except RateLimitExceeded as refused:
-                answers.append(refused)
-
-    with_ledger(stack.settings, retried, http=FaultInjectingHttp(faults))
+    answers = with_ledger(stack.settings, lambda ledger: _admissions(ledger, org_id, 2), http=FaultInjectingHttp(faults))
     assert isinstance(answers[0], RateLimitExceeded)  # the 49 oldest left to the rounds
     assert not isinstance(answers[1], RateLimitExceeded)  # the 11 others reclaimed, a slot for it
     assert len(stack.org_info(org_id).leases) == 49 + 1
@@ -540,20 +542,9 @@ def test_an_admission_at_the_limit_tries_once_itself_the_reclaim_rounds_are_wait
     time.sleep(4.1)
     faults = StorageFaults()
     _refuse_reclaims(faults, "throttling", times=3)  # the first admission's budget, then one more call
-    answers: list = []
-
-    async def retried(ledger) -> None:
-        for _ in range(3):
-            try:
-                answers.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
-                                                  endpoint="completions", streamed=False))
-            except StorageError:
-                answers.append(StorageError)
-            except RateLimitExceeded:
-                answers.append(RateLimitExceeded)
-
-    with_ledger(stack.settings, retried, http=FaultInjectingHttp(faults))
-    assert answers[:2] == [StorageError, RateLimitExceeded]  # throttled past its budget; then its one try throttled
+    answers = with_ledger(stack.settings, lambda ledger: _admissions(ledger, org_id, 3), http=FaultInjectingHttp(faults))
+    # throttled past its budget; then its one try throttled
+    assert isinstance(answers[0], StorageError) and isinstance(answers[1], RateLimitExceeded)
     assert answers[2].gen_id in stack.org_info(org_id).leases  # storage answers: reclaimed, admitted
     assert [(e.gen_id, e.status) for e in stack.events(org_id)] == [(dead.gen_id, "abandoned")]
 
@@ -621,20 +612,10 @@ def test_the_one_try_at_the_limit_is_one_call_whatever_it_meets(stack_factory, m
     stack, org_id, _, faults = _a_dead_lease_whose_reclaims_are_refused(stack_factory, monkeypatch, "throttling", 1)
     faults.fail("TransactWriteItems", code="TransactionCanceledException", times=1, when=_reclaims,
                 reasons=["ConditionalCheckFailed", "None", "None"])
-    answers: list = []
-
-    async def twice(ledger) -> None:
-        for _ in range(2):
-            try:
-                answers.append(await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
-                                                  endpoint="completions", streamed=False))
-            except (RateLimitExceeded, StorageError) as refused:
-                answers.append(refused)
-        answers.append((faults.count("TransactWriteItems"), faults.count("GetItem")))
-
-    with_ledger(stack.settings, twice, http=FaultInjectingHttp(faults))
+    answers = with_ledger(stack.settings, lambda ledger: _admissions(ledger, org_id, 2), http=FaultInjectingHttp(faults))
     assert isinstance(answers[0], StorageError) and isinstance(answers[1], RateLimitExceeded)
-    assert answers[2] == (3 + 1, 0)  # the budget throttled, then the one try: no read, no budget
+    # the budget throttled, then the one try: no read, no budget
+    assert (faults.count("TransactWriteItems"), faults.count("GetItem")) == (3 + 1, 0)
 
 
 def test_a_late_copy_of_an_admission_does_not_set_its_lease_back(stack_factory):
@@ -687,6 +668,15 @@ def test_an_admission_answered_503_while_the_process_closes_still_takes_its_leas
     assert stack.org_info(org_b).leases == {}
 
 
+async def _admitted_while_closing(ledger, org_id: str):
+    """An admission whose write is in flight when the ledger closes (drain), then its outcome:
+    its lease, or the refusal it met."""
+    admission = asyncio.ensure_future(_admissions(ledger, org_id, 1))
+    await asyncio.sleep(0)  # its write in flight
+    await ledger.drain()
+    return (await admission)[0]
+
+
 def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
     """An admission in flight when its process closes (drain) whose reclaim is then refused for
     now started rounds after drain() had stopped the others: they went on against a client
@@ -701,12 +691,7 @@ def test_no_round_starts_once_the_ledger_is_closing(stack_factory, monkeypatch):
     seen: dict = {}
 
     async def closed_meanwhile(ledger) -> None:
-        admission = asyncio.ensure_future(ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
-                                                       endpoint="completions", streamed=False))
-        await asyncio.sleep(0)  # its write in flight
-        await ledger.drain()
-        with pytest.raises(RateLimitExceeded):
-            await admission
+        assert isinstance(await _admitted_while_closing(ledger, org_id), RateLimitExceeded)
         seen["rounds"] = len(ledger._reclaiming_later)
 
     with_ledger(stack.settings, closed_meanwhile, http=FaultInjectingHttp(faults))
@@ -723,11 +708,7 @@ def test_no_background_reclaim_starts_once_the_ledger_is_closing(stack_factory):
     seen: dict = {}
 
     async def closed_meanwhile(ledger) -> None:
-        admission = asyncio.ensure_future(ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b",
-                                                       endpoint="completions", streamed=False))
-        await asyncio.sleep(0)  # its write in flight
-        await ledger.drain()
-        await admission
+        assert not isinstance(await _admitted_while_closing(ledger, org_id), Exception)
         seen["after"] = (len(ledger._background), dict(ledger._reclaiming))
 
     with_ledger(stack.settings, closed_meanwhile)
