@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from decimal import Decimal
 from types import SimpleNamespace
 
 import pytest
 
 from kiln.aws import AwsError
 from kiln.store import ledger as ledger_module
-from kiln.store.errors import StorageError, TransactionCancelled, TransientStorageError
+from kiln.store.errors import ConditionFailed, StorageError, TransactionCancelled, TransientStorageError
 from kiln.store.ledger import Ledger
 from kiln.store.retry import RetryPolicy
 from kiln.store.schema import LEASE, ORG
@@ -234,5 +235,40 @@ def test_admissions_answered_together_send_one_background_reclaim_of_the_same_de
         await asyncio.gather(*admissions)
         await ledger.drain()
         assert reclaims == {"gen-dead": 1}
+
+    asyncio.run(main())
+
+
+def test_an_admission_tried_again_after_a_reclaim_never_writes_an_earlier_expiry():
+    """The admission tried again after a reclaim at the limit counts its lease's expiry afresh. A
+    clock stepped back meanwhile (an NTP step) made it earlier than the first try's: that try,
+    landing late, stored its lease with the later expiry, and the retry, finding its own lease
+    newer than what it wrote, was refused 429 by its own slot."""
+
+    async def main():
+        stepped_back = False
+
+        def clock() -> float:
+            return time.time() - (1.0 if stepped_back else 0.0)
+
+        ledger = Ledger(None, orgs_table="o", usage_table="u", lease_ttl=60.0, clock=clock)
+        written: list[str] = []
+        full = {**_org_with_dead(["gen-dead"]), ORG.concurrency_limit: {"N": "1"}}
+
+        async def call(operation, payload):
+            nonlocal stepped_back
+            if operation == "TransactWriteItems":  # the reclaim; then the clock steps back
+                stepped_back = True
+                return {}
+            written.append(payload["ExpressionAttributeValues"][":exp"]["N"])
+            if len(written) == 1:
+                raise ConditionFailed(full)
+            return {"Attributes": {}}
+
+        ledger._call = call
+        lease = await ledger.admit(org_id="org", key_id="key_1", model="m", endpoint="completions", streamed=False)
+        assert len(written) == 2 and Decimal(written[1]) >= Decimal(written[0])
+        assert round(lease.expires, 3) == float(written[1])
+        await ledger.drain()
 
     asyncio.run(main())

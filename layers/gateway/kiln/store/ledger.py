@@ -354,8 +354,10 @@ class Ledger:
                 old = refused.old_item
                 refusal = self._refusal(old, key_id, limits, now)
                 if attempt == 0 and isinstance(refusal, RateLimitExceeded) and await self._reclaim_now(org_id, old or {}):
-                    # its expiry counted from now: the reclaim may have taken a while
-                    lease = replace(lease, expires=self._clock() + self._lease_ttl)
+                    # its expiry counted from now (the reclaim may have taken a while), never earlier
+                    # than the first try's (a clock stepped back): that try, landing late, would
+                    # leave its own lease newer than this one, which its condition then refuses
+                    lease = replace(lease, expires=max(lease.expires, self._clock() + self._lease_ttl))
                     values[":lease"] = lease.to_attribute()
                     values[":exp"] = values[":lease"]["M"][LEASE.exp]
                     continue
