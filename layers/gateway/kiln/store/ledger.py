@@ -8,8 +8,9 @@ slot for at most the TTL, and one that keeps running never loses it.
 
 - **Admission** is one conditional UpdateItem on the org: it adds the lease while the org
   is active, has credits and holds fewer leases than its limit, *or* when the lease is
-  already there (a retry of an admission that was applied but whose answer was lost is
-  admitted, never refused). A refusal hands back the item as it was
+  already there as this try writes it (a retry of an admission that was applied but whose
+  answer was lost is admitted, never refused; a late copy of an earlier try, finding the
+  lease renewed or written later, changes nothing). A refusal hands back the item as it was
   (ReturnValuesOnConditionCheckFailure=ALL_OLD): 402 is told from 429 with no second read,
   and leases past their expiry are reclaimed on the spot before one more try. A success
   hands back the item as it was too (ReturnValues=ALL_OLD, no extra write): leases it shows
