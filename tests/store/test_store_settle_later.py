@@ -1,4 +1,5 @@
-"""Ledger.settle_later: a settle refused past its budget goes on in the background, paced."""
+"""The ledger on a faked storage: the writes it goes on with later (settles, take-backs,
+reclaims), paced, and its admission tried again after a reclaim."""
 
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ class Ledger:
         self._settle_later_turn = asyncio.Semaphore(1)
         self._reclaiming_later: set[asyncio.Task] = set()  # _reclaim_in_rounds's, stopped alike
         self._reclaiming: Counter[str] = Counter()  # generation ids reclaims of this process are working on
-        self._in_rounds: Counter[str] = Counter()  # of those, the ids reclaims going on in rounds hold
+        self._in_rounds: Counter[str] = Counter()  # generation ids reclaims going on in rounds hold, between tries too
         self._closing = False  # drain() has begun: no write is gone on with later any more
         self._reclaim_ended: asyncio.Event | None = None  # set when a reclaim of this process ends
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
@@ -305,8 +305,7 @@ class Ledger:
         values: dict[str, Any] = {
             ":active": {"S": "active"},
             ":zero": {"N": "0"},
-            ":lease": (written := lease.to_attribute()),
-            ":exp": written["M"][LEASE.exp],
+            **_as_written(lease),
             ":gen_ids": {"SS": [lease.gen_id]},
         }
         if limits.concurrency is not None:
@@ -359,13 +358,13 @@ class Ledger:
                     # than the first try's (a clock stepped back): that try, landing late, would
                     # leave its own lease newer than this one, which its condition then refuses
                     lease = replace(lease, expires=max(lease.expires, self._clock() + self._lease_ttl))
-                    values[":lease"] = lease.to_attribute()
-                    values[":exp"] = values[":lease"]["M"][LEASE.exp]
+                    values.update(_as_written(lease))
                     continue
                 raise refusal from None
             old = (answer or {}).get("Attributes") or {}
-            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(), lambda gen: gen != own
-                                                             and gen not in self._reclaiming and gen not in self._in_rounds), old)
+            # the dead leases it saw (its own aside), but for those a reclaim of this process holds already
+            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(),
+                                                             lambda gen: gen != own and self._unheld(gen)), old)
             self._prune_later(org_id, stale_spend_attributes(old, now))
             return lease
         raise AssertionError("unreachable")
@@ -492,6 +491,10 @@ class Ledger:
                  if _expiry(value) <= now and wanted(gen)]
         return sorted(found, key=lambda lease: lease.expires)[:MAX_RECLAIM]
 
+    def _unheld(self, gen_id: str) -> bool:
+        """Whether no reclaim of this process holds this lease (trying now, or in rounds)."""
+        return gen_id not in self._reclaiming and gen_id not in self._in_rounds
+
     def _reclaim_later(self, org_id: str, leases: list[Lease], seen: dict[str, Any]) -> None:
         """Reclaim in a task of its own: the admission that noticed them does not wait. Its
         leases are held from now (not from the task's first step): another admission answered
@@ -560,7 +563,7 @@ class Ledger:
         now = self._clock()
         # under a try of this process now (a request's, a round's): waited for
         theirs = [lease.gen_id for lease in self._expired_leases(org_id, seen, now, self._reclaiming.__contains__)]
-        mine = self._expired_leases(org_id, seen, now, lambda gen: gen not in self._in_rounds and gen not in self._reclaiming)
+        mine = self._expired_leases(org_id, seen, now, self._unheld)
         if mine:
             try:
                 await self._reclaim(org_id, mine, seen)
@@ -999,6 +1002,12 @@ class Ledger:
             return await self._aws.dynamodb(operation, payload)
         except Exception as exc:  # noqa: BLE001 - translated into the storage error tree
             raise translate_storage_error(exc) from exc
+
+
+def _as_written(lease: Lease) -> dict[str, Any]:
+    """An admission's values for its lease: the lease as written, and its expiry as compared."""
+    written = lease.to_attribute()  # built once: the lease's wire form is not cheap
+    return {":lease": written, ":exp": written["M"][LEASE.exp]}
 
 
 def _hold(held: Counter[str], gen_ids: list[str]) -> None:
