@@ -32,7 +32,7 @@ from kiln.tls import client_context
 from kiln_ops.app import combined_app
 from kiln_ops.dev import local_catalog
 from kiln_ops.provision import aws_clients, provision
-from kiln_ops.serve import ServerThread, free_port
+from kiln_ops.serve import ServerThread, free_port, listening_socket
 from kiln_ops.template import TABLES, repo_root
 
 DEAD_URL_TEMPLATE = "http://127.0.0.1:{port}/v1"
@@ -381,14 +381,17 @@ class EmulatorProcess:
         import subprocess
         import sys
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.faults = faults
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "kiln_ops.cli", "emulator", "--port", str(self.port),
-             *(["--faults", faults] if faults else [])],
-            stdout=subprocess.DEVNULL,
-        )
+        # its socket bound here and handed over: a port found free and let go could be taken by
+        # another worker's emulator before this one bound it, and its tests run on that one
+        with listening_socket("127.0.0.1", 0) as sock:
+            self.port = sock.getsockname()[1]
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "kiln_ops.cli", "emulator", "--fd", str(sock.fileno()),
+                 *(["--faults", faults] if faults else [])],
+                stdout=subprocess.DEVNULL, pass_fds=(sock.fileno(),),
+            )
         deadline = time.monotonic() + 30
         while True:
             try:

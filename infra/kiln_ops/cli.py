@@ -13,7 +13,12 @@ from .argtypes import bounded_int, http_url, non_negative
 __all__ = ["main"]
 
 
-_port = bounded_int("a port number", 1, 65535)  # printed for clients to call: never 0
+_port = bounded_int("a port number", 0, 65535)  # 0: one the system picks, printed as bound
+_PORT_HELP = "0: any free port, the one taken printed"
+_FD_HELP = ("serve on this inherited listening socket instead of binding --host and --port "
+            "(kiln dev hands its parts theirs)")
+
+_fd = bounded_int("a file descriptor", 3, 2**31 - 1)
 
 FAULTS_HELP = (
     "DynamoDB under contention, e.g. conflict=0.5,throttle=0.05,lost=0.05,txn_ms=5,seed=7,scope=gateway: "
@@ -54,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = commands.add_parser("dev", help="run the whole stack locally (gateway + embedded AWS + mock model server)")
     dev.add_argument("--host", default="127.0.0.1", help="address to serve the gateway on (default 127.0.0.1)")
-    dev.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000)")
+    dev.add_argument("--port", type=_port, default=8000, help=f"gateway port (default 8000; {_PORT_HELP})")
     dev.add_argument("--upstream-url", type=http_url, help="serve every model from this OpenAI-compatible server (…/v1) instead of the mock")
     dev.add_argument("--mock-token-delay-ms", type=non_negative, default=20.0, help="the mock's delay between tokens (default 20)")
     dev.add_argument("--aws-endpoint-url", type=http_url, help="use this DynamoDB/SSM endpoint instead of starting the embedded AWS")
@@ -62,13 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     mock = commands.add_parser("mock-upstream", help="an OpenAI-compatible model server with fault injection")
     mock.add_argument("--host", default="127.0.0.1")
-    mock.add_argument("--port", type=_port, default=8001)
+    mock.add_argument("--port", type=_port, default=8001, help=f"default 8001; {_PORT_HELP}")
+    mock.add_argument("--fd", type=_fd, help=_FD_HELP)
     mock.add_argument("--token-delay-ms", type=non_negative, default=0.0, help="delay between tokens")
     mock.add_argument("--ttft-ms", type=non_negative, default=0.0, help="delay before the first token")
 
     emulator = commands.add_parser("emulator", help="the embedded AWS alone (serialized moto: DynamoDB, SSM)")
     emulator.add_argument("--host", default="127.0.0.1")
-    emulator.add_argument("--port", type=_port, default=4566)
+    emulator.add_argument("--port", type=_port, default=4566, help=f"default 4566; {_PORT_HELP}")
+    emulator.add_argument("--fd", type=_fd, help=_FD_HELP)
     emulator.add_argument("--faults", type=_faults, help=FAULTS_HELP)
 
     e2e = commands.add_parser(
@@ -115,22 +122,24 @@ def main(argv: list[str] | None = None) -> int:
         return verify_build(args.build_dir)
     if args.command == "mock-upstream":
         from .mock_upstream import MockUpstream
-        from .serve import serve
+        from .serve import listen_as, serve, served_url
 
-        print(f"kiln mock-upstream: serving on http://{args.host}:{args.port}/v1", flush=True)
-        serve(MockUpstream(token_delay_ms=args.token_delay_ms, ttft_ms=args.ttft_ms), args.host, args.port)
+        sock = listen_as("kiln mock-upstream", args.host, args.port, args.fd)
+        print(f"kiln mock-upstream: serving on {served_url(sock)}/v1", flush=True)
+        serve(MockUpstream(token_delay_ms=args.token_delay_ms, ttft_ms=args.ttft_ms), sock)
         return 0
     if args.command == "emulator":
         from .emulator import Faults, serialized_app
-        from .serve import serve
+        from .serve import listen_as, serve, served_url
 
         try:
             faults = args.faults or Faults.from_env()
         except ValueError as exc:
             print(f"kiln emulator: KILN_EMULATOR_FAULTS: {exc}", file=sys.stderr)
             return 2
-        print(f"kiln emulator: embedded AWS on http://{args.host}:{args.port} (faults: {faults.describe()})", flush=True)
-        serve(serialized_app(faults), args.host, args.port)
+        sock = listen_as("kiln emulator", args.host, args.port, args.fd)
+        print(f"kiln emulator: embedded AWS on {served_url(sock)} (faults: {faults.describe()})", flush=True)
+        serve(serialized_app(faults), sock)
         return 0
     raise AssertionError(args.command)
 

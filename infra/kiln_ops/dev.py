@@ -12,7 +12,6 @@ infra/catalog.json pointed at the model server), a demo org with a fresh key, th
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shlex
@@ -38,11 +37,19 @@ DEMO_CONCURRENCY = 8
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 
 
-def _child(args: list[str]) -> subprocess.Popen:
-    # a child goes with its parent, even one killed outright (SIGKILL): none is left running for
-    # ever, holding its port, unseen by the next `kiln dev`
-    return subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", *args], start_new_session=False,
-                            preexec_fn=_stopping_with(os.getpid()))
+def _child(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """A part of the stack (`kiln emulator`, `kiln mock-upstream`) started on a loopback socket
+    bound here and handed to it: no other process can take its port between the choice and the
+    serving, as one could a port found free and let go. The child, and its URL."""
+    from .serve import listening_socket, served_url
+
+    with listening_socket("127.0.0.1", 0) as sock:
+        # a child goes with its parent, even one killed outright (SIGKILL): none is left running
+        # for ever, holding its port, unseen by the next `kiln dev`
+        child = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", *args, "--fd", str(sock.fileno())],
+                                 start_new_session=False, pass_fds=(sock.fileno(),),
+                                 preexec_fn=_stopping_with(os.getpid()))
+        return child, served_url(sock)
 
 
 def _stopping_with(parent: int) -> Callable[[], None] | None:
@@ -107,7 +114,7 @@ def run_dev(
     from kiln.settings import Settings, SettingsError
 
     from .provision import aws_clients, provision
-    from .serve import free_port, serve
+    from .serve import listen_as, serve
     from .template import repo_root
 
     try:  # a bad setting is said before anything starts
@@ -117,6 +124,7 @@ def run_dev(
         return 2
 
     children: list[subprocess.Popen] = []
+    sock: socket.socket | None = None  # the gateway's, bound first
     written: str | None = None  # the exports in .kiln/dev.env, removed on the way out
     # stop the children on the way out, the terminal closed (SIGHUP) included
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -135,23 +143,20 @@ def run_dev(
     try:
         if faults is not None and aws_endpoint_url is not None:
             raise SystemExit("kiln dev: --faults applies to the embedded AWS, not to --aws-endpoint-url")
-        refused = _cannot_listen(host, port)
-        if refused:
-            # before anything starts: no exports that would lead nowhere, no stack left half up
-            raise SystemExit(f"kiln dev: {host}:{port} {refused}")
+        # bound before anything starts, and held: no exports that would lead nowhere, no stack left
+        # half up, and no other process can take the port while the stack starts (0: any port)
+        sock = listen_as("kiln dev", host, port)
+        port = sock.getsockname()[1]
         if aws_endpoint_url is None:
-            aws_port = free_port()
             fault_args = ["--faults", faults.describe()] if faults is not None and faults.enabled else []
-            children.append(_child(["emulator", "--host", "127.0.0.1", "--port", str(aws_port), *fault_args]))
-            aws_endpoint_url = f"http://127.0.0.1:{aws_port}"
-            wait_until_up(aws_endpoint_url, "embedded AWS", children[-1])
+            child, aws_endpoint_url = _child(["emulator", *fault_args])
+            children.append(child)
+            wait_until_up(aws_endpoint_url, "embedded AWS", child)
         if upstream_url is None:
-            mock_port = free_port()
-            children.append(
-                _child(["mock-upstream", "--port", str(mock_port), "--token-delay-ms", str(mock_token_delay_ms)])
-            )
-            upstream_url = f"http://127.0.0.1:{mock_port}/v1"
-            wait_until_up(f"http://127.0.0.1:{mock_port}/mock/stats", "mock model server", children[-1])
+            child, mock_url = _child(["mock-upstream", "--token-delay-ms", str(mock_token_delay_ms)])
+            children.append(child)
+            upstream_url = f"{mock_url}/v1"
+            wait_until_up(f"{mock_url}/mock/stats", "mock model server", child)
 
         os.environ.update({key: os.environ.get(key, value) for key, value in FAKE_CREDENTIALS.items()})
         # request logs on the console; EMF metrics only mean something in CloudWatch
@@ -198,7 +203,7 @@ def run_dev(
                 flush=True,
             )
 
-        serve(combined_app(), host, port, on_ready=announce)
+        serve(combined_app(), sock, on_ready=announce)
         return 0
     except KeyboardInterrupt:
         return 0
@@ -207,6 +212,8 @@ def run_dev(
         for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(stop_signal, signal.SIG_IGN)
         stop_children()
+        if sock is not None:
+            sock.close()
         if written is not None:
             _forget_exports(written)
 
@@ -233,25 +240,6 @@ def _demo_keys(settings: Any) -> tuple[str, str]:
         pass
     inference = create_key(tables, DEMO_ORG, label="kiln dev").secret
     return inference, create_key(tables, DEMO_ORG, label="kiln dev (management)", role="management").secret
-
-
-def _cannot_listen(host: str, port: int) -> str | None:
-    """Why the gateway could not listen on host:port, and what to do (None if it can), found by
-    binding as uvicorn does."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"does not resolve ({exc}): pass a --host this machine has"
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return "is already in use: stop what holds it (an earlier kiln dev?) or pass --port with a free port"
-            return f"cannot be listened on ({exc.strerror or exc}): pass another --host or --port"
-    return None
 
 
 def base_url(host: str, port: int) -> str:

@@ -17,6 +17,7 @@ the whole request before the function is invoked, so no slow client reaches it t
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import socket
@@ -29,7 +30,8 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["HEADER_TIMEOUT", "BODY_TIMEOUT", "MAX_HEAD_BYTES", "BoundedHttpProtocol", "ServerThread", "free_port", "read_body", "serve"]
+__all__ = ["HEADER_TIMEOUT", "BODY_TIMEOUT", "MAX_HEAD_BYTES", "BoundedHttpProtocol", "ServerThread", "free_port",
+           "inherited_socket", "listen_as", "listening_socket", "read_body", "serve", "served_url"]
 
 # A client's whole request head must arrive within this, and its body within the next.
 HEADER_TIMEOUT = 10.0
@@ -317,9 +319,68 @@ def _close_delimited(cycle: Any) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for what cannot take a bound socket (a URL that must lead nowhere):
+    another process may take it before it is used, so a server is given `listening_socket`."""
     with socket.socket() as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening, as uvicorn binds one (SO_REUSEADDR); port 0 is
+    one the system picks (`getsockname()` says which). Bound here and held until served on, so no
+    other process takes the port in between, as one could a port found free and let go. OSError
+    (EADDRINUSE when the port is taken) or socket.gaierror when the host does not resolve."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's backlog
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening socket a parent handed this process as file descriptor `fd` (`kiln dev` does
+    so for its children); ValueError if it is not one."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ValueError(f"file descriptor {fd} is no socket ({exc.strerror or exc})") from None
+    if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()
+        raise ValueError(f"file descriptor {fd} is no listening TCP socket")
+    return sock
+
+
+def listen_as(who: str, host: str, port: int, fd: int | None = None) -> socket.socket:
+    """The socket `who` (a command) serves on: the one inherited as `fd`, else one bound to
+    host:port; SystemExit with what is wrong and what to do."""
+    if fd is not None:
+        try:
+            return inherited_socket(fd)
+        except ValueError as exc:
+            raise SystemExit(f"{who}: --fd: {exc}") from None
+    try:
+        return listening_socket(host, port)
+    except socket.gaierror as exc:
+        raise SystemExit(f"{who}: {host}:{port} does not resolve ({exc}): pass a --host this machine has") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"{who}: {host}:{port} is already in use: stop what holds it or pass --port with a "
+                             f"free port (0: any)") from None
+        raise SystemExit(f"{who}: {host}:{port} cannot be listened on ({exc.strerror or exc}): "
+                         f"pass another --host or --port") from None
+
+
+def served_url(sock: socket.socket) -> str:
+    """http://host:port of a listening socket, as a client calls it (an IPv6 host in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
@@ -353,8 +414,10 @@ class _AnnouncingServer(uvicorn.Server):
             self._on_ready()
 
 
-def serve(app: Any, host: str, port: int, on_ready: Callable[[], None] | None = None, **options: Any) -> None:
-    _AnnouncingServer(_config(app, host, port, **options), on_ready).run()
+def serve(app: Any, sock: socket.socket, on_ready: Callable[[], None] | None = None, **options: Any) -> None:
+    """Serve `app` on a listening socket (`listening_socket`, `inherited_socket`) until stopped."""
+    host, port = sock.getsockname()[:2]
+    _AnnouncingServer(_config(app, host, port, **options), on_ready).run(sockets=[sock])
 
 
 class ServerThread:
@@ -362,10 +425,12 @@ class ServerThread:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         self.host = host
-        self.port = port or free_port(host)
+        self._socket = listening_socket(host, port)  # port 0: held from here, taken by no one else
+        self.port = self._socket.getsockname()[1]
         self.server = uvicorn.Server(_config(app, self.host, self.port, **options))
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
+                                        name=f"uvicorn-{self.port}", daemon=True)
 
     @property
     def url(self) -> str:
@@ -376,10 +441,13 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"server on port {self.port} did not start")
             time.sleep(0.01)
         return self
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._socket.close()  # its port freed even where the server never served on it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import signal
@@ -16,15 +17,13 @@ import openai
 import pytest
 
 from kiln_ops.dev import read_exports
-from kiln_ops.serve import free_port
 
 
 @pytest.fixture
 def dev_stack(tmp_path):
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(port), "--mock-token-delay-ms", "1"],
+    process = subprocess.Popen(  # port 0: the one the system gives, bound before anything starts
+        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", "0", "--mock-token-delay-ms", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -48,7 +47,7 @@ def dev_stack(tmp_path):
         else:
             raise AssertionError("kiln dev printed no ready line within 60 s")
         assert "ready" in lines[-1], "".join(lines) + process.stderr.read()
-        yield process, exports, tmp_path, port
+        yield process, exports, tmp_path, lines[-1]
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
@@ -66,8 +65,10 @@ def _port_open(url: str) -> bool:
 
 
 def test_kiln_dev_serves_a_working_stack_and_prints_how_to_call_it(dev_stack):
-    process, exports, cwd, port = dev_stack
-    assert exports["KILN_BASE_URL"] == f"http://127.0.0.1:{port}/v1"
+    process, exports, cwd, ready = dev_stack
+    # --port 0 was given: the port the system gave is the one printed, where the gateway serves
+    port = int(exports["KILN_BASE_URL"].removeprefix("http://127.0.0.1:").removesuffix("/v1"))
+    assert port > 0 and f"ready on http://127.0.0.1:{port}/v1 " in ready
     assert exports["KILN_API_KEY"].startswith("sk-kiln-")
     assert (Path(cwd) / ".kiln" / "dev.env").read_text().count("export ") == len(exports)
 
@@ -108,10 +109,9 @@ def test_kiln_dev_serves_a_working_stack_and_prints_how_to_call_it(dev_stack):
 
 
 def test_kiln_dev_against_an_existing_aws_endpoint_and_upstream(aws, mock, tmp_path):
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(port), "--aws-endpoint-url", aws.url,
+        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", "0", "--aws-endpoint-url", aws.url,
          "--upstream-url", mock.url],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env,
     )
@@ -151,20 +151,20 @@ def test_kiln_dev_on_a_port_already_taken_says_so_before_starting_anything(tmp_p
 
 def _kiln_dev(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
-    return subprocess.run([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(free_port()), *args],
+    return subprocess.run([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", "0", *args],
                           capture_output=True, text=True, cwd=tmp_path, env={**base, **(env or {})}, timeout=60)
 
 
 @pytest.mark.parametrize("args, env, said", [
     (["--aws-endpoint-url", "notaurl"], {}, "--aws-endpoint-url: not an http(s) URL"),
     (["--upstream-url", "notaurl"], {}, "--upstream-url: not an http(s) URL"),
-    (["--port", "0"], {}, "a port number must be 1-65535"),
+    (["--port", "65536"], {}, "a port number must be 0-65535"),
+    (["--port", "-1"], {}, "a port number must be 0-65535"),
     ([], {"KILN_LEASE_TTL_SECONDS": "abc"}, "KILN_LEASE_TTL_SECONDS"),
     ([], {"KILN_LEASE_RENEW_SECONDS": "100"}, "must be at most half of KILN_LEASE_TTL_SECONDS"),
 ])
 def test_kiln_dev_refuses_a_bad_flag_or_setting_in_one_line_before_starting_anything(tmp_path, args, env, said):
-    """Each gave a traceback, a setting's only after the embedded AWS and the mock had started;
-    --port 0 printed `ready on http://127.0.0.1:0/v1`, a URL that leads nowhere."""
+    """Each gave a traceback, a setting's only after the embedded AWS and the mock had started."""
     done = _kiln_dev(tmp_path, *args, env=env)
     assert done.returncode == 2, done.stderr
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
@@ -192,10 +192,9 @@ def test_kiln_dev_prints_an_ipv6_host_as_a_url_can_hold_it():
 def test_the_stacks_children_go_when_kiln_dev_is_killed(tmp_path):
     """A `kiln dev` killed outright (SIGKILL, or a closed terminal's SIGHUP) left the embedded AWS
     and the mock running for ever, and the next `kiln dev` never noticed them."""
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
     for how in (signal.SIGKILL, signal.SIGHUP):
-        process = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(port)],
+        process = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", "0"],
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env)
         exports = read_exports(process.stdout)
         assert exports, "kiln dev did not start"
@@ -221,7 +220,7 @@ def test_a_second_stop_signal_while_the_children_stop_does_not_cut_the_clean_up_
         "    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), os._exit(0)))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
-    process = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(free_port())],
+    process = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", "dev", "--port", "0"],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env)
     assert read_exports(process.stdout), "kiln dev did not start"
     assert (tmp_path / ".kiln" / "dev.env").exists()
@@ -230,3 +229,52 @@ def test_a_second_stop_signal_while_the_children_stop_does_not_cut_the_clean_up_
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=20) == 0
     assert not (tmp_path / ".kiln" / "dev.env").exists()
+
+
+def test_the_stacks_parts_serve_on_ports_no_other_process_can_take_first():
+    """`kiln dev` chose its parts' ports by binding port 0 and letting it go, then started each
+    part on its number: a port another process took in between (a client's outgoing connection,
+    a parallel test's server) stopped `kiln dev` before it was ready, or led it to another
+    process's emulator. Each part now serves on a socket bound before it starts, and held."""
+    from kiln_ops.dev import _child, wait_until_up
+
+    child, url = _child(["mock-upstream"])
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.socket() as rival, pytest.raises(OSError) as taken:
+            rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            rival.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        wait_until_up(f"{url}/mock/stats", "mock model server", child)
+        assert httpx.get(f"{url}/mock/stats", timeout=10).status_code == 200
+    finally:
+        child.terminate()
+        child.wait(timeout=10)
+
+
+@pytest.mark.parametrize("part", ["emulator", "mock-upstream"])
+def test_a_part_of_the_stack_on_port_0_prints_the_port_it_serves_on(tmp_path, part):
+    """`kiln emulator --port 0` (and the mock's) printed `http://127.0.0.1:0`, a URL that leads
+    nowhere; it prints the port the system gave, and serves there."""
+    process = subprocess.Popen([sys.executable, "-m", "kiln_ops.cli", part, "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        said = process.stdout.readline()
+        url = said.split(" on ", 1)[1].split()[0].removesuffix("/v1")
+        assert not url.endswith(":0"), said
+        deadline = time.monotonic() + 30
+        while not _port_open(url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/mock/stats" if part == "mock-upstream" else url, timeout=10).status_code < 500
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("fd", ["0", "99"])
+def test_a_part_of_the_stack_handed_no_listening_socket_says_so_in_one_line(tmp_path, fd):
+    done = subprocess.run([sys.executable, "-m", "kiln_ops.cli", "emulator", "--fd", fd],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode != 0
+    assert "kiln emulator: --fd" in done.stderr or "--fd: a file descriptor must be" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

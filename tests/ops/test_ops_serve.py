@@ -484,3 +484,32 @@ def test_a_client_that_leaves_with_requests_queued_is_seen_gone_by_the_one_answe
         assert len(told) == 2 and told[0] < 1.0, told
     finally:
         running.stop()
+
+
+def test_a_server_thread_holds_its_port_from_when_it_is_made():
+    """A ServerThread took a port found free and let go, and bound it only when its thread ran:
+    a parallel worker's server could take it first, and the tests then spoke to that one."""
+    import errno
+
+    running = ServerThread(echo)
+    try:
+        with socket.socket() as rival, pytest.raises(OSError) as taken:
+            rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            rival.bind(("127.0.0.1", running.port))
+        assert taken.value.errno == errno.EADDRINUSE
+        running.start()
+        answer = exchange(running, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx")
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\nx")
+    finally:
+        running.stop()
+    with socket.socket() as after:  # stopped: the port is free again
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", running.port))
+
+
+def test_a_server_thread_never_started_frees_its_port_when_stopped():
+    unused = ServerThread(echo)
+    unused.stop()
+    with socket.socket() as after:
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", unused.port))

@@ -30,7 +30,6 @@ from kiln.store.orgs import get_org
 from kiln.store.usage import query_events
 from kiln_ops.dev import DEMO_ORG, read_exports
 from kiln_ops.provision import aws_clients
-from kiln_ops.serve import free_port
 from support import data_events
 
 SCALE = int(os.environ.get("KILN_TEST_HOSTILE_SCALE", "1"))
@@ -79,15 +78,16 @@ def gateway(aws, tmp_path_factory):
     env.update(KILN_KEYS_TABLE=f"{prefix}-keys", KILN_ORGS_TABLE=f"{prefix}-orgs", KILN_USAGE_TABLE=f"{prefix}-usage",
                KILN_CATALOG_PARAMETER=f"/{prefix}/catalog", KILN_MAINTENANCE_PARAMETER=f"/{prefix}/maintenance",
                KILN_CATALOG_CACHE_SECONDS="0", POWERTOOLS_METRICS_DISABLED="true")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(free_port()), "--aws-endpoint-url", aws.url,
-         "--mock-token-delay-ms", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path_factory.mktemp("dev"), env=env,
-        start_new_session=True,
-    )
+    where = tmp_path_factory.mktemp("dev")
+    with (where / "dev.err").open("w") as said:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", "0", "--aws-endpoint-url", aws.url,
+             "--mock-token-delay-ms", "5"],
+            stdout=subprocess.PIPE, stderr=said, text=True, cwd=where, env=env, start_new_session=True,
+        )
     try:
         exports = read_exports(process.stdout)
-        assert exports, "kiln dev stopped before it was ready"
+        assert exports, f"kiln dev stopped before it was ready: {(where / 'dev.err').read_text()[-2000:]}"
         threading.Thread(target=process.stdout.read, daemon=True).start()  # keep its pipe drained
         settings = replace(Settings.from_env(exports), aws_endpoint_url=aws.url)
         _, ssm = aws_clients(settings)

@@ -28,7 +28,6 @@ from kiln.store import bind
 from kiln.store.orgs import get_org
 from kiln.store.usage import query_events
 from kiln_ops.dev import read_exports
-from kiln_ops.serve import free_port
 from support import EmulatorProcess
 
 RECOVERY_LIMIT = 90.0  # seconds from the kill (contract §4)
@@ -44,14 +43,16 @@ CASES = {
 def _start_dev(emulator_url: str, tmp_path, lease_env: dict[str, str]) -> tuple[subprocess.Popen, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env.update(lease_env)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", str(free_port()), "--aws-endpoint-url", emulator_url,
-         "--mock-token-delay-ms", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env,
-        start_new_session=True,  # its own process group: the kill takes the gateway and its mock model server
-    )
+    errors = tmp_path / f"dev-{len(list(tmp_path.glob('dev-*.err')))}.err"
+    with errors.open("w") as said:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kiln_ops.cli", "dev", "--port", "0", "--aws-endpoint-url", emulator_url,
+             "--mock-token-delay-ms", "400"],
+            stdout=subprocess.PIPE, stderr=said, text=True, cwd=tmp_path, env=env,
+            start_new_session=True,  # its own process group: the kill takes the gateway and its mock model server
+        )
     exports = read_exports(process.stdout)
-    assert exports, "kiln dev stopped before it was ready"
+    assert exports, f"kiln dev stopped before it was ready: {errors.read_text()[-2000:]}"
     # keep reading its request log: a full pipe would block the gateway's event loop
     threading.Thread(target=process.stdout.read, daemon=True).start()
     return process, exports
