@@ -45,7 +45,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from decimal import Decimal, InvalidOperation, localcontext
+from decimal import Context, Decimal, Inexact, InvalidOperation, Overflow, localcontext
 from typing import Any
 
 from kiln.store.codec import storage_problem
@@ -78,6 +78,11 @@ _REFUSALS = {
 }
 
 
+# Exact sums and differences of DynamoDB numbers (38 digits, exponents from -130 to 125): a
+# result is never rounded here, where DynamoDB would have to round or refuse it.
+_EXACT = Context(prec=400, Emin=-999, Emax=999, traps=[Inexact, InvalidOperation, Overflow])
+
+
 def _refuse_unholdable(text: Any) -> None:
     """DynamoDB's ValidationException for a number it cannot hold (others are left to moto)."""
     from moto.dynamodb.exceptions import MockValidationException
@@ -91,6 +96,18 @@ def _refuse_unholdable(text: Any) -> None:
     problem = storage_problem(value) if value.is_finite() else None
     if problem is not None:
         raise MockValidationException(_REFUSALS[problem])
+
+
+def _result(number_type: Any, value: Decimal) -> Any:
+    """The number an update's arithmetic made, as moto holds it; refused as DynamoDB refuses it:
+    a magnitude past its range as an overflow (as DynamoDB words it, whatever the digits), else
+    more than 38 digits as such (when the number is made)."""
+    from moto.dynamodb.exceptions import MockValidationException
+    from moto.dynamodb.models.dynamo_type import DDBType
+
+    if value and value.adjusted() >= 126:
+        raise MockValidationException(_REFUSALS["overflow"])
+    return number_type({DDBType.NUMBER: _number_text(value)})
 
 
 def patch_moto() -> None:
@@ -114,16 +131,14 @@ def patch_moto() -> None:
     def add(self: DynamoType, other: DynamoType) -> DynamoType:
         if self.type != other.type or self.type != DDBType.NUMBER:
             return _original_add(self, other)
-        with localcontext() as context:
-            context.prec = 38  # DynamoDB's precision
-            return DynamoType({DDBType.NUMBER: _number_text(_number(self.value) + _number(other.value))})
+        with localcontext(_EXACT):  # the exact result: one that needs more than 38 digits is refused
+            return _result(DynamoType, _number(self.value) + _number(other.value))
 
     def sub(self: DynamoType, other: DynamoType) -> DynamoType:
         if self.type != other.type or self.type != DDBType.NUMBER:
             return _original_sub(self, other)
-        with localcontext() as context:
-            context.prec = 38
-            return DynamoType({DDBType.NUMBER: _number_text(_number(self.value) - _number(other.value))})
+        with localcontext(_EXACT):
+            return _result(DynamoType, _number(self.value) - _number(other.value))
 
     _limit_parameter_sizes()
     _original_add, _original_sub, _original_init = DynamoType.__add__, DynamoType.__sub__, DynamoType.__init__

@@ -175,6 +175,28 @@ def test_arithmetic_whose_result_dynamodb_cannot_hold_is_refused(stack):
     assert stack.org_info(org_id).credits == Decimal(_LARGEST)
 
 
+def test_arithmetic_whose_exact_result_needs_more_than_38_digits_is_refused_not_rounded(stack):
+    """The sum and difference were worked out in 38 digits, so a balance of 23 digits before the
+    point debited a cost of 15 decimal places was silently rounded: the org debited 1E-15 for a
+    bill of 4E-15, and the ledger's invariant (credits down by the events' costs) broken."""
+    org_id, _ = stack.org(credits="1")
+    client, table = stack.tables.client, stack.settings.orgs_table
+    key = {"org_id": {"S": org_id}}
+    balance = "-99999999999999999999999.999999999999999"  # 38 digits
+    client.update_item(TableName=table, Key=key, UpdateExpression="SET credits = :v",
+                       ExpressionAttributeValues={":v": {"N": balance}})
+    for update, value in (("SET credits = credits - :v", "0.000000000000004"), ("ADD credits :v", "-4E-15"),
+                          ("SET credits = credits + :v", "0.0000000000000001")):
+        message = _validation_error(lambda update=update, value=value: client.update_item(
+            TableName=table, Key=key, UpdateExpression=update, ExpressionAttributeValues={":v": {"N": value}}))
+        assert "more than 38 significant digits" in message, (update, message)
+    assert stack.org_info(org_id).credits == Decimal(balance)
+    # a result that fits, however its operands are spelt, is written exactly
+    client.update_item(TableName=table, Key=key, UpdateExpression="SET credits = credits + :v",
+                       ExpressionAttributeValues={":v": {"N": "0.999999999999999E0"}})
+    assert stack.org_info(org_id).credits == Decimal("-99999999999999999999999")
+
+
 @pytest.mark.parametrize("value", [_LARGEST, "-" + _LARGEST, "1E-130", "-1E-130", "1" * 38, "0", "0E-999999999"])
 def test_the_numbers_at_dynamodbs_limits_are_stored_exactly(stack, value):
     org_id = f"n-{secrets.token_hex(4)}"

@@ -313,6 +313,33 @@ def test_every_bill_the_catalog_allows_is_a_number_dynamodb_stores():
         assert cost > 0 and storage_problem(cost) is None, cost
 
 
+def test_a_balance_debited_the_dearest_bills_of_every_request_in_flight_stays_exact():
+    """Admission needs credits above 0, and the requests in flight then settle whatever they
+    cost. The bounds let a request's bill reach $2E21 (a billion-token context × a million
+    choices × the prompts of a 6 MB batch, at $1 a token): 500 of them took a balance past 23
+    digits before the point, where a cost's 15 decimals no longer fit DynamoDB's 38 digits and
+    the debit was rounded (or refused). A request's tokens are bounded too, and the worst balance
+    the bounds allow is still a number DynamoDB computes exactly."""
+    from kiln.metering import MAX_CHOICES, MAX_REQUEST_TOKENS, UsageBounds, cost_of
+    from kiln.settings import MAX_ORG_CONCURRENCY
+    from kiln.store.codec import significant_digits, storage_problem
+    from kiln.store.orgs import CREDIT_DECIMALS
+
+    dearest = Catalog.from_document(one(context_length=1_000_000_000, pricing={
+        "input": "1000000", "output": "1000000", "cached_input": "1000000"})).get("m")
+    bounds = UsageBounds.of_request({"n": MAX_CHOICES, "max_tokens": 10**30}, dearest.context_length,
+                                    limits=("max_tokens",), prompts=6 * 1024 * 1024)
+    assert (bounds.prompt, bounds.completion) == (MAX_REQUEST_TOKENS, MAX_REQUEST_TOKENS)
+    from kiln.metering import TokenUsage
+
+    dearest_bill = cost_of(TokenUsage(bounds.prompt, bounds.completion, None, "capped"), dearest.pricing)
+    assert dearest_bill == 2 * MAX_REQUEST_TOKENS
+    finest = Decimal(1).scaleb(-CREDIT_DECIMALS)  # a balance and a bill both carry up to 15 decimals
+    worst = finest - MAX_ORG_CONCURRENCY * (dearest_bill - finest)
+    assert storage_problem(worst) is None and significant_digits(worst) <= 38, worst
+    assert significant_digits(worst - finest) <= 38  # one more debit of the finest cost, still exact
+
+
 def test_a_name_given_twice_in_an_object_is_refused_only_where_written():
     raw = json.dumps(one()).replace('"input": "1.5"', '"input": "0.01", "input": "1.5"')
     with pytest.raises(CatalogError, match="'input' twice"):

@@ -40,6 +40,14 @@ _STORED = Context(prec=38)
 # honest answer of 200 choices must be believed); it keeps every bound, and so every bill,
 # a number DynamoDB stores.
 MAX_CHOICES = 1_000_000
+# No request uses more tokens than this, of its prompts or of its replies: a billion tokens a
+# second for the fifteen minutes the longest function runs is less. It keeps a bill below $2E12
+# at the dearest price (kiln.catalog.MAX_PRICE), so that an org's balance, once it reached 0 and
+# the most requests it can have in flight (kiln.settings.MAX_ORG_CONCURRENCY) each settle that,
+# still has no more than 23 digits before the point: DynamoDB computes it exactly in its 38
+# digits (kiln.store.orgs.MAX_CREDITS). The context length times the choices times the prompts
+# of a request comes to 1E+21 and more.
+MAX_REQUEST_TOKENS = 10**12
 
 # A rough but stable rule for text we cannot tokenize: ~4 characters per token.
 CHARS_PER_TOKEN = 4
@@ -125,7 +133,7 @@ def shown_usage(reported: dict[str, Any], usage: TokenUsage, cost: Any) -> dict[
 class UsageBounds:
     """The most a request can have used: each of its prompts within the model's context, its
     reply within its own token limit (per choice) and the context, for each of its `n`
-    choices of each prompt."""
+    choices of each prompt; neither more than MAX_REQUEST_TOKENS."""
 
     prompt: int
     completion: int
@@ -150,7 +158,8 @@ class UsageBounds:
         n = server_int(body.get(choices_field)) if choices_field is not None else None
         choices = min(n, MAX_CHOICES) if n is not None and n >= 1 else 1
         prompts = max(prompts, 1)
-        return cls(prompt=context_length * prompts, completion=per_choice * choices * prompts)
+        return cls(prompt=min(context_length * prompts, MAX_REQUEST_TOKENS),
+                   completion=min(per_choice * choices * prompts, MAX_REQUEST_TOKENS))
 
 
 def billable_usage(
