@@ -14,6 +14,7 @@ import pytest
 
 from kiln.store import UsageEvent
 from kiln.store.clock import epoch_of, iso_ms
+from kiln.store.codec import exact_sum
 from kiln.store.keys import create_key, with_keyring
 from kiln.store.tally_backfill import tally_org
 from support import check_tallies, made_before_tallies, older_event, with_clocked_ledger
@@ -41,27 +42,31 @@ def admit_args(org_id: str, key_id: str) -> dict:
     return dict(org_id=org_id, key_id=key_id, model="gpt-oss-120b", endpoint="chat.completions", streamed=False)
 
 
-# -- costs of 38 digits ----------------------------------------------------------------------------
+# -- sums of more digits than Python's default context --------------------------------------------
 
 
-def test_a_settled_cost_of_38_digits_is_tallied_exactly_as_its_event_stores_it(stack):
-    """Costs are kept to DynamoDB's 38 significant digits (kiln.metering: "what is billed is
-    exactly what is stored"; a catalog price such as 35/12 $ per 1M written to 35 digits gives
-    one). The settle stores the event's cost and debits the credits exactly; summed in
-    Python's default context (28 digits), the tally got the cost rounded and stopped
-    equalling the sum of the key's events (a reclaim summing several leases of one key and
-    day, and a late settle's difference, rounded the same way)."""
+def test_costs_whose_sum_has_more_than_28_digits_are_tallied_exactly_as_their_events_store_them(stack):
+    """A cost has up to 15 decimal places (kiln.catalog.PRICE_DECIMALS) and the dearest bill the
+    usage bounds allow is below $2E12 (kiln.metering.MAX_REQUEST_TOKENS): 28 digits. Summed in
+    Python's default context (28 digits), a tally of several got its sum rounded and stopped
+    equalling the sum of the key's events (a reclaim summing several leases of one key and day,
+    and a late settle's difference, rounded the same way). Six such bills admitted together, as
+    an org's in-flight requests are, settle with credits, events and tallies all exact."""
     org_id, _ = stack.org(credits="10")
     key = create_key(stack.tables, org_id, label="unlimited")
-    cost = "0.0000029166666666666666666666666666666667"  # 35 significant digits
-    lease = stack.ledger.admit(**admit_args(org_id, key.key_id))
-    assert stack.ledger.settle(lease, event_of(lease, cost)) == "settled"
-    (event,) = stack.events(org_id)
-    assert event.cost == Decimal(cost)  # stored exactly
+    cost = "1999999999999.999999999999997"  # 28 significant digits
+    leases = [stack.ledger.admit(**admit_args(org_id, key.key_id)) for _ in range(6)]
+    for lease in leases:
+        assert stack.ledger.settle(lease, event_of(lease, cost)) == "settled"
+    events = stack.events(org_id)
+    assert [event.cost for event in events] == [Decimal(cost)] * 6  # stored exactly
+    total = Decimal("11999999999999.999999999999982")  # 29 significant digits
+    assert stack.org_info(org_id).credits == Decimal("-11999999999989.999999999999982")  # 10 - total, exactly
     tallies = stack.key_tallies(org_id)
-    month, day = event.created_at[:7], "d" + event.created_at[8:10]
-    assert tallies[(key.key_id, month, day)] == event.cost, tallies
-    assert tallies[(key.key_id, month, "month")] == event.cost, tallies
+    month = events[0].created_at[:7]
+    days = {"d" + event.created_at[8:10] for event in events}
+    assert exact_sum(*(tallies[(key.key_id, month, day)] for day in days)) == total, tallies
+    assert tallies[(key.key_id, month, "month")] == total, tallies
 
 
 # -- a day's edge ---------------------------------------------------------------------------------
