@@ -384,3 +384,36 @@ def test_a_key_changed_while_dynamodb_throttles_is_changed_not_503(stack):
         stack.faults.clear()
     assert len(throttled) >= 6
     assert changed.status_code == 200 and changed.json()["label"] == "after", changed.text
+
+
+def test_a_key_changed_by_a_clock_behind_the_turn_of_its_period_keeps_the_new_periods_figure(stack):
+    """A gateway (or an operator's `kiln admin keys update`) whose clock is a moment behind
+    midnight changed a key's limit: it removed every figure of the key but the one its clock
+    named, the new day's too, that a gateway ahead had already settled into. What the key had
+    spent since midnight was gone, and it was admitted past its limit (contract §10)."""
+    import asyncio
+    from datetime import datetime, timedelta, timezone
+
+    from kiln.aws import AwsClient
+
+    org_id, admin = management_org(stack)
+    key = call(stack, "POST", "/v1/keys", admin, {"spend_limit": "0.00001", "spend_period": "day"}).json()
+    today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    turn = (today + timedelta(days=1)).timestamp()
+    new_day = KeyLimits(None, Decimal("0.00001"), "day").figure(key["id"], turn + 1)
+    stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                               UpdateExpression="SET #f = :spent", ExpressionAttributeNames={"#f": new_day},
+                               ExpressionAttributeValues={":spent": {"N": "0.00002"}})  # settled by a gateway ahead
+
+    async def change_behind():
+        aws = AwsClient(region=stack.settings.region, endpoint_url=stack.settings.aws_endpoint_url)
+        try:
+            ring = keyring_module.Keyring(aws, keys_table=stack.settings.keys_table,
+                                          orgs_table=stack.settings.orgs_table, usage_table=stack.settings.usage_table,
+                                          clock=lambda: turn - 0.05)
+            await ring.update(key["id"], {"spend_limit": Decimal("0.00002"), "label": "behind"}, org_id=org_id)
+        finally:
+            await aws.aclose()
+
+    asyncio.run(change_behind())
+    assert key_figures(stack, org_id, key["id"]).get(new_day) == Decimal("0.00002"), key_figures(stack, org_id, key["id"])

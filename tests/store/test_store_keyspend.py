@@ -63,6 +63,36 @@ def test_spend_is_read_for_the_current_period_and_past_periods_are_stale():
     assert sorted(stale_spend_attributes(item, now)) == ["key_spend:key_a:2026-11", "key_spend:key_a:2026-12-01"]
 
 
+@pytest.mark.parametrize("behind, ahead", [
+    ((2026, 12, 7, 23, 59, 59), "2026-12-08"),  # a day
+    ((2026, 12, 13, 23, 59, 59), "2026-W51"),  # a week
+    ((2027, 1, 3, 23, 59, 59), "2027-W01"),  # ISO 2026-W53 to 2027-W01
+    ((2026, 12, 31, 23, 59, 59), "2027-01"),  # a month, a year
+])
+def test_a_figure_of_a_later_period_than_this_clocks_is_never_stale(behind, ahead):
+    """A gateway whose clock ran a moment behind, still in the period that had just ended, took
+    the new period's figure for stale and removed it at its next admission: what the key had
+    spent since the turn was gone, and the key admitted past its limit."""
+    item = {spend_attribute("key_a", ahead): {"N": "0.00002"}}
+    assert stale_spend_attributes(item, _at(*behind)) == []
+
+
+def test_a_figure_of_the_period_just_ended_stays_while_a_clock_behind_may_still_count_in_it():
+    """A gateway whose clock ran ahead removed the figure of the period just ended at once: one
+    a moment behind, still admitting in that period, then read the key's spend there as 0."""
+    from kiln.store.keyspend import PERIOD_GRACE_SECONDS
+
+    item = {spend_attribute("key_a", "2026-12-07"): {"N": "9"}, spend_attribute("key_a", "2026-W50"): {"N": "9"},
+            spend_attribute("key_a", "2026-12"): {"N": "9"}, spend_attribute("key_a", "total"): {"N": "9"}}
+    turn = _at(2026, 12, 8)
+    assert stale_spend_attributes(item, turn + 1) == []
+    assert stale_spend_attributes(item, turn + PERIOD_GRACE_SECONDS - 1) == []
+    assert stale_spend_attributes(item, turn + PERIOD_GRACE_SECONDS + 1) == ["key_spend:key_a:2026-12-07"]
+    month = {spend_attribute("key_a", "2026-11"): {"N": "9"}}
+    assert stale_spend_attributes(month, _at(2026, 12, 1) + PERIOD_GRACE_SECONDS - 1) == []
+    assert stale_spend_attributes(month, _at(2026, 12, 1) + PERIOD_GRACE_SECONDS + 1) == ["key_spend:key_a:2026-11"]
+
+
 def test_each_period_starts_where_the_previous_one_reset_and_a_name_tells_its_kind():
     moment = _at(2026, 12, 2, 15, 0)
     for period in ("day", "week", "month"):

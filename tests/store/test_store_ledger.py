@@ -914,3 +914,43 @@ def test_a_lease_read_back_counts_in_the_period_it_was_admitted_in_to_its_last_i
     read_back = Lease.from_attribute("gen-1", "org-1", lease.to_attribute())
     assert period_name("day", read_back.started) == period_name("day", started) == "2026-12-02"
     assert iso_ms(read_back.started) == iso_ms(started) == "2026-12-02T23:59:59.999Z"
+
+
+@pytest.mark.parametrize("period, turn", [("day", (2026, 12, 8)), ("week", (2026, 12, 14)), ("month", (2027, 1, 1))])
+def test_a_gateway_whose_clock_is_behind_the_turn_of_a_period_leaves_the_new_periods_figure(stack, period, turn):
+    """Two gateways 50 ms apart at midnight: the one ahead settled the key's first request of the
+    new period and refused its next (over its limit). The one behind, still in the old period, took
+    the new period's figure for a stale one and removed it at its next admission: the key was
+    admitted again, past its limit, and its spend there shown as 0 (contract §10)."""
+    from datetime import datetime, timezone
+
+    from support import with_clocked_ledger
+
+    org_id, _ = stack.org(credits="10")
+    limits = KeyLimits(None, Decimal("0.00001"), period)
+    midnight = datetime(*turn, tzinfo=timezone.utc).timestamp()
+
+    async def admit(ledger):
+        return await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                                  streamed=False, limits=limits)
+
+    async def ahead_spends(ledger):
+        lease = await admit(ledger)
+        await ledger.settle(lease, _event(lease, cost="0.00002"))
+        with pytest.raises(KeySpendLimitExceeded):
+            await admit(ledger)
+        return lease.spend_figure
+
+    async def behind_admits(ledger):
+        lease = await admit(ledger)
+        await ledger.settle(lease, _event(lease, cost="0"))
+
+    figure = with_clocked_ledger(stack.settings, lambda: midnight + 1, ahead_spends)
+    with_clocked_ledger(stack.settings, lambda: midnight - 0.05, behind_admits)  # drains its prune
+    assert _figure(stack, org_id, figure) == Decimal("0.00002")
+
+    async def ahead_again(ledger):
+        with pytest.raises(KeySpendLimitExceeded):
+            await admit(ledger)
+
+    with_clocked_ledger(stack.settings, lambda: midnight + 2, ahead_again)

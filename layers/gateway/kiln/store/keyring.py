@@ -59,6 +59,8 @@ from .keyspend import (
     figures_of,
     marker_attribute,
     marker_of,
+    period_kind,
+    period_over,
     period_start,
     resets_at,
     spend_attributes_by_key,
@@ -607,9 +609,10 @@ class Keyring:
         the figure's value if it has none yet (one that has is counting: it is never lowered).
 
         A key that counts against a limit gets its marker (`key_period:<key id>`, its kind of
-        period) and loses its figures but the current period's; a key with no limit, or
-        revoked, loses its marker and figures (a request in flight across the change that
-        settles into the figure its lease names makes it again, with its own cost, where no
+        period) and loses its figures but those of its kind's periods not over
+        (kiln.store.keyspend.period_over: the current one, a later one, the one just ended); a
+        key with no limit, or revoked, loses its marker and figures (a request in flight across
+        the change that settles into the figure its lease names makes it again, with its own cost, where no
         admission reads it: `_clear_leftovers` removes it later). From then on every settle of
         the key's requests adds its cost to the figure the marker says, those admitted by a
         gateway that does not know the change yet too (kiln.store.ledger: a settle reads the
@@ -617,7 +620,11 @@ class Keyring:
         figure = _limits(key).figure(key.key_id, now) if _counted_on_org(key) else None
         wanted = key.spend_period if figure is not None else None
         found = marker_of(dict(org), key.key_id)
-        others = [name for name in figures_of(dict(org), key.key_id) if name != figure]
+        # its figures but the one it counts in now, of another kind of period, or whose period
+        # is over: one of a later period than this clock's (a gateway whose clock runs ahead
+        # counts in it) or of the period just ended (one behind still does) stays
+        others = [name for name in figures_of(dict(org), key.key_id) if name != figure and (
+            wanted is None or period_kind(name.rpartition(":")[2]) != wanted or period_over(name, now))]
         names = {"#org_id": ORG.org_id, "#marker": marker_attribute(key.key_id),
                  **{f"#o{i}": name for i, name in enumerate(others)}}
         removes = [f"#o{i}" for i in range(len(others))]

@@ -53,15 +53,20 @@ __all__ = [
     "period_start",
     "period_kind",
     "period_name",
+    "period_over",
     "periods_at",
     "resets_at",
     "spend_attribute",
     "spend_attributes_by_key",
     "spend_in",
     "stale_spend_attributes",
+    "PERIOD_GRACE_SECONDS",
 ]
 
 PERIODS = ("day", "week", "month", "total")
+# How long after its period ends a spend figure is kept: a gateway (or an operator's tool) whose
+# clock runs behind still admits and settles in that period, and reads the figure there.
+PERIOD_GRACE_SECONDS = 3600.0
 LEASES_PREFIX = "key_leases:"
 SPEND_PREFIX = "key_spend:"
 MARKER_PREFIX = "key_period:"
@@ -216,5 +221,14 @@ def stale_spend_attributes(item: dict[str, Any], moment: float) -> list[str]:
     figures = [name for name in item if name.startswith(SPEND_PREFIX)]
     if not figures:
         return []  # most orgs: no key with a limit, and no date to work out
-    current = set(periods_at(moment))
-    return [name for name in figures if name.rpartition(":")[2] not in current]
+    return [name for name in figures if period_over(name, moment)]
+
+
+def period_over(figure: str, moment: float) -> bool:
+    """Whether the period of a spend figure (its attribute name) ended more than
+    PERIOD_GRACE_SECONDS before `moment`. A later period than the one holding `moment` never
+    is: a gateway whose clock runs ahead already counts in it."""
+    name = figure.rpartition(":")[2]
+    kind = period_kind(name)
+    # names of one kind sort as their periods do: 2026-12-31 < 2027-01-01, 2026-W53 < 2027-W01
+    return kind != "total" and name < period_name(kind, moment - PERIOD_GRACE_SECONDS)
