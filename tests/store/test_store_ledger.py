@@ -958,3 +958,39 @@ def test_a_gateway_whose_clock_is_behind_the_turn_of_a_period_leaves_the_new_per
             await admit(ledger)
 
     with_clocked_ledger(stack.settings, lambda: midnight + 2, ahead_again)
+
+
+@pytest.mark.parametrize("refused", ["out of credits", "disabled", "key over its spend limit"])
+def test_an_admission_refused_402_or_403_still_has_the_dead_leases_it_saw_reclaimed(stack_factory, refused):
+    """A gateway died with a request of the org in flight; the org's next admission was refused
+    for its credits, its status or its key's spend, not its limit. Only a 429 reclaimed the dead
+    leases the refusal showed: the dead request kept no usage event (its generation id 404, the
+    usage report short), its relayed tokens unbilled, for as long as the org stayed refused
+    (contract §4: one event per admitted request; an abandoned one billed as of its last renewal)."""
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3)
+    org_id, _ = stack.org(credits="1", concurrency=4)
+    crashed = _admit(stack, org_id)
+    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
+    limits = None
+    if refused == "out of credits":
+        stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   UpdateExpression="SET credits = :none", ExpressionAttributeValues={":none": {"N": "0"}})
+        expected, credits_after = InsufficientCredits, Decimal("-0.5")
+    elif refused == "disabled":
+        set_status(stack.tables, org_id, "disabled")
+        expected, credits_after = OrganizationDisabled, Decimal("0.5")
+    else:
+        limits = KeyLimits(None, Decimal("0.25"), "total")
+        _change_key(stack, org_id, "total", **{limits.figure("key_1", time.time()): "0.25"})
+        expected, credits_after = KeySpendLimitExceeded, Decimal("0.5")
+    time.sleep(1.1)
+
+    async def refused_then_reclaimed(ledger) -> None:
+        with pytest.raises(expected):
+            await ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                               streamed=False, limits=limits)
+        await _until_no_lease(stack, org_id)(ledger)
+
+    with_ledger(stack.settings, refused_then_reclaimed)
+    assert [(e.gen_id, e.status, e.cost) for e in stack.events(org_id)] == [(crashed.gen_id, "abandoned", Decimal("0.5"))]
+    assert stack.org_info(org_id).credits == credits_after

@@ -360,14 +360,23 @@ class Ledger:
                     lease = replace(lease, expires=max(lease.expires, self._clock() + self._lease_ttl))
                     values.update(_as_written(lease))
                     continue
+                if old and not isinstance(refusal, RateLimitExceeded):
+                    # refused for the org's credits or status or the key's spend: the dead leases it
+                    # shows are reclaimed all the same (their events written, their tokens billed),
+                    # not left while the org stays refused
+                    self._reclaim_seen(org_id, old, own)
                 raise refusal from None
             old = (answer or {}).get("Attributes") or {}
-            # the dead leases it saw (its own aside), but for those a reclaim of this process holds already
-            self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(),
-                                                             lambda gen: gen != own and self._unheld(gen)), old)
+            self._reclaim_seen(org_id, old, own)
             self._prune_later(org_id, stale_spend_attributes(old, now))
             return lease
         raise AssertionError("unreachable")
+
+    def _reclaim_seen(self, org_id: str, old: dict[str, Any], own: str) -> None:
+        """Reclaim off an admission's path the dead leases its answer showed (its own aside),
+        but for those a reclaim of this process holds already."""
+        self._reclaim_later(org_id, self._expired_leases(org_id, old, self._clock(),
+                                                         lambda gen: gen != own and self._unheld(gen)), old)
 
     @staticmethod
     def _refusal(old: dict[str, Any] | None, key_id: str, limits: KeyLimits, now: float) -> GatewayError:
