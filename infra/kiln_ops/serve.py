@@ -351,9 +351,11 @@ def inherited_socket(fd: int) -> socket.socket:
         sock = socket.socket(fileno=fd)
     except OSError as exc:
         raise ValueError(f"file descriptor {fd} is no socket ({exc.strerror or exc})") from None
-    if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+    if (sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM
+            or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
         sock.detach()
         raise ValueError(f"file descriptor {fd} is no listening TCP socket")
+    sock.set_inheritable(False)  # handed to this process, not to any it starts
     return sock
 
 

@@ -278,3 +278,30 @@ def test_a_part_of_the_stack_handed_no_listening_socket_says_so_in_one_line(tmp_
     assert done.returncode != 0
     assert "kiln emulator: --fd" in done.stderr or "--fd: a file descriptor must be" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("kind", ["unix socket", "abstract unix socket", "udp socket", "tcp socket not listening"])
+def test_a_part_of_the_stack_handed_a_socket_it_cannot_serve_http_on_says_so_in_one_line(tmp_path, kind):
+    """A listening Unix socket was taken for a TCP one: the emulator printed `http:///:path` and
+    served there, or, for an abstract one, failed with a traceback."""
+    if kind == "unix socket":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(tmp_path / "s"))
+        sock.listen()
+    elif kind == "abstract unix socket":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(b"\0kiln-test-" + str(os.getpid()).encode())
+        sock.listen()
+    elif kind == "udp socket":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+    else:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+    with sock:
+        fd = sock.fileno()
+        done = subprocess.run([sys.executable, "-m", "kiln_ops.cli", "emulator", "--fd", str(fd)],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=60, pass_fds=(fd,))
+    assert done.returncode != 0, done.stdout
+    assert f"kiln emulator: --fd: file descriptor {fd} is no listening TCP socket" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "embedded AWS on" not in done.stdout, (done.stdout, done.stderr)
