@@ -15,6 +15,7 @@ import time
 from decimal import Decimal
 
 import httpx
+import pytest
 
 from support import LedgerCheck, catalog_for_tests, data_events, wait_for_events
 
@@ -333,3 +334,33 @@ def test_a_stream_whose_start_is_held_when_its_lease_is_lost_says_so(stack_facto
     (event,) = wait_for_events(stack, org_id, 1, timeout=14)
     stack.faults.clear()
     assert (event.status, event.error) == ("gateway_error", "its lease could not be kept: storage unavailable")
+
+
+@pytest.mark.parametrize("refused", ["out of credits", "disabled"])
+def test_a_refused_orgs_dead_requests_get_their_events_through_the_gateway(stack_factory, refused):
+    """A gateway died with a request of the org in flight; the org is then refused: out of
+    credits (402, at admission) or disabled (403, at authentication, where no admission reads
+    its item). Its dead request kept no usage event and its relayed tokens stayed unbilled for as
+    long as it stayed refused; each refused request now has the dead leases reclaimed."""
+    from kiln.store.orgs import set_status
+
+    stack = stack_factory(lease_ttl_seconds=1.0, lease_renew_seconds=0.3)
+    org_id, secret = stack.org(credits="1", concurrency=4)
+    crashed = stack.ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                                 streamed=False)
+    stack.ledger.renew(crashed, (1, 2, Decimal("0.5")))
+    if refused == "out of credits":
+        stack.dynamodb.update_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   UpdateExpression="SET credits = :none", ExpressionAttributeValues={":none": {"N": "0"}})
+    else:
+        set_status(stack.tables, org_id, "disabled")
+    time.sleep(1.2)  # the lease is dead
+    answer = stack.post("/v1/chat/completions", {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]},
+                        secret)
+    assert answer.status_code == (402 if refused == "out of credits" else 403), answer.text
+    deadline = time.monotonic() + 10
+    while stack.org_info(org_id).leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(event.gen_id, event.status, event.cost) for event in stack.events(org_id)] == [
+        (crashed.gen_id, "abandoned", Decimal("0.5"))]
+    assert stack.org_info(org_id).credits == (Decimal("-0.5") if refused == "out of credits" else Decimal("0.5"))

@@ -269,6 +269,7 @@ class Ledger:
         self._closing = False  # drain() has begun: no write is gone on with later any more
         self._reclaim_ended: asyncio.Event | None = None  # set when a reclaim of this process ends
         self._pruning: set[str] = set()  # orgs whose past spend figures this process is removing
+        self._looking: set[str] = set()  # refused orgs whose dead leases this process is looking for
 
     @property
     def lease_ttl(self) -> float:
@@ -371,6 +372,33 @@ class Ledger:
             self._prune_later(org_id, stale_spend_attributes(old, now))
             return lease
         raise AssertionError("unreachable")
+
+    def reclaim_refused(self, org_id: str) -> None:
+        """Reclaim, in a task of its own, the dead leases of an org whose requests are refused
+        before any admission reads its item (a disabled org: authentication answers 403). Its
+        dead requests kept no event and their tokens stayed unbilled for as long as it stayed
+        disabled. One look per org at a time; none once the process closes."""
+        if self._closing or org_id in self._looking:
+            return
+        self._looking.add(org_id)
+        self._in_background(self._reclaim_refused(org_id))
+
+    async def _reclaim_refused(self, org_id: str) -> None:
+        try:
+            answer = await self._retried("reclaim", "GetItem", {
+                "TableName": self._orgs_table,
+                "Key": {ORG.hash_key: {"S": org_id}},
+                "ConsistentRead": True,
+            })
+        except Exception as exc:  # noqa: BLE001 - the next lookup that finds the org refused looks again
+            log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id,
+                                    "detail": f"{type(exc).__name__}: {exc}"}))
+            return
+        finally:
+            self._looking.discard(org_id)
+        org = (answer or {}).get("Item")
+        if org:
+            self._reclaim_seen(org_id, org, own="")
 
     def _reclaim_seen(self, org_id: str, old: dict[str, Any], own: str) -> None:
         """Reclaim off an admission's path the dead leases its answer showed (its own aside),

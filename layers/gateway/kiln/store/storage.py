@@ -135,7 +135,12 @@ class DynamoStorage:
         item = found.get("Item")
         if not item:
             return None
-        return item.get(ORG.status, {}).get("S") == "active"
+        active = item.get(ORG.status, {}).get("S") == "active"
+        if not active:
+            # its requests are refused from here on (403) with no admission, the one reader of its
+            # leases: the dead ones it may hold are reclaimed off the request's path
+            self.ledger.reclaim_refused(org_id)
+        return active
 
     async def touch_key(self, key_hash: str, when: str) -> None:
         await self._aws.dynamodb(
