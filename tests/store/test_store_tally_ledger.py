@@ -47,7 +47,7 @@ def admit_args(org_id: str, key_id: str) -> dict:
 
 def test_costs_whose_sum_has_more_than_28_digits_are_tallied_exactly_as_their_events_store_them(stack):
     """A cost has up to 15 decimal places (kiln.catalog.PRICE_DECIMALS) and the dearest bill the
-    usage bounds allow is below $2E12 (kiln.metering.MAX_REQUEST_TOKENS): 28 digits. Summed in
+    usage bounds allow is at most $2E12 (kiln.metering.MAX_REQUEST_TOKENS): 28 digits. Summed in
     Python's default context (28 digits), a tally of several got its sum rounded and stopped
     equalling the sum of the key's events (a reclaim summing several leases of one key and day,
     and a late settle's difference, rounded the same way). Six such bills admitted together, as

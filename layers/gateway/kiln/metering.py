@@ -41,7 +41,7 @@ _STORED = Context(prec=38)
 # a number DynamoDB stores.
 MAX_CHOICES = 1_000_000
 # No request uses more tokens than this, of its prompts or of its replies: a billion tokens a
-# second for the fifteen minutes the longest function runs is less. It keeps a bill below $2E12
+# second for the fifteen minutes the longest function runs is less. It keeps a bill at most $2E12
 # at the dearest price (kiln.catalog.MAX_PRICE), so that an org's balance, once it reached 0 and
 # the most requests it can have in flight (kiln.settings.MAX_ORG_CONCURRENCY) each settle that,
 # still has no more than 23 digits before the point: DynamoDB computes it exactly in its 38

@@ -85,7 +85,7 @@ def _check_limit(concurrency: int) -> None:
 # places (kiln.catalog.PRICE_DECIMALS), and stays exact in the 38 digits of a DynamoDB number
 # while it has no more than 23 before the point; amounts below a trillion dollars, no finer than a
 # cost, keep it there. Below 0 it goes only by the bills of the requests in flight when it reached
-# 0, at most MAX_CONCURRENCY of them, each below $2E12 (kiln.metering.MAX_REQUEST_TOKENS): not
+# 0, at most MAX_CONCURRENCY of them, each at most $2E12 (kiln.metering.MAX_REQUEST_TOKENS): not
 # past -1E15.
 MAX_CREDITS = Decimal("1e12")
 CREDIT_DECIMALS = 15
