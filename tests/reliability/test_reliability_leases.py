@@ -364,3 +364,22 @@ def test_a_refused_orgs_dead_requests_get_their_events_through_the_gateway(stack
     assert [(event.gen_id, event.status, event.cost) for event in stack.events(org_id)] == [
         (crashed.gen_id, "abandoned", Decimal("0.5"))]
     assert stack.org_info(org_id).credits == (Decimal("-0.5") if refused == "out of credits" else Decimal("0.5"))
+
+
+def test_a_disabled_org_holding_no_dead_lease_costs_its_lookup_no_second_read(stack):
+    """The lookup that finds an org disabled reads its leases with its status: only one that holds
+    a dead lease has its item read again, for the reclaim."""
+    from kiln.store.orgs import set_status
+
+    org_id, secret = stack.org(credits="1")
+    live = stack.ledger.admit(org_id=org_id, key_id="key_1", model="qwen3-32b", endpoint="completions",
+                              streamed=False)  # in flight, alive
+    set_status(stack.tables, org_id, "disabled")
+    reads = lambda: stack.faults.count("GetItem", lambda payload: payload["TableName"] == stack.settings.orgs_table)  # noqa: E731
+    before = reads()
+    answer = stack.post("/v1/chat/completions", {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]},
+                        secret)
+    assert answer.status_code == 403, answer.text
+    time.sleep(0.3)  # what a background look would have read by now
+    assert reads() - before == 1
+    assert list(stack.org_info(org_id).leases) == [live.gen_id]

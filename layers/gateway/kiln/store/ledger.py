@@ -373,24 +373,31 @@ class Ledger:
             return lease
         raise AssertionError("unreachable")
 
+    def holds_dead_leases(self, org: dict[str, Any]) -> bool:
+        """Whether an org item (as DynamoDB answers it, its leases at least) holds a lease past its
+        expiry."""
+        now = self._clock()
+        return any(_expiry(value) <= now for value in org.get(ORG.leases, {}).get("M", {}).values())
+
     def reclaim_refused(self, org_id: str) -> None:
         """Reclaim, in a task of its own, the dead leases of an org whose requests are refused
-        before any admission reads its item (a disabled org: authentication answers 403). Its
-        dead requests kept no event and their tokens stayed unbilled for as long as it stayed
-        disabled. One look per org at a time; none once the process closes."""
+        before any admission reads its item (a disabled org: authentication answers 403, its
+        lookup having seen a dead lease). Its dead requests kept no event and their tokens
+        stayed unbilled for as long as it stayed disabled. One look per org at a time, one read
+        each; none once the process closes."""
         if self._closing or org_id in self._looking:
             return
-        self._looking.add(org_id)
         self._in_background(self._reclaim_refused(org_id))
+        self._looking.add(org_id)
 
     async def _reclaim_refused(self, org_id: str) -> None:
-        try:
-            answer = await self._retried("reclaim", "GetItem", {
+        try:  # one read, no retries: the next lookup that finds the org refused looks again
+            answer = await self._call("GetItem", {
                 "TableName": self._orgs_table,
                 "Key": {ORG.hash_key: {"S": org_id}},
                 "ConsistentRead": True,
             })
-        except Exception as exc:  # noqa: BLE001 - the next lookup that finds the org refused looks again
+        except Exception as exc:  # noqa: BLE001 - as above
             log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id,
                                     "detail": f"{type(exc).__name__}: {exc}"}))
             return

@@ -126,8 +126,9 @@ class DynamoStorage:
             {
                 "TableName": self._orgs_table,
                 "Key": {ORG.hash_key: {"S": org_id}},
-                "ProjectionExpression": "#status",
-                "ExpressionAttributeNames": {"#status": ORG.status},
+                # its leases too (a read costs the whole item's size whatever it projects)
+                "ProjectionExpression": "#status, #leases",
+                "ExpressionAttributeNames": {"#status": ORG.status, "#leases": ORG.leases},
                 "ConsistentRead": True,  # cached as the key is (above)
             },
             "org lookup",
@@ -136,9 +137,9 @@ class DynamoStorage:
         if not item:
             return None
         active = item.get(ORG.status, {}).get("S") == "active"
-        if not active:
+        if not active and self.ledger.holds_dead_leases(item):
             # its requests are refused from here on (403) with no admission, the one reader of its
-            # leases: the dead ones it may hold are reclaimed off the request's path
+            # leases: the dead ones it holds are reclaimed off the request's path
             self.ledger.reclaim_refused(org_id)
         return active
 
