@@ -15,15 +15,18 @@ written as a JSON number is read as a Decimal, never through a float.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections import Counter
 from decimal import Decimal
 from typing import Any, Callable, Iterable, Iterator
 
+from kiln.endpoints import ENDPOINTS
 from kiln.gateway import UNSETTLED
 from kiln.store import Lease, Ledger, UsageEvent
 from kiln.store.clock import epoch_of
 from kiln.store.errors import NothingHeld, is_transient, translate_storage_error
+from kiln.store.usage import STATUSES
 
 __all__ = ["lease_of", "replay", "unsettled_events", "unsettled_records"]
 
@@ -78,29 +81,65 @@ def unsettled_records(lines: Iterable[str], unreadable: list[str] | None = None
             if record.get("event") == UNSETTLED and isinstance(record.get("usage"), dict):
                 found += 1
                 figure = record.get("spend_figure")
+                figure = figure if isinstance(figure, str) else None
                 try:
                     event = UsageEvent.from_dict(record["usage"])
-                    _check_identity(event)
+                    _check_event(event, figure)
                 except (ArithmeticError, TypeError, ValueError) as exc:  # a cost that is no number, say
                     if unreadable is not None:
-                        unreadable.append(f"line {number}: {exc if isinstance(exc, _NoIdentity) else type(exc).__name__}")
+                        unreadable.append(f"line {number}: {exc if isinstance(exc, _Unusable) else type(exc).__name__}")
                     continue
-                yield event, figure if isinstance(figure, str) else None
+                yield event, figure
         if not found and UNSETTLED in line and unreadable is not None:  # cut short, say
             unreadable.append(f"line {number}: it names {UNSETTLED} but holds no whole record of one")
 
 
-class _NoIdentity(ValueError):
+class _Unusable(ValueError):
     pass
 
 
-def _check_identity(event: UsageEvent) -> None:
-    """What names the event and its lease, and when it was made, must be text: DynamoDB keys
-    nothing else, and the event's time is stored as written."""
-    for name in ("gen_id", "org_id", "key_id", "created_at"):
+# what the gateway writes in an event: counts, and texts (None where it has none)
+_COUNTS = ("http_status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttfb_ms", "duration_ms", "expires_at")
+_TEXTS = ("usage_source", "finish_reason", "upstream", "error")
+_MODEL_ENDPOINTS = frozenset(endpoint.api.name for endpoint in ENDPOINTS if endpoint.api is not None)
+# a key's spend figure: key_spend:<key id>:<a day, an ISO week, a month, or total>
+_PERIOD = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{4}-W[0-9]{2}|[0-9]{4}-[0-9]{2}|total", re.ASCII)
+
+
+def _check_event(event: UsageEvent, figure: str | None) -> None:
+    """An event as the gateway writes one, or _Unusable: a line edited by hand is settled as it
+    says, so what it says must be what an event can be. What names the event and its lease, and
+    when it was made, must be text (DynamoDB keys nothing else; the time is stored as written);
+    its counts whole numbers, its cost a number not below 0, its status, endpoint and texts
+    those of an event; and the figure its lease named one of its own key's, the only org
+    attribute a settle adds its cost to (another, such as the org's concurrency limit, would be
+    raised by it)."""
+    for name in ("gen_id", "org_id", "key_id", "created_at", "model"):
         value = getattr(event, name)
         if not isinstance(value, str) or not value:
-            raise _NoIdentity(f"its {name} is {'empty' if value == '' else type(value).__name__}, not a string")
+            raise _Unusable(f"its {name} is {'empty' if value == '' else type(value).__name__}, not a string")
+    try:
+        epoch_of(event.created_at)
+    except (TypeError, ValueError):
+        raise _Unusable(f"its created_at {event.created_at[:40]!r} is no time") from None
+    if event.status not in STATUSES:
+        raise _Unusable(f"its status {str(event.status)[:40]!r} is none of an event's")
+    if event.endpoint not in _MODEL_ENDPOINTS:
+        raise _Unusable(f"its endpoint {str(event.endpoint)[:40]!r} is none of {', '.join(sorted(_MODEL_ENDPOINTS))}")
+    if not isinstance(event.streamed, bool):
+        raise _Unusable(f"its streamed is {type(event.streamed).__name__}, not true or false")
+    if not event.cost.is_finite() or event.cost < 0:
+        raise _Unusable(f"its cost {str(event.cost)[:40]} is below 0 or no number")
+    for name in _COUNTS:
+        value = getattr(event, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise _Unusable(f"its {name} is {str(value)[:40]!r}, not a whole number")
+    for name in _TEXTS:
+        if getattr(event, name) is not None and not isinstance(getattr(event, name), str):
+            raise _Unusable(f"its {name} is {type(getattr(event, name)).__name__}, not a string")
+    prefix = f"key_spend:{event.key_id}:"
+    if figure is not None and not (figure.startswith(prefix) and _PERIOD.fullmatch(figure[len(prefix):])):
+        raise _Unusable(f"its spend_figure {figure[:80]!r} is no spend figure of its key")
 
 
 def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:

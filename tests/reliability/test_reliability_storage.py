@@ -626,3 +626,91 @@ def test_a_replay_reads_a_log_with_bytes_that_are_no_utf8_and_calls_what_it_sett
     again = with_ledger(stack.settings, lambda ledger: replay(ledger, records, progress=lambda *done: told.append(done)))
     assert again == {"already_settled": 3}  # another run
     assert told == [(1, 3), (2, 3), (3, 3)]  # how far it got, as it goes
+
+
+def _one_unsettled_line(stack, org_id: str, key: str) -> tuple[str, str]:
+    """A request whose settle storage refused: its generation id and its logged line."""
+    mark = len(TELEMETRY.text())
+    stack.faults.fail("TransactWriteItems", when=involves_org(org_id), code=REFUSED)
+    gen_id = stack.post(CHAT, BODY, key).headers["X-Neocloud-Generation-Id"]
+    stack.faults.clear()
+    (line,) = [line for line in TELEMETRY.text()[mark:].splitlines() if "usage_unsettled" in line]
+    return gen_id, line
+
+
+def _replayed(stack, tmp_path, records: list[dict]) -> tuple[int, list[str]]:
+    exported = tmp_path / "edited.log"
+    exported.write_text("\n".join(json.dumps(record) for record in records) + "\n")
+    lines: list[str] = []
+    code = run_admin(build_parser().parse_args(["admin", "replay-usage", str(exported)]), settings=stack.settings,
+                     out=lines.append)
+    return code, lines
+
+
+def test_a_line_edited_to_name_another_org_is_not_found_and_moves_no_event(stack_factory, tmp_path, capsys):
+    """An `usage_unsettled` line whose org was edited to another's, replayed after its lease was
+    reclaimed as abandoned: the replay replaced the first org's abandoned event with one of the
+    other org, debited that org the difference, and left the first debited for an event it no
+    longer had. Both ledgers stopped adding up. A stored event of another org or key is now
+    not this line's: not found, nothing written."""
+    stack = stack_factory(lease_ttl_seconds=0.5, storage_retry_seconds=0.5)
+    org_id, key = stack.org(credits="1", concurrency=1)
+    other_org, _ = stack.org(credits="1")
+    gen_id, line = _one_unsettled_line(stack, org_id, key)
+    time.sleep(0.6)
+    assert stack.post(CHAT, BODY, key).status_code == 200  # reclaims the lease as abandoned
+    assert get_event(stack.tables, gen_id).status == "abandoned"
+    before = {org: (stack.org_info(org).credits, stack.events(org)) for org in (org_id, other_org)}
+    edited = json.loads(line)
+    edited["message"]["usage"]["org_id"] = other_org
+    code, lines = _replayed(stack, tmp_path, [edited])
+    assert code == 1 and lines == ["replayed 1 unsettled usage events: 1 not found"], lines
+    assert f"not found: {gen_id}" in capsys.readouterr().err
+    assert {org: (stack.org_info(org).credits, stack.events(org)) for org in (org_id, other_org)} == before
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("prompt_tokens", "abc", "its prompt_tokens is 'abc', not a whole number"),
+    ("completion_tokens", -3, "its completion_tokens is '-3', not a whole number"),
+    ("cached_tokens", True, "its cached_tokens is 'True', not a whole number"),
+    ("cost", "-50", "its cost -50 is below 0 or no number"),
+    ("status", "bogus", "its status 'bogus' is none of an event's"),
+    ("endpoint", "x", "its endpoint 'x' is none of chat.completions, completions, responses"),
+    ("created_at", "garbage", "its created_at 'garbage' is no time"),
+    ("streamed", "yes", "its streamed is str, not true or false"),
+    ("model", "", "its model is empty, not a string"),
+    ("error", 5, "its error is int, not a string"),
+    ("spend_figure", "concurrency_limit", "its spend_figure 'concurrency_limit' is no spend figure of its key"),
+    ("spend_figure", "key_spend:key_other:total", "its spend_figure 'key_spend:key_other:total' is no spend figure"),
+    ("spend_figure", "key_spend:{key_id}:credits", "its spend_figure 'key_spend:{key_id}:credits' is no spend figure"),
+])
+def test_a_line_edited_into_what_no_event_can_be_is_unreadable_and_writes_nothing(stack_factory, tmp_path, capsys,
+                                                                                   field, value, said):
+    """Lines edited by hand were settled as they said: token counts that are text (stored as such,
+    after which every usage report of the org failed: 503 on /v1/usage, 500 on the generation), a
+    negative cost (credits added), a status or endpoint no event has, a time that is none, and a
+    spend figure naming any number of the org item (`concurrency_limit`, raised by the cost: one
+    more request admitted). Each is now unreadable, named with its line, and nothing is written."""
+    stack = stack_factory(storage_retry_seconds=0.5)
+    org_id, key = stack.org(credits="1")
+    gen_id, line = _one_unsettled_line(stack, org_id, key)
+    record = json.loads(line)
+    key_id = record["message"]["usage"]["key_id"]
+    if field == "spend_figure":
+        record["message"]["spend_figure"] = value.format(key_id=key_id)
+    else:
+        record["message"]["usage"][field] = value
+    org_before = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                         ConsistentRead=True)["Item"]
+    code, lines = _replayed(stack, tmp_path, [record])
+    assert code == 1 and lines == ["replayed 0 unsettled usage events: 1 unreadable"], lines
+    err = capsys.readouterr().err
+    assert f"line 1: {said.format(key_id=key_id)}" in err, err
+    assert stack.events(org_id) == []
+    assert stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"] == org_before
+    # the line as logged is still settled, as ever
+    code, lines = _replayed(stack, tmp_path, [json.loads(line)])
+    assert code == 0 and lines == ["replayed 1 unsettled usage events: 1 settled"], lines
+    (event,) = stack.events(org_id)
+    assert event.gen_id == gen_id and stack.org_info(org_id).credits == Decimal(1) - event.cost

@@ -62,8 +62,8 @@ class OneItem:
         return {"Item": self.item}
 
 
-def storage_over(item) -> DynamoStorage:
-    return DynamoStorage(OneItem(item), keys_table="k", orgs_table="o", usage_table="u", ledger=None)
+def storage_over(item, ledger=None) -> DynamoStorage:
+    return DynamoStorage(OneItem(item), keys_table="k", orgs_table="o", usage_table="u", ledger=ledger)
 
 
 def test_a_key_written_by_the_operators_tools_is_read_by_the_request_path():
@@ -83,8 +83,15 @@ def test_an_org_and_its_leases_read_the_same_on_both_sides():
                          created_at="t")
     item = record.serialize()
     item[ORG.leases] = {"M": leases}
-    # the request path reads what the operators wrote
-    assert asyncio.run(storage_over(item).org_active("acme")) is False
+    # the request path reads what the operators wrote: a disabled org, holding a dead lease, whose
+    # leases the ledger is then asked to reclaim
+    from kiln.store.ledger import Ledger
+
+    ledger = Ledger(None, orgs_table="o", usage_table="u", lease_ttl=60.0)
+    looked: list[str] = []
+    ledger.reclaim_refused = looked.append
+    assert asyncio.run(storage_over(item, ledger).org_active("acme")) is False
+    assert looked == ["acme"]
     # and the operators read the leases the request path wrote
     read = TABLES.orgs.from_raw_data(item)
     assert read.credits == Decimal("12.5") and read.concurrency_limit == 3

@@ -123,7 +123,7 @@ KEY_HAS_NO_BUDGET = "attribute_not_exists(#org_id)"  # a limit of 0: never true 
 MARKER_AS_ASSUMED = "(attribute_not_exists(#marker) OR #marker = :marker)"
 EVENT_IS_NEW = "attribute_not_exists(#gen_id)"
 EVENT_IS_ABANDONED = "#status = :abandoned"
-EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed"
+EVENT_IS_THE_ABANDONED_ONE = "#status = :abandoned AND #cost = :billed AND #org_id = :org_id AND #key_id = :key_id"
 
 # A reclaim is one transaction: at most this many leases at once (DynamoDB allows 100 items:
 # the org's, and for each lease its event and at most one key's tally, kiln.store.tally).
@@ -942,6 +942,11 @@ class Ledger:
             if found is None:  # never held here, or settled and its event expired since
                 raise NothingHeld(f"neither a lease nor a usage event of it is in org {str(event.org_id)[:80]!r}: "
                                   "an unknown org or generation, or an event past the usage retention")
+            if not _same_request(found, event):
+                # another org's or key's request (a line of `kiln admin replay-usage` edited by
+                # hand): its event is not this one's to replace, nor its org this one's to debit
+                raise NothingHeld(f"its usage event is another org's or key's request, not one of org "
+                                  f"{str(event.org_id)[:80]!r}")
             if found.get(USAGE.status, {}).get("S") != "abandoned":
                 return "already_settled"
             outcome = await self._replace_abandoned(lease, event, found, org, request_token=request_token)
@@ -1031,8 +1036,10 @@ class Ledger:
         elif condition == EVENT_IS_THE_ABANDONED_ONE:
             mark = "attribute_exists(#tallied)" if was_tallied else "attribute_not_exists(#tallied)"
             put["ConditionExpression"] = f"{condition} AND {mark}"
-            put["ExpressionAttributeNames"] = {"#status": USAGE.status, "#cost": USAGE.cost, "#tallied": USAGE.tallied}
-            put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}, ":billed": {"N": number(billed or 0)}}
+            put["ExpressionAttributeNames"] = {"#status": USAGE.status, "#cost": USAGE.cost, "#tallied": USAGE.tallied,
+                                               "#org_id": USAGE.org_id, "#key_id": USAGE.key_id}
+            put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}, ":billed": {"N": number(billed or 0)},
+                                                ":org_id": {"S": event.org_id}, ":key_id": {"S": event.key_id}}
         else:
             put["ExpressionAttributeNames"] = {"#status": USAGE.status}
             put["ExpressionAttributeValues"] = {":abandoned": {"S": "abandoned"}}
@@ -1081,6 +1088,12 @@ def _settle_failed(cancelled: TransactionCancelled, what: str = "settle") -> Sto
 def _expiry(lease: dict[str, Any]) -> float:
     """A stored lease's expiry, read from its wire form."""
     return float(lease.get("M", {}).get(LEASE.exp, {}).get("N", "0"))
+
+
+def _same_request(found: dict[str, Any], event: UsageEvent) -> bool:
+    """Whether a stored usage event (its item) is of the same org and key as `event`."""
+    return (found.get(USAGE.org_id, {}).get("S") == event.org_id
+            and found.get(USAGE.key_id, {}).get("S") == event.key_id)
 
 
 def _counted_in(lease: Lease, org: dict[str, Any]) -> tuple[str, ...]:
