@@ -359,3 +359,17 @@ def test_a_model_id_that_would_pass_for_other_text_is_refused_where_written(mode
     with pytest.raises(CatalogError, match="'id'"):
         Catalog.from_document(one(id=model_id), written=True)
     assert Catalog.from_document(one(id=model_id)).get(model_id).id == model_id  # a stored one is served
+
+
+def test_two_backends_of_one_model_never_share_a_name():
+    """Two backends of one name shared one health record and one metric dimension: one failing
+    took both out of service, and their requests were counted as one backend's. A written
+    catalog is refused; a stored one has the later renamed, and both are served apart."""
+    backends = [{"name": "a", "url": "http://one:8000/v1"}, {"name": "a", "url": "http://two:8000/v1"},
+                {"url": "http://three:8000/v1"}, {"name": "backend-2", "url": "http://four:8000/v1"}]
+    with pytest.raises(CatalogError, match=r"backends\[1\]: the name 'a' is another backend's"):
+        Catalog.from_document(one(backends=backends), written=True)
+    served = Catalog.from_document(one(backends=backends)).get("m").backends
+    names = [backend.name for backend in served]
+    assert names == ["a", "a#1", "backend-2", "backend-2#3"]
+    assert [backend.url for backend in served] == [b["url"] for b in backends]

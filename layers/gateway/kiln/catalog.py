@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
@@ -216,8 +216,6 @@ class Catalog:
 
     def with_backend_url(self, url: str) -> "Catalog":
         """Every model served by one OpenAI-compatible server (the local stack's --upstream-url)."""
-        from dataclasses import replace
-
         return Catalog(replace(model, backends=(Backend(name="local", url=url),)) for model in self)
 
 
@@ -283,8 +281,32 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
         timeouts=Timeouts(**{k: _timeout(v, f"timeouts.{k}", where, written)
                              for k, v in _known_only(timeouts, Timeouts).items()}),
         limits=Limits(**{k: _size(v, f"limits.{k}", where) for k, v in _known_only(limits, Limits).items()}),
-        backends=tuple(_parse_backend(backend, i, where, written) for i, backend in enumerate(backends)),
+        backends=_named_apart([_parse_backend(backend, i, where, written) for i, backend in enumerate(backends)],
+                              where, written),
     )
+
+
+def _named_apart(backends: list[Backend], where: str, written: bool) -> tuple[Backend, ...]:
+    """A model's backends, each with a name of its own: a backend's health (out of service, its
+    cooldown) and its metrics are kept by its name, and two of one name were taken out and
+    counted as one. Refused where written; a catalog stored by other means has the later one
+    renamed (`name#index`), and served."""
+    named: list[Backend] = []
+    taken: set[str] = set()
+    for index, backend in enumerate(backends):
+        if backend.name in taken:
+            if written:
+                raise CatalogError(f"{where} backends[{index}]: the name {backend.name!r} is another backend's "
+                                   f"(each has its own health and metrics)")
+            name = backend.name
+            while name in taken:
+                name = f"{name}#{index}"
+            log.warning(json.dumps({"event": "catalog_backend_renamed", "where": f"{where} backends[{index}]",
+                                    "to": name}))
+            backend = replace(backend, name=name)
+        taken.add(backend.name)
+        named.append(backend)
+    return tuple(named)
 
 
 def _known_only(values: Mapping[str, Any], kind: type) -> dict[str, Any]:
