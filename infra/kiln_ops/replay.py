@@ -21,11 +21,16 @@ from collections import Counter
 from decimal import Decimal
 from typing import Any, Callable, Iterable, Iterator
 
+from kiln.catalog import MAX_PRICE, PER_MILLION
 from kiln.endpoints import ENDPOINTS
 from kiln.gateway import UNSETTLED
+from kiln.jsonio import decimal_places
+from kiln.metering import MAX_REQUEST_TOKENS
 from kiln.store import Lease, Ledger, UsageEvent
-from kiln.store.clock import epoch_of
+from kiln.store.clock import epoch_of, iso_ms
 from kiln.store.errors import NothingHeld, is_transient, translate_storage_error
+from kiln.store.keyspend import period_kind, period_name
+from kiln.store.orgs import CREDIT_DECIMALS
 from kiln.store.usage import STATUSES
 
 __all__ = ["lease_of", "replay", "unsettled_events", "unsettled_records"]
@@ -100,6 +105,13 @@ class _Unusable(ValueError):
 
 # what the gateway writes in an event: counts, and texts (None where it has none)
 _COUNTS = ("http_status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttfb_ms", "duration_ms", "expires_at")
+_MOST = 2**53  # a whole number every JSON reader keeps exactly
+_COUNT_BOUNDS = {"http_status": (100, 599), "prompt_tokens": (0, MAX_REQUEST_TOKENS),
+                 "completion_tokens": (0, MAX_REQUEST_TOKENS), "cached_tokens": (0, MAX_REQUEST_TOKENS)}
+# the dearest bill the gateway makes: the most tokens of each kind a request uses, at the dearest price
+_DEAREST_BILL = 2 * MAX_REQUEST_TOKENS * MAX_PRICE / PER_MILLION
+# what the gateway logs unsettled: a request it settled itself (`abandoned` is a reclaim's, never logged)
+_LOGGED_STATUSES = frozenset(STATUSES) - {"abandoned"}
 _TEXTS = ("usage_source", "finish_reason", "upstream", "error")
 _MODEL_ENDPOINTS = frozenset(endpoint.api.name for endpoint in ENDPOINTS if endpoint.api is not None)
 # a key's spend figure: key_spend:<key id>:<a day, an ISO week, a month, or total>
@@ -119,27 +131,37 @@ def _check_event(event: UsageEvent, figure: str | None) -> None:
         if not isinstance(value, str) or not value:
             raise _Unusable(f"its {name} is {'empty' if value == '' else type(value).__name__}, not a string")
     try:
-        epoch_of(event.created_at)
-    except (TypeError, ValueError):
-        raise _Unusable(f"its created_at {event.created_at[:40]!r} is no time") from None
-    if event.status not in STATUSES:
-        raise _Unusable(f"its status {str(event.status)[:40]!r} is none of an event's")
+        created = epoch_of(event.created_at)
+    except (TypeError, ValueError, OverflowError):
+        created = None
+    # as the gateway writes it: times are compared as text (the usage reports, by the index)
+    if created is None or iso_ms(created) != event.created_at:
+        raise _Unusable(f"its created_at {event.created_at[:40]!r} is no time as the gateway writes one")
+    if event.status not in _LOGGED_STATUSES:
+        raise _Unusable(f"its status {str(event.status)[:40]!r} is none of a settled request's")
     if event.endpoint not in _MODEL_ENDPOINTS:
         raise _Unusable(f"its endpoint {str(event.endpoint)[:40]!r} is none of {', '.join(sorted(_MODEL_ENDPOINTS))}")
     if not isinstance(event.streamed, bool):
         raise _Unusable(f"its streamed is {type(event.streamed).__name__}, not true or false")
-    if not event.cost.is_finite() or event.cost < 0:
-        raise _Unusable(f"its cost {str(event.cost)[:40]} is below 0 or no number")
+    if not event.cost.is_finite() or not 0 <= event.cost <= _DEAREST_BILL or decimal_places(event.cost) > CREDIT_DECIMALS:
+        raise _Unusable(f"its cost {str(event.cost)[:40]} is no bill: from 0 to {_DEAREST_BILL.normalize()}, "
+                        f"at most {CREDIT_DECIMALS} decimal places")
     for name in _COUNTS:
         value = getattr(event, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise _Unusable(f"its {name} is {str(value)[:40]!r}, not a whole number")
+        low, high = _COUNT_BOUNDS.get(name, (0, _MOST))
+        if value is not None and not low <= value <= high:
+            raise _Unusable(f"its {name} {str(value)[:40]} is not from {low} to {high}")
     for name in _TEXTS:
         if getattr(event, name) is not None and not isinstance(getattr(event, name), str):
             raise _Unusable(f"its {name} is {type(getattr(event, name)).__name__}, not a string")
     prefix = f"key_spend:{event.key_id}:"
-    if figure is not None and not (figure.startswith(prefix) and _PERIOD.fullmatch(figure[len(prefix):])):
-        raise _Unusable(f"its spend_figure {figure[:80]!r} is no spend figure of its key")
+    period = figure[len(prefix):] if figure is not None and figure.startswith(prefix) else None
+    # the figure of its key for the period it was admitted in (its created_at), as its lease named it
+    if figure is not None and (period is None or not _PERIOD.fullmatch(period)
+                               or period_name(period_kind(period), created) != period):
+        raise _Unusable(f"its spend_figure {figure[:80]!r} is no spend figure of its key when it was made")
 
 
 def unsettled_events(lines: Iterable[str]) -> Iterator[UsageEvent]:

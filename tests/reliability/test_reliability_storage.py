@@ -311,7 +311,7 @@ def test_a_lost_admission_answer_counts_once_against_the_keys_own_limit(stack, s
 def test_the_unsettled_record_keeps_its_cost_exact_through_the_log_and_the_replay(stack, tmp_path, capsys):
     """The replay record goes through Powertools' formatter, which parses the message as JSON."""
     org_id, _ = stack.org(credits="1")
-    cost = Decimal("0.000001234567890123456789")  # 19 significant digits: beyond a float
+    cost = Decimal("123.123456789012345")  # 18 significant digits (beyond a float), a cost's 15 decimal places
     faults = StorageFaults()
     faults.fail("TransactWriteItems", code=REFUSED)
     settings = replace(stack.settings, storage_retry_attempts=2)
@@ -348,7 +348,8 @@ def test_the_unsettled_record_keeps_its_cost_exact_through_the_log_and_the_repla
 def test_a_replay_settles_every_event_it_can_and_names_those_it_cannot(stack_factory, tmp_path, capsys):
     """One logged event that cannot be settled (a cost DynamoDB cannot store) or read (a cost
     that is no number) once stopped the replay where it stood, the events after it unsettled.
-    Each is now said on its own line, the others are settled, and the exit status is 1."""
+    Each is now said on its own line, the others are settled, and the exit status is 1. (A cost
+    no bill can be, such as 1E+200, is unreadable before anything is sent.)"""
     stack = stack_factory(storage_retry_seconds=0.5)
     org_id, key = stack.org(credits="1")
     mark = len(TELEMETRY.text())
@@ -370,8 +371,8 @@ def test_a_replay_settles_every_event_it_can_and_names_those_it_cannot(stack_fac
     args = build_parser().parse_args(["admin", "replay-usage", str(exported)])
     assert run_admin(args, settings=stack.settings, out=lines.append) == 1
     err = capsys.readouterr().err
-    assert "not settled: gen-unstorable" in err and "line 2" in err and "line 3" in err, err
-    assert lines == ["replayed 3 unsettled usage events: 1 not settled, 2 settled, 2 unreadable"]
+    assert "line 1: its cost 1E+200 is no bill" in err and "line 2" in err and "line 3" in err, err
+    assert lines == ["replayed 2 unsettled usage events: 2 settled, 3 unreadable"]
     settled = {event.gen_id for event in stack.events(org_id)}
     assert settled == {first.headers["X-Neocloud-Generation-Id"], second.headers["X-Neocloud-Generation-Id"]}
     assert stack.org_info(org_id).in_flight == 0
@@ -673,16 +674,24 @@ def test_a_line_edited_to_name_another_org_is_not_found_and_moves_no_event(stack
     ("prompt_tokens", "abc", "its prompt_tokens is 'abc', not a whole number"),
     ("completion_tokens", -3, "its completion_tokens is '-3', not a whole number"),
     ("cached_tokens", True, "its cached_tokens is 'True', not a whole number"),
-    ("cost", "-50", "its cost -50 is below 0 or no number"),
-    ("status", "bogus", "its status 'bogus' is none of an event's"),
+    ("cost", "-50", "its cost -50 is no bill: from 0 to 2E+12, at most 15 decimal places"),
+    ("cost", "1E+30", "its cost 1E+30 is no bill"),
+    ("cost", "0.0000000000000001", "its cost 1E-16 is no bill"),
+    ("status", "bogus", "its status 'bogus' is none of a settled request's"),
+    ("status", "abandoned", "its status 'abandoned' is none of a settled request's"),
     ("endpoint", "x", "its endpoint 'x' is none of chat.completions, completions, responses"),
-    ("created_at", "garbage", "its created_at 'garbage' is no time"),
+    ("created_at", "garbage", "its created_at 'garbage' is no time as the gateway writes one"),
+    ("created_at", "20261207T190229Z", "its created_at '20261207T190229Z' is no time as the gateway writes one"),
+    ("created_at", "2026-12-08T09:02:29.593000+14:00", "is no time as the gateway writes one"),
+    ("http_status", 10**30, "its http_status 1000000000000000000000000000000 is not from 100 to 599"),
+    ("prompt_tokens", 10**29, "is not from 0 to 1000000000000"),
     ("streamed", "yes", "its streamed is str, not true or false"),
     ("model", "", "its model is empty, not a string"),
     ("error", 5, "its error is int, not a string"),
     ("spend_figure", "concurrency_limit", "its spend_figure 'concurrency_limit' is no spend figure of its key"),
     ("spend_figure", "key_spend:key_other:total", "its spend_figure 'key_spend:key_other:total' is no spend figure"),
     ("spend_figure", "key_spend:{key_id}:credits", "its spend_figure 'key_spend:{key_id}:credits' is no spend figure"),
+    ("spend_figure", "key_spend:{key_id}:2020-01-01", "is no spend figure of its key when it was made"),
 ])
 def test_a_line_edited_into_what_no_event_can_be_is_unreadable_and_writes_nothing(stack_factory, tmp_path, capsys,
                                                                                    field, value, said):
@@ -705,7 +714,7 @@ def test_a_line_edited_into_what_no_event_can_be_is_unreadable_and_writes_nothin
     code, lines = _replayed(stack, tmp_path, [record])
     assert code == 1 and lines == ["replayed 0 unsettled usage events: 1 unreadable"], lines
     err = capsys.readouterr().err
-    assert f"line 1: {said.format(key_id=key_id)}" in err, err
+    assert "line 1: its " in err and said.format(key_id=key_id) in err, err
     assert stack.events(org_id) == []
     assert stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
                                    ConsistentRead=True)["Item"] == org_before
@@ -714,3 +723,28 @@ def test_a_line_edited_into_what_no_event_can_be_is_unreadable_and_writes_nothin
     assert code == 0 and lines == ["replayed 1 unsettled usage events: 1 settled"], lines
     (event,) = stack.events(org_id)
     assert event.gen_id == gen_id and stack.org_info(org_id).credits == Decimal(1) - event.cost
+
+
+def test_a_line_edited_to_name_another_key_settles_nothing_of_the_lease_it_names(stack_factory, tmp_path, capsys):
+    """The lease still held (nothing reclaimed it yet), a line whose key was edited to another of
+    the org was settled: the lease's generation left the other key's set, its cost went to that
+    key's spend and tally, and the real key kept the generation in its set for good (a key of
+    concurrency 1: 429 on every later request). The settle now holds the lease to its own key."""
+    stack = stack_factory(storage_retry_seconds=0.5)
+    org_id, key = stack.org(credits="1")
+    other = create_key(stack.tables, org_id, label="other")
+    gen_id, line = _one_unsettled_line(stack, org_id, key)
+    before = stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                     ConsistentRead=True)["Item"]
+    assert gen_id in before["leases"]["M"]
+    edited = json.loads(line)
+    edited["message"]["usage"]["key_id"] = other.key_id
+    code, lines = _replayed(stack, tmp_path, [edited])
+    assert code == 1 and lines == ["replayed 1 unsettled usage events: 1 not found"], lines
+    assert "the lease held for it is another key's" in capsys.readouterr().err
+    assert stack.events(org_id) == []
+    assert stack.dynamodb.get_item(TableName=stack.settings.orgs_table, Key={"org_id": {"S": org_id}},
+                                   ConsistentRead=True)["Item"] == before
+    code, lines = _replayed(stack, tmp_path, [json.loads(line)])  # the line as logged
+    assert code == 0 and lines == ["replayed 1 unsettled usage events: 1 settled"], lines
+    assert stack.org_info(org_id).leases == {}

@@ -111,6 +111,8 @@ ORG_ACTIVE = "#status = :active"
 HAS_CREDITS = "#credits > :zero"
 HAS_FREE_SLOT = "size(#leases) < #limit"
 LEASE_HELD = "attribute_exists(#leases.#gen)"
+# a settle's: held, and by its own key (a replayed line edited to another key is no settle of it)
+LEASE_HELD_BY_ITS_KEY = "attribute_exists(#leases.#gen) AND #leases.#gen.#lease_key = :lease_key"
 # an admission's own lease as it wrote it (a retry's), not one renewed since or written again later
 OWN_LEASE_AS_ADMITTED = "attribute_exists(#leases.#gen) AND #leases.#gen.#exp <= :exp"
 LEASE_NOT_HELD = "attribute_not_exists(#leases.#gen)"
@@ -879,8 +881,13 @@ class Ledger:
                 return await self._settle_late(lease, event, request_token=request_token)
             # the lease is gone, or the key's marker is not what the lease assumed: read which
             item = await self._read_org(lease)
-            if lease.gen_id not in item.get(ORG.leases, {}).get("M", {}):
+            held = item.get(ORG.leases, {}).get("M", {}).get(lease.gen_id)
+            if held is None:
                 return await self._settle_late(lease, event, item, request_token=request_token)
+            if held.get("M", {}).get(LEASE.key, {}).get("S") != lease.key_id:
+                # another key's request (a line of `kiln admin replay-usage` edited by hand): its
+                # slot, its key's set and spend are not this event's to change
+                raise NothingHeld(f"the lease held for it is another key's, not {str(lease.key_id)[:80]!r}'s")
             figures, marker = _counted_in(lease, item), marker_of(item, lease.key_id)
         raise AssertionError("unreachable: the last attempt is not conditioned on the marker")
 
@@ -889,11 +896,11 @@ class Ledger:
         """The settle's transaction, adding the cost to `figures`, conditioned on the lease being
         held and (but on the last attempt) on the key's marker: on the first, what the lease
         assumes or none; after reading it, what was read (None: no marker)."""
-        names = {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id}
-        values: dict[str, Any] = {":cost": {"N": number(event.cost)}}
+        names = {"#credits": ORG.credits, "#leases": ORG.leases, "#gen": lease.gen_id, "#lease_key": LEASE.key}
+        values: dict[str, Any] = {":cost": {"N": number(event.cost)}, ":lease_key": {"S": lease.key_id}}
         update = "SET #credits = #credits - :cost REMOVE #leases.#gen" + _key_bookkeeping(
             [(lease, event.cost, figures)], names, values)
-        condition = LEASE_HELD
+        condition = LEASE_HELD_BY_ITS_KEY
         if attempt < MAX_FIGURE_READS:
             names["#marker"] = marker_attribute(lease.key_id)
             if marker is None:
