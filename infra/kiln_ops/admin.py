@@ -607,6 +607,7 @@ def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
     get_org(ctx.tables, args.org)
     if args.since and args.until and args.since >= args.until:
         raise AdminError(f"--since ({args.since}) must be before --until ({args.until})")
+    _say_what_expired(ctx.settings, args.since)
     shown = _Progress(args)
     events = (event for event in query_events(ctx.tables, args.org, args.since, args.until) if in_span(event, args.until))
     summary = summarize(events, args.by, lambda count: shown.say(f"{count} usage events read…"))
@@ -625,6 +626,23 @@ def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
         period = f"{args.since or 'the start'} to {args.until or 'now'}"
         out(f"usage of org {args.org}, {period}, by {args.by}:")
     render(rows, summary.columns(), args.format, out)
+
+
+def _say_what_expired(settings: Any, since: str | None) -> None:
+    """Say on stderr that a report reaching back past the usage retention is short: its events
+    expired (DynamoDB's TTL), while the org's credits and its keys' spend still count them."""
+    import time
+
+    from kiln.store.clock import iso_ms
+
+    days = getattr(settings, "usage_retention_days", 0) or 0
+    if not days:
+        return
+    horizon = iso_ms(time.time() - days * 86400)
+    if since is None or since < horizon:
+        print(f"kiln admin: usage events expire {days} days after they are written (the usage retention): "
+              f"requests before {horizon[:10]} may be missing from this report, though the org's credits and its "
+              f"keys' spend count them", file=sys.stderr)
 
 
 def _generation(ctx: Context, args: argparse.Namespace, out) -> None:

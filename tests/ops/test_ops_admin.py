@@ -1286,3 +1286,30 @@ def test_keys_list_of_an_org_id_no_org_can_have_is_not_found(admin):
     """`keys list ""` answered DynamoDB's ValidationException (an empty key in a query)."""
     for org_id in ("", "_x", "Acme"):
         assert_fails(admin("keys", "list", org_id), f"org {org_id!r} not found")
+
+
+def test_a_usage_report_reaching_past_the_usage_retention_says_it_may_be_short(admin, stack, capsys):
+    """With a usage retention, events expire (DynamoDB's TTL) while the org's credits and its keys'
+    spend still count them: a report over all time, or from before the retention, summed what was
+    left and said nothing, its total no longer what was debited. It says so now, on stderr."""
+    org_id, _, secret = org_with_key(admin, credits="3")
+    _traffic(stack, secret)
+
+    def report(*since: str, retention_days: int = 30) -> tuple[list[str], str]:
+        lines: list[str] = []
+        capsys.readouterr()
+        args = build_parser().parse_args(["admin", "usage", org_id, "--format", "json", *since])
+        settings = replace(stack.settings, usage_retention_days=retention_days)
+        assert run_admin(args, settings=settings, out=lines.append) == 0
+        return lines, capsys.readouterr().err
+
+    lines, err = report()
+    assert "usage events expire 30 days after they are written" in err and "may be missing from this report" in err
+    assert json.loads("\n".join(lines))["total"]["requests"] == 9  # stdout is the report alone
+    _, err = report("--since", "2020-01-01")
+    assert "may be missing" in err
+    recent = stack.events(org_id)[0].created_at[:10]
+    _, err = report("--since", recent)
+    assert "may be missing" not in err  # within the retention: nothing has expired
+    _, err = report(retention_days=0)  # no retention: events are kept
+    assert "may be missing" not in err
