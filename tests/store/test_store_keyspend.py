@@ -162,3 +162,44 @@ def test_an_org_at_the_cap_of_limited_keys_still_serves_twice_its_concurrency_a_
     kb = math.ceil(sum(len(name.encode()) + _size(value) for name, value in item.items()) / 1024)
     per_request = kb + 2 * kb + 2  # admission, settle (the event, ~1 KB, in the same transaction)
     assert 1000 / per_request >= 16, f"org item {kb} KB: {per_request} WCU a request, {1000 / per_request:.1f} a second"
+
+
+def test_the_largest_org_item_the_limits_allow_stays_below_dynamodbs_400_kb():
+    """An org at the most requests in flight (MAX_ORG_CONCURRENCY), each renewed (its tokens and
+    cost recorded) for a model of the longest id the catalog takes, with the most keys with a limit,
+    each with its marker, the figures of a period's turn and a clock ahead's, and a set of
+    requests in flight. Model ids had no bound: at 8 000 characters, 47 leases filled the item, and
+    the 48th admission and every renewal were refused (503, requests stopped) far below the limit."""
+    import secrets
+    import time
+
+    from kiln.catalog import MAX_MODEL_ID_BYTES
+    from kiln.settings import MAX_ORG_CONCURRENCY
+    from kiln.store.keyring import MAX_LIMITED_KEYS
+    from kiln.store.keyspend import leases_attribute, marker_attribute
+    from kiln.store.ledger import Lease
+
+    now = time.time()
+    model = "é" * (MAX_MODEL_ID_BYTES // 2)  # two bytes a character: the longest id, in bytes
+    item = {"org_id": {"S": "o" * 63}, "status": {"S": "active"}, "credits": {"N": "-9" * 16 + "." + "9" * 15},
+            "concurrency_limit": {"N": str(MAX_ORG_CONCURRENCY)}, "created_at": {"S": "2026-12-01T00:00:00.000Z"},
+            "limited_keys": {"N": str(MAX_LIMITED_KEYS)}}
+    keys = [f"key_{secrets.token_hex(8)}" for _ in range(MAX_LIMITED_KEYS)]
+    for key_id in keys:
+        item[marker_attribute(key_id)] = {"S": "month"}
+        for moment in (now - 31 * 86400, now, now + 31 * 86400):  # the month ended, this one, a clock ahead's
+            item[spend_attribute(key_id, period_name("month", moment))] = {"N": "9" * 23 + "." + "9" * 15}
+    leases = {}
+    for index in range(MAX_ORG_CONCURRENCY):
+        key_id = keys[index % len(keys)]
+        lease = Lease(f"gen-{index:026x}", "org", key_id, model, "chat.completions", True, now, now + 60,
+                      spend_figure=spend_attribute(key_id, period_name("month", now)))
+        attribute = lease.to_attribute()
+        attribute["M"].update({"pt": {"N": str(10**12)}, "ct": {"N": str(10**12)},
+                               "cost": {"N": "1999999999999.999999999999999"}})
+        leases[lease.gen_id] = attribute
+        item.setdefault(leases_attribute(key_id), {"SS": []})["SS"].append(lease.gen_id)
+    item["leases"] = {"M": leases}
+    size = sum(len(name.encode()) + _size(value) for name, value in item.items())
+    assert size < 400 * 1024 * 3 // 4, f"the largest org item is {size} bytes"
+    assert len(model.encode()) == MAX_MODEL_ID_BYTES

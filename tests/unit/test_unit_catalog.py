@@ -373,3 +373,15 @@ def test_two_backends_of_one_model_never_share_a_name():
     names = [backend.name for backend in served]
     assert names == ["a", "a#1", "backend-2", "backend-2#3"]
     assert [backend.url for backend in served] == [b["url"] for b in backends]
+
+
+def test_a_model_id_longer_than_its_leases_can_hold_is_refused_where_written():
+    """Each request in flight holds its model's id on its org's one item (400 KB at most in
+    DynamoDB): an id of 8 000 characters filled it at 47 requests, the 48th refused 503."""
+    from kiln.catalog import MAX_MODEL_ID_BYTES
+
+    longest = "m" * MAX_MODEL_ID_BYTES
+    assert Catalog.from_document(one(id=longest), written=True).get(longest).id == longest
+    for too_long in ("m" * (MAX_MODEL_ID_BYTES + 1), "é" * (MAX_MODEL_ID_BYTES // 2 + 1)):
+        with pytest.raises(CatalogError, match=f"'id' must be at most {MAX_MODEL_ID_BYTES} bytes"):
+            Catalog.from_document(one(id=too_long), written=True)

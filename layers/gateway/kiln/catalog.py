@@ -40,6 +40,12 @@ _PRICE_STEP = Decimal(1).scaleb(-PRICE_DECIMALS)
 # a price as kiln admin writes it: ASCII digits, a point, an exponent
 _PRICE_TEXT = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 MAX_CONTEXT_LENGTH = 1_000_000_000
+# A model's id is held by each lease of a request for it, on its org's one item, which DynamoDB
+# bounds at 400 KB: 500 requests in flight (kiln.settings.MAX_ORG_CONCURRENCY) of an id of this
+# many bytes, with the most keys with a limit an org may have, keep it below three quarters of
+# that (about 270 KB). Ids of 8 000 characters (which the catalog's parameter holds) filled it at
+# 47 requests in flight: the 48th admission, and every renewal, refused.
+MAX_MODEL_ID_BYTES = 256
 # The longest any upstream timeout may be: under the streaming functions' own timeout (contract
 # §8), with room left in it for the settle (its retry budget, 10 s by default) and a stream's last
 # keep-alive interval: a `total` of 900 s had the function killed before its request settled.
@@ -246,6 +252,9 @@ def _parse_model(entry: Any, index: int, written: bool) -> ModelEntry:
             # and "none" for every model: such an id could not be named there, or named another
             raise CatalogError(f"{where}: 'id' must not begin or end with a blank, hold a comma, or be 'none' "
                                f"(kiln admin's --models could not name it)")
+        if len(model_id.encode()) > MAX_MODEL_ID_BYTES:
+            raise CatalogError(f"{where}: 'id' must be at most {MAX_MODEL_ID_BYTES} bytes in UTF-8 (each request in "
+                               f"flight holds it on its org's item, which DynamoDB bounds at 400 KB)")
     where = f"model {model_id!r}"
     pricing = _require(entry, "pricing", Mapping, where)
     capabilities = entry.get("capabilities", {})
