@@ -22,6 +22,11 @@ These things are changed from plain moto, each because the gateway depends on it
 5. **Atomic updates.** An `UpdateItem` is applied whole or not at all: moto applies its
    actions one by one, so one refused (a sum out of range, an item over 400 KB) left those
    before it written (a refused admission's lease stayed, a slot AWS would never take).
+6. **Items of 400 KB at most, by DynamoDB's count.** An update, in a transaction or not, that
+   grows an item past 400 KB (its names and values counted as DynamoDB's guide counts them, a
+   map's overhead included) is refused with DynamoDB's ValidationException (a transaction's as
+   its cancellation reason): moto checked a plain update's top-level values only, by its own
+   count, and a transaction's not at all, so settles and key changes grew items AWS refuses.
 
 And, only when asked (`kiln emulator --faults …`, `kiln dev --faults …`, or
 `KILN_EMULATOR_FAULTS`), DynamoDB under contention (`Faults`): transactions that take time,
@@ -192,7 +197,9 @@ def _atomic(update_item: Any) -> Any:
         before = table.get_item(hash_value, range_value)
         saved = copy.deepcopy(before.attrs) if before is not None else None
         try:
-            return update_item(self, table_name, key, *args, **kwargs)
+            updated = update_item(self, table_name, key, *args, **kwargs)
+            _refuse_oversized(table.get_item(hash_value, range_value))
+            return updated
         except Exception:
             after = table.get_item(hash_value, range_value)
             if saved is None and after is not None:
@@ -202,6 +209,47 @@ def _atomic(update_item: Any) -> Any:
             raise
 
     return atomic_update_item
+
+
+# The most an item may hold, by DynamoDB's count (its guide's "Item sizes and formats").
+MAX_ITEM_BYTES = 400 * 1024
+
+
+def value_size(value: dict[str, Any]) -> int:
+    """An attribute value's size as DynamoDB counts it: a string's UTF-8 bytes, a number's
+    significant digits two to a byte plus one, a map's or list's 3 bytes and a byte per element
+    beside its elements (a map's names included), a set's elements."""
+    ((kind, raw),) = value.items()
+    if kind == "S":
+        return len(raw.encode())
+    if kind == "N":
+        digits = raw.lstrip("-").replace(".", "").lstrip("0") or "0"
+        return (len(digits) + 1) // 2 + 1
+    if kind == "B":
+        return len(raw if isinstance(raw, bytes) else raw.encode())
+    if kind in ("BOOL", "NULL"):
+        return 1
+    if kind in ("SS", "NS", "BS"):
+        return sum(value_size({kind[0]: element}) for element in raw)
+    if kind == "M":
+        return 3 + sum(len(name.encode()) + value_size(inner) + 1 for name, inner in raw.items())
+    if kind == "L":
+        return 3 + sum(value_size(inner) + 1 for inner in raw)
+    raise ValueError(f"no DynamoDB type: {kind}")
+
+
+def item_size(attributes: dict[str, Any]) -> int:
+    """An item's size as DynamoDB counts it: its attributes' names and values."""
+    return sum(len(name.encode()) + value_size(value) for name, value in attributes.items())
+
+
+def _refuse_oversized(item: Any) -> None:
+    """DynamoDB's ValidationException for an item grown past 400 KB by a write (moto checks a
+    plain update's top-level values only, by its own count, and a transaction's not at all)."""
+    from moto.dynamodb.exceptions import MockValidationException
+
+    if item is not None and item_size(item.to_json()["Attributes"]) > MAX_ITEM_BYTES:
+        raise MockValidationException("Item size has exceeded the maximum allowed size")
 
 
 _VALUE_PLACEHOLDER = re.compile(r":[A-Za-z0-9_]+")
@@ -301,6 +349,8 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
                     expression_attribute_names=op.get("ExpressionAttributeNames"),
                     expression_attribute_values=op.get("ExpressionAttributeValues"),
                 )
+            if op_type != "Delete":
+                _refuse_oversized(self.get_item(table_name, key))
     except Exception as exc:
         for table_name, key, attributes in reversed(backups):
             if attributes is None:

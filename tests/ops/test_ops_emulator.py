@@ -586,3 +586,46 @@ def test_parameter_reads_beyond_ssm_tps_in_a_second_are_throttled_as_parameter_s
         assert asyncio.run(burst())[:5] == ["ok"] * 5  # a second later, 5 more
     finally:
         aws.stop()
+
+
+def test_an_update_that_grows_an_item_past_400_kb_is_refused_in_a_transaction_too(stack):
+    """moto checked an item's size on a plain update's top-level values only, by its own count
+    (no map overhead), and a transaction's update not at all: settles and key changes grew an
+    org item to 600 KB locally, where DynamoDB refuses it. Both are refused now, by DynamoDB's
+    count, and nothing of the refused write stays."""
+    from botocore.exceptions import ClientError
+
+    from kiln_ops.emulator import MAX_ITEM_BYTES, item_size
+
+    org_id, _ = stack.org(credits="1")
+    client, table = stack.tables.client, stack.settings.orgs_table
+    key = {"org_id": {"S": org_id}}
+    entry = {"M": {"x": {"S": "y" * 1000}}}  # 1 000 bytes, and a map's overhead beside each
+
+    def grow(count: int, *, start: int = 0, transaction: bool = False) -> None:
+        names = {f"#g{i}": f"g{start + i:06d}" for i in range(count)}
+        values = {":entry": entry}
+        update = {"TableName": table, "Key": key, "UpdateExpression": "SET " + ", ".join(
+            f"#leases.{name} = :entry" for name in names), "ExpressionAttributeNames": {**names, "#leases": "leases"},
+            "ExpressionAttributeValues": values}
+        if transaction:
+            client.transact_write_items(TransactItems=[{"Update": update}])
+        else:
+            client.update_item(**update)
+
+    client.update_item(TableName=table, Key=key, UpdateExpression="SET leases = :none",
+                       ExpressionAttributeValues={":none": {"M": {}}})
+    for start in range(0, 390, 30):
+        grow(30, start=start)
+    stored = lambda: client.get_item(TableName=table, Key=key, ConsistentRead=True)["Item"]  # noqa: E731
+    before = stored()
+    assert MAX_ITEM_BYTES - 20 * 1020 < item_size(before) <= MAX_ITEM_BYTES
+    with pytest.raises(ClientError) as refused:
+        grow(20, start=1000, transaction=True)
+    reasons = refused.value.response.get("CancellationReasons")
+    assert reasons and reasons[0]["Code"] == "ValidationError", refused.value.response
+    assert "Item size has exceeded the maximum allowed size" in reasons[0]["Message"]
+    assert stored() == before
+    message = _validation_error(lambda: grow(20, start=2000))
+    assert "Item size has exceeded the maximum allowed size" in message
+    assert stored() == before
