@@ -53,7 +53,7 @@ from dataclasses import dataclass, fields
 from decimal import Context, Decimal, Inexact, InvalidOperation, Overflow, localcontext
 from typing import Any
 
-from kiln.store.codec import storage_problem
+from kiln.store.codec import significant_digits, storage_problem
 from kiln.store.keys import OPERATOR_AGENT
 
 from .serve import read_body
@@ -196,9 +196,10 @@ def _atomic(update_item: Any) -> Any:
         hash_value, range_value = self.get_keys_value(table, key)
         before = table.get_item(hash_value, range_value)
         saved = copy.deepcopy(before.attrs) if before is not None else None
+        size = item_size(before.to_json()["Attributes"]) if before is not None else 0  # updated in place
         try:
             updated = update_item(self, table_name, key, *args, **kwargs)
-            _refuse_oversized(table.get_item(hash_value, range_value))
+            _refuse_oversized(table.get_item(hash_value, range_value), size)
             return updated
         except Exception:
             after = table.get_item(hash_value, range_value)
@@ -222,9 +223,8 @@ def value_size(value: dict[str, Any]) -> int:
     ((kind, raw),) = value.items()
     if kind == "S":
         return len(raw.encode())
-    if kind == "N":
-        digits = raw.lstrip("-").replace(".", "").lstrip("0") or "0"
-        return (len(digits) + 1) // 2 + 1
+    if kind == "N":  # its significant digits: zeros at either end and an exponent are not stored
+        return (significant_digits(Decimal(raw)) + 1) // 2 + 1
     if kind == "B":
         return len(raw if isinstance(raw, bytes) else raw.encode())
     if kind in ("BOOL", "NULL"):
@@ -243,13 +243,15 @@ def item_size(attributes: dict[str, Any]) -> int:
     return sum(len(name.encode()) + value_size(value) for name, value in attributes.items())
 
 
-def _refuse_oversized(item: Any) -> None:
+def _refuse_oversized(item: Any, before: int) -> None:
     """DynamoDB's ValidationException for an item grown past 400 KB by a write (moto checks a
-    plain update's top-level values only, by its own count, and a transaction's not at all)."""
+    plain update's top-level values only, by its own count, and a transaction's not at all);
+    `before`: its size before the write (one that shrinks an item is never refused for it)."""
     from moto.dynamodb.exceptions import MockValidationException
 
-    if item is not None and item_size(item.to_json()["Attributes"]) > MAX_ITEM_BYTES:
-        raise MockValidationException("Item size has exceeded the maximum allowed size")
+    size = item_size(item.to_json()["Attributes"]) if item is not None else 0
+    if size > MAX_ITEM_BYTES and size > before:
+        raise MockValidationException("Item size to update has exceeded the maximum allowed size")
 
 
 _VALUE_PLACEHOLDER = re.compile(r":[A-Za-z0-9_]+")
@@ -334,6 +336,7 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
         current = self.get_item(table_name, key)
         backups.append((table_name, key, copy.deepcopy(current.to_json()["Attributes"]) if current else None))
     applying = None
+    applied: list[int] = []
     try:
         for applying, op_type, op, table_name, key in writes:  # noqa: B007 - read when one fails
             if op_type == "Put":
@@ -350,7 +353,9 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
                     expression_attribute_values=op.get("ExpressionAttributeValues"),
                 )
             if op_type != "Delete":
-                _refuse_oversized(self.get_item(table_name, key))
+                _, _, attributes = backups[len(applied)]
+                _refuse_oversized(self.get_item(table_name, key), item_size(attributes) if attributes else 0)
+            applied.append(applying)
     except Exception as exc:
         for table_name, key, attributes in reversed(backups):
             if attributes is None:

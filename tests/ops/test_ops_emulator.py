@@ -624,8 +624,26 @@ def test_an_update_that_grows_an_item_past_400_kb_is_refused_in_a_transaction_to
         grow(20, start=1000, transaction=True)
     reasons = refused.value.response.get("CancellationReasons")
     assert reasons and reasons[0]["Code"] == "ValidationError", refused.value.response
-    assert "Item size has exceeded the maximum allowed size" in reasons[0]["Message"]
+    assert "exceeded the maximum allowed size" in reasons[0]["Message"]
     assert stored() == before
     message = _validation_error(lambda: grow(20, start=2000))
-    assert "Item size has exceeded the maximum allowed size" in message
+    assert "exceeded the maximum allowed size" in message
     assert stored() == before
+
+
+def test_an_items_size_counts_a_numbers_significant_digits_and_a_shrinking_update_is_never_refused(stack):
+    """Numbers were counted with their trailing zeros and an exponent's letters (1000000000000:
+    8 bytes, where DynamoDB's guide counts 2), and an item over 400 KB by that count refused every
+    update, one that shrank it too."""
+    from kiln_ops.emulator import MAX_ITEM_BYTES, item_size, value_size
+
+    assert [value_size({"N": raw}) for raw in ("1000000000000", "1E+12", "0.00100", "-123.450")] == [2, 2, 2, 4]
+    org_id, _ = stack.org(credits="1")
+    client, table = stack.tables.client, stack.settings.orgs_table
+    key = {"org_id": {"S": org_id}}
+    big = {f"a{index:05d}": {"S": "x" * 1000} for index in range(400)}
+    client.update_item(TableName=table, Key=key, UpdateExpression="SET m = :big",
+                       ExpressionAttributeValues={":big": {"M": dict(list(big.items())[:380])}})
+    item = client.get_item(TableName=table, Key=key, ConsistentRead=True)["Item"]
+    assert item_size(item) <= MAX_ITEM_BYTES
+    client.update_item(TableName=table, Key=key, UpdateExpression="REMOVE m.a00000")  # shrinks it: always taken

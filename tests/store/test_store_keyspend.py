@@ -171,7 +171,7 @@ def test_the_largest_org_item_the_limits_allow_stays_below_dynamodbs_400_kb():
 
     now = time.time()
     model = "é" * (MAX_MODEL_ID_BYTES // 2)  # two bytes a character: the longest id, in bytes
-    item = {"org_id": {"S": "o" * 63}, "status": {"S": "active"}, "credits": {"N": "-9" * 16 + "." + "9" * 15},
+    item = {"org_id": {"S": "o" * 63}, "status": {"S": "active"}, "credits": {"N": "-" + "9" * 16 + "." + "9" * 15},
             "concurrency_limit": {"N": str(MAX_ORG_CONCURRENCY)}, "created_at": {"S": "2026-12-01T00:00:00.000Z"},
             "limited_keys": {"N": str(MAX_LIMITED_KEYS)}}
     keys = [f"key_{secrets.token_hex(8)}" for _ in range(MAX_LIMITED_KEYS)]
