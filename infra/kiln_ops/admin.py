@@ -604,10 +604,10 @@ def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
     from kiln.store.orgs import get_org
     from kiln.store.usage import query_events
 
-    get_org(ctx.tables, args.org)
+    org = get_org(ctx.tables, args.org)
     if args.since and args.until and args.since >= args.until:
         raise AdminError(f"--since ({args.since}) must be before --until ({args.until})")
-    _say_what_expired(ctx.settings, args.since)
+    _say_what_expired(ctx.settings, max(args.since or "", org.created_at or ""))
     shown = _Progress(args)
     events = (event for event in query_events(ctx.tables, args.org, args.since, args.until) if in_span(event, args.until))
     summary = summarize(events, args.by, lambda count: shown.say(f"{count} usage events read…"))
@@ -628,9 +628,10 @@ def _usage(ctx: Context, args: argparse.Namespace, out) -> None:
     render(rows, summary.columns(), args.format, out)
 
 
-def _say_what_expired(settings: Any, since: str | None) -> None:
+def _say_what_expired(settings: Any, since: str) -> None:
     """Say on stderr that a report reaching back past the usage retention is short: its events
-    expired (DynamoDB's TTL), while the org's credits and its keys' spend still count them."""
+    expired (DynamoDB's TTL), while the org's credits and its keys' spend still count them.
+    `since`: where the report's events may begin (its --since, or the org's making)."""
     import time
 
     from kiln.store.clock import iso_ms
@@ -639,7 +640,7 @@ def _say_what_expired(settings: Any, since: str | None) -> None:
     if not days:
         return
     horizon = iso_ms(time.time() - days * 86400)
-    if since is None or since < horizon:
+    if since < horizon:
         print(f"kiln admin: usage events expire {days} days after they are written (the usage retention): "
               f"requests before {horizon[:10]} may be missing from this report, though the org's credits and its "
               f"keys' spend count them", file=sys.stderr)
