@@ -336,9 +336,8 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
         current = self.get_item(table_name, key)
         backups.append((table_name, key, copy.deepcopy(current.to_json()["Attributes"]) if current else None))
     applying = None
-    applied: list[int] = []
     try:
-        for applying, op_type, op, table_name, key in writes:  # noqa: B007 - read when one fails
+        for (applying, op_type, op, table_name, key), (_, _, before) in zip(writes, backups, strict=True):  # noqa: B007 - read when one fails
             if op_type == "Put":
                 self.put_item(table_name, op["Item"])
             elif op_type == "Delete":
@@ -353,9 +352,7 @@ def _transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> No
                     expression_attribute_values=op.get("ExpressionAttributeValues"),
                 )
             if op_type != "Delete":
-                _, _, attributes = backups[len(applied)]
-                _refuse_oversized(self.get_item(table_name, key), item_size(attributes) if attributes else 0)
-            applied.append(applying)
+                _refuse_oversized(self.get_item(table_name, key), item_size(before) if before else 0)
     except Exception as exc:
         for table_name, key, attributes in reversed(backups):
             if attributes is None:

@@ -15,7 +15,6 @@ written as a JSON number is read as a Decimal, never through a float.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections import Counter
 from decimal import Decimal
@@ -29,7 +28,7 @@ from kiln.metering import MAX_REQUEST_TOKENS
 from kiln.store import Lease, Ledger, UsageEvent
 from kiln.store.clock import epoch_of, iso_ms
 from kiln.store.errors import NothingHeld, is_transient, translate_storage_error
-from kiln.store.keyspend import period_kind, period_name
+from kiln.store.keyspend import kind_of_figure, period_name, spend_attribute
 from kiln.store.orgs import CREDIT_DECIMALS
 from kiln.store.usage import STATUSES
 
@@ -114,8 +113,6 @@ _DEAREST_BILL = 2 * MAX_REQUEST_TOKENS * MAX_PRICE / PER_MILLION
 _LOGGED_STATUSES = frozenset(STATUSES) - {"abandoned"}
 _TEXTS = ("usage_source", "finish_reason", "upstream", "error")
 _MODEL_ENDPOINTS = frozenset(endpoint.api.name for endpoint in ENDPOINTS if endpoint.api is not None)
-# a key's spend figure: key_spend:<key id>:<a day, an ISO week, a month, or total>
-_PERIOD = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{4}-W[0-9]{2}|[0-9]{4}-[0-9]{2}|total", re.ASCII)
 
 
 def _check_event(event: UsageEvent, figure: str | None) -> None:
@@ -156,11 +153,8 @@ def _check_event(event: UsageEvent, figure: str | None) -> None:
     for name in _TEXTS:
         if getattr(event, name) is not None and not isinstance(getattr(event, name), str):
             raise _Unusable(f"its {name} is {type(getattr(event, name)).__name__}, not a string")
-    prefix = f"key_spend:{event.key_id}:"
-    period = figure[len(prefix):] if figure is not None and figure.startswith(prefix) else None
     # the figure of its key for the period it was admitted in (its created_at), as its lease named it
-    if figure is not None and (period is None or not _PERIOD.fullmatch(period)
-                               or period_name(period_kind(period), created) != period):
+    if figure is not None and figure != spend_attribute(event.key_id, period_name(kind_of_figure(figure), created)):
         raise _Unusable(f"its spend_figure {figure[:80]!r} is no spend figure of its key when it was made")
 
 

@@ -19,6 +19,7 @@ from kiln.store.keyspend import (
     spend_in,
     stale_spend_attributes,
 )
+from kiln_ops.emulator import item_size
 
 
 def _at(*parts: int) -> float:
@@ -114,13 +115,6 @@ def test_only_a_key_with_a_spend_limit_has_a_figure_and_it_names_its_own_period(
 # -- the org item at the cap of keys with a limit -------------------------------------------------
 
 
-def _size(value: dict) -> int:
-    """An attribute value's size as DynamoDB bills it (its guide's "Item sizes and formats")."""
-    from kiln_ops.emulator import value_size
-
-    return value_size(value)
-
-
 def test_an_org_at_the_cap_of_limited_keys_still_serves_twice_its_concurrency_a_second():
     """Every admission (an UpdateItem, 1 WCU per KB) and settle (a transaction, 2 WCU per KB,
     and the usage event) writes the whole org item, and one item lives in one partition: 1 000
@@ -149,7 +143,7 @@ def test_an_org_at_the_cap_of_limited_keys_still_serves_twice_its_concurrency_a_
                       now + 60, spend_figure=spend_attribute(keys[index], period_name("day", now)))
         leases[lease.gen_id] = lease.to_attribute()
     item["leases"] = {"M": leases}
-    kb = math.ceil(sum(len(name.encode()) + _size(value) for name, value in item.items()) / 1024)
+    kb = math.ceil(item_size(item) / 1024)  # as DynamoDB bills it (its guide's "Item sizes and formats")
     per_request = kb + 2 * kb + 2  # admission, settle (the event, ~1 KB, in the same transaction)
     assert 1000 / per_request >= 16, f"org item {kb} KB: {per_request} WCU a request, {1000 / per_request:.1f} a second"
 
@@ -190,6 +184,6 @@ def test_the_largest_org_item_the_limits_allow_stays_below_dynamodbs_400_kb():
         leases[lease.gen_id] = attribute
         item.setdefault(leases_attribute(key_id), {"SS": []})["SS"].append(lease.gen_id)
     item["leases"] = {"M": leases}
-    size = sum(len(name.encode()) + _size(value) for name, value in item.items())
+    size = item_size(item)
     assert size < 400 * 1024 * 3 // 4, f"the largest org item is {size} bytes"
     assert len(model.encode()) == MAX_MODEL_ID_BYTES

@@ -57,9 +57,9 @@ from .keyspend import (
     PERIODS,
     KeyLimits,
     figures_of,
+    kind_of_figure,
     marker_attribute,
     marker_of,
-    period_kind,
     period_over,
     period_start,
     resets_at,
@@ -612,8 +612,8 @@ class Keyring:
         period) and loses its figures but those of its kind's periods not over
         (kiln.store.keyspend.period_over: the current one, a later one, the one just ended); a
         key with no limit, or revoked, loses its marker and figures (a request in flight across
-        the change that settles into the figure its lease names makes it again, with its own cost, where no
-        admission reads it: `_clear_leftovers` removes it later). From then on every settle of
+        the change that settles into the figure its lease names makes it again, with its own
+        cost, where no admission reads it: `_clear_leftovers` removes it later). From then on every settle of
         the key's requests adds its cost to the figure the marker says, those admitted by a
         gateway that does not know the change yet too (kiln.store.ledger: a settle reads the
         marker its lease did not assume)."""
@@ -624,7 +624,7 @@ class Keyring:
         # is over: one of a later period than this clock's (a gateway whose clock runs ahead
         # counts in it) or of the period just ended (one behind still does) stays
         others = [name for name in figures_of(dict(org), key.key_id) if name != figure and (
-            wanted is None or period_kind(name.rpartition(":")[2]) != wanted or period_over(name, now))]
+            wanted is None or kind_of_figure(name) != wanted or period_over(name, now))]
         names = {"#org_id": ORG.org_id, "#marker": marker_attribute(key.key_id),
                  **{f"#o{i}": name for i, name in enumerate(others)}}
         removes = [f"#o{i}" for i in range(len(others))]

@@ -112,7 +112,7 @@ HAS_CREDITS = "#credits > :zero"
 HAS_FREE_SLOT = "size(#leases) < #limit"
 LEASE_HELD = "attribute_exists(#leases.#gen)"
 # a settle's: held, and by its own key (a replayed line edited to another key is no settle of it)
-LEASE_HELD_BY_ITS_KEY = "attribute_exists(#leases.#gen) AND #leases.#gen.#lease_key = :lease_key"
+LEASE_HELD_BY_ITS_KEY = f"{LEASE_HELD} AND #leases.#gen.#lease_key = :lease_key"
 # an admission's own lease as it wrote it (a retry's), not one renewed since or written again later
 OWN_LEASE_AS_ADMITTED = "attribute_exists(#leases.#gen) AND #leases.#gen.#exp <= :exp"
 LEASE_NOT_HELD = "attribute_not_exists(#leases.#gen)"
@@ -394,11 +394,7 @@ class Ledger:
 
     async def _reclaim_refused(self, org_id: str) -> None:
         try:  # one read, no retries: the next lookup that finds the org refused looks again
-            answer = await self._call("GetItem", {
-                "TableName": self._orgs_table,
-                "Key": {ORG.hash_key: {"S": org_id}},
-                "ConsistentRead": True,
-            })
+            answer = await self._call("GetItem", self._whole_org(org_id))
         except Exception as exc:  # noqa: BLE001 - as above
             log.warning(json.dumps({"event": "reclaim_failed", "org_id": org_id,
                                     "detail": f"{type(exc).__name__}: {exc}"}))
@@ -408,6 +404,11 @@ class Ledger:
         org = (answer or {}).get("Item")
         if org:
             self._reclaim_seen(org_id, org, own="")
+
+    def _whole_org(self, org_id: str) -> dict[str, Any]:
+        """The GetItem of the org's whole item, read consistently (a reclaim's: its leases, markers
+        and figures)."""
+        return {"TableName": self._orgs_table, "Key": {ORG.hash_key: {"S": org_id}}, "ConsistentRead": True}
 
     def _reclaim_seen(self, org_id: str, old: dict[str, Any], own: str) -> None:
         """Reclaim off an admission's path the dead leases its answer showed (its own aside),
@@ -764,11 +765,7 @@ class Ledger:
         """A reclaim met the org item changed since its read: some of its leases may be gone or
         alive, the rest still dead, and nothing else may come for them (another environment
         reclaimed part of them, an org that stopped sending). Read it again; reclaim those."""
-        answer = await self._retried("reclaim", "GetItem", {
-            "TableName": self._orgs_table,
-            "Key": {ORG.hash_key: {"S": org_id}},
-            "ConsistentRead": True,
-        })
+        answer = await self._retried("reclaim", "GetItem", self._whole_org(org_id))
         org = (answer or {}).get("Item") or {}
         wanted = set(gen_ids)
         left = self._expired_leases(org_id, org, self._clock(), wanted.__contains__)
