@@ -104,6 +104,24 @@ def test_function_url_events(lambda_env):
     assert models["statusCode"] == 200
 
 
+@pytest.mark.parametrize("field", ["multiValueHeaders", "headers"])
+def test_a_rest_event_with_two_keys_under_names_of_two_cases_is_no_key_at_all(lambda_env, field):
+    """`Authorization` and `authorization` in one REST event: Mangum, lowering the names, kept
+    the last, and served it billed to the second key's org; the local server answers such a
+    request 401 (two keys are no key), as it should."""
+    other_org, other_key = lambda_env.stack.org()
+    event = json.loads((EVENTS / "rest-chat-completions.json").read_text().replace("${KILN_API_KEY}", lambda_env.key))
+    event["multiValueHeaders"]["authorization"] = [f"Bearer {other_key}"]
+    if field == "headers":
+        event.pop("multiValueHeaders")
+        event["headers"]["authorization"] = f"Bearer {other_key}"
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert response["statusCode"] == 401, body_of(response)
+    assert json.loads(body_of(response))["error"]["code"] == "invalid_api_key"
+    assert lambda_env.stack.events(lambda_env.org_id) == [] and lambda_env.stack.events(other_org) == []
+
+
 def test_a_function_url_event_signed_for_iam_auth_carries_the_key_beside_the_signature(lambda_env, capsys):
     """`FunctionUrls=iam`: Lambda passes the caller's SigV4 Authorization header on; the key
     comes in X-Kiln-Authorization (deploy.md §2). Every such request was a 401."""

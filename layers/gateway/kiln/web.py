@@ -273,13 +273,36 @@ def lambda_handler(app: App) -> Callable[[dict, Any], dict]:
         # (answered 400); what fails after it, the app's answer turned into Lambda's, is the
         # gateway's, and raised as a function error, as Mangum would
         try:
-            request = mangum.infer(event, context)
+            request = mangum.infer(_one_name_per_header(event), context)
             scope, body = request.scope, request.body
         except Exception as exc:
             return _unusable_event(event, exc)
         return request(cycle(scope, body)(app))
 
     return handler
+
+
+def _one_name_per_header(event: Any) -> Any:
+    """The event with each header under one name. A REST event keeps names as the client wrote
+    them, and Mangum, lowering them, keeps only the last of `Authorization` and `authorization`:
+    two keys, one served. Merged, they are two values of one header, which is no key at all
+    (`credential`), as the local server and a Function URL have them."""
+    if not isinstance(event, dict):
+        return event
+    merged = None
+    for field, join in (("headers", ", ".join), ("multiValueHeaders", lambda values: sum(values, []))):
+        headers = event.get(field)
+        if not isinstance(headers, dict) or len({str(name).lower() for name in headers}) == len(headers):
+            continue
+        grouped: dict[str, list] = {}
+        for name, value in headers.items():
+            grouped.setdefault(str(name).lower(), []).append(value)
+        if not all(isinstance(value, str if field == "headers" else list) for values in grouped.values()
+                   for value in values):
+            continue  # a value of no header's type: Mangum refuses the event as it is
+        merged = merged if merged is not None else dict(event)
+        merged[field] = {name: join(values) for name, values in grouped.items()}
+    return merged if merged is not None else event
 
 
 def _unusable_event(event: Any, exc: Exception) -> dict:
