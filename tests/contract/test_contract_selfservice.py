@@ -251,6 +251,26 @@ def test_a_leap_second_is_an_rfc_3339_time_read_as_the_second_after_it(stack, bu
     assert get(stack, "/v1/usage", key, since="2016-12-31T23:59:61Z").status_code == 400
 
 
+@pytest.mark.parametrize("since", ["2026-12-01T00:00:00+00:60", "2026-12-01T00:00:00+00:99",
+                                   "2026-12-01T00:00:00-00:75", "2026-12-01T00:00:00+24:00",
+                                   "2026-12-01T12:34:60Z", "2026-12-01T23:59:60+01:00"])
+def test_an_offset_or_leap_second_rfc_3339_has_no_place_for_is_400_not_another_time(stack, busy_org, since):
+    """RFC 3339's offset minutes run to 59 and a leap second is 23:59:60 in UTC: +00:99 was read as
+    +01:39 and 12:34:60 as 12:35:00, a span other than the one written, answered 200."""
+    _, key, _ = busy_org
+    response = get(stack, "/v1/usage", key, since=since, until="2026-12-05")
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("since", "invalid_value")
+    assert "RFC 3339" in response.json()["error"]["message"]
+
+
+def test_a_leap_second_in_an_offset_is_read_where_it_falls_in_utc(stack, busy_org):
+    _, key, _ = busy_org
+    usage = get(stack, "/v1/usage", key, since="2016-12-31T22:59:60-01:00", until="2017-01-01T01:00:01+01:00")
+    assert usage.status_code == 200, usage.text
+    assert (usage.json()["since"], usage.json()["until"]) == ("2017-01-01T00:00:00.000Z", "2017-01-01T00:00:01.000Z")
+
+
 def test_a_span_before_the_year_1000_is_echoed_in_rfc_3339_and_read_in_order(stack, busy_org):
     """Years before 1000 once lost their leading zero ("999-12-01T…"): not RFC 3339, and a
     read whose lower bound sorted above its upper one (which DynamoDB refuses)."""

@@ -709,7 +709,8 @@ def test_invalid_org_id_fails(admin, org_id):
     assert_fails(admin("orgs", "create", org_id), "org ids are")
 
 
-@pytest.mark.parametrize("until", ["tomorrow", "2099-13-01T00:00:00Z", "12/01/2099"])
+@pytest.mark.parametrize("until", ["tomorrow", "2099-13-01T00:00:00Z", "12/01/2099",
+                                   "2099-12-01T00:00:00+00:99"])  # read by Python as +01:39
 def test_bad_until_fails_and_leaves_the_switch_alone(admin, stack, until):
     # a malformed argument, as the docs say, exits 2
     assert_fails(admin("maintenance", "on", "--until", until), "--until", repr(until), code=2)
@@ -1032,6 +1033,8 @@ def test_usage_since_and_until_split_the_period_exactly(admin, stack):
     by_day = json.loads(admin("usage", org_id, "--by", "day", "--since", "2026-01-01", "--format", "json").text)
     assert [row["group"] for row in by_day["rows"]] == [middle[:10]]
     assert_fails(admin("usage", org_id, "--since", "yesterday"), "not an ISO 8601 date or time", code=2)
+    # minutes past 59 in an offset: Python reads on (+00:99 as +01:39), another time than the one typed
+    assert_fails(admin("usage", org_id, "--since", "2026-01-01T00:00:00+00:99"), "not an ISO 8601", code=2)
 
 
 def test_usage_reports_progress_while_it_pages(admin, stack):

@@ -37,6 +37,15 @@ def test_valid_flag_is_parsed():
     assert flag.message == "Upgrading."
 
 
+@pytest.mark.parametrize("until", ["2026-12-01T03:00:00+00:60", "2026-12-01T03:00:00-0075", "2026-12-01T03:00:00+01:00:61"])
+def test_an_until_whose_offset_runs_past_59_is_malformed_not_another_time(until):
+    """Python's reading carries +00:60 into +01:00: the switch would end an hour from what was written."""
+    with pytest.raises(ValueError, match="past 59"):
+        parse_flag(json.dumps({"enabled": True, "until": until}))
+    assert parse_flag(json.dumps({"enabled": True, "until": "2026-12-01T03:00:00+01:00:59"})).until == \
+        datetime(2026, 12, 1, 1, 59, 1, tzinfo=timezone.utc)
+
+
 def test_disabled_flag_and_zone_less_until_is_utc():
     flag = parse_flag('{"enabled": false, "until": "2026-12-01T03:00:00"}')
     assert flag.enabled is False

@@ -11,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 
 from .errors import Maintenance
+from .isotime import from_iso
 from .truth import spelled
 
 __all__ = ["MaintenanceFlag", "parse_flag"]
@@ -60,7 +61,7 @@ def _whole_second_at_or_after(moment: datetime) -> datetime:
 def parse_until(text: str) -> datetime:
     """ISO 8601, held in UTC (the zone of every answer that names it); a time without a zone
     is taken as UTC. ValueError for a time with no UTC date (past year 9999 or before year 1)."""
-    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    moment = from_iso(text)
     if moment.tzinfo is None:
         return moment.replace(tzinfo=timezone.utc)
     try:

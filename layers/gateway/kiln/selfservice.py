@@ -33,6 +33,7 @@ from .errors import (
 )
 from .gateway import Gateway
 from .handlers import checks, credential, get_gateway, read_json
+from .isotime import from_iso
 from .jsonio import dumps
 from .observability import RequestRecord, record_of
 from .responses import error_response, json_response
@@ -180,25 +181,31 @@ def _secret(request: Request) -> str:
 
 
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
-_DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+_DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-](?:[01]\d|2[0-3]):[0-5]\d)")
 
 
 def parse_rfc3339(text: str) -> datetime | None:
     """An RFC 3339 full-date (midnight UTC) or date-time with its offset; None if it is neither.
-    A leap second (seconds 60, which RFC 3339 allows and no datetime holds) is read as the
-    next second begins: the moment a clock that does not count leap seconds shows after it."""
+    A leap second (seconds 60, which RFC 3339 allows at 23:59:60 in UTC and no datetime holds)
+    is read as the next second begins: the moment a clock that does not count leap seconds
+    shows after it. OverflowError for one that is RFC 3339 and no time of the years 1 to 9999."""
     if not (_DATE.fullmatch(text) or _DATE_TIME.fullmatch(text)):
         return None
     leap = len(text) > 19 and text[17:19] == "60"
     if leap:
         text = text[:17] + "59" + text[19:]
     try:
-        moment = datetime.fromisoformat(text.replace("z", "Z").replace("Z", "+00:00").replace("t", "T"))
-        if leap:
-            moment += timedelta(seconds=1)
-    except (ValueError, OverflowError):
+        moment = from_iso(text.replace("z", "Z").replace("t", "T"))
+    except ValueError:
         return None
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    if leap:
+        in_utc = moment.astimezone(timezone.utc)
+        if (in_utc.hour, in_utc.minute, in_utc.second) != (23, 59, 59):
+            return None  # a leap second is the last of a UTC day, or none
+        moment += timedelta(seconds=1)
+    return moment
 
 
 def _each_once(query: Any, *names: str) -> None:
@@ -219,16 +226,16 @@ def usage_span(query: Any, now: datetime) -> tuple[datetime, datetime, str]:
         text = query.get(name)
         moments[name] = None
         if text is not None:
-            moment = parse_rfc3339(text)
-            if moment is None:
-                raise InvalidValue(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
-                                     f"(2026-11-01T00:00:00Z); got {text[:40]!r}.", param=name)
             try:  # the span is read in UTC: an offset may carry a time out of the years 1-9999
+                moment = parse_rfc3339(text)
+                if moment is None:
+                    raise InvalidValue(f"{name} must be an RFC 3339 date (2026-11-01) or date-time "
+                                       f"(2026-11-01T00:00:00Z); got {text[:40]!r}.", param=name)
                 moment = moment.astimezone(timezone.utc)
-                moments[name] = moment.replace(microsecond=moment.microsecond // 1000 * 1000)
             except OverflowError:
                 raise InvalidValue(f"{name} is out of range: {text[:40]!r} is not a time of the years 1 to 9999 "
                                    f"in UTC.", param=name) from None
+            moments[name] = moment.replace(microsecond=moment.microsecond // 1000 * 1000)
     until = moments["until"] or now
     try:
         since = moments["since"] or until - timedelta(days=USAGE_DEFAULT_DAYS)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import timezone
 from decimal import Context, Decimal
 from typing import Any, Callable, Iterable
 
+from .isotime import from_iso
 from .store.clock import stored_time
 from .store.usage import UsageEvent
 
@@ -113,7 +114,7 @@ def in_span(event: UsageEvent, until: str | None) -> bool:
 
 def parse_time(text: str) -> str:
     """An ISO 8601 date or time (UTC if no zone) in the stored form, e.g. 2026-11-30T00:00:00.000Z."""
-    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    moment = from_iso(text)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return stored_time(moment)
