@@ -317,6 +317,27 @@ def test_a_failed_chat_stream_ends_with_the_error_event():
     assert CHAT.stream_error("the model server went away", relay) == error_event("the model server went away")
 
 
+@pytest.mark.parametrize("api,body", [
+    (COMPLETIONS, {"prompt": "é" * 2000, "echo": True}),
+    (CHAT, {"messages": [{"role": "assistant", "content": "é" * 2000}], "echo": True}),
+])
+def test_an_echo_s_first_event_is_bounded_by_the_model_s_bound_and_what_it_repeats(api, body):
+    """A streamed completion with `echo` repeats its prompt in its first event: a prompt larger
+    than the event bound was relayed as the error event, billed whole, and counted against the
+    backend. The bound now takes in the request, as escaped (é written \\u00e9: three times its bytes)."""
+    sent = len(json.dumps(body, ensure_ascii=False).encode())
+    first = b'data: ' + json.dumps({"choices": [{"index": 0, "text": "é" * 2000}]}).encode() + b"\n\n"  # escaped
+    assert len(first) > 2 * sent
+    relay = api.relay(client_wants_usage=True, max_event_bytes=200, request_bytes=sent, echoes=api.echoes(body))
+    assert relay.feed(first) == first
+    with pytest.raises(Exception, match="over"):  # the bound stays a bound
+        relay.feed(b"data: " + b"x" * (3 * sent + 201) + b"\n\n")
+    unechoed = api.relay(client_wants_usage=True, max_event_bytes=200, request_bytes=sent,
+                         echoes=api.echoes({**body, "echo": False}))
+    with pytest.raises(Exception, match="over 200 bytes"):
+        unechoed.feed(first)
+
+
 # -- what a new endpoint inherits -------------------------------------------------------------
 
 

@@ -33,6 +33,11 @@ def stream_flag(value: Any) -> bool:
 _NO_NAMES: frozenset[str] = frozenset()
 
 
+# what an echoed prompt may take in an event against its bytes in the request: a server that
+# escapes every non-ASCII character writes é (2 bytes) as \u00e9 (6)
+ECHO_ESCAPED = 3
+
+
 class ModelApi:
     """One model endpoint's rules. Subclasses fill in what differs."""
 
@@ -130,8 +135,11 @@ class ModelApi:
     def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0,
               echoes: Echoes | None = None, offered: Collection[str] = ()) -> SseRelay:
         """The stream's relay; `request_bytes`: the size of the request the model server was
-        sent (for an API whose events echo it); `echoes`: what its replies may repeat of it;
-        `offered`: its tools' names (`offered_names`)."""
+        sent; `echoes`: what its replies may repeat of it (an `echo`, whose first event holds
+        the prompt: the bound takes in the request, as escaped); `offered`: its tools' names
+        (`offered_names`)."""
+        if echoes:
+            max_event_bytes += ECHO_ESCAPED * request_bytes
         return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes, echoes=echoes,
                         offered=offered)
 
