@@ -209,6 +209,24 @@ def test_a_buffered_answer_not_in_time_is_a_failed_answer_not_the_backends_failu
 
 
 
+
+def test_a_buffered_probe_that_gets_no_answer_keeps_the_hung_backend_out():
+    """A backend out for not answering (streams' first-byte timeouts) was put back in service by
+    a buffered probe that waited the whole total for headers that never came ("a probe was
+    answered, if with a failure"): every buffered request then went to it first, waited the
+    total and got 502, the healthy backend never tried. No answer is no answer: out again."""
+    upstream, health, _ = client({"http://a": "hang", "http://b": (200, b"{}")}, failure_threshold=3, cooldown=0.01)
+    for i in range(3):
+        assert asyncio.run(upstream.open(model(A, B, first_byte=0.02), "/chat/completions", {"n": i},
+                                         stream=True)).backend == B
+    assert health.state_of(A) == OUT_OF_SERVICE
+    asyncio.run(asyncio.sleep(0.02))  # its cooldown is over: the next request probes it
+    with pytest.raises(UpstreamFailed):
+        asyncio.run(upstream.open(model(A, B, total=0.05), "/chat/completions", {"n": 9}, stream=False))
+    assert health.state_of(A) == OUT_OF_SERVICE  # its probe failed: out for twice the cooldown
+    assert asyncio.run(upstream.open(model(A, B, total=0.05), "/chat/completions", {"n": 10},
+                                     stream=False)).backend == B
+
 @pytest.mark.parametrize("connect", [0.05, 1.0], ids=["connect-timeout-first", "first-byte-bound-first"])
 def test_a_backend_no_connection_is_made_to_is_unreachable_whichever_bound_ends_the_wait(connect):
     """§5: a model whose every backend is unreachable (refused, TLS, connect timeout) and out

@@ -325,10 +325,12 @@ class UpstreamClient:
                     # that outlasts the total says what the request asked for as much as that the
                     # backend failed, so it counts as a failed answer (by rate, over clients). A
                     # wait cut before a connection was even made (the attempt's budget shorter than
-                    # the connect timeout) is the backend's: unreachable, as a connect timeout.
+                    # the connect timeout) is the backend's: unreachable, as a connect timeout. A
+                    # probe's wait is no answer either way: its backend is out for not answering
+                    # (or failing), and one that still does not answer stays out.
                     connected = len(sent) > written
                     waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime) and connected
-                    if _is_backend_failure(exc) and not waited_for_generation:
+                    if _is_backend_failure(exc) and (not waited_for_generation or probe is not None):
                         # refused, TLS, a connect timeout, or any bound that ended the wait first: no
                         # connection was made (kiln.http1 writes the request only on one)
                         health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic,
