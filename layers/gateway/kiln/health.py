@@ -214,7 +214,9 @@ class BackendHealth:
         state.failures_unreachable = unreachable and (state.failures_unreachable or not state.transport_failures)
         state.transport_failures += 1
         if state.out_until is not None or state.transport_failures >= self.policy.failure_threshold:
-            self._eject(model_id, state, models_backends, f"{state.transport_failures} transport failures in a row",
+            failures = state.transport_failures
+            self._eject(model_id, state, models_backends,
+                        f"{failures} transport failures in a row" if failures > 1 else "a transport failure",
                         unreachable=state.failures_unreachable)
 
     def answered(self, model_id: str, backend: Backend, request: str, client: str, *, failed: bool,
