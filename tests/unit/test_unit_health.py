@@ -70,6 +70,22 @@ def test_5xx_never_eject_alone_retries_count_once_and_one_client_is_not_enough()
     assert h.state_of(A) == OUT_OF_SERVICE
 
 
+def test_one_orgs_failures_and_a_stray_failure_of_another_do_not_eject_a_backend_serving_the_others():
+    """One org's requests crafted to fail, and any single failure of another org's, met the rule
+    (many distinct requests, the rate, two orgs): the backend went out while it served every
+    other org well. The rate must hold without the org whose requests failed most."""
+    h, _, changes = health(error_min_requests=4, error_rate=0.5, error_min_clients=2)
+    for i in range(22):
+        answer(h, A, f"crafted{i}", "hostile")
+    for i in range(20):
+        answer(h, A, f"fine{i}", f"org{i % 4}", failed=False)
+    answer(h, A, "stray", "org1")
+    assert h.state_of(A) == IN_SERVICE and changes == []
+    for i in range(20):  # the backend fails the others too: out
+        answer(h, A, f"bad{i}", f"org{i % 4}")
+    assert h.state_of(A) == OUT_OF_SERVICE
+
+
 def test_a_request_failed_by_two_backends_counts_on_neither():
     """§5: a failover backend is tried only by requests that failed before it, so its own
     rate would be 100 % of them. Requests of two orgs that every backend answers 500 (the

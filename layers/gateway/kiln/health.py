@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from typing import Callable, Iterable
 
 from .catalog import Backend
@@ -264,9 +265,20 @@ class BackendHealth:
             len(answers) >= policy.error_min_requests
             and len(failures) >= policy.error_rate * len(answers)
             and len({entry[1] for entry in failures}) >= policy.error_min_clients
+            and (policy.error_min_clients < 2 or self._failing_without_the_most_failed(answers.values(), failures))
         ):
             self._eject(model_id, state, models_backends,
                         f"{len(failures)} of {len(answers)} distinct requests failed in {policy.error_window:g} s")
+
+    def _failing_without_the_most_failed(self, answers: Iterable[tuple[float, str, bool]],
+                                         failures: list[tuple[float, str, bool]]) -> bool:
+        """Whether the backend fails at the rate without the org whose requests failed most: one
+        org's failing requests, with any single failure of another org's, would otherwise
+        take the backend out while it serves the others well (§5: one client cannot take a
+        model away from the others)."""
+        most = Counter(entry[1] for entry in failures).most_common(1)[0][0]
+        others = [entry for entry in answers if entry[1] != most]
+        return sum(entry[2] for entry in others) >= self.policy.error_rate * len(others)
 
     def forget(self, backend: Backend, request: str) -> None:
         """`backend` forgets what it answered `request` (it counts neither way)."""
