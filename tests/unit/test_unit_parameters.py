@@ -354,3 +354,67 @@ def test_a_new_environment_that_cannot_read_the_catalog_within_its_budget_answer
     assert time.monotonic() - started < 3.0  # the budget, plus one attempt of the AWS client
     reads = stack.faults.count("GetParameter", _catalog_reads(stack))
     assert 3 <= reads <= 40  # retried with back-off, not in a tight loop
+
+
+def test_a_warm_environment_answers_from_its_last_values_while_ssm_holds_its_answers(stack_factory):
+    """An SSM that takes the connection and does not answer: every request that came while a
+    refresh of the switch or the catalog was under way waited for it, the switch's read tried
+    three times at 5 s each, so requests took 15 to 20 s. They are answered from the last good
+    values while the refresh goes on (its bound, set long here, is not what answers them)."""
+    import time
+
+    stack = stack_factory(parameter_first_read_seconds=60.0, maintenance_cache_seconds=0.2, catalog_cache_seconds=0.2)
+    _, secret = stack.org()
+    assert stack.post("/v1/chat/completions", CHAT, secret).status_code == 200  # every value read
+    stack.faults.slow("GetParameter", 60.0)
+    time.sleep(0.3)  # both stale: the next request starts their refreshes
+    for _ in range(3):
+        response = stack.http.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {secret}"},
+                                   timeout=10.0)
+        assert response.status_code == 200, response.text
+    assert stack.faults.count("GetParameter") >= 2  # the refreshes were sent, and are held
+
+
+def test_a_refresh_under_way_is_waited_for_only_briefly_then_the_last_value_is_served():
+    clock, started, answer = Clock(), asyncio.Event(), asyncio.Event()
+
+    async def held():
+        started.set()
+        await answer.wait()
+        return "v2"
+
+    param = CachedParameter("/kiln/test", held, str.upper, max_age=60.0, clock=clock, refresh_wait=0.05)
+
+    async def scenario():
+        param._store("V1")
+        clock.now += 61
+        assert await param.get() == "V1"  # waited 0.05 s for the refresh, then the last value
+        assert started.is_set() and not param.fresh
+        assert await param.get() == "V1"  # the same refresh still under way: not started again
+        answer.set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert param.fresh and await param.get() == "V2"
+
+    asyncio.run(scenario())
+
+
+def test_a_read_that_outlasts_its_timeout_fails_as_any_failed_read():
+    clock = Clock()
+
+    async def never():
+        await asyncio.sleep(60)
+
+    param = CachedParameter("/kiln/test", never, str.upper, max_age=60.0, clock=clock, read_timeout=0.05,
+                            refresh_wait=1.0)
+    first = CachedParameter("/kiln/test", never, str.upper, max_age=60.0, read_timeout=0.05, first_read_budget=0.1)
+
+    async def scenario():
+        param._store("V1")
+        clock.now += 61
+        assert await param.get() == "V1"  # the refresh gave up in 0.05 s, within the wait
+        assert param.fresh  # kept for a back-off
+        with pytest.raises(ParameterUnavailable, match="TimeoutError"):
+            await first.get()  # its budget spent on attempts each bounded, not one attempt for ever
+
+    asyncio.run(scenario())

@@ -83,11 +83,15 @@ class Gateway:
         # The switch fails open (an unreadable one counts as off), so it is read as before any
         # change to how parameters are read: each read tried by the AWS client itself, and read
         # again by the next request after a failed one (no back-off that would keep it off).
+        # Every read of a parameter is bounded by the first read's budget: an SSM that takes
+        # the connection and never answers holds no request longer.
+        read_timeout = settings.parameter_first_read_seconds or None
         self._maintenance = CachedParameter(
             settings.maintenance_parameter,
             lambda: self._read_parameter(settings.maintenance_parameter, once=False),
             parse_flag,
             max_age=settings.maintenance_cache_seconds,
+            read_timeout=read_timeout,
             back_off_first_reads=False,
             unreadable_event="maintenance_unreadable",
         )
@@ -106,6 +110,7 @@ class Gateway:
             parse_catalog,
             max_age=settings.catalog_cache_seconds,
             first_read_budget=settings.parameter_first_read_seconds,
+            read_timeout=read_timeout,
             unreadable_event="catalog_unreadable",
         )
         # the model servers' key, from a SecureString when one is named (kiln.upstream_key)
@@ -116,6 +121,7 @@ class Gateway:
             parse_key,
             max_age=settings.upstream_api_key_cache_seconds,
             first_read_budget=settings.parameter_first_read_seconds,
+            read_timeout=read_timeout,
             unreadable_event="upstream_key_unreadable",
         ))
 

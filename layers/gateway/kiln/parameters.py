@@ -4,8 +4,11 @@ SSM answers GetParameter at 40 TPS per account and Region by default, shared by 
 execution environment, so the cache is what keeps a busy fleet under it (docs/deploy.md,
 "SSM reads"):
 
-- a fresh value is returned with no I/O at all; a stale one is refreshed by one caller
-  while the others wait for it;
+- a fresh value is returned with no I/O at all; a stale one is refreshed in a task of its
+  own, which callers wait for up to `refresh_wait` (0.5 s) from its start: past that, they
+  are served the last good value at once while it goes on (an SSM that takes the connection
+  and never answers held every request for the AWS client's timeouts and retries, 15 s);
+- each read is bounded by `read_timeout` (a first read also by what is left of its budget);
 - each refresh schedules the next one at a random point in the last fifth of `max_age`, so
   environments started together do not refresh together (and never serve a value older
   than `max_age` while SSM answers);
@@ -41,6 +44,8 @@ RETRY_AFTER = 2.0  # first back-off of a failed refresh, doubled on each failure
 FIRST_READ_DELAY = 0.05  # first pause between two attempts of a first read, doubled each time
 FIRST_READ_RETRY_AFTER = 1.0  # no new first read for this long after one failed, doubled each time…
 FIRST_READ_RETRY_MAX = 30.0  # …up to this
+REFRESH_WAIT = 0.5  # how long callers wait for a refresh under way, from its start, before the last value
+MIN_ATTEMPT = 0.25  # a first read's attempt is given at least this long, whatever is left of its budget
 
 
 class ParameterUnavailable(Exception):
@@ -56,6 +61,8 @@ class CachedParameter(Generic[T]):
         *,
         max_age: float,
         first_read_budget: float = 0.0,
+        read_timeout: float | None = None,
+        refresh_wait: float = REFRESH_WAIT,
         back_off_first_reads: bool = True,
         unreadable_event: str = "parameter_unreadable",
         clock: Callable[[], float] = time.monotonic,
@@ -68,6 +75,10 @@ class CachedParameter(Generic[T]):
         self._parse = parse
         self._max_age = max_age
         self._first_read_budget = first_read_budget
+        self._read_timeout = read_timeout
+        self._refresh_wait = refresh_wait
+        self._refreshing: asyncio.Task | None = None
+        self._refresh_waited_until = 0.0  # the loop's time
         self._back_off_first_reads = back_off_first_reads
         self._clock = clock
         self._sleep = sleep
@@ -89,6 +100,8 @@ class CachedParameter(Generic[T]):
     async def get(self) -> T:
         if self.fresh:
             return self._value  # type: ignore[return-value]
+        if self._loaded:
+            return await self._refreshed()
         asked = self._clock()
         async with self._lock:
             if not self._loaded:
@@ -98,9 +111,23 @@ class CachedParameter(Generic[T]):
                                                                  and self._clock() < self._next_first_read)):
                     raise ParameterUnavailable(f"{self.name}: {failed[1]}")
                 await self._first_read()
-            elif self._clock() >= self._expires:
-                await self._refresh()
         return self._value  # type: ignore[return-value]
+
+    async def _refreshed(self) -> T:
+        """The value once the refresh under way (started here if none is) has ended, or the
+        last good value if it runs past `refresh_wait` from its start."""
+        loop = asyncio.get_running_loop()
+        task = self._refreshing
+        if task is None or task.done() or task.get_loop() is not loop:
+            task = self._refreshing = loop.create_task(self._refresh(), name=f"refresh {self.name}")
+            self._refresh_waited_until = loop.time() + self._refresh_wait
+        left = self._refresh_waited_until - loop.time()
+        if left > 0:
+            await asyncio.wait((task,), timeout=left)  # the refresh goes on if this caller is cancelled
+        return self._value  # type: ignore[return-value]
+
+    def _read(self, timeout: float | None) -> Awaitable[str | None]:
+        return self._fetch() if timeout is None else asyncio.wait_for(self._fetch(), timeout)
 
     def _fresh_until(self) -> float:
         return self._clock() + self._max_age * (1.0 - JITTER * self._rand())
@@ -109,33 +136,37 @@ class CachedParameter(Generic[T]):
         deadline = self._clock() + self._first_read_budget
         delay = FIRST_READ_DELAY
         while True:
+            timeout = self._read_timeout
+            if self._first_read_budget > 0:
+                left = max(deadline - self._clock(), MIN_ATTEMPT)
+                timeout = left if timeout is None else min(timeout, left)
             try:
-                raw = await self._fetch()
+                raw = await self._read(timeout)
                 break
             except Exception as exc:  # noqa: BLE001 - retried within the budget, then reported
                 pause = delay * (0.5 + self._rand() / 2)
                 if self._clock() + pause > deadline:
                     self._first_read_gave_up(exc)
-                    raise ParameterUnavailable(f"{self.name}: {exc}") from exc
+                    raise ParameterUnavailable(f"{self.name}: {_said(exc)}") from exc
                 await self._sleep(pause)
                 delay *= 2
         try:
             value = self._parse(raw)
         except Exception as exc:  # a malformed value: retrying would read the same
             self._first_read_gave_up(exc)
-            raise ParameterUnavailable(f"{self.name}: {exc}") from exc
+            raise ParameterUnavailable(f"{self.name}: {_said(exc)}") from exc
         self._store(value)
 
     def _first_read_gave_up(self, exc: Exception) -> None:
         now = self._clock()
-        self._first_read_failed = (now, str(exc) or type(exc).__name__)
+        self._first_read_failed = (now, _said(exc))
         self._first_reads_failed += 1
         back_off = min(FIRST_READ_RETRY_MAX, self._max_age, FIRST_READ_RETRY_AFTER * 2 ** (self._first_reads_failed - 1))
         self._next_first_read = now + back_off * (0.5 + self._rand() / 2)
 
     async def _refresh(self) -> None:
         try:
-            value = self._parse(await self._fetch())
+            value = self._parse(await self._read(self._read_timeout))
         except Exception as exc:  # noqa: BLE001 - any failure keeps the last good value
             self._failures += 1
             back_off = min(self._max_age, RETRY_AFTER * 2 ** (self._failures - 1)) * (0.5 + self._rand() / 2)
@@ -144,7 +175,7 @@ class CachedParameter(Generic[T]):
             # search and alarm on, whether an environment is new or warm
             log.error(json.dumps({
                 "event": self.unreadable_event, "parameter": self.name, "in_a_row": self._failures,
-                "kept_for_seconds": round(back_off, 1), "detail": str(exc)[:500],
+                "kept_for_seconds": round(back_off, 1), "detail": _said(exc)[:500],
             }))
             return
         self._store(value)
@@ -154,3 +185,8 @@ class CachedParameter(Generic[T]):
         self._failures = 0
         self._first_read_failed, self._first_reads_failed = None, 0
         self._expires = self._fresh_until()
+
+
+def _said(exc: BaseException) -> str:
+    """What a failure says, or its kind where it says nothing (a timeout)."""
+    return str(exc) or type(exc).__name__

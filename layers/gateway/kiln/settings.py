@@ -77,7 +77,8 @@ class Settings:
     parameter_first_read_seconds: float = setting(
         3.0,
         "how long a new environment retries its first read of the catalog and the key (with back-off) "
-        "before answering 503",
+        "before answering 503, and the longest any read of a parameter may take (the maintenance switch "
+        "not read in time counts as off)",
     )
     auth_cache_seconds: float = setting(10.0, "how long a key lookup is cached (a revoked key works at most this long)")
     lease_ttl_seconds: float = setting(
@@ -147,8 +148,8 @@ class Settings:
     backend_error_rate: float = setting(0.5, "…at least this share of them failed…", share=True)
     backend_error_min_clients: int = setting(
         2,
-        "…from at least this many orgs: one org's bad requests never take a backend away from the "
-        "others. A model's last backend in service is never ejected "
+        "…from at least this many orgs, the rate holding without the org that failed most: one org's bad "
+        "requests never take a backend away from the others. A model's last backend in service is never ejected "
         "([docs/operations.md](docs/operations.md#backend-health))",
         minimum=1,
     )
