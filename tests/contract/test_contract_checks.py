@@ -149,6 +149,25 @@ def test_validation_comes_before_admission(stack):
     assert stack.events(org_id) == []
 
 
+def test_a_catalog_that_cannot_be_read_is_answered_after_the_checks_that_need_no_model(stack_factory):
+    """§2: the order is the body, the key, then step 4's empty_array before model_not_found. A new
+    environment that could not read its catalog answered 503 storage_unavailable to a request
+    with no messages, or from a management key, which the catalog has no part in."""
+    stack = stack_factory(parameter_first_read_seconds=0.2)
+    org_id, key = stack.org()
+    manager = stack.key(org_id, role="management")
+    stack.faults.fail("GetParameter", code="ThrottlingException",
+                      when=lambda payload: payload.get("Name") == stack.settings.catalog_parameter)
+    cases = [({"model": "gpt-oss-120b", "messages": []}, key, 400, "empty_array"),
+             ({"messages": [{"role": "user", "content": "x"}]}, key, 400, "missing_required_parameter"),
+             (GOOD, manager, 403, "management_key"),
+             (GOOD, key, 503, "storage_unavailable")]
+    for body, secret, status, code in cases:
+        response = stack.post(CHAT, body, secret)
+        assert (response.status_code, error_of(response)["code"]) == (status, code), response.text
+    assert stack.events(org_id) == []
+
+
 WRITES = ("PutItem", "UpdateItem", "DeleteItem", "TransactWriteItems", "BatchWriteItem")
 
 

@@ -51,7 +51,8 @@ async def complete(request: Request, api: ModelApi) -> Response:
     record.endpoint = api.name
     try:
         # 1, 2, 3 (and the catalog 4 needs)
-        principal, body, catalog = await checks(gateway, request, read_body=_model_call_body, catalog=True)
+        principal, body, catalog = await checks(gateway, request, read_body=_model_call_body, catalog=True,
+                                                catalog_failure_later=True)
         record.org_id = principal.org_id
         if principal.management:
             raise ManagementKeyForbidden(MANAGEMENT_KEY_ON_A_MODEL)
@@ -99,9 +100,12 @@ async def checks(
     *,
     read_body: Callable[[Request], Awaitable[Any]] | None = None,
     catalog: bool = False,
-) -> tuple[Principal, Any, Catalog | None]:
+    catalog_failure_later: bool = False,
+) -> tuple[Principal, Any, Any]:
     """Checks 1 to 3 of §2: maintenance, the body (when `read_body` reads one), the key; and,
-    with `catalog`, the catalog check 4 needs, answered in the contract's order.
+    with `catalog`, the catalog check 4 needs, answered in the contract's order. With
+    `catalog_failure_later`, a catalog that could not be read is handed back as its error, for
+    the checks of step 4 that come before the model's lookup to be answered first.
 
     The maintenance flag comes first and alone: while it is on, nothing else is read, not even
     the body. Then, with every cache warm (nearly every request), the others run one after
@@ -130,7 +134,8 @@ async def checks(
         raise
     principal, *rest = await reads
     for outcome in (body, principal, *rest):
-        if isinstance(outcome, BaseException):
+        if isinstance(outcome, BaseException) and not (
+                catalog_failure_later and outcome is rest[0] and isinstance(outcome, GatewayError)):
             raise outcome
     return principal, body, (rest[0] if catalog else None)
 

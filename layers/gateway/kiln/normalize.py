@@ -12,7 +12,7 @@ from typing import Any, Callable
 from .apis import ModelApi
 from .apis.base import stream_flag
 from .catalog import Catalog, ModelEntry
-from .errors import InvalidJson, MissingParameter, ModelNotFound
+from .errors import GatewayError, InvalidJson, MissingParameter, ModelNotFound
 
 __all__ = ["ModelCall", "normalize"]
 
@@ -29,8 +29,10 @@ class ModelCall:
     body: dict[str, Any]
 
 
-def normalize(api: ModelApi, body: Any, catalog: Catalog, allowed: Callable[[str], bool] | None = None) -> ModelCall:
-    """Validate in the contract's order (§2 step 4), then build the body to forward.
+def normalize(api: ModelApi, body: Any, catalog: Catalog | GatewayError,
+              allowed: Callable[[str], bool] | None = None) -> ModelCall:
+    """Validate in the contract's order (§2 step 4), then build the body to forward; `catalog`
+    may be the error its read met, answered when the model is to be looked up.
 
     missing model → the endpoint's checks that come first (chat: empty messages) → unknown
     model → the endpoint's other checks (tool descriptions, capabilities, field types) →
@@ -43,6 +45,8 @@ def normalize(api: ModelApi, body: Any, catalog: Catalog, allowed: Callable[[str
     if not isinstance(model_id, str):
         raise MissingParameter("You must provide a model parameter (a string).", param="model")
     api.check_before_model(body)
+    if isinstance(catalog, GatewayError):
+        raise catalog
     model = catalog.get(model_id)
     if model is None or (allowed is not None and not allowed(model_id)):
         raise ModelNotFound(model_id)
