@@ -35,7 +35,8 @@ def test_generation_not_found_names_the_id_cut_to_64_characters(gen_id, shown):
     error = e.GenerationNotFound(gen_id)
     assert error.status == 404
     assert parsed(error)["error"] == {
-        "message": f"No generation `{shown}` was found for your organization.",
+        "message": f"No generation `{shown}` was found for your organization "
+                   "(a request's generation is recorded when it ends).",  # one still running is not found yet
         "type": "invalid_request_error",
         "param": "id",
         "code": "generation_not_found",

@@ -204,7 +204,8 @@ class GenerationNotFound(GatewayError):
     status, type, code, param = 404, "invalid_request_error", "generation_not_found", "id"
 
     def __init__(self, gen_id: str) -> None:
-        super().__init__(f"No generation `{shortened(gen_id)}` was found for your organization.")
+        super().__init__(f"No generation `{shortened(gen_id)}` was found for your organization "
+                         "(a request's generation is recorded when it ends).")
 
 
 class KeyNotFound(GatewayError):
