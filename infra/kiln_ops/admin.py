@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any, Callable
 
 from kiln.jsonio import decimal_text
+from kiln.shown import escaped
 from kiln.store.orgs import MAX_CONCURRENCY
 
 from .argtypes import bounded_int, usd
@@ -762,10 +763,10 @@ def _model_lines(catalog: Any) -> list[str]:
     lines = []
     for model in catalog:
         backends = ", ".join(
-            f"{backend.name}{'' if backend.enabled else ' (disabled)'}" for backend in model.backends
+            f"{escaped(backend.name)}{'' if backend.enabled else ' (disabled)'}" for backend in model.backends
         ) or "no backend"
         prices = f"${decimal_text(model.pricing.input)} in / ${decimal_text(model.pricing.output)} out per 1M tokens"
-        lines.append(f"  {model.id}: {prices}; backends {backends}")
+        lines.append(f"  {escaped(model.id)}: {prices}; backends {backends}")  # a stored one may hold anything
     return lines
 
 
@@ -782,7 +783,7 @@ def _changes(before: Any, after: Any) -> str:
         )
         if ids
     ]
-    return "; ".join(f"{label} {', '.join(ids)}" for label, ids in parts) or "no model changed"
+    return "; ".join(f"{label} {', '.join(map(escaped, ids))}" for label, ids in parts) or "no model changed"
 
 
 def _catalog_set(ctx: Context, args: argparse.Namespace, out) -> None:

@@ -132,6 +132,20 @@ def test_show_prints_the_stored_json_or_a_summary(admin, stack, fresh):
     assert summary.lines[1].startswith("  qwen3-32b: $0.08 in / $0.24 out per 1M tokens; backends qwen3-32b-a")
 
 
+def test_a_catalog_stored_by_other_means_is_shown_with_its_odd_text_escaped_and_no_password(admin, stack, fresh):
+    """A catalog written straight to SSM: `show --summary` printed an id holding a line break as
+    two lines, and `backends` printed a backend URL's user:password, which is never sent."""
+    document = {"models": [{"id": "a\nb", "context_length": 4096, "pricing": {"input": "1", "output": "1"},
+                            "backends": [{"name": "x\u202ey", "url": "http://user:s3cretpw@127.0.0.1:9/v1"}]}]}
+    stack.ssm.put_parameter(Name=fresh.catalog_parameter, Value=json.dumps(document), Type="String", Tier="Advanced")
+    summary = admin(fresh, "catalog", "show", "--summary")
+    assert summary.code == 0 and summary.lines[1].startswith("  a\\nb: $1 in / $1 out per 1M tokens; backends x\\u202ey")
+    for output in ("table", "json", "csv"):
+        listed = admin(fresh, "backends", "--format", output)
+        assert listed.code == 0, listed.err
+        assert "s3cretpw" not in "\n".join(listed.lines) and "127.0.0.1:9/v1" in "\n".join(listed.lines)
+
+
 def test_show_without_a_catalog_says_how_to_create_one(admin, fresh):
     result = admin(fresh, "catalog", "show")
     assert result.code == 1

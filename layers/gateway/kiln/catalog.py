@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from .jsonio import decimal_places, decimal_text, loads_strict
 from .shown import first_hidden
@@ -429,8 +429,15 @@ def _backend_url(url: str, where: str, written: bool) -> str:
                 problem = "has user info, which is never sent (the key goes in api_key_env)"
             elif written:
                 parts.hostname.encode("idna")  # an empty or over-long label: no resolver takes it
-            elif _needs_escaping(parts.path + parts.query):
-                url = _escaped(parts)
+            else:
+                if "@" in parts.netloc:
+                    # never sent, and shown wherever the URL is (kiln admin backends, the state
+                    # endpoint): a password left in it is dropped, not carried about
+                    parts = parts._replace(netloc=parts.netloc.rpartition("@")[2])
+                    url = urlunsplit(parts)
+                    log.warning(json.dumps({"event": "catalog_url_user_info_dropped", "where": where}))
+                if _needs_escaping(parts.path + parts.query):
+                    url = _escaped(parts)
         except (ValueError, UnicodeError) as exc:
             problem = str(exc) or type(exc).__name__
     if problem:
