@@ -104,7 +104,7 @@ def test_function_url_events(lambda_env):
     assert models["statusCode"] == 200
 
 
-@pytest.mark.parametrize("field", ["multiValueHeaders", "headers"])
+@pytest.mark.parametrize("field", ["multiValueHeaders", "headers", "beside an odd header"])
 def test_a_rest_event_with_two_keys_under_names_of_two_cases_is_no_key_at_all(lambda_env, field):
     """`Authorization` and `authorization` in one REST event: Mangum, lowering the names, kept
     the last, and served it billed to the second key's org; the local server answers such a
@@ -115,11 +115,32 @@ def test_a_rest_event_with_two_keys_under_names_of_two_cases_is_no_key_at_all(la
     if field == "headers":
         event.pop("multiValueHeaders")
         event["headers"]["authorization"] = f"Bearer {other_key}"
+    if field == "beside an odd header":  # a value Mangum reads as "" rather than refuse
+        event["multiValueHeaders"]["X-Note"] = None
     handler = importlib.import_module("kiln_functions.chat_completions.app").handler
     response = handler(event, CONTEXT)
     assert response["statusCode"] == 401, body_of(response)
     assert json.loads(body_of(response))["error"]["code"] == "invalid_api_key"
     assert lambda_env.stack.events(lambda_env.org_id) == [] and lambda_env.stack.events(other_org) == []
+
+
+@pytest.mark.parametrize("name,value", [("x-forwarded-port", "443"), ("host", "k1ln9x7q2a.execute-api.us-east-1.amazonaws.com:443"),
+                                        ("content-type", "application/json")])
+def test_another_header_named_in_two_cases_is_left_to_mangum_as_before(lambda_env, name, value):
+    """Only the key's headers are merged: two ports or hosts merged would be none (a 400)."""
+    event = json.loads((EVENTS / "rest-chat-completions.json").read_text().replace("${KILN_API_KEY}", lambda_env.key))
+    event["multiValueHeaders"][name], event["headers"][name] = [value], value
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    assert handler(event, CONTEXT)["statusCode"] == 200
+
+
+def test_a_key_header_of_no_header_type_beside_another_of_its_names_is_no_request(lambda_env):
+    event = json.loads((EVENTS / "rest-chat-completions.json").read_text().replace("${KILN_API_KEY}", lambda_env.key))
+    event["multiValueHeaders"]["authorization"] = None
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert response["statusCode"] == 400 and json.loads(body_of(response))["error"]["code"] == "invalid_event"
+    assert lambda_env.stack.events(lambda_env.org_id) == []
 
 
 def test_a_function_url_event_signed_for_iam_auth_carries_the_key_beside_the_signature(lambda_env, capsys):

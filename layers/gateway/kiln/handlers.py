@@ -88,6 +88,7 @@ def credential(request: Request) -> str | None:
 
 
 SIGV4 = "AWS4-HMAC-SHA256 "  # a SigV4 signature's Authorization header
+KEY_HEADERS = frozenset({"authorization", "x-kiln-authorization"})  # the headers `credential` reads
 
 
 def _model_call_body(request: Request) -> Awaitable[object]:

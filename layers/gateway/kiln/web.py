@@ -21,7 +21,7 @@ from .deadline import bounded
 from .endpoints import Endpoint
 from .errors import GatewayError, InternalError, InvalidEvent, MethodNotAllowed, UnknownUrl
 from .gateway import Gateway
-from .handlers import complete, list_models, retrieve_generation, retrieve_model
+from .handlers import KEY_HEADERS, complete, list_models, retrieve_generation, retrieve_model
 from .observability import ObservabilityMiddleware, Observer, loggable_path, record_of
 from .responses import error_response
 from .selfservice import HANDLERS as SELF_SERVICE
@@ -283,25 +283,31 @@ def lambda_handler(app: App) -> Callable[[dict, Any], dict]:
 
 
 def _one_name_per_header(event: Any) -> Any:
-    """The event with each header under one name. A REST event keeps names as the client wrote
-    them, and Mangum, lowering them, keeps only the last of `Authorization` and `authorization`:
-    two keys, one served. Merged, they are two values of one header, which is no key at all
-    (`credential`), as the local server and a Function URL have them."""
+    """The event with each header that names a key under one name. A REST event keeps names as
+    the client wrote them, and Mangum, lowering them, keeps only the last of `Authorization`
+    and `authorization`: two keys, one served. Merged, they are two values of one header, which
+    is no key at all (`credential`), as the local server and a Function URL have them. Other
+    headers are left as they are (two ports merged would be no port). ValueError for a key's
+    header of no header's type beside another of its names: the event is no request."""
     if not isinstance(event, dict):
         return event
     merged = None
-    for field, join in (("headers", ", ".join), ("multiValueHeaders", lambda values: sum(values, []))):
+    for field, kind in (("headers", str), ("multiValueHeaders", list)):
         headers = event.get(field)
-        if not isinstance(headers, dict) or len({str(name).lower() for name in headers}) == len(headers):
+        if not isinstance(headers, dict):
             continue
-        grouped: dict[str, list] = {}
-        for name, value in headers.items():
-            grouped.setdefault(str(name).lower(), []).append(value)
-        if not all(isinstance(value, str if field == "headers" else list) for values in grouped.values()
-                   for value in values):
-            continue  # a value of no header's type: Mangum refuses the event as it is
+        names = [name for name in headers if isinstance(name, str) and name.lower() in KEY_HEADERS]
+        if len(names) == len({name.lower() for name in names}):
+            continue  # each named once: nearly every event, passed on as it is
+        if not all(isinstance(headers[name], kind) for name in names):
+            raise ValueError(f"a key's header in {field} is not a {kind.__name__}")
+        rest = {name: value for name, value in headers.items() if name not in names}
+        for name in names:
+            value = headers[name]
+            joined = rest.get(name.lower())
+            rest[name.lower()] = value if joined is None else (joined + value if kind is list else f"{joined}, {value}")
         merged = merged if merged is not None else dict(event)
-        merged[field] = {name: join(values) for name, values in grouped.items()}
+        merged[field] = rest
     return merged if merged is not None else event
 
 
