@@ -46,6 +46,15 @@ def test_an_until_whose_offset_runs_past_59_is_malformed_not_another_time(until)
         datetime(2026, 12, 1, 1, 59, 1, tzinfo=timezone.utc)
 
 
+@pytest.mark.parametrize("until", [1798761600, 1.5, True, ["2026-12-01T03:00:00Z"], {"at": "x"}])
+def test_an_until_that_is_no_text_makes_the_switch_unreadable_as_an_until_that_is_no_time(until):
+    """A number was dropped: the switch served on with no until (Retry-After 60), where an until
+    written as text that is no time makes the switch unreadable, its last value kept."""
+    with pytest.raises(ValueError, match="must be an ISO 8601 time"):
+        parse_flag(json.dumps({"enabled": True, "until": until}))
+    assert parse_flag(json.dumps({"enabled": True, "until": None})).until is None  # null: no until
+
+
 def test_disabled_flag_and_zone_less_until_is_utc():
     flag = parse_flag('{"enabled": false, "until": "2026-12-01T03:00:00"}')
     assert flag.enabled is False

@@ -91,9 +91,13 @@ def parse_flag(raw: str | None) -> MaintenanceFlag:
         raise ValueError("the maintenance parameter must be a JSON object")
     enabled = _switch(document.get("enabled"))
     until = document.get("until")
+    if until is not None and not isinstance(until, str):
+        # a number (epoch seconds?) was dropped and the switch served on with no until, where
+        # an until written as text and not a time makes the switch unreadable: both are
+        raise ValueError(f'the maintenance parameter\'s "until" must be an ISO 8601 time, not {until!r}'[:200])
     message = document.get("message")
     return MaintenanceFlag(
         enabled=enabled,
-        until=parse_until(until) if isinstance(until, str) and until else None,
+        until=parse_until(until) if until else None,
         message=message if isinstance(message, str) and message else None,
     )
