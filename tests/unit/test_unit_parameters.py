@@ -7,6 +7,7 @@ when it reads, when it does not, and what it serves while SSM throttles.
 import asyncio
 import json
 import logging
+import time
 
 import pytest
 
@@ -418,3 +419,43 @@ def test_a_read_that_outlasts_its_timeout_fails_as_any_failed_read():
             await first.get()  # its budget spent on attempts each bounded, not one attempt for ever
 
     asyncio.run(scenario())
+
+
+# -- an environment frozen between invocations (Lambda), a refresh left under way -------------
+
+
+@pytest.mark.parametrize("thawed_first", [False, True], ids=["asked-first", "refresh-resumes-first"])
+@pytest.mark.parametrize("delay", [0.2, 10.0], ids=["answered-before-the-freeze", "never-answered"])
+def test_a_refresh_frozen_with_its_environment_does_not_serve_an_old_value_after_the_thaw(thawed_first, delay):
+    """One loop run only during an invocation, as Mangum runs it (uvicorn's process is frozen
+    alike). A refresh that outlasted its request was frozen with the environment; after the
+    thaw its old answer was kept as fresh, or its timeout counted as SSM failing and the old
+    value kept for a back-off: a switch flipped during the freeze was not seen for minutes."""
+    ssm = {"value": "off", "delay": 0.0}
+
+    async def fetch():
+        seen = ssm["value"]
+        await asyncio.sleep(ssm["delay"])
+        return seen
+
+    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.1, read_timeout=0.3, refresh_wait=0.05)
+
+    async def invocation():
+        if thawed_first:  # the frozen refresh's timers run before this request asks
+            await asyncio.sleep(0.01)
+        return await param.get()
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(invocation()) == "OFF"
+        time.sleep(0.15)
+        ssm["delay"] = delay  # this refresh outlasts its request's wait
+        assert loop.run_until_complete(invocation()) == "OFF"
+        ssm.update(value="on", delay=0.0)
+        time.sleep(1.5)  # frozen: past the read's timeout and its slack
+        assert loop.run_until_complete(invocation()) == "ON"
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

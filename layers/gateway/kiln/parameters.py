@@ -46,6 +46,8 @@ FIRST_READ_RETRY_AFTER = 1.0  # no new first read for this long after one failed
 FIRST_READ_RETRY_MAX = 30.0  # …up to this
 REFRESH_WAIT = 0.5  # how long callers wait for a refresh under way, from its start, before the last value
 MIN_ATTEMPT = 0.25  # a first read's attempt is given at least this long, whatever is left of its budget
+STUCK_REFRESH = 30.0  # a refresh older than this (or than its read's timeout) is started again
+FROZEN_SLACK = 1.0  # a read that ends this long past its timeout was frozen, not slow
 
 
 class ParameterUnavailable(Exception):
@@ -78,7 +80,7 @@ class CachedParameter(Generic[T]):
         self._read_timeout = read_timeout
         self._refresh_wait = refresh_wait
         self._refreshing: asyncio.Task | None = None
-        self._refresh_waited_until = 0.0  # the loop's time
+        self._refresh_started = 0.0  # the loop's time
         self._back_off_first_reads = back_off_first_reads
         self._clock = clock
         self._sleep = sleep
@@ -118,10 +120,16 @@ class CachedParameter(Generic[T]):
         last good value if it runs past `refresh_wait` from its start."""
         loop = asyncio.get_running_loop()
         task = self._refreshing
+        if task is not None and not task.done() and task.get_loop() is loop and (
+                loop.time() - self._refresh_started > (self._read_timeout or STUCK_REFRESH)):
+            # older than any read can be: its environment was frozen under it (Lambda, between
+            # invocations); what it would bring is as old, and its timeout would count a failure
+            task.cancel()
+            task = None
         if task is None or task.done() or task.get_loop() is not loop:
             task = self._refreshing = loop.create_task(self._refresh(), name=f"refresh {self.name}")
-            self._refresh_waited_until = loop.time() + self._refresh_wait
-        left = self._refresh_waited_until - loop.time()
+            self._refresh_started = loop.time()
+        left = self._refresh_started + self._refresh_wait - loop.time()
         if left > 0:
             await asyncio.wait((task,), timeout=left)  # the refresh goes on if this caller is cancelled
         return self._value  # type: ignore[return-value]
@@ -129,13 +137,14 @@ class CachedParameter(Generic[T]):
     def _read(self, timeout: float | None) -> Awaitable[str | None]:
         return self._fetch() if timeout is None else asyncio.wait_for(self._fetch(), timeout)
 
-    def _fresh_until(self) -> float:
-        return self._clock() + self._max_age * (1.0 - JITTER * self._rand())
+    def _fresh_until(self, asked: float | None = None) -> float:
+        return (self._clock() if asked is None else asked) + self._max_age * (1.0 - JITTER * self._rand())
 
     async def _first_read(self) -> None:
         deadline = self._clock() + self._first_read_budget
         delay = FIRST_READ_DELAY
         while True:
+            asked = self._clock()
             timeout = self._read_timeout
             if self._first_read_budget > 0:
                 left = max(deadline - self._clock(), MIN_ATTEMPT)
@@ -155,7 +164,7 @@ class CachedParameter(Generic[T]):
         except Exception as exc:  # a malformed value: retrying would read the same
             self._first_read_gave_up(exc)
             raise ParameterUnavailable(f"{self.name}: {_said(exc)}") from exc
-        self._store(value)
+        self._store(value, asked)
 
     def _first_read_gave_up(self, exc: Exception) -> None:
         now = self._clock()
@@ -165,9 +174,15 @@ class CachedParameter(Generic[T]):
         self._next_first_read = now + back_off * (0.5 + self._rand() / 2)
 
     async def _refresh(self) -> None:
+        asked = self._clock()
         try:
             value = self._parse(await self._read(self._read_timeout))
         except Exception as exc:  # noqa: BLE001 - any failure keeps the last good value
+            if self._read_timeout is not None and self._clock() - asked > self._read_timeout + FROZEN_SLACK:
+                # ended long past its own bound: the environment was frozen under it, not SSM
+                # slow; the value is due again, for the next caller to read now
+                self._expires = asked
+                return
             self._failures += 1
             back_off = min(self._max_age, RETRY_AFTER * 2 ** (self._failures - 1)) * (0.5 + self._rand() / 2)
             self._expires = self._clock() + back_off
@@ -178,13 +193,15 @@ class CachedParameter(Generic[T]):
                 "kept_for_seconds": round(back_off, 1), "detail": _said(exc)[:500],
             }))
             return
-        self._store(value)
+        self._store(value, asked)
 
-    def _store(self, value: T) -> None:
+    def _store(self, value: T, asked: float | None = None) -> None:
+        """Keep `value`, read from `asked` on: fresh for max_age from when it was asked for, not
+        from when its answer came (an environment frozen between the two holds an old value)."""
         self._value, self._loaded = value, True
         self._failures = 0
         self._first_read_failed, self._first_reads_failed = None, 0
-        self._expires = self._fresh_until()
+        self._expires = self._fresh_until(asked)
 
 
 def _said(exc: BaseException) -> str:
