@@ -9,7 +9,7 @@ import pytest
 
 from kiln.catalog import Backend, ModelEntry, Pricing, Timeouts
 from kiln.errors import UpstreamFailed
-from kiln.health import IN_SERVICE, OUT_OF_SERVICE, BackendHealth, HealthPolicy
+from kiln.health import IN_SERVICE, OUT_OF_SERVICE, PROBING, BackendHealth, HealthPolicy
 from kiln.http1 import ConnectFailed, ConnectTimeout, ProtocolFailure, Response, ResponseTooLarge, Timeout
 from kiln.upstream import UpstreamClient
 
@@ -42,6 +42,10 @@ class FakeHttp:
         if answer == "no connection":  # a connection never made (its SYNs dropped)
             await asyncio.sleep(options["connect_timeout"])
             raise ConnectTimeout("no connection in time")
+        if len(answer) == 3:  # (seconds to answer, status, body)
+            options["on_sending"]()
+            await asyncio.sleep(answer[0])
+            answer = answer[1:]
         return Response.complete(*answer)
 
     async def aclose(self):
@@ -226,6 +230,51 @@ def test_a_buffered_probe_that_gets_no_answer_keeps_the_hung_backend_out():
     assert health.state_of(A) == OUT_OF_SERVICE  # its probe failed: out for twice the cooldown
     assert asyncio.run(upstream.open(model(A, B, total=0.05), "/chat/completions", {"n": 10},
                                      stream=False)).backend == B
+
+
+def test_a_probe_left_too_little_of_the_total_to_tell_says_nothing_of_its_backend():
+    """A backend out for first-byte timeouts, recovered: a buffered request whose first backend
+    took most of the total left its probe a sliver, and the probe's timeout kept the healthy
+    backend out for twice the cooldown. It is released: the next request probes it."""
+    upstream, health, _ = client({"http://a": (0, 200, b"{}"), "http://b": "hang"}, failure_threshold=1, cooldown=0.01)
+    asyncio.run(upstream.open(model(B, A, first_byte=0.02), "/chat/completions", {"n": 0}, stream=True))
+    assert health.state_of(B) == OUT_OF_SERVICE
+    asyncio.run(asyncio.sleep(0.02))
+    upstream.http.answers.update({"http://a": (0.25, 500, b"{}"), "http://b": (0.06, 200, b"{}")})
+    with pytest.raises(UpstreamFailed):
+        asyncio.run(upstream.open(model(A, B, total=0.3), "/chat/completions", {"n": 1}, stream=False))
+    assert health.state_of(B) == PROBING  # not out again: the next request tries it
+    upstream.http.answers["http://a"] = (0.25, 500, b"{}")
+    assert asyncio.run(upstream.open(model(B, A, total=0.3), "/chat/completions", {"n": 2}, stream=False)).backend == B
+    assert health.state_of(B) == IN_SERVICE
+
+
+def test_no_other_request_probes_a_backend_while_a_buffered_probe_waits_for_its_answer():
+    """A buffered probe may wait the whole total; the probe's turn lasted a cooldown, so in a
+    process serving requests at once each cooldown another buffered request probed the hung
+    backend, waited the total and got 502, and the first probe's failure, no longer the probe's,
+    was ignored: the backend never stayed out."""
+    upstream, health, _ = client({"http://a": "hang", "http://b": (0, 200, b"{}")}, failure_threshold=1, cooldown=0.05)
+
+    async def scenario():
+        await upstream.open(model(A, B, first_byte=0.02), "/chat/completions", {"n": -1}, stream=True)
+        await asyncio.sleep(0.06)
+
+        async def one(i):
+            try:
+                await upstream.open(model(A, B, total=0.5), "/chat/completions", {"n": i}, stream=False)
+                return "served"
+            except UpstreamFailed:
+                return "502"
+
+        requests = []
+        for i in range(20):  # a buffered request every 0.06 s
+            requests.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0.06)
+        return await asyncio.gather(*requests)
+
+    answers = asyncio.run(scenario())
+    assert answers.count("502") <= 2, answers  # a probe, failed, then out for twice the cooldown: one more
 
 @pytest.mark.parametrize("connect", [0.05, 1.0], ids=["connect-timeout-first", "first-byte-bound-first"])
 def test_a_backend_no_connection_is_made_to_is_unreachable_whichever_bound_ends_the_wait(connect):

@@ -172,10 +172,12 @@ class BackendHealth:
             return chosen, False
         return [backend for backend in backends if not self._state(backend).unreachable], True
 
-    def claim(self, backend: Backend, *, panic: bool = False) -> "bool | Probe":
+    def claim(self, backend: Backend, *, panic: bool = False, lasting: float = 0.0) -> "bool | Probe":
         """Just before a request tries `backend`: False if another request is probing it (in a
         panic, never: the request tries it whatever its state, and its outcome counts); the
-        attempt's Probe if it is the one that probes it (hand it to `answered` and `released`)."""
+        attempt's Probe if it is the one that probes it (hand it to `answered` and `released`).
+        `lasting`: the longest the attempt may wait for its answer (a buffered one, what is left
+        of the total), for which no other request probes it."""
         state = self._state(backend)
         if state.out_until is None or panic:
             return True
@@ -183,7 +185,7 @@ class BackendHealth:
         if now < state.out_until or now < state.trial_until:
             return False
         # one probe at a time; if it never reports (cancelled), another may go after a cooldown
-        state.trial_until = now + self.policy.cooldown
+        state.trial_until = now + max(self.policy.cooldown, lasting)
         state.prober = Probe()
         return state.prober
 

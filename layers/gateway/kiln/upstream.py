@@ -276,7 +276,10 @@ class UpstreamClient:
                     failures.append(f"{backend.name}: not tried, the model's total time was spent")
                     last_timeout = "total"
                     break
-                claimed = health.claim(backend, panic=panic)
+                # A stream's headers come at once (then keepalives cover the wait); a buffered answer
+                # only arrives when generation is done, so it may take what is left of the total.
+                budget = min(timeouts.first_byte, remaining) if stream else remaining
+                claimed = health.claim(backend, panic=panic, lasting=budget)
                 if not claimed:
                     continue  # another request is probing it
                 probe = claimed if isinstance(claimed, Probe) else None  # this attempt probes it
@@ -290,9 +293,6 @@ class UpstreamClient:
                 api_key = backend.api_key()
                 if api_key:
                     headers["authorization"] = f"Bearer {api_key}"
-                # A stream's headers come at once (then keepalives cover the wait); a buffered answer
-                # only arrives when generation is done, so it may take what is left of the total.
-                budget = min(timeouts.first_byte, remaining) if stream else remaining
                 sent_at = time.monotonic()
                 written = len(sent)
                 try:
@@ -326,11 +326,14 @@ class UpstreamClient:
                     # backend failed, so it counts as a failed answer (by rate, over clients). A
                     # wait cut before a connection was even made (the attempt's budget shorter than
                     # the connect timeout) is the backend's: unreachable, as a connect timeout. A
-                    # probe's wait is no answer either way: its backend is out for not answering
-                    # (or failing), and one that still does not answer stays out.
+                    # probe given half the total or more is no answer either way: its backend is
+                    # out for not answering (or failing), and one that still does not answer stays
+                    # out; one left with less (the attempts before it took the rest) says nothing.
                     connected = len(sent) > written
                     waited_for_generation = not stream and isinstance(exc, _NoHeadersInTime) and connected
-                    if _is_backend_failure(exc) and (not waited_for_generation or probe is not None):
+                    if waited_for_generation and probe is not None and budget < timeouts.total / 2:
+                        health.released(backend, probe)
+                    elif _is_backend_failure(exc) and (not waited_for_generation or probe is not None):
                         # refused, TLS, a connect timeout, or any bound that ended the wait first: no
                         # connection was made (kiln.http1 writes the request only on one)
                         health.transport_failed(model.id, backend, enabled, probe=probe, panic=panic,
