@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kiln.catalog import Backend
-from kiln.health import IN_SERVICE, OUT_OF_SERVICE, PROBING, BackendHealth, HealthPolicy
+from kiln.health import _MAX_REMEMBERED, IN_SERVICE, OUT_OF_SERVICE, PROBING, BackendHealth, HealthPolicy
 from kiln.telemetry import metric_line
 
 A, B = Backend("a", "http://a/v1"), Backend("b", "http://b/v1")
@@ -84,6 +84,34 @@ def test_one_orgs_failures_and_a_stray_failure_of_another_do_not_eject_a_backend
     for i in range(20):  # the backend fails the others too: out
         answer(h, A, f"bad{i}", f"org{i % 4}")
     assert h.state_of(A) == OUT_OF_SERVICE
+
+
+def test_one_orgs_flood_does_not_push_the_others_answers_out_of_what_is_remembered():
+    """The answers remembered are bounded (1 024): one org sending a thousand failing requests
+    in the window pushed the others' successes out, oldest first, and one stray failure of
+    another org's was then 1 of 1 without it: out."""
+    h, _, changes = health(error_min_requests=4, error_rate=0.5, error_min_clients=2)
+    for i in range(40):
+        answer(h, A, f"fine{i}", f"org{i % 4}", failed=False)
+    for i in range(_MAX_REMEMBERED + 100):
+        answer(h, A, f"crafted{i}", "hostile")
+    answer(h, A, "stray", "org1")
+    assert h.state_of(A) == IN_SERVICE and changes == []
+    assert len(h._states[(A.name, A.url)].answers) == _MAX_REMEMBERED
+
+
+def test_which_of_two_orgs_that_failed_alike_failed_first_does_not_decide():
+    outcomes = []
+    for x_first in (True, False):
+        h, _, _ = health(error_min_requests=4, error_rate=0.5, error_min_clients=2)
+        for i in range(12):
+            answer(h, A, f"y-ok{i}", "y", failed=False)
+        order = ["x", "y"] if x_first else ["y", "x"]
+        for org in order:
+            for i in range(10):
+                answer(h, A, f"{org}-bad{i}", org)
+        outcomes.append(h.state_of(A))
+    assert outcomes == [IN_SERVICE, IN_SERVICE]  # without x: y's 10 of 22 is under the rate
 
 
 def test_a_request_failed_by_two_backends_counts_on_neither():

@@ -12,7 +12,10 @@ counted by cause:
   enough on its own. Over the last `error_window` seconds, the backend goes out
   only when at least `error_min_requests` distinct requests were answered, at least
   `error_rate` of them failed, and the failed ones came from at least `error_min_clients`
-  clients (orgs). A request is known by its client and a hash of its body, so the openai
+  clients (orgs), the rate holding too whichever one org's requests are left out (one org's
+  failing requests and a stray failure of another's take out no backend that serves the
+  others well; the answers remembered, at most 1 024, are pruned from the org that holds
+  the most). A request is known by its client and a hash of its body, so the openai
   SDK's retries of one call (or any resend of the same body) count once. A request that two
   backends or more answered with a failure, and none served, is the request's own failure
   and counts on none of them (kiln.upstream tells the answers of a request's attempts once it
@@ -239,11 +242,13 @@ class BackendHealth:
         if counted:
             answers[request] = (now, client, failed)
         horizon = now - self.policy.error_window
-        while answers:
-            oldest = next(iter(answers))
-            if answers[oldest][0] >= horizon and len(answers) <= _MAX_REMEMBERED:
-                break
-            del answers[oldest]
+        while answers and answers[next(iter(answers))][0] < horizon:
+            del answers[next(iter(answers))]
+        if len(answers) > _MAX_REMEMBERED:
+            # the oldest answer of the org that holds the most: one org's flood of requests
+            # would otherwise push every other org's answers out of the window it is judged in
+            most = Counter(entry[1] for entry in answers.values()).most_common(1)[0][0]
+            del answers[next(fingerprint for fingerprint, entry in answers.items() if entry[1] == most)]
         if state.out_until is not None:
             if not failed:
                 self._restore(model_id, state, "a request succeeded")
@@ -267,20 +272,24 @@ class BackendHealth:
             len(answers) >= policy.error_min_requests
             and len(failures) >= policy.error_rate * len(answers)
             and len({entry[1] for entry in failures}) >= policy.error_min_clients
-            and (policy.error_min_clients < 2 or self._failing_without_the_most_failed(answers.values(), failures))
+            and (policy.error_min_clients < 2 or self._failing_without_any_one_org(answers.values()))
         ):
             self._eject(model_id, state, models_backends,
                         f"{len(failures)} of {len(answers)} distinct requests failed in {policy.error_window:g} s")
 
-    def _failing_without_the_most_failed(self, answers: Iterable[tuple[float, str, bool]],
-                                         failures: list[tuple[float, str, bool]]) -> bool:
-        """Whether the backend fails at the rate without the org whose requests failed most: one
-        org's failing requests, with any single failure of another org's, would otherwise
-        take the backend out while it serves the others well (§5: one client cannot take a
-        model away from the others)."""
-        most = Counter(entry[1] for entry in failures).most_common(1)[0][0]
-        others = [entry for entry in answers if entry[1] != most]
-        return sum(entry[2] for entry in others) >= self.policy.error_rate * len(others)
+    def _failing_without_any_one_org(self, answers: Iterable[tuple[float, str, bool]]) -> bool:
+        """Whether the backend fails at the rate whichever one org's requests are left out: one
+        org's failing requests, with any single failure of another org's, would otherwise take
+        the backend out while it serves the others well (§5: one client cannot take a model
+        away from the others). Leaving out an org that failed nothing only raises the rate."""
+        answered: Counter[str] = Counter()
+        failed: Counter[str] = Counter()
+        for _, client, failure in answers:
+            answered[client] += 1
+            failed[client] += failure
+        total, total_failed, rate = sum(answered.values()), sum(failed.values()), self.policy.error_rate
+        return all(total_failed - failed[client] >= rate * (total - answered[client]) for client in failed
+                   if failed[client])
 
     def forget(self, backend: Backend, request: str) -> None:
         """`backend` forgets what it answered `request` (it counts neither way)."""

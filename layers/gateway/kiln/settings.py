@@ -148,7 +148,7 @@ class Settings:
     backend_error_rate: float = setting(0.5, "…at least this share of them failed…", share=True)
     backend_error_min_clients: int = setting(
         2,
-        "…from at least this many orgs, the rate holding without the org that failed most: one org's bad "
+        "…from at least this many orgs, the rate holding whichever one org is left out: one org's bad "
         "requests never take a backend away from the others. A model's last backend in service is never ejected "
         "([docs/operations.md](docs/operations.md#backend-health))",
         minimum=1,
