@@ -336,6 +336,19 @@ def test_an_echo_s_first_event_is_bounded_by_the_model_s_bound_and_what_it_repea
                          echoes=api.echoes({**body, "echo": False}))
     with pytest.raises(Exception, match="over 200 bytes"):
         unechoed.feed(first)
+    padded = {**body, "padding": "x" * 100_000}  # forwarded, never echoed: it raises no bound
+    relay = api.relay(client_wants_usage=True, max_event_bytes=200, request_bytes=sent + 100_000,
+                      echoes=api.echoes(padded))
+    with pytest.raises(Exception, match=f"over {200 + 3 * len(('é' * 2000).encode())} bytes"):
+        relay.feed(b"data: " + b"x" * 50_000 + b"\n\n")
+
+
+def test_an_echo_of_token_ids_is_bounded_by_the_request_it_cannot_know_the_text_of():
+    body = {"prompt": list(range(1000)), "echo": True}
+    relay = COMPLETIONS.relay(client_wants_usage=True, max_event_bytes=200, request_bytes=5000,
+                              echoes=COMPLETIONS.echoes(body))
+    event = b"data: " + b"y" * 14_000 + b"\n\n"
+    assert relay.feed(event) == event
 
 
 # -- what a new endpoint inherits -------------------------------------------------------------

@@ -49,6 +49,14 @@ class Echoes:
         return bool(self._every) or any(self._ids)
 
     @property
+    def longest_bytes(self) -> int | None:
+        """The most bytes one reply may repeat (the longest text, in UTF-8); None where a prompt
+        of token ids comes back as text the gateway cannot know the size of."""
+        if any(self._ids):
+            return None
+        return max((len(text.encode()) for text in self._texts), default=0)
+
+    @property
     def unseen_floor(self) -> int:
         """What the choices' texts may hold of prompts of token ids, against their fewest tokens."""
         return sum(min(ids, fewest) for ids, fewest, _ in self._unseen.values())

@@ -136,10 +136,12 @@ class ModelApi:
               echoes: Echoes | None = None, offered: Collection[str] = ()) -> SseRelay:
         """The stream's relay; `request_bytes`: the size of the request the model server was
         sent; `echoes`: what its replies may repeat of it (an `echo`, whose first event holds
-        the prompt: the bound takes in the request, as escaped); `offered`: its tools' names
+        the prompt: the bound takes in the longest text repeated, as escaped, or the request
+        where that is not known); `offered`: its tools' names
         (`offered_names`)."""
         if echoes:
-            max_event_bytes += ECHO_ESCAPED * request_bytes
+            longest = echoes.longest_bytes  # what one event may repeat: its text, or the request
+            max_event_bytes += ECHO_ESCAPED * (request_bytes if longest is None else min(longest, request_bytes))
         return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes, echoes=echoes,
                         offered=offered)
 
