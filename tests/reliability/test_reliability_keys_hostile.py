@@ -210,8 +210,10 @@ def test_a_management_key_that_revokes_itself_is_refused_at_once(stack_factory):
 
 def test_a_key_at_its_own_concurrency_racing_its_settles_leaks_nothing(stack):
     """Refusals of a key at its own limit, interleaved with its settles and another key's
-    requests: only 200s and 429s, and the ledger adds up to the last decimal."""
-    org_id, _ = stack.org(concurrency=8)
+    requests: only 200s and 429s, and the ledger adds up to the last decimal. The org's limit
+    is above what both keys can hold at once (the other key's 14 requests, the limited one's 2):
+    every 429 is the key's own."""
+    org_id, _ = stack.org(concurrency=20)
     limited = stack.key(org_id, concurrency=2, spend_limit="100", spend_period="day")
     free = stack.key(org_id)
     ledger = LedgerCheck(stack, org_id)
