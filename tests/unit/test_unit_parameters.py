@@ -390,8 +390,10 @@ def test_a_refresh_under_way_is_waited_for_only_briefly_then_the_last_value_is_s
         param._store("V1")
         clock.now += 61
         assert await param.get() == "V1"  # waited 0.05 s for the refresh, then the last value
-        assert started.is_set() and not param.fresh
-        assert await param.get() == "V1"  # the same refresh still under way: not started again
+        assert started.is_set() and param.fresh  # a failed refresh: kept for a back-off, no wait
+        assert await param.get() == "V1"
+        clock.now += 3  # past the back-off (2 s at most), the same refresh still under way: not started again
+        assert await param.get() == "V1"
         answer.set()
         await asyncio.sleep(0)
         await asyncio.sleep(0)
@@ -459,3 +461,35 @@ def test_a_refresh_frozen_with_its_environment_does_not_serve_an_old_value_after
             task.cancel()
         loop.run_until_complete(asyncio.sleep(0))
         loop.close()
+
+
+def test_a_refresh_not_answered_in_its_wait_is_a_failed_one_logged_and_backed_off(caplog):
+    """On Lambda a refresh that outlives its request's wait is frozen before its read's own
+    timeout: taken after the thaw for frozen (or cancelled as stuck), an SSM that never answers
+    was never logged and never backed off, each request after each expiry waiting again."""
+    reads = []
+
+    async def fetch():
+        reads.append(time.monotonic())
+        if len(reads) == 1:
+            return "v1"
+        await asyncio.Event().wait()  # SSM took the connection and never answers
+
+    param = CachedParameter("/kiln/maintenance", fetch, str.upper, max_age=1.0, read_timeout=0.3, refresh_wait=0.05,
+                            unreadable_event="maintenance_unreadable")
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(param.get()) == "V1"
+        with caplog.at_level(logging.ERROR, logger="kiln.parameters"):
+            for _ in range(3):
+                time.sleep(1.5)  # between invocations: past the read's timeout and its slack
+                assert loop.run_until_complete(param.get()) == "V1"
+                assert param.fresh  # kept for a back-off: the requests after it do not wait
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    logged = [json.loads(record.getMessage()) for record in caplog.records]
+    assert [line["in_a_row"] for line in logged] == [1, 2, 3], logged
+    assert all(line["event"] == "maintenance_unreadable" for line in logged)

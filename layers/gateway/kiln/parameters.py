@@ -80,6 +80,7 @@ class CachedParameter(Generic[T]):
         self._read_timeout = read_timeout
         self._refresh_wait = refresh_wait
         self._refreshing: asyncio.Task | None = None
+        self._slow: asyncio.Task | None = None  # a refresh counted as failed when its wait ended
         self._refresh_started = 0.0  # the loop's time
         self._back_off_first_reads = back_off_first_reads
         self._clock = clock
@@ -132,6 +133,12 @@ class CachedParameter(Generic[T]):
         left = self._refresh_started + self._refresh_wait - loop.time()
         if left > 0:
             await asyncio.wait((task,), timeout=left)  # the refresh goes on if this caller is cancelled
+        if not task.done() and self._slow is not task:
+            # not answered in the wait: a failed refresh now, logged and backed off (on Lambda the
+            # environment is frozen before the read's own timeout, which then never counts),
+            # whatever the read that goes on brings
+            self._slow = task
+            self._failed(f"no answer within {self._refresh_wait:g} s")
         return self._value  # type: ignore[return-value]
 
     def _read(self, timeout: float | None) -> Awaitable[str | None]:
@@ -178,22 +185,28 @@ class CachedParameter(Generic[T]):
         try:
             value = self._parse(await self._read(self._read_timeout))
         except Exception as exc:  # noqa: BLE001 - any failure keeps the last good value
+            if asyncio.current_task() is self._slow:
+                return  # counted as failed when its wait ended; its back-off stands
             if self._read_timeout is not None and self._clock() - asked > self._read_timeout + FROZEN_SLACK:
                 # ended long past its own bound: the environment was frozen under it, not SSM
                 # slow; the value is due again, for the next caller to read now
                 self._expires = asked
                 return
-            self._failures += 1
-            back_off = min(self._max_age, RETRY_AFTER * 2 ** (self._failures - 1)) * (0.5 + self._rand() / 2)
-            self._expires = self._clock() + back_off
-            # the same event as a first read that fails (`maintenance_unreadable`, …): one name to
-            # search and alarm on, whether an environment is new or warm
-            log.error(json.dumps({
-                "event": self.unreadable_event, "parameter": self.name, "in_a_row": self._failures,
-                "kept_for_seconds": round(back_off, 1), "detail": _said(exc)[:500],
-            }))
+            self._failed(_said(exc))
             return
         self._store(value, asked)
+
+    def _failed(self, detail: str) -> None:
+        """A refresh failed: the last good value is kept for a back-off, and the failure logged."""
+        self._failures += 1
+        back_off = min(self._max_age, RETRY_AFTER * 2 ** (self._failures - 1)) * (0.5 + self._rand() / 2)
+        self._expires = self._clock() + back_off
+        # the same event as a first read that fails (`maintenance_unreadable`, …): one name to
+        # search and alarm on, whether an environment is new or warm
+        log.error(json.dumps({
+            "event": self.unreadable_event, "parameter": self.name, "in_a_row": self._failures,
+            "kept_for_seconds": round(back_off, 1), "detail": detail[:500],
+        }))
 
     def _store(self, value: T, asked: float | None = None) -> None:
         """Keep `value`, read from `asked` on: fresh for max_age from when it was asked for, not
