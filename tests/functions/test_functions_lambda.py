@@ -124,6 +124,31 @@ def test_a_rest_event_with_two_keys_under_names_of_two_cases_is_no_key_at_all(la
     assert lambda_env.stack.events(lambda_env.org_id) == [] and lambda_env.stack.events(other_org) == []
 
 
+SIGNED = ("AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261130/us-east-1/lambda/aws4_request, "
+          "SignedHeaders=host;x-amz-date, Signature=" + "0" * 64)
+
+
+@pytest.mark.parametrize("kind", ["rest names of two cases", "function url joined"])
+def test_a_signature_joined_with_a_key_is_no_signature_and_the_key_beside_it_is_not_read(lambda_env, kind):
+    """A signature and a client's own Authorization joined into one value (a Function URL joins
+    a header given twice; a REST event's two names are merged) read as a signature, and the key
+    in X-Kiln-Authorization was served: a client's own Authorization always stands."""
+    other_org, other_key = lambda_env.stack.org()
+    if kind == "rest names of two cases":
+        event = json.loads((EVENTS / "rest-chat-completions.json").read_text().replace("${KILN_API_KEY}", lambda_env.key))
+        event["multiValueHeaders"]["Authorization"] = [SIGNED]
+        event["multiValueHeaders"]["authorization"] = [f"Bearer {lambda_env.key}"]
+        event["multiValueHeaders"]["X-Kiln-Authorization"] = [f"Bearer {other_key}"]
+    else:
+        event = json.loads((EVENTS / "url-chat-completions.json").read_text())
+        event["headers"]["authorization"] = f"{SIGNED},Bearer {lambda_env.key}"
+        event["headers"]["x-kiln-authorization"] = f"Bearer {other_key}"
+    handler = importlib.import_module("kiln_functions.chat_completions.app").handler
+    response = handler(event, CONTEXT)
+    assert response["statusCode"] == 401, body_of(response)
+    assert lambda_env.stack.events(other_org) == [] and lambda_env.stack.events(lambda_env.org_id) == []
+
+
 @pytest.mark.parametrize("name,value", [("x-forwarded-port", "443"), ("host", "k1ln9x7q2a.execute-api.us-east-1.amazonaws.com:443"),
                                         ("content-type", "application/json")])
 def test_another_header_named_in_two_cases_is_left_to_mangum_as_before(lambda_env, name, value):

@@ -81,14 +81,17 @@ def credential(request: Request) -> str | None:
     meant to win cannot be known. A caller of a Function URL with IAM auth (deploy.md §2)
     signs its requests, its Authorization header the signature Lambda checked: its key is in
     X-Kiln-Authorization, read only then (a client's own Authorization always stands)."""
-    credentials = request.headers.getlist("authorization")
-    if len(credentials) == 1 and credentials[0].startswith(SIGV4):
-        credentials = request.headers.getlist("x-kiln-authorization")
+    credentials = request.headers.getlist(AUTHORIZATION)
+    if len(credentials) == 1 and SIGV4.fullmatch(credentials[0]):
+        credentials = request.headers.getlist(KILN_AUTHORIZATION)
     return credentials[0] if len(credentials) == 1 else None
 
 
-SIGV4 = "AWS4-HMAC-SHA256 "  # a SigV4 signature's Authorization header
-KEY_HEADERS = frozenset({"authorization", "x-kiln-authorization"})  # the headers `credential` reads
+# a SigV4 signature's Authorization header, and nothing else: two headers joined into one (a
+# Function URL's, or a REST event's names of two cases) hold a second one after it
+SIGV4 = re.compile(r"AWS4-HMAC-SHA256 Credential=[^\s,]+, ?SignedHeaders=[^\s,]+, ?Signature=[0-9a-f]{64}")
+AUTHORIZATION, KILN_AUTHORIZATION = "authorization", "x-kiln-authorization"
+KEY_HEADERS = frozenset({AUTHORIZATION, KILN_AUTHORIZATION})  # the headers `credential` reads
 
 
 def _model_call_body(request: Request) -> Awaitable[object]:
