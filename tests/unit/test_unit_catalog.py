@@ -385,3 +385,13 @@ def test_a_model_id_longer_than_its_leases_can_hold_is_refused_where_written():
     for too_long in ("m" * (MAX_MODEL_ID_BYTES + 1), "é" * (MAX_MODEL_ID_BYTES // 2 + 1)):
         with pytest.raises(CatalogError, match=f"'id' must be at most {MAX_MODEL_ID_BYTES} bytes"):
             Catalog.from_document(one(id=too_long), written=True)
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_a_refused_backend_url_is_named_without_its_password(written):
+    """A stored URL with user info and a port out of range: the error, logged as the catalog's
+    being unreadable, held the password."""
+    for url in ("http://user:s3cretpw@x:99999/v1", "http://user:s3cretpw@/v1"):
+        with pytest.raises(CatalogError) as refused:
+            Catalog.from_document(one(backends=[{"url": url}]), written=written)
+        assert "s3cretpw" not in str(refused.value) and "url 'http://" in str(refused.value)

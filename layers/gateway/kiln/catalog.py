@@ -441,8 +441,12 @@ def _backend_url(url: str, where: str, written: bool) -> str:
         except (ValueError, UnicodeError) as exc:
             problem = str(exc) or type(exc).__name__
     if problem:
-        raise CatalogError(f"{where}: url {url!r} {problem}")
+        # named without its user info: a password in it would reach the log with the error
+        raise CatalogError(f"{where}: url {_USER_INFO.sub('', url)!r} {problem}")
     return url
+
+
+_USER_INFO = re.compile(r"(?<=://)[^/?#]*@")
 
 
 def _needs_escaping(text: str) -> bool:
