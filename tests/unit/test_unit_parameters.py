@@ -395,8 +395,7 @@ def test_a_refresh_under_way_is_waited_for_only_briefly_then_the_last_value_is_s
         clock.now += 3  # past the back-off (2 s at most), the same refresh still under way: not started again
         assert await param.get() == "V1"
         answer.set()
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # the refresh ends
         assert param.fresh and await param.get() == "V2"
 
     asyncio.run(scenario())
@@ -408,7 +407,7 @@ def test_a_read_that_outlasts_its_timeout_fails_as_any_failed_read():
     async def never():
         await asyncio.sleep(60)
 
-    param = CachedParameter("/kiln/test", never, str.upper, max_age=60.0, clock=clock, read_timeout=0.05,
+    param = CachedParameter("/kiln/test", never, str.upper, max_age=60.0, clock=clock, refresh_timeout=0.05,
                             refresh_wait=1.0)
     first = CachedParameter("/kiln/test", never, str.upper, max_age=60.0, read_timeout=0.05, first_read_budget=0.1)
 
@@ -440,7 +439,7 @@ def test_a_refresh_frozen_with_its_environment_does_not_serve_an_old_value_after
         await asyncio.sleep(ssm["delay"])
         return seen
 
-    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.1, read_timeout=0.3, refresh_wait=0.05)
+    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.1, refresh_timeout=0.3, refresh_wait=0.05)
 
     async def invocation():
         if thawed_first:  # the frozen refresh's timers run before this request asks
@@ -475,7 +474,7 @@ def test_a_refresh_not_answered_in_its_wait_is_a_failed_one_logged_and_backed_of
             return "v1"
         await asyncio.Event().wait()  # SSM took the connection and never answers
 
-    param = CachedParameter("/kiln/maintenance", fetch, str.upper, max_age=1.0, read_timeout=0.3, refresh_wait=0.05,
+    param = CachedParameter("/kiln/maintenance", fetch, str.upper, max_age=1.0, refresh_timeout=0.3, refresh_wait=0.05,
                             unreadable_event="maintenance_unreadable")
     loop = asyncio.new_event_loop()
     try:
@@ -493,3 +492,27 @@ def test_a_refresh_not_answered_in_its_wait_is_a_failed_one_logged_and_backed_of
     logged = [json.loads(record.getMessage()) for record in caplog.records]
     assert [line["in_a_row"] for line in logged] == [1, 2, 3], logged
     assert all(line["event"] == "maintenance_unreadable" for line in logged)
+
+
+def test_a_slow_ssm_s_answer_still_gets_through_to_a_refresh():
+    """An SSM answering in more than the first read's bound: each refresh was cut at it and sent
+    again, so a switch turned off was never seen and the gateway answered 503 for as long as SSM
+    stayed slow. A refresh's read, waited for by no request past its wait, may take its time."""
+    ssm = {"value": "on", "delay": 0.0}
+
+    async def fetch():
+        seen = ssm["value"]
+        await asyncio.sleep(ssm["delay"])
+        return seen
+
+    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.2, read_timeout=0.1, refresh_wait=0.05)
+
+    async def scenario():
+        assert await param.get() == "ON"
+        ssm.update(value="off", delay=0.3)  # slower than the first read's bound
+        await asyncio.sleep(0.25)
+        assert await param.get() == "ON"  # the last value while the refresh goes on
+        await asyncio.sleep(0.4)
+        return await param.get()
+
+    assert asyncio.run(scenario()) == "OFF"

@@ -83,8 +83,9 @@ class Gateway:
         # The switch fails open (an unreadable one counts as off), so it is read as before any
         # change to how parameters are read: each read tried by the AWS client itself, and read
         # again by the next request after a failed one (no back-off that would keep it off).
-        # Every read of a parameter is bounded by the first read's budget: an SSM that takes
-        # the connection and never answers holds no request longer.
+        # A first read is bounded by its budget, the switch's too: an SSM that takes the
+        # connection and never answers holds a new environment's request no longer (a refresh
+        # is waited for briefly, kiln.parameters).
         read_timeout = settings.parameter_first_read_seconds or None
         self._maintenance = CachedParameter(
             settings.maintenance_parameter,

@@ -8,7 +8,9 @@ execution environment, so the cache is what keeps a busy fleet under it (docs/de
   own, which callers wait for up to `refresh_wait` (0.5 s) from its start: past that, they
   are served the last good value at once while it goes on (an SSM that takes the connection
   and never answers held every request for the AWS client's timeouts and retries, 15 s);
-- each read is bounded by `read_timeout` (a first read also by what is left of its budget);
+- a first read's attempts are bounded by `read_timeout` and what is left of its budget; a
+  refresh's read, which no request waits for past `refresh_wait`, by `refresh_timeout` (30 s),
+  so a slow SSM's answer still gets through;
 - each refresh schedules the next one at a random point in the last fifth of `max_age`, so
   environments started together do not refresh together (and never serve a value older
   than `max_age` while SSM answers);
@@ -46,7 +48,7 @@ FIRST_READ_RETRY_AFTER = 1.0  # no new first read for this long after one failed
 FIRST_READ_RETRY_MAX = 30.0  # …up to this
 REFRESH_WAIT = 0.5  # how long callers wait for a refresh under way, from its start, before the last value
 MIN_ATTEMPT = 0.25  # a first read's attempt is given at least this long, whatever is left of its budget
-STUCK_REFRESH = 30.0  # a refresh older than this (or than its read's timeout) is started again
+REFRESH_TIMEOUT = 30.0  # a refresh's read is cut after this; one older is started again
 FROZEN_SLACK = 1.0  # a read that ends this long past its timeout was frozen, not slow
 
 
@@ -64,6 +66,7 @@ class CachedParameter(Generic[T]):
         max_age: float,
         first_read_budget: float = 0.0,
         read_timeout: float | None = None,
+        refresh_timeout: float = REFRESH_TIMEOUT,
         refresh_wait: float = REFRESH_WAIT,
         back_off_first_reads: bool = True,
         unreadable_event: str = "parameter_unreadable",
@@ -78,6 +81,7 @@ class CachedParameter(Generic[T]):
         self._max_age = max_age
         self._first_read_budget = first_read_budget
         self._read_timeout = read_timeout
+        self._refresh_timeout = refresh_timeout
         self._refresh_wait = refresh_wait
         self._refreshing: asyncio.Task | None = None
         self._slow: asyncio.Task | None = None  # a refresh counted as failed when its wait ended
@@ -122,7 +126,7 @@ class CachedParameter(Generic[T]):
         loop = asyncio.get_running_loop()
         task = self._refreshing
         if task is not None and not task.done() and task.get_loop() is loop and (
-                loop.time() - self._refresh_started > (self._read_timeout or STUCK_REFRESH)):
+                loop.time() - self._refresh_started > self._refresh_timeout):
             # older than any read can be: its environment was frozen under it (Lambda, between
             # invocations); what it would bring is as old, and its timeout would count a failure
             task.cancel()
@@ -183,11 +187,11 @@ class CachedParameter(Generic[T]):
     async def _refresh(self) -> None:
         asked = self._clock()
         try:
-            value = self._parse(await self._read(self._read_timeout))
+            value = self._parse(await self._read(self._refresh_timeout))
         except Exception as exc:  # noqa: BLE001 - any failure keeps the last good value
             if asyncio.current_task() is self._slow:
                 return  # counted as failed when its wait ended; its back-off stands
-            if self._read_timeout is not None and self._clock() - asked > self._read_timeout + FROZEN_SLACK:
+            if self._clock() - asked > self._refresh_timeout + FROZEN_SLACK:
                 # ended long past its own bound: the environment was frozen under it, not SSM
                 # slow; the value is due again, for the next caller to read now
                 self._expires = asked

@@ -77,8 +77,7 @@ class Settings:
     parameter_first_read_seconds: float = setting(
         3.0,
         "how long a new environment retries its first read of the catalog and the key (with back-off) "
-        "before answering 503, and the longest any read of a parameter may take (a new environment's maintenance "
-        "switch not read in time counts as off)",
+        "before answering 503; its first read of the maintenance switch is cut at it too (read as off)",
     )
     auth_cache_seconds: float = setting(10.0, "how long a key lookup is cached (a revoked key works at most this long)")
     lease_ttl_seconds: float = setting(
