@@ -343,12 +343,18 @@ def test_an_echo_s_first_event_is_bounded_by_the_model_s_bound_and_what_it_repea
         relay.feed(b"data: " + b"x" * 50_000 + b"\n\n")
 
 
-def test_an_echo_of_token_ids_is_bounded_by_the_request_it_cannot_know_the_text_of():
+def test_an_echo_of_token_ids_is_bounded_by_what_so_many_tokens_can_be_not_by_the_request():
+    """A prompt of token ids comes back as text the gateway cannot know: its bound took in the
+    whole request, so 5 MB of fields never echoed beside [1, 2, 3] let through a 5 MB event."""
     body = {"prompt": list(range(1000)), "echo": True}
     relay = COMPLETIONS.relay(client_wants_usage=True, max_event_bytes=200, request_bytes=5000,
                               echoes=COMPLETIONS.echoes(body))
-    event = b"data: " + b"y" * 14_000 + b"\n\n"
+    event = b"data: " + b"y" * 14_900 + b"\n\n"  # the request (5 000 bytes) escaped: the lesser
     assert relay.feed(event) == event
+    padded = COMPLETIONS.relay(client_wants_usage=True, max_event_bytes=200, request_bytes=5_000_000,
+                               echoes=COMPLETIONS.echoes({"prompt": [1, 2, 3], "echo": True}))
+    with pytest.raises(Exception, match=f"over {200 + 3 * 3 * 128} bytes"):  # 3 ids of 128 bytes, escaped
+        padded.feed(b"data: " + b"y" * 100_000 + b"\n\n")
 
 
 # -- what a new endpoint inherits -------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Sequence
 
-from .metering import TOKEN_BYTES, estimate_text_tokens, fewest_tokens
+from .metering import LONGEST_TOKEN, TOKEN_BYTES, estimate_text_tokens, fewest_tokens
 
 __all__ = ["MAX_TRACKED_CHOICES", "Echoes"]
 
@@ -49,12 +49,11 @@ class Echoes:
         return bool(self._every) or any(self._ids)
 
     @property
-    def longest_bytes(self) -> int | None:
-        """The most bytes one reply may repeat (the longest text, in UTF-8); None where a prompt
-        of token ids comes back as text the gateway cannot know the size of."""
-        if any(self._ids):
-            return None
-        return max((len(text.encode()) for text in self._texts), default=0)
+    def longest_bytes(self) -> int:
+        """The most bytes one reply may repeat: the longest text, in UTF-8, or a prompt of token
+        ids as text of LONGEST_TOKEN bytes a token at most (what each is, the gateway cannot know)."""
+        return max(max((len(text.encode()) for text in self._texts), default=0),
+                   max(self._ids, default=0) * LONGEST_TOKEN)
 
     @property
     def unseen_floor(self) -> int:

@@ -136,12 +136,11 @@ class ModelApi:
               echoes: Echoes | None = None, offered: Collection[str] = ()) -> SseRelay:
         """The stream's relay; `request_bytes`: the size of the request the model server was
         sent; `echoes`: what its replies may repeat of it (an `echo`, whose first event holds
-        the prompt: the bound takes in the longest text repeated, as escaped, or the request
-        where that is not known); `offered`: its tools' names
+        the prompt: the bound takes in the longest text repeated, as escaped, never more than
+        the request's size); `offered`: its tools' names
         (`offered_names`)."""
         if echoes:
-            longest = echoes.longest_bytes  # what one event may repeat: its text, or the request
-            max_event_bytes += ECHO_ESCAPED * (request_bytes if longest is None else min(longest, request_bytes))
+            max_event_bytes += ECHO_ESCAPED * min(echoes.longest_bytes, request_bytes)  # what one event repeats
         return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes, echoes=echoes,
                         offered=offered)
 
