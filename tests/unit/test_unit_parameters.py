@@ -439,7 +439,7 @@ def test_a_refresh_frozen_with_its_environment_does_not_serve_an_old_value_after
         await asyncio.sleep(ssm["delay"])
         return seen
 
-    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.1, refresh_timeout=0.3, refresh_wait=0.05)
+    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.1, read_timeout=3.0, refresh_wait=0.05)
 
     async def invocation():
         if thawed_first:  # the frozen refresh's timers run before this request asks
@@ -453,7 +453,7 @@ def test_a_refresh_frozen_with_its_environment_does_not_serve_an_old_value_after
         ssm["delay"] = delay  # this refresh outlasts its request's wait
         assert loop.run_until_complete(invocation()) == "OFF"
         ssm.update(value="on", delay=0.0)
-        time.sleep(1.5)  # frozen: past the read's timeout and its slack
+        time.sleep(1.5)  # frozen, a few seconds as Lambda freezes: shorter than any read's bound
         assert loop.run_until_complete(invocation()) == "ON"
     finally:
         for task in asyncio.all_tasks(loop):
@@ -474,14 +474,14 @@ def test_a_refresh_not_answered_in_its_wait_is_a_failed_one_logged_and_backed_of
             return "v1"
         await asyncio.Event().wait()  # SSM took the connection and never answers
 
-    param = CachedParameter("/kiln/maintenance", fetch, str.upper, max_age=1.0, refresh_timeout=0.3, refresh_wait=0.05,
+    param = CachedParameter("/kiln/maintenance", fetch, str.upper, max_age=1.0, read_timeout=3.0, refresh_wait=0.05,
                             unreadable_event="maintenance_unreadable")
     loop = asyncio.new_event_loop()
     try:
         assert loop.run_until_complete(param.get()) == "V1"
         with caplog.at_level(logging.ERROR, logger="kiln.parameters"):
             for _ in range(3):
-                time.sleep(1.5)  # between invocations: past the read's timeout and its slack
+                time.sleep(1.5)  # between invocations
                 assert loop.run_until_complete(param.get()) == "V1"
                 assert param.fresh  # kept for a back-off: the requests after it do not wait
     finally:
@@ -516,3 +516,29 @@ def test_a_slow_ssm_s_answer_still_gets_through_to_a_refresh():
         return await param.get()
 
     assert asyncio.run(scenario()) == "OFF"
+
+
+def test_a_refresh_given_up_on_that_ends_last_does_not_replace_the_answer_asked_for_later():
+    clock, answers = Clock(), []
+
+    async def fetch():
+        answer = asyncio.get_running_loop().create_future()
+        answers.append(answer)
+        return await answer
+
+    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=60.0, clock=clock, refresh_wait=0.01)
+
+    async def scenario():
+        param._store("V1")
+        clock.now += 61
+        assert await param.get() == "V1"  # refresh A, given up on: backed off
+        clock.now += 5
+        assert await param.get() == "V1"  # past the back-off: refresh B, beside A
+        answers[1].set_result("new")
+        await asyncio.sleep(0.01)
+        assert await param.get() == "NEW"
+        answers[0].set_result("old")  # A, asked for first, answers last
+        await asyncio.sleep(0.01)
+        return await param.get()
+
+    assert asyncio.run(scenario()) == "NEW"

@@ -8,9 +8,13 @@ execution environment, so the cache is what keeps a busy fleet under it (docs/de
   own, which callers wait for up to `refresh_wait` (0.5 s) from its start: past that, they
   are served the last good value at once while it goes on (an SSM that takes the connection
   and never answers held every request for the AWS client's timeouts and retries, 15 s);
+- a refresh not answered in that wait is counted as failed there and then (logged, backed
+  off), and goes on: its answer is kept unless one asked for later was; once the back-off is
+  over, a new refresh starts beside it (a refresh frozen with its environment between Lambda
+  invocations is given up on so, not waited for);
 - a first read's attempts are bounded by `read_timeout` and what is left of its budget; a
-  refresh's read, which no request waits for past `refresh_wait`, by `refresh_timeout` (30 s),
-  so a slow SSM's answer still gets through;
+  refresh's read, which no request waits for past `refresh_wait`, only as the AWS client
+  bounds each try (and at `refresh_timeout`, 30 s), so a slow SSM's answer still gets through;
 - each refresh schedules the next one at a random point in the last fifth of `max_age`, so
   environments started together do not refresh together (and never serve a value older
   than `max_age` while SSM answers);
@@ -48,7 +52,7 @@ FIRST_READ_RETRY_AFTER = 1.0  # no new first read for this long after one failed
 FIRST_READ_RETRY_MAX = 30.0  # …up to this
 REFRESH_WAIT = 0.5  # how long callers wait for a refresh under way, from its start, before the last value
 MIN_ATTEMPT = 0.25  # a first read's attempt is given at least this long, whatever is left of its budget
-REFRESH_TIMEOUT = 30.0  # a refresh's read is cut after this; one older is started again
+REFRESH_TIMEOUT = 30.0  # a refresh's read is cut after this at the latest
 FROZEN_SLACK = 1.0  # a read that ends this long past its timeout was frozen, not slow
 
 
@@ -84,7 +88,8 @@ class CachedParameter(Generic[T]):
         self._refresh_timeout = refresh_timeout
         self._refresh_wait = refresh_wait
         self._refreshing: asyncio.Task | None = None
-        self._slow: asyncio.Task | None = None  # a refresh counted as failed when its wait ended
+        self._given_up: set[asyncio.Task] = set()  # refreshes counted as failed when their wait ended
+        self._asked = float("-inf")  # when the value held was asked for
         self._refresh_started = 0.0  # the loop's time
         self._back_off_first_reads = back_off_first_reads
         self._clock = clock
@@ -121,27 +126,24 @@ class CachedParameter(Generic[T]):
         return self._value  # type: ignore[return-value]
 
     async def _refreshed(self) -> T:
-        """The value once the refresh under way (started here if none is) has ended, or the
-        last good value if it runs past `refresh_wait` from its start."""
+        """The value once a refresh has ended, or the last good value past `refresh_wait` from
+        its start. The refresh under way is waited for unless it was given up on (not answered
+        in its wait: SSM slow, or the environment frozen under it between Lambda invocations);
+        then a new one is started beside it, and the answer asked for last is the one kept."""
         loop = asyncio.get_running_loop()
         task = self._refreshing
-        if task is not None and not task.done() and task.get_loop() is loop and (
-                loop.time() - self._refresh_started > self._refresh_timeout):
-            # older than any read can be: its environment was frozen under it (Lambda, between
-            # invocations); what it would bring is as old, and its timeout would count a failure
-            task.cancel()
-            task = None
-        if task is None or task.done() or task.get_loop() is not loop:
+        if task is None or task.done() or task.get_loop() is not loop or task in self._given_up:
             task = self._refreshing = loop.create_task(self._refresh(), name=f"refresh {self.name}")
             self._refresh_started = loop.time()
         left = self._refresh_started + self._refresh_wait - loop.time()
         if left > 0:
             await asyncio.wait((task,), timeout=left)  # the refresh goes on if this caller is cancelled
-        if not task.done() and self._slow is not task:
+        if not task.done() and task not in self._given_up:
             # not answered in the wait: a failed refresh now, logged and backed off (on Lambda the
             # environment is frozen before the read's own timeout, which then never counts),
             # whatever the read that goes on brings
-            self._slow = task
+            self._given_up.add(task)
+            task.add_done_callback(self._given_up.discard)
             self._failed(f"no answer within {self._refresh_wait:g} s")
         return self._value  # type: ignore[return-value]
 
@@ -189,7 +191,7 @@ class CachedParameter(Generic[T]):
         try:
             value = self._parse(await self._read(self._refresh_timeout))
         except Exception as exc:  # noqa: BLE001 - any failure keeps the last good value
-            if asyncio.current_task() is self._slow:
+            if asyncio.current_task() in self._given_up:
                 return  # counted as failed when its wait ended; its back-off stands
             if self._clock() - asked > self._refresh_timeout + FROZEN_SLACK:
                 # ended long past its own bound: the environment was frozen under it, not SSM
@@ -214,7 +216,12 @@ class CachedParameter(Generic[T]):
 
     def _store(self, value: T, asked: float | None = None) -> None:
         """Keep `value`, read from `asked` on: fresh for max_age from when it was asked for, not
-        from when its answer came (an environment frozen between the two holds an old value)."""
+        from when its answer came (an environment frozen between the two holds an old value);
+        not kept over a value asked for later (two refreshes, the one given up on ending last)."""
+        asked = self._clock() if asked is None else asked
+        if asked < self._asked:
+            return
+        self._asked = asked
         self._value, self._loaded = value, True
         self._failures = 0
         self._first_read_failed, self._first_reads_failed = None, 0
