@@ -391,7 +391,9 @@ def test_a_model_id_longer_than_its_leases_can_hold_is_refused_where_written():
 def test_a_refused_backend_url_is_named_without_its_password(written):
     """A stored URL with user info and a port out of range: the error, logged as the catalog's
     being unreadable, held the password."""
-    for url in ("http://user:s3cretpw@x:99999/v1", "http://user:s3cretpw@/v1"):
+    for url in ("http://user:s3cretpw@x:99999/v1", "http://user:s3cretpw@/v1", "http://admin:s3cretpw#x@host:8000/v1",
+                "http://admin:s3c/retpw@host/v1", "http://admin:s3cretpw?@host/v1", "http://s3cretpw@host:bad/v1"):
         with pytest.raises(CatalogError) as refused:
             Catalog.from_document(one(backends=[{"url": url}]), written=written)
-        assert "s3cretpw" not in str(refused.value) and "url 'http://" in str(refused.value)
+        assert "s3cretpw" not in str(refused.value) and "s3c/retpw" not in str(refused.value), str(refused.value)
+        assert "url 'http://" in str(refused.value)

@@ -441,12 +441,21 @@ def _backend_url(url: str, where: str, written: bool) -> str:
         except (ValueError, UnicodeError) as exc:
             problem = str(exc) or type(exc).__name__
     if problem:
-        # named without its user info: a password in it would reach the log with the error
-        raise CatalogError(f"{where}: url {_USER_INFO.sub('', url)!r} {problem}")
+        raise CatalogError(f"{where}: {_named(url, problem)}")
     return url
 
 
-_USER_INFO = re.compile(r"(?<=://)[^/?#]*@")
+def _named(url: str, problem: str) -> str:
+    """A refused URL and what is wrong with it, named without what may be a password (up to
+    its last "@", whatever it holds: one pasted with a "#" or a "/" in it is one too), which
+    would otherwise reach the log with the error, in the URL or in the problem's own words."""
+    scheme, separator, rest = url.partition("://")
+    info, at, after = rest.rpartition("@")
+    if not at:
+        return f"url {url!r} {problem}"
+    if any(part in problem for part in re.split(r"[:@/?#]", info) if part):
+        problem = "is not a URL the HTTP client can call"
+    return f"url {scheme + separator + after!r} (its user info left out) {problem}"
 
 
 def _needs_escaping(text: str) -> bool:
