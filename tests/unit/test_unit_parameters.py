@@ -377,10 +377,10 @@ def test_a_warm_environment_answers_from_its_last_values_while_ssm_holds_its_ans
 
 
 def test_a_refresh_under_way_is_waited_for_only_briefly_then_the_last_value_is_served():
-    clock, started, answer = Clock(), asyncio.Event(), asyncio.Event()
+    clock, started, answer = Clock(), [], asyncio.Event()
 
     async def held():
-        started.set()
+        started.append(clock.now)
         await answer.wait()
         return "v2"
 
@@ -390,12 +390,12 @@ def test_a_refresh_under_way_is_waited_for_only_briefly_then_the_last_value_is_s
         param._store("V1")
         clock.now += 61
         assert await param.get() == "V1"  # waited 0.05 s for the refresh, then the last value
-        assert started.is_set() and param.fresh  # a failed refresh: kept for a back-off, no wait
-        assert await param.get() == "V1"
-        clock.now += 3  # past the back-off (2 s at most), the same refresh still under way: not started again
-        assert await param.get() == "V1"
+        assert len(started) == 1 and param.fresh  # a failed refresh: kept for a back-off, no wait
+        assert await param.get() == "V1" and len(started) == 1
+        clock.now += 3  # past the back-off (2 s at most): the refresh given up on, a new one beside it
+        assert await param.get() == "V1" and len(started) == 2
         answer.set()
-        await asyncio.sleep(0.01)  # the refresh ends
+        await asyncio.sleep(0.01)  # both end
         assert param.fresh and await param.get() == "V2"
 
     asyncio.run(scenario())
@@ -542,3 +542,30 @@ def test_a_refresh_given_up_on_that_ends_last_does_not_replace_the_answer_asked_
         return await param.get()
 
     assert asyncio.run(scenario()) == "NEW"
+
+
+def test_a_refresh_given_up_on_after_another_brought_a_fresh_value_leaves_it_fresh(caplog):
+    """Refresh A given up on; past the back-off B starts beside it; A's answer comes during B's
+    wait and is fresh for the cache time, then B's wait ended: its failure cut the fresh value to
+    a back-off and logged, and the next request read SSM again."""
+    clock, answers = Clock(), []
+
+    async def fetch():
+        answer = asyncio.get_running_loop().create_future()
+        answers.append(answer)
+        return await answer
+
+    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=60.0, clock=clock, refresh_wait=0.05)
+
+    async def scenario():
+        param._store("V1")
+        clock.now += 61
+        assert await param.get() == "V1"  # A given up on
+        clock.now += 5
+        asyncio.get_running_loop().call_later(0.01, answers[0].set_result, "v2")  # A answers in B's wait
+        assert await param.get() == "V2"
+
+    with caplog.at_level(logging.ERROR, logger="kiln.parameters"):
+        asyncio.run(scenario())
+    assert param.fresh and len(answers) == 2
+    assert [json.loads(record.getMessage())["in_a_row"] for record in caplog.records] == [1]  # A's alone

@@ -203,7 +203,10 @@ class CachedParameter(Generic[T]):
         self._store(value, asked)
 
     def _failed(self, detail: str) -> None:
-        """A refresh failed: the last good value is kept for a back-off, and the failure logged."""
+        """A refresh failed: the last good value is kept for a back-off, and the failure logged;
+        nothing, where another refresh has meanwhile brought a value still fresh."""
+        if self.fresh:
+            return
         self._failures += 1
         back_off = min(self._max_age, RETRY_AFTER * 2 ** (self._failures - 1)) * (0.5 + self._rand() / 2)
         self._expires = self._clock() + back_off
