@@ -425,6 +425,18 @@ def test_a_read_that_outlasts_its_timeout_fails_as_any_failed_read():
 # -- an environment frozen between invocations (Lambda), a refresh left under way -------------
 
 
+def slow_switch(value, **options):
+    """A switch whose SSM answers what it held when asked, after `ssm["delay"]` seconds."""
+    ssm = {"value": value, "delay": 0.0}
+
+    async def fetch():
+        seen = ssm["value"]
+        await asyncio.sleep(ssm["delay"])
+        return seen
+
+    return ssm, CachedParameter("/kiln/switch", fetch, str.upper, refresh_wait=0.05, **options)
+
+
 @pytest.mark.parametrize("thawed_first", [False, True], ids=["asked-first", "refresh-resumes-first"])
 @pytest.mark.parametrize("delay", [0.2, 10.0], ids=["answered-before-the-freeze", "never-answered"])
 def test_a_refresh_frozen_with_its_environment_does_not_serve_an_old_value_after_the_thaw(thawed_first, delay):
@@ -432,14 +444,7 @@ def test_a_refresh_frozen_with_its_environment_does_not_serve_an_old_value_after
     alike). A refresh that outlasted its request was frozen with the environment; after the
     thaw its old answer was kept as fresh, or its timeout counted as SSM failing and the old
     value kept for a back-off: a switch flipped during the freeze was not seen for minutes."""
-    ssm = {"value": "off", "delay": 0.0}
-
-    async def fetch():
-        seen = ssm["value"]
-        await asyncio.sleep(ssm["delay"])
-        return seen
-
-    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.1, read_timeout=3.0, refresh_wait=0.05)
+    ssm, param = slow_switch("off", max_age=0.1, read_timeout=3.0)
 
     async def invocation():
         if thawed_first:  # the frozen refresh's timers run before this request asks
@@ -498,14 +503,7 @@ def test_a_slow_ssm_s_answer_still_gets_through_to_a_refresh():
     """An SSM answering in more than the first read's bound: each refresh was cut at it and sent
     again, so a switch turned off was never seen and the gateway answered 503 for as long as SSM
     stayed slow. A refresh's read, waited for by no request past its wait, may take its time."""
-    ssm = {"value": "on", "delay": 0.0}
-
-    async def fetch():
-        seen = ssm["value"]
-        await asyncio.sleep(ssm["delay"])
-        return seen
-
-    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=0.2, read_timeout=0.1, refresh_wait=0.05)
+    ssm, param = slow_switch("on", max_age=0.2, read_timeout=0.1)
 
     async def scenario():
         assert await param.get() == "ON"
@@ -518,19 +516,27 @@ def test_a_slow_ssm_s_answer_still_gets_through_to_a_refresh():
     assert asyncio.run(scenario()) == "OFF"
 
 
-def test_a_refresh_given_up_on_that_ends_last_does_not_replace_the_answer_asked_for_later():
-    clock, answers = Clock(), []
+def answered_by_hand(clock, refresh_wait):
+    """A switch held as "V1", gone stale, whose reads each wait for an answer the test gives
+    (`answers`, in the order the reads were sent)."""
+    answers = []
 
     async def fetch():
         answer = asyncio.get_running_loop().create_future()
         answers.append(answer)
         return await answer
 
-    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=60.0, clock=clock, refresh_wait=0.01)
+    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=60.0, clock=clock, refresh_wait=refresh_wait)
+    param._store("V1")
+    clock.now += 61
+    return param, answers
+
+
+def test_a_refresh_given_up_on_that_ends_last_does_not_replace_the_answer_asked_for_later():
+    clock = Clock()
+    param, answers = answered_by_hand(clock, 0.01)
 
     async def scenario():
-        param._store("V1")
-        clock.now += 61
         assert await param.get() == "V1"  # refresh A, given up on: backed off
         clock.now += 5
         assert await param.get() == "V1"  # past the back-off: refresh B, beside A
@@ -548,18 +554,10 @@ def test_a_refresh_given_up_on_after_another_brought_a_fresh_value_leaves_it_fre
     """Refresh A given up on; past the back-off B starts beside it; A's answer comes during B's
     wait and is fresh for the cache time, then B's wait ended: its failure cut the fresh value to
     a back-off and logged, and the next request read SSM again."""
-    clock, answers = Clock(), []
-
-    async def fetch():
-        answer = asyncio.get_running_loop().create_future()
-        answers.append(answer)
-        return await answer
-
-    param = CachedParameter("/kiln/switch", fetch, str.upper, max_age=60.0, clock=clock, refresh_wait=0.05)
+    clock = Clock()
+    param, answers = answered_by_hand(clock, 0.05)
 
     async def scenario():
-        param._store("V1")
-        clock.now += 61
         assert await param.get() == "V1"  # A given up on
         clock.now += 5
         asyncio.get_running_loop().call_later(0.01, answers[0].set_result, "v2")  # A answers in B's wait
