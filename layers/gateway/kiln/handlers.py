@@ -137,11 +137,12 @@ async def checks(
         reads.add_done_callback(_retrieved)  # its outcome is this exception's, already on its way
         raise
     principal, *rest = await reads
-    for outcome in (body, principal, *rest):
+    models = rest[0] if catalog else None
+    for outcome in (body, principal, models):
         if isinstance(outcome, BaseException) and not (
-                catalog_failure_later and outcome is rest[0] and isinstance(outcome, GatewayError)):
+                outcome is models and catalog_failure_later and isinstance(outcome, GatewayError)):
             raise outcome
-    return principal, body, (rest[0] if catalog else None)
+    return principal, body, models
 
 
 def _retrieved(future: asyncio.Future) -> None:

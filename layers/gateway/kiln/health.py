@@ -242,8 +242,11 @@ class BackendHealth:
         if counted:
             answers[request] = (now, client, failed)
         horizon = now - self.policy.error_window
-        while answers and answers[next(iter(answers))][0] < horizon:
-            del answers[next(iter(answers))]
+        while answers:
+            oldest = next(iter(answers))
+            if answers[oldest][0] >= horizon:
+                break
+            del answers[oldest]
         if len(answers) > _MAX_REMEMBERED:
             # the oldest answer of the org that holds the most: one org's flood of requests
             # would otherwise push every other org's answers out of the window it is judged in

@@ -150,8 +150,8 @@ class CachedParameter(Generic[T]):
     def _read(self, timeout: float | None) -> Awaitable[str | None]:
         return self._fetch() if timeout is None else asyncio.wait_for(self._fetch(), timeout)
 
-    def _fresh_until(self, asked: float | None = None) -> float:
-        return (self._clock() if asked is None else asked) + self._max_age * (1.0 - JITTER * self._rand())
+    def _fresh_until(self, asked: float) -> float:
+        return asked + self._max_age * (1.0 - JITTER * self._rand())
 
     async def _first_read(self) -> None:
         deadline = self._clock() + self._first_read_budget

@@ -137,8 +137,7 @@ class ModelApi:
         """The stream's relay; `request_bytes`: the size of the request the model server was
         sent; `echoes`: what its replies may repeat of it (an `echo`, whose first event holds
         the prompt: the bound takes in the longest text repeated, as escaped, never more than
-        the request's size); `offered`: its tools' names
-        (`offered_names`)."""
+        the request's size); `offered`: its tools' names (`offered_names`)."""
         if echoes:
             max_event_bytes += ECHO_ESCAPED * min(echoes.longest_bytes, request_bytes)  # what one event repeats
         return SseRelay(client_wants_usage=client_wants_usage, max_event_bytes=max_event_bytes, echoes=echoes,
