@@ -13,6 +13,7 @@ import json
 import re
 import time
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -794,3 +795,65 @@ def test_every_storage_call_of_a_model_request_is_granted_to_its_function(stack_
                                    if operation == "TransactWriteItems" else [(operation, payload)])
                if kind in ("Update", "UpdateItem") and inner.get("TableName") == stack.settings.usage_table]
     assert updated and all(key.startswith("tally:") for key in updated), updated
+
+
+def _event_for(route, key: str) -> dict:
+    """A REST event (API Gateway's v1 payload) for `route`, as tests/events' chat request is."""
+    from pathlib import Path
+
+    event = json.loads((Path(__file__).resolve().parents[1] / "events" / "rest-chat-completions.json").read_text())
+    event["headers"]["Authorization"] = f"Bearer {key}"
+    event["multiValueHeaders"]["Authorization"] = [f"Bearer {key}"]
+    event.update(resource=route.path, path=route.path, httpMethod=route.method)
+    event["requestContext"].update(resourcePath=route.path, httpMethod=route.method, path=f"/v1{route.path}")
+    if route.method == "GET":
+        event["body"] = None
+    return event
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda endpoint: endpoint.function)
+def test_a_disabled_orgs_dead_lease_costs_no_call_its_functions_role_refuses(stack_factory, monkeypatch, endpoint):
+    """A disabled org is answered 403 by every function's key lookup, and a dead lease its item
+    holds is reclaimed off the request's path. That reclaim writes the org, the abandoned event
+    and the key's tally: the models and generations functions' roles refuse those writes, and on
+    AWS the reclaim failed there on every lookup (the embedded AWS enforces no IAM). Each
+    function, as Lambda runs it, makes only the calls its own role grants."""
+    import asyncio
+    import importlib
+
+    import kiln.gateway
+    from kiln.aws import AwsClient
+    from kiln.store.orgs import set_status
+    from support import FaultInjectingHttp, StorageFaults
+
+    stack = stack_factory(lease_ttl_seconds=0.5, lease_renew_seconds=0.2)
+    org_id, secret = stack.org(credits="1", concurrency=4)
+    dead = stack.ledger.admit(org_id=org_id, key_id="key_0123456789abcdef", model="qwen3-32b",
+                              endpoint="completions", streamed=False)
+    stack.ledger.renew(dead, (1, 2, Decimal("0.5")))
+    set_status(stack.tables, org_id, "disabled")
+    time.sleep(0.6)
+    for name, value in stack.settings.to_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("POWERTOOLS_METRICS_DISABLED", "true")
+    recorded = StorageFaults()
+    monkeypatch.setattr(kiln.gateway, "AwsClient",
+                        lambda **given: AwsClient(**{**given, "http": FaultInjectingHttp(recorded)}))
+    module = importlib.import_module(f"kiln_functions.{endpoint.function}.app")
+    module.app.state._state.pop("gateway", None)
+    try:
+        route = next(route for route in endpoint.routes if "{" not in route.path)
+        response = module.handler(_event_for(route, secret), SimpleNamespace(
+            function_name="kiln", aws_request_id="2f1c9e3a-1111-4c2b-9d8e-5a6b7c8d9e0f", memory_limit_in_mb=512,
+            invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:kiln",
+            get_remaining_time_in_millis=lambda: 29000))
+        assert response["statusCode"] == 403, response
+        # what the request left to run beside it runs on in the environment's loop (the next invocation)
+        asyncio.get_event_loop().run_until_complete(asyncio.sleep(1.0))
+    finally:
+        module.app.state._state.pop("gateway", None)
+    grants = {(action, json.dumps(resource)) for action in set(CALL_ACTIONS.values()) | set(ITEM_ACTIONS.values())
+              for resource in granted(deployed(MODES[0]), f"{endpoint.resource[:-len('Function')]}Role", action)}
+    assert needed(stack.settings, recorded.calls) - grants == set()
+    reclaimed = [event.status for event in stack.events(org_id)] == ["abandoned"]
+    assert reclaimed == (endpoint.api is not None)  # by the functions that admit, whose roles write the org

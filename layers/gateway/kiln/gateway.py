@@ -50,7 +50,11 @@ class Gateway:
         upstream: UpstreamClient | None = None,
         catalog: Catalog | None = None,
         clock: Callable[[], float] = time.time,
+        admits: bool = True,
     ) -> None:
+        """`admits`: whether the function serving through it admits requests (a model
+        endpoint's). One that does not, whose role may not write an org's leases, leaves a
+        disabled org's dead leases for a function that does to reclaim."""
         self.settings = settings
         self.clock = clock
         # one HTTP/1.1 client (one set of pools, one TLS context) for AWS and the model servers
@@ -78,6 +82,7 @@ class Gateway:
             orgs_table=settings.orgs_table,
             usage_table=settings.usage_table,
             ledger=self.ledger,
+            reclaims=admits,
         )
         self.auth = Authenticator(self.store, cache_seconds=settings.auth_cache_seconds)
         # The switch fails open (an unreadable one counts as off), so it is read as before any
@@ -127,8 +132,8 @@ class Gateway:
         ))
 
     @classmethod
-    def from_env(cls) -> "Gateway":
-        return cls(Settings.from_env())
+    def from_env(cls, *, admits: bool = True) -> "Gateway":
+        return cls(Settings.from_env(), admits=admits)
 
     # -- storage ---------------------------------------------------------------------------
 

@@ -37,9 +37,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 class RouteSpec:
-    """One route of a function's app, with its OpenAPI description."""
+    """One route of a function's app, with its OpenAPI description; `admits`: a model
+    endpoint's (its requests are admitted, metered and settled)."""
 
-    __slots__ = ("path", "endpoint", "methods", "name", "summary", "openapi_extra", "responses")
+    __slots__ = ("path", "endpoint", "methods", "name", "summary", "openapi_extra", "responses", "admits")
 
     def __init__(
         self,
@@ -50,6 +51,8 @@ class RouteSpec:
         summary: str,
         openapi_extra: dict[str, Any] | None = None,
         responses: dict[int | str, dict[str, Any]] | None = None,
+        *,
+        admits: bool = False,
     ) -> None:
         self.path = path
         self.endpoint = endpoint
@@ -58,6 +61,7 @@ class RouteSpec:
         self.summary = summary
         self.openapi_extra = openapi_extra or {}
         self.responses = responses or {}
+        self.admits = admits
 
 
 # the read endpoints' handlers, by route name (kiln.endpoints)
@@ -80,8 +84,8 @@ def routes_of(endpoint: Endpoint) -> list[RouteSpec]:
         return await complete(request, api)
 
     responses = {**schemas.ERROR_RESPONSES, 502: {"description": "no backend answered (plain text)"}}
-    return [RouteSpec(route.path, handle, (route.method,), route.name, route.summary, api.openapi_body(), responses)
-            for route in endpoint.routes]
+    return [RouteSpec(route.path, handle, (route.method,), route.name, route.summary, api.openapi_body(), responses,
+                      admits=True) for route in endpoint.routes]
 
 
 def create_app(
@@ -89,13 +93,15 @@ def create_app(
     gateway: Gateway | Callable[[], Gateway] | None = None,
     observer: Observer | None = None,
 ) -> "App":
-    """An app serving `routes`. The gateway is made on first use (or given, for tests)."""
+    """An app serving `routes`. The gateway is made on first use (or given, for tests); one made
+    here knows whether the app admits requests (its role writes orgs and usage, kiln.gateway)."""
     served = [(HEALTH_PATH, _healthz, ("GET",))]
     served += [(route.path, route.endpoint, route.methods) for route in routes]
     served.append((OPENAPI_PATH, _openapi(routes), ("GET", "HEAD")))  # as FastAPI serves it
     if isinstance(gateway, Gateway):
         return App(served, observer=observer, gateway=gateway)
-    return App(served, observer=observer, factory=gateway or Gateway.from_env)
+    admits = any(route.admits for route in routes)
+    return App(served, observer=observer, factory=gateway or (lambda: Gateway.from_env(admits=admits)))
 
 
 class App:

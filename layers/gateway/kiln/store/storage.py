@@ -84,10 +84,14 @@ _READS = RetryPolicy(attempts=20, budget_seconds=2.0)
 
 
 class DynamoStorage:
-    def __init__(self, aws: Any, *, keys_table: str, orgs_table: str, usage_table: str, ledger: Ledger) -> None:
+    def __init__(self, aws: Any, *, keys_table: str, orgs_table: str, usage_table: str, ledger: Ledger,
+                 reclaims: bool = True) -> None:
         self._aws = aws
         self._keys_table, self._orgs_table, self._usage_table = keys_table, orgs_table, usage_table
         self.ledger = ledger
+        # whether a disabled org's dead leases seen by a lookup are reclaimed from here: only a
+        # function that admits may write an org's leases and credits and the usage table
+        self._reclaims = reclaims
 
     async def _get(self, payload: dict[str, Any], what: str) -> dict[str, Any]:
         """A GetItem on a request's path (a cold cache's key or org), tried again, one call a try,
@@ -137,7 +141,7 @@ class DynamoStorage:
         if not item:
             return None
         active = item.get(ORG.status, {}).get("S") == "active"
-        if not active and self.ledger.holds_dead_leases(item):
+        if not active and self._reclaims and self.ledger.holds_dead_leases(item):
             # its requests are refused from here on (403) with no admission, the one reader of its
             # leases: the dead ones it holds are reclaimed off the request's path
             self.ledger.reclaim_refused(org_id)
