@@ -391,3 +391,35 @@ def _payloads(text: str) -> list[dict]:
     """The data of each event of a Responses stream (named events: `event:` then `data:`)."""
     return [json.loads(line[len("data: "):]) for block in sse_events(text) for line in block.split("\n")
             if line.startswith("data: ")]
+
+
+def _schema_nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_a_request_at_the_nesting_bound_is_served_though_its_events_echo_it_a_level_deeper(stack, org, stream):
+    """A request nested as deeply as a body may be (200 levels: a function tool's schema) is
+    accepted; the response object repeats its `tools`, and a stream's events wrap that object
+    once more. Read with the clients' bound, the stream's first event was unreadable: the client
+    got the error event under a 200 and was billed an estimate for a request the server served."""
+    ledger = LedgerCheck(stack, org[0])
+    tool = {"type": "function", "name": "lookup", "description": "d", "parameters": _schema_nested(98)}
+    body = {**BODY, "tools": [tool], "stream": stream}
+    # root, tools, the tool, then the schema's 197 levels: exactly the bound, and accepted
+    response = ledger.saw(stack.post(RESPONSES, body, org[1]))
+    assert response.status_code == 200, response.text
+    if stream:
+        events = list(sse_events(response.text))
+        names = [event.split("\n")[0] for event in events]
+        assert names[0] == "event: response.created" and names[-1] == "event: response.completed", names
+        final = json.loads(events[-1].split("\n", 1)[1][len("data: "):], parse_float=Decimal)["response"]
+    else:
+        final = response.json(parse_float=Decimal)
+    assert final["tools"] == [tool]
+    (event,) = ledger.check()
+    assert (event.status, event.usage_source) == ("success", "upstream")
+    assert event.cost == final["usage"]["cost"]

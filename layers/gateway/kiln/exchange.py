@@ -32,7 +32,7 @@ from .errors import (
     scrubbed,
 )
 from .gateway import Gateway
-from .jsonio import dumps, loads_strict
+from .jsonio import ANSWER_MAX_DEPTH, dumps, loads_strict
 from .lambda_payload import answer_size, escaped_size
 from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
@@ -604,9 +604,10 @@ def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
     have other types than the endpoint's is not an answer the client's SDK could read either.
     """
     try:
-        # as strict as for clients (NaN, Infinity, nesting beyond MAX_DEPTH are nothing the
-        # client's SDK could read either), but a lone surrogate escape is relayed as one
-        answer = loads_strict(raw, lone_surrogates=True)
+        # as strict as for clients (NaN and Infinity are nothing the client's SDK could read
+        # either), but nested as deeply as an answer repeating a request at the clients' bound
+        # may be, and a lone surrogate escape is relayed as one
+        answer = loads_strict(raw, lone_surrogates=True, max_depth=ANSWER_MAX_DEPTH)
     except ValueError:
         answer = None
     if not isinstance(answer, dict):

@@ -30,11 +30,15 @@ try:
 except ImportError:  # pragma: no cover - CPython always has it
     c_make_encoder = None
 
-__all__ = ["MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_places", "decimal_text", "dumps", "loads_strict", "loads_trusted"]
+__all__ = ["ANSWER_MAX_DEPTH", "MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_places", "decimal_text", "dumps", "loads_strict", "loads_trusted"]
 
 # Deeper than this is no request anyone means to send, and everything the gateway does with
 # a body afterwards (copying, encoding, estimating) must stay far from the recursion limit.
 MAX_DEPTH = 200
+# What a model server sends may repeat a request at that bound one or two levels down (a
+# Responses stream's event holds the response object, which repeats the request's `tools`):
+# its answers and events are read with a few levels more.
+ANSWER_MAX_DEPTH = MAX_DEPTH + 8
 # A \uD800-\uDFFF escape: the only way a parsed JSON string can hold a surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -53,11 +57,11 @@ def _finite_float(text: str) -> float:
 _decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
-def loads_strict(raw: bytes, *, lone_surrogates: bool = False) -> Any:
+def loads_strict(raw: bytes, *, lone_surrogates: bool = False, max_depth: int = MAX_DEPTH) -> Any:
     """Parse RFC 8259 JSON; raises ValueError (never anything else) on any bad input.
 
     Rejects invalid UTF-8, NaN/Infinity, numbers that overflow a float, integers too long
-    to convert, nesting deeper than MAX_DEPTH, and strings (keys included) with a lone
+    to convert, nesting deeper than `max_depth`, and strings (keys included) with a lone
     surrogate escape such as "\\ud800", which no UTF-8 request to a model server can carry.
     The two last checks cost a scan only of bodies that could fail them.
     """
@@ -66,8 +70,8 @@ def loads_strict(raw: bytes, *, lone_surrogates: bool = False) -> Any:
         value, end = _decoder.raw_decode(text, _skip_ws(text, 0))
         if _skip_ws(text, end) != len(text):
             raise ValueError("extra data after the JSON value")
-        if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(raw) > MAX_DEPTH:
-            raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+        if raw.count(b"[") + raw.count(b"{") > max_depth and _depth(raw) > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth} levels")
         if not lone_surrogates and _SURROGATE_ESCAPE.search(raw):
             try:
                 json.dumps(value, ensure_ascii=False).encode("utf-8")

@@ -14,7 +14,7 @@ import re
 from typing import Any, Collection
 
 from .echo import Echoes
-from .jsonio import dumps, loads_strict
+from .jsonio import ANSWER_MAX_DEPTH, dumps, loads_strict
 from .metering import LONGEST_TOKEN, TOKEN_BYTES, TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
@@ -609,9 +609,10 @@ def data_of(event: bytes) -> bytes | None:
 
 
 def parse_json(payload: bytes) -> Any:
-    """An event's data as JSON, or None: within the same bounds as client bodies (no NaN, no
-    nesting past MAX_DEPTH), though a lone surrogate escape, which an upstream may send, is kept."""
+    """An event's data as JSON, or None: within the bounds of client bodies (no NaN), nested no
+    deeper than an answer repeating a request at their bound (ANSWER_MAX_DEPTH), though a lone
+    surrogate escape, which an upstream may send, is kept."""
     try:
-        return loads_strict(payload, lone_surrogates=True)
+        return loads_strict(payload, lone_surrogates=True, max_depth=ANSWER_MAX_DEPTH)
     except ValueError:
         return None
