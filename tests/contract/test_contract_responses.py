@@ -319,12 +319,15 @@ def test_an_upstream_done_marker_is_not_relayed_so_the_sdk_still_sees_the_cut(st
     assert events[-1].code == "upstream_error"
 
 
-def test_a_stream_echoing_a_request_larger_than_the_event_bound_is_relayed_whole(stack, org):
+@pytest.mark.parametrize("letter", ["x", "é", "\U0001f600"], ids=["ascii", "escaped", "escaped pair"])
+def test_a_stream_echoing_a_request_larger_than_the_event_bound_is_relayed_whole(stack, org, letter):
     """The Responses API's events carry the response object, which echoes the request's
     `instructions`: a request within the body limit but over the model's per-event bound
-    (1 MiB) still streams to its end, billed as the model server reported."""
+    (1 MiB) still streams to its end, billed as the model server reported. A server that
+    escapes non-ASCII text (as the test's does, as Python's JSON writes it) repeats é's 2 bytes
+    as 6 and an emoji's 4 as 12: the bound takes that in, as an echoed prompt's does."""
     ledger = LedgerCheck(stack, org[0])
-    instructions = "x" * (1100 * 1024)
+    instructions = letter * (1100 * 1024 // len(letter.encode()))
     body = {**BODY, "instructions": instructions, "stream": True}
     response = ledger.saw(stack.post(RESPONSES, body, org[1]))
     events = list(sse_events(response.text))

@@ -36,7 +36,7 @@ from ..metering import (
     shown_usage,
 )
 from ..sse import NON_EMPTY_STRING, STRING, SseRelay, is_done, is_error_object, may_be_error, parse_json
-from .base import ModelApi, capability_check, tool_choice_type_check
+from .base import ECHO_ESCAPED, ModelApi, capability_check, tool_choice_type_check
 
 __all__ = ["API", "ResponsesApi", "ResponsesRelay"]
 
@@ -165,8 +165,9 @@ class ResponsesApi(ModelApi):
     def relay(self, *, client_wants_usage: bool, max_event_bytes: int, request_bytes: int = 0,
               echoes: Echoes | None = None, offered: Collection[str] = ()) -> SseRelay:
         # every event that carries the response object echoes the request (its instructions,
-        # tools, metadata): the bound is the model's plus the request's own size
-        return ResponsesRelay(max_event_bytes=max_event_bytes + request_bytes, offered=offered)
+        # tools, metadata): the bound is the model's plus the request's own size, as a server
+        # escaping its non-ASCII text may write it (ECHO_ESCAPED, as an echoed prompt)
+        return ResponsesRelay(max_event_bytes=max_event_bytes + ECHO_ESCAPED * request_bytes, offered=offered)
 
     def stream_tail(self, relay: SseRelay, usage: TokenUsage, cost: Any, client_wants_usage: bool) -> bytes:
         assert isinstance(relay, ResponsesRelay) and relay.final is not None
