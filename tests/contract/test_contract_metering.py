@@ -142,6 +142,26 @@ def test_reasoning_tokens_are_billed_as_reported(stack, org):
     assert (event.completion_tokens, event.usage_source, event.cost) == (30, "upstream", usage["cost"])
 
 
+def test_a_buffered_answer_opened_by_a_byte_order_mark_is_served_and_billed(stack, org):
+    """A model server's JSON answer that starts with a UTF-8 byte order mark (which a JSON reader
+    may ignore, and the SDKs do, as the SSE format drops one that opens a stream): it was a 502
+    and unbilled, where the same server's stream was served."""
+    org_id, key = org
+    raw = "\ufeff" + json.dumps({
+        "id": "chatcmpl-b1", "object": "chat.completion", "created": 1700000000, "model": "gpt-oss-120b",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi"}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21},
+    })
+    response = stack.post(CHAT, {**PAGE_CHAT, "mock": {"raw_body": raw}}, key)
+    assert response.status_code == 200, response.text
+    assert not response.content.startswith(b"\xef\xbb\xbf")  # no mark is passed on
+    answer = json.loads(response.content, parse_float=Decimal)
+    assert answer["choices"][0]["message"]["content"] == "Hi"
+    (event,) = stack.events(org_id)
+    assert (event.status, event.usage_source, event.cost) == ("success", "upstream", Decimal("0.000001155"))
+    assert answer["usage"]["cost"] == event.cost
+
+
 def test_generation_ids_are_unique_under_concurrency(stack):
     org_id, key = stack.org(concurrency=16)
     seen: list[str] = []

@@ -39,7 +39,7 @@ from .normalize import ModelCall
 from .observability import RequestRecord
 from .responses import LastPiece, RelayResponse, error_response, json_response
 from .shielded import to_the_end
-from .sse import KEEPALIVE, EventTooLarge, SseRelay
+from .sse import BOM, KEEPALIVE, EventTooLarge, SseRelay
 from .store import Lease, UsageEvent
 from .store.clock import iso_ms
 from .store.renewal import LeaseKeeper
@@ -606,8 +606,10 @@ def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
     try:
         # as strict as for clients (NaN and Infinity are nothing the client's SDK could read
         # either), but nested as deeply as an answer repeating a request at the clients' bound
-        # may be, and a lone surrogate escape is relayed as one
-        answer = loads_strict(raw, lone_surrogates=True, max_depth=ANSWER_MAX_DEPTH)
+        # may be; a lone surrogate escape is relayed as one, and a byte order mark before it,
+        # which a JSON reader may ignore (the SDKs do), dropped
+        answer = loads_strict(raw[len(BOM):] if raw.startswith(BOM) else raw, lone_surrogates=True,
+                              max_depth=ANSWER_MAX_DEPTH)
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
