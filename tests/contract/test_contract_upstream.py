@@ -108,6 +108,32 @@ def test_a_model_servers_code_of_the_request_is_passed_on(stack, org, code):
     assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (code, "max_tokens")
 
 
+def _repeating_the_request(levels: int) -> str:
+    """A 422 as a validation layer writes it, quoting an input nested `levels` deep."""
+    quoted: object = "x"
+    for _ in range(levels):
+        quoted = [quoted]
+    return json.dumps({"error": {"message": "bad schema", "type": "BadRequestError", "param": "tools",
+                                 "code": "bad_schema", "input": quoted}})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("raw", ["\ufeff" + json.dumps({"error": {"message": "bad schema", "param": "tools",
+                                                                   "code": "bad_schema"}}),
+                                 _repeating_the_request(199)], ids=["byte order mark", "quoting the request"])
+def test_an_upstream_4xx_is_read_as_its_answers_are(stack, org, stream, raw):
+    """An error body is read as a 200 answer is: opened by a byte order mark, or quoting a
+    request at the clients' nesting bound (a few levels deeper than the request itself). Read
+    more strictly, the client got the whole body as the message and no `code` to branch on."""
+    org_id, key = org
+    response = stack.post(CHAT, chat(stream=stream, mock={"status": 400, "plain_text": True, "message": raw}), key)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["message"], error["param"], error["code"]) == ("bad schema", "tools", "bad_schema")
+    assert_settled(stack, org_id, "upstream_rejected", 400)
+    assert stack.events(org_id)[0].error == "upstream HTTP 400 bad_schema"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_upstream_4xx_whose_message_no_utf8_can_carry_is_passed_on_as_its_text(stack, org, stream):
     """A lone surrogate escape in the error's message can be written in no UTF-8 body: the

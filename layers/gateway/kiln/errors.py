@@ -43,7 +43,7 @@ import re
 from typing import Any, Iterable
 from urllib.parse import quote
 
-from .jsonio import compact, loads_strict
+from .jsonio import compact, loads_answer
 
 __all__ = [
     "GatewayError",
@@ -404,11 +404,12 @@ def _short(word: str | None) -> str | None:
 
 def _describe_upstream_error(raw: bytes) -> tuple[str, str | None, str | None]:
     """(message, param, code) of an error body, whole: the caller bounds them."""
-    text = raw.decode("utf-8", errors="replace").strip()
+    text = raw.decode("utf-8", errors="replace").removeprefix("\ufeff").strip()  # a mark opening it is none of its text
     try:
-        # strict: a body nested past any parser's depth raises ValueError too, not RecursionError,
-        # and so does a lone surrogate escape, which no UTF-8 answer could carry on
-        payload: Any = loads_strict(text.encode())
+        # read as a model server's answers are (kiln.jsonio); a body nested past that raises
+        # ValueError, not RecursionError, and so does a lone surrogate escape, which no UTF-8
+        # answer could carry on
+        payload: Any = loads_answer(text.encode(), lone_surrogates=False)
     except ValueError:
         return text, None, None
     if isinstance(payload, dict):

@@ -32,14 +32,14 @@ from .errors import (
     scrubbed,
 )
 from .gateway import Gateway
-from .jsonio import ANSWER_MAX_DEPTH, dumps, loads_strict
+from .jsonio import dumps, loads_answer
 from .lambda_payload import answer_size, escaped_size
 from .metering import TokenUsage, UsageBounds, billable_usage, cost_of
 from .normalize import ModelCall
 from .observability import RequestRecord
 from .responses import LastPiece, RelayResponse, error_response, json_response
 from .shielded import to_the_end
-from .sse import BOM, KEEPALIVE, EventTooLarge, SseRelay
+from .sse import KEEPALIVE, EventTooLarge, SseRelay
 from .store import Lease, UsageEvent
 from .store.clock import iso_ms
 from .store.renewal import LeaseKeeper
@@ -605,11 +605,8 @@ def _parse_answer(raw: bytes, api: ModelApi) -> dict[str, Any]:
     """
     try:
         # as strict as for clients (NaN and Infinity are nothing the client's SDK could read
-        # either), but nested as deeply as an answer repeating a request at the clients' bound
-        # may be; a lone surrogate escape is relayed as one, and a byte order mark before it,
-        # which a JSON reader may ignore (the SDKs do), dropped
-        answer = loads_strict(raw[len(BOM):] if raw.startswith(BOM) else raw, lone_surrogates=True,
-                              max_depth=ANSWER_MAX_DEPTH)
+        # either), as an answer may repeat a request (kiln.jsonio)
+        answer = loads_answer(raw)
     except ValueError:
         answer = None
     if not isinstance(answer, dict):

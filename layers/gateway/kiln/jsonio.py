@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - CPython always has it
     c_make_encoder = None
 
-__all__ = ["ANSWER_MAX_DEPTH", "MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_places", "decimal_text", "dumps", "loads_strict", "loads_trusted"]
+__all__ = ["ANSWER_MAX_DEPTH", "BOM", "MAX_DEPTH", "compact", "compact_encoder", "compact_text", "decimal_places", "decimal_text", "dumps", "loads_answer", "loads_strict", "loads_trusted"]
 
 # Deeper than this is no request anyone means to send, and everything the gateway does with
 # a body afterwards (copying, encoding, estimating) must stay far from the recursion limit.
@@ -84,6 +84,21 @@ def loads_strict(raw: bytes, *, lone_surrogates: bool = False, max_depth: int = 
         if "integer string conversion" in str(exc):  # Python's words name its own setting
             raise ValueError(f"an integer has more than {sys.get_int_max_str_digits()} digits") from None
         raise ValueError(str(exc)) from None
+
+
+# a UTF-8 byte order mark
+BOM = b"\xef\xbb\xbf"
+
+
+def loads_answer(raw: bytes, *, lone_surrogates: bool = True) -> Any:
+    """What a model server sent (an answer, an event's data, an error's body) as JSON, as
+    `loads_strict` reads a client's body but for two things a server may do with a request at
+    the clients' bound: repeat it a few levels down (ANSWER_MAX_DEPTH), and open its body with
+    a byte order mark, which a JSON reader may ignore (the SDKs do). A lone surrogate escape is
+    kept unless told otherwise: the gateway relays it as one."""
+    if raw.startswith(BOM):
+        raw = raw[len(BOM):]
+    return loads_strict(raw, lone_surrogates=lone_surrogates, max_depth=ANSWER_MAX_DEPTH)
 
 
 # a JSON string as written (what it holds may be brackets that open nothing)

@@ -14,7 +14,7 @@ import re
 from typing import Any, Collection
 
 from .echo import Echoes
-from .jsonio import ANSWER_MAX_DEPTH, dumps, loads_strict
+from .jsonio import BOM, dumps, loads_answer
 from .metering import LONGEST_TOKEN, TOKEN_BYTES, TokenUsage, estimate_text_tokens, fewest_tokens
 from .upstream import UpstreamStreamError
 
@@ -28,8 +28,6 @@ DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
-# a byte order mark that starts a stream is not part of it (the SSE format drops it)
-BOM = b"\xef\xbb\xbf"
 
 # a JSON string's content, not empty, up to its closing quote: a character or an escape, then
 # runs of characters between escapes (one repeat of a character class per run, not an
@@ -130,7 +128,8 @@ class SseRelay:
         self._pending: list[bytes] = []  # pieces of the event not finished yet
         self._pending_size = 0
         self._after_cr = False
-        self._head: bytes | None = b""  # the stream's first bytes, until a BOM is told from data
+        # the stream's first bytes, until a byte order mark (the SSE format drops one) is told from data
+        self._head: bytes | None = b""
         self.bytes_scanned = 0
         self.done = False  # the upstream sent [DONE]
         self.usage_chunk: dict[str, Any] | None = None  # the upstream's usage chunk, held back
@@ -609,10 +608,9 @@ def data_of(event: bytes) -> bytes | None:
 
 
 def parse_json(payload: bytes) -> Any:
-    """An event's data as JSON, or None: within the bounds of client bodies (no NaN), nested no
-    deeper than an answer repeating a request at their bound (ANSWER_MAX_DEPTH), though a lone
-    surrogate escape, which an upstream may send, is kept."""
+    """An event's data as JSON, or None: read as a model server's answer is (kiln.jsonio: no
+    NaN, nested no deeper than a repeated request, a lone surrogate escape kept)."""
     try:
-        return loads_strict(payload, lone_surrogates=True, max_depth=ANSWER_MAX_DEPTH)
+        return loads_answer(payload)
     except ValueError:
         return None
