@@ -321,11 +321,15 @@ def test_the_stream_is_held_to_the_models_bound_on_one_event():
 
 
 def test_the_bound_on_one_event_makes_room_for_the_request_it_echoes():
-    echo = event("response.created", {"type": "response.created", "response": {"instructions": "x" * 500}})
-    held = RESPONSES.relay(client_wants_usage=True, max_event_bytes=len(DELTA), request_bytes=len(echo))
-    assert held.feed(echo) == echo
-    with pytest.raises(Exception, match=f"over {len(DELTA) + len(echo)} bytes"):
-        held.feed(event("response.created", {"response": {"instructions": "x" * (len(echo) + len(DELTA))}}))
+    """As a server escaping the request's non-ASCII text writes it: up to three times its size."""
+    request_bytes = 700 * 2 + 100  # 700 é of instructions, and the rest of the request
+    escaped = event("response.created", {"type": "response.created", "response": {"instructions": "é" * 700}})
+    assert len(escaped) > len(DELTA) + 2 * request_bytes  # \u00e9, 6 bytes a letter: 2 bytes in the request
+    held = RESPONSES.relay(client_wants_usage=True, max_event_bytes=len(DELTA), request_bytes=request_bytes)
+    assert held.feed(escaped) == escaped
+    bound = len(DELTA) + 3 * request_bytes
+    with pytest.raises(Exception, match=f"over {bound} bytes"):
+        held.feed(event("response.created", {"response": {"instructions": "x" * bound}}))
 
 
 @pytest.mark.parametrize("done", [b"data: [DONE]\n\n", b"data: [DONE] \n\n"], ids=["as chat sends it", "trailing space"])
