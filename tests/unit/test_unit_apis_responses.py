@@ -175,13 +175,12 @@ def test_every_event_is_relayed_as_sent_but_the_final_one_which_is_held_back():
     assert out == CREATED + b": keepalive\n\n" + DELTA + EMPTY_DELTA + ARGS
     assert relay.done is True
     assert relay.final == json.loads(COMPLETED.split(b"data: ")[1])
-    assert relay.final_name == b"event: response.completed\n"
     assert relay.reported_usage == USAGE and relay.finish_reason == "completed"
     assert relay.relayed_texts == 2  # "Hel" and the arguments; the empty delta does not count
     # and at every split point, the same
     for cut in range(1, len(stream)):
         again, other = relayed(stream[:cut], stream[cut:])
-        assert (again, other.final, other.final_name, other.relayed_texts) == (out, relay.final, relay.final_name, 2), cut
+        assert (again, other.final, other.relayed_texts) == (out, relay.final, 2), cut
 
 
 def test_a_delta_that_is_no_utf8_is_relayed_as_the_sse_format_reads_it():
@@ -206,7 +205,7 @@ def test_the_other_final_events_end_the_stream_too(kind, status):
 def test_a_final_event_without_its_event_line_or_status_is_still_final():
     final = b'data: {"type":"response.completed","response":{"status":3}}\n\n'
     out, relay = relayed(DELTA + final)
-    assert out == DELTA and relay.done and relay.final_name == b"" and relay.finish_reason is None
+    assert out == DELTA and relay.done and relay.finish_reason is None
 
 
 @pytest.mark.parametrize(
@@ -338,11 +337,19 @@ def test_a_chat_style_done_marker_is_never_relayed(done):
     assert out == DELTA and relay.final is not None
 
 
-def test_the_final_events_field_lines_are_kept_as_written():
-    final = b"id: 9\nevent: response\nevent: response.completed\n" + COMPLETED.split(b"\n", 1)[1]
+@pytest.mark.parametrize("lines", [b"id: 9\nevent: response\nevent: response.completed\n",
+                                   b"event: thread.run.completed\n", b"event: response.output_text.done\n", b""],
+                         ids=["two names", "an assistants name", "another event's name", "none"])
+def test_the_final_event_the_gateway_writes_is_named_by_its_type(lines):
+    """The final event is written again, with the cost: it goes out named by its type, whatever
+    the server named it. Named `thread.run.completed`, openai-python read it as an Assistants
+    event: no `response.completed` reached `get_final_response()`, and the client never saw
+    the usage it was billed for."""
+    final = lines + COMPLETED.split(b"\n", 1)[1]
     _, relay = relayed(DELTA + final)
-    assert relay.final_name == b"event: response\nevent: response.completed\n"
-    assert RESPONSES.stream_tail(relay, TokenUsage(8, 12, 3), COST, True).startswith(relay.final_name + b"data: ")
+    assert relay.done and relay.reported_usage == USAGE
+    tail = RESPONSES.stream_tail(relay, TokenUsage(8, 12, 3), COST, True)
+    assert tail.startswith(b"event: response.completed\ndata: {")
 
 
 def test_a_comment_line_does_not_hide_the_final_event():
@@ -539,3 +546,4 @@ def test_items_given_before_and_restated_under_fresh_ids_count_once():
     told = [_told("response.output_item.done", item_id, [text]) for item_id, text in zip("abc", _WORDS, strict=True)]
     restated = _final([_message(f"fresh-{item_id}", [text]) for item_id, text in zip("abc", _WORDS, strict=True)])
     assert _billed(*told, restated) == _billed(*told, _final([]))
+

@@ -173,7 +173,10 @@ class ResponsesApi(ModelApi):
         assert isinstance(relay, ResponsesRelay) and relay.final is not None
         response = dict(relay.final["response"])
         response["usage"] = _with_cost(response.get("usage"), usage, cost)
-        return relay.final_name + b"data: " + dumps({**relay.final, "response": response}) + b"\n\n"
+        # named by its type, whatever the server named it: openai-python reads an event named
+        # `thread.*` as an Assistants event, and would never see this one (nor its usage)
+        kind = relay.final["type"].encode()
+        return b"event: " + kind + b"\ndata: " + dumps({**relay.final, "response": response}) + b"\n\n"
 
     def stream_error(self, message: str, relay: SseRelay) -> bytes:
         # the Responses API's error event, as the SDKs read it: the Vercel AI SDK refuses one
@@ -416,7 +419,6 @@ class ResponsesRelay(SseRelay):
         self._search = [MAX_SEARCHED_BYTES]  # the bytes it may still search
         super().__init__(client_wants_usage=True, max_event_bytes=max_event_bytes, offered=offered)
         self.final: dict[str, Any] | None = None  # the final event's data
-        self.final_name = b""  # its `event:` line, as the upstream wrote it
         # the sequence number an event the gateway adds takes: one past the last relayed
         # event's, else (an event with none the gateway can read) one more than the last
         self.next_sequence = 0
@@ -575,7 +577,7 @@ class ResponsesRelay(SseRelay):
             if kind in FINAL_EVENTS:
                 if not isinstance(data.get("response"), dict):
                     return self._failed(f"its final event ({kind}) has no response object")
-                return self._final(event, data)
+                return self._final(data)
             number = data.get("sequence_number") if isinstance(data, dict) else None
             self.next_sequence = number + 1 if type(number) is int and number >= 0 else self.next_sequence + 1
             if isinstance(kind, str) and kind.startswith("response."):
@@ -593,9 +595,8 @@ class ResponsesRelay(SseRelay):
         self.next_sequence = int(number[1]) + 1 if number else self.next_sequence + 1
         return event
 
-    def _final(self, event: bytes, data: dict[str, Any]) -> None:
+    def _final(self, data: dict[str, Any]) -> None:
         self.final = data
-        self.final_name = b"".join(line + b"\n" for line in event.split(b"\n") if line.startswith(b"event:"))
         usage = data["response"].get("usage")
         if isinstance(usage, dict):
             self.reported_usage = usage
