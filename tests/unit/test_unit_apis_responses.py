@@ -547,3 +547,40 @@ def test_items_given_before_and_restated_under_fresh_ids_count_once():
     restated = _final([_message(f"fresh-{item_id}", [text]) for item_id, text in zip("abc", _WORDS, strict=True)])
     assert _billed(*told, restated) == _billed(*told, _final([]))
 
+
+# a model server's texts that are no strings: the SDKs hand them to the client as they came
+UNSTRUNG = [["a" * 900] * 5, 12345678901234567890, {"k%d" % n: "v" * 40 for n in range(20)}]
+
+
+@pytest.mark.parametrize("value", UNSTRUNG, ids=["an array", "a number", "an object"])
+@pytest.mark.parametrize("kind", ["output_text", "function_call_arguments", "reasoning_text"])
+def test_a_streamed_text_that_is_no_string_is_counted_as_the_client_gets_it(value, kind):
+    """§4: the gateway counts what it relayed. A delta (and its done event's text) holding an
+    array, a number or an object reached the client, and was billed as no token at all."""
+    as_text = json.dumps(value, separators=(",", ":"))
+    field = "arguments" if kind == "function_call_arguments" else "text"
+    for pieces in ([{"type": f"response.{kind}.delta", "item_id": "m", "delta": value}],
+                   [{"type": f"response.{kind}.done", "item_id": "m", field: value}],
+                   [{"type": f"response.{kind}.delta", "item_id": "m", "delta": value},
+                    {"type": f"response.{kind}.done", "item_id": "m", field: value}]):
+        stream = b"".join(event(piece["type"], piece) for piece in pieces)
+        out, relay = relayed(stream + event("response.completed", {"type": "response.completed",
+                                                                   "response": {"status": "completed"}}))
+        assert out == stream
+        # as its text (as sent: escaped, as every delta is counted), and not twice when repeated whole
+        expected = RESPONSES.estimate_completion({"output": [{"type": "message", "content": [{"text": as_text}]}]})
+        as_sent = json.dumps(as_text)[1:-1]
+        most = RESPONSES.estimate_completion({"output": [{"type": "message", "content": [{"text": as_sent}]}]})
+        assert expected <= relay.relayed_tokens <= most + 1, (pieces, relay.relayed_tokens, expected, most)
+        assert relay.fewest_tokens >= 1
+
+
+@pytest.mark.parametrize("value", UNSTRUNG, ids=["an array", "a number", "an object"])
+def test_a_buffered_answers_text_that_is_no_string_is_counted_as_the_client_gets_it(value):
+    as_text = json.dumps(value, separators=(",", ":"))
+    expected = RESPONSES.estimate_completion({"output": [{"type": "message", "content": [{"text": as_text}]}]})
+    for item in ({"type": "message", "content": [{"type": "output_text", "text": value}]},
+                 {"type": "function_call", "name": "f", "arguments": value}):
+        answer = {"output": [item]}
+        assert RESPONSES.estimate_completion(answer) >= expected, item
+        assert RESPONSES.fewest_completion_tokens(answer) >= 1, item

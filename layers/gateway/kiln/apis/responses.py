@@ -48,6 +48,8 @@ _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # the request's metadata, whose values may be under a key "delta"
 _DELTA = re.compile(rb'"delta"\s*:\s*"(' + NON_EMPTY_STRING + rb')"')
 _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
+# a delta that is no string (an array, an object, a number), read as JSON (`_text_of`)
+_UNSTRUNG_DELTA = re.compile(rb'"delta"\s*:\s*[\[{0-9-]')
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})[\s,}]')
 _ITEM_ID = re.compile(rb'"item_id"\s*:\s*"(' + STRING + rb')"')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
@@ -232,7 +234,7 @@ def _item_texts(item: Any, offered: Collection[str] = ()) -> Iterator[str]:
     name = item.get("name")
     if isinstance(name, str) and name not in offered:
         yield name
-    yield from (item[field] for field in _ITEM_TEXTS if isinstance(item.get(field), str))
+    yield from (text for text in (_text_of(item.get(field)) for field in _ITEM_TEXTS) if text is not None)
     action = item.get("action")
     if isinstance(action, dict):
         yield from (action[field] for field in _ACTION_TEXTS if isinstance(action.get(field), str))
@@ -247,12 +249,23 @@ def _item_texts(item: Any, offered: Collection[str] = ()) -> Iterator[str]:
 
 
 def _part_texts(part: Any) -> list[str]:
-    """A content part's text and refusal (a part that is a text: itself)."""
-    if isinstance(part, str):
-        return [part]
+    """A content part's text and refusal (a part that is no object: itself, `_text_of`)."""
     if not isinstance(part, dict):
-        return []
-    return [part[kind] for kind in ("text", "refusal") if isinstance(part.get(kind), str)]
+        text = _text_of(part)
+        return [] if text is None else [text]
+    return [text for text in (_text_of(part.get(kind)) for kind in ("text", "refusal")) if text is not None]
+
+
+def _text_of(value: Any) -> str | None:
+    """What a field that holds text gives the client: a string, itself; an array, an object or
+    a number (no text a model server should send, but the SDKs hand it to the client as it
+    came, and it is counted as chat's are), its JSON; nothing else (null, a boolean, an empty
+    array or object) is text."""
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, bool) or (isinstance(value, (list, dict)) and not value):
+        return None
+    return dumps(value).decode("utf-8", "surrogatepass")
 
 
 # the fields of an event that give a text whole (`response.output_text.done`'s text,
@@ -536,9 +549,15 @@ class ResponsesRelay(SseRelay):
         parts = _part_texts(data.get("part"))
         if parts:
             self._whole(key, parts, "part." + ending)
-        texts = [data[field] for field in _WHOLE_FIELDS if isinstance(data.get(field), str)]
+        texts = [text for text in (_text_of(data.get(field)) for field in _WHOLE_FIELDS) if text is not None]
         if texts:
             self._whole(key, texts, "text." + ending)
+
+    def _delta_value(self, key: Any, delta: Any) -> None:
+        """A delta read as JSON: its text (`_text_of`), as sent."""
+        text = _text_of(delta)
+        if text:
+            self._delta_of(key, [dumps(text)[1:-1]])
 
     def _delta_of(self, key: Any, texts: list[bytes]) -> None:
         """Texts of an item's deltas (as sent), counted as chat's are (SseRelay._add_text)."""
@@ -585,12 +604,18 @@ class ResponsesRelay(SseRelay):
                 if kind in _SNAPSHOTS or kind.endswith((".done", ".added")):
                     self._count_wholes(data, kind)
                 elif kind.endswith(".delta"):
-                    delta = data.get("delta")
-                    if isinstance(delta, str) and delta:
-                        self._delta_of(_item_key(data.get("item_id")), [dumps(delta)[1:-1]])
+                    self._delta_value(_item_key(data.get("item_id")), data.get("delta"))
             return event
         if kind_found is not None:  # a delta's text; `"delta"` elsewhere (an echo) is not
-            self._delta_of(_raw_item(payload), _DELTA.findall(payload))
+            found = _DELTA.findall(payload)
+            if found:
+                self._delta_of(_raw_item(payload), found)
+            elif _UNSTRUNG_DELTA.search(payload) is not None:  # a delta that is no string: read
+                data = parse_json(payload)
+                if isinstance(data, dict):
+                    self._delta_value(_item_key(data.get("item_id")), data.get("delta"))
+                else:  # not JSON the gateway reads, though a client's parser may: its bytes, as a text
+                    self._delta_of(_raw_item(payload), [payload])
         number = _SEQUENCE.search(payload)
         self.next_sequence = int(number[1]) + 1 if number else self.next_sequence + 1
         return event
