@@ -312,3 +312,17 @@ def test_a_bom_later_in_the_stream_is_data_as_any_other_bytes():
 def test_data_that_starts_with_done_ends_the_stream_as_the_sdks_read_it(done):
     out, relay = relay_all([HELLO, done, HELLO])
     assert out == HELLO and relay.done  # never relayed: the gateway sends its own [DONE] after the usage
+
+
+@pytest.mark.parametrize("framing", [b"data: ", b"data:   ", b"event: message\ndata: "],
+                         ids=["one line", "spaces before it", "with a name"])
+def test_a_chunk_whose_data_opens_with_a_byte_order_mark_ends_the_stream_unrelayed(framing):
+    """A mark may open a stream, not an event's data: openai-python's reader raises on it (a
+    JSONDecodeError, no APIError) and the Node SDK's too. It is the model server's broken
+    event: the stream ends with the gateway's error event, as for any event no client reads."""
+    chunk = framing + b"\xef\xbb\xbf" + HELLO[len(b"data: "):]
+    out, relay = relay_all([HELLO, chunk, HELLO, DONE])
+    assert out == HELLO and relay.failure and not relay.usage
+    # at the stream's start a mark is the stream's, dropped as the SSE format drops it
+    out, relay = relay_all([b"\xef\xbb\xbf" + HELLO, DONE])
+    assert out == HELLO and relay.failure is None and relay.done

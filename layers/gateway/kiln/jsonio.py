@@ -90,13 +90,14 @@ def loads_strict(raw: bytes, *, lone_surrogates: bool = False, max_depth: int = 
 BOM = b"\xef\xbb\xbf"
 
 
-def loads_answer(raw: bytes, *, lone_surrogates: bool = True) -> Any:
-    """What a model server sent (an answer, an event's data, an error's body) as JSON, as
-    `loads_strict` reads a client's body but for two things a server may do with a request at
-    the clients' bound: repeat it a few levels down (ANSWER_MAX_DEPTH), and open its body with
-    a byte order mark, which a JSON reader may ignore (the SDKs do). A lone surrogate escape is
-    kept unless told otherwise: the gateway relays it as one."""
-    if raw.startswith(BOM):
+def loads_answer(raw: bytes, *, lone_surrogates: bool = True, body: bool = True) -> Any:
+    """What a model server sent (an answer, an error's body, an event's data) as JSON, as
+    `loads_strict` reads a client's body but that it may repeat a request at the clients'
+    bound a few levels down (ANSWER_MAX_DEPTH). A whole `body` may open with a byte order mark,
+    which a JSON reader may ignore (the SDKs read a body so); an event's data may not (their
+    readers refuse one there, so the gateway never relays it). A lone surrogate escape is kept
+    unless told otherwise: the gateway relays it as one."""
+    if body and raw.startswith(BOM):
         raw = raw[len(BOM):]
     return loads_strict(raw, lone_surrogates=lone_surrogates, max_depth=ANSWER_MAX_DEPTH)
 

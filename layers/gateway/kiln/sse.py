@@ -28,6 +28,10 @@ DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
+# A byte order mark may open a stream (the SSE format drops it) but no event's data: the SDKs'
+# JSON readers refuse it there, raising no APIError, so such an event is never relayed
+BOM_IN_DATA = "it sent an event whose data opens with a byte order mark"
+_DATA_BOM = re.compile(rb"data: *" + BOM)
 
 # a JSON string's content, not empty, up to its closing quote: a character or an escape, then
 # runs of characters between escapes (one repeat of a character class per run, not an
@@ -215,9 +219,10 @@ class SseRelay:
             event = event.strip(b"\n")
             if not event:
                 continue
-            if not event.isascii():  # a whole event: no sequence is cut at its ends; the bound is on what was sent
+            ascii_only = event.isascii()
+            if not ascii_only:  # a whole event: no sequence is cut at its ends; the bound is on what was sent
                 event = as_utf8(event)
-            if plain and self._taken_as_sent(event):
+            if plain and (ascii_only or _DATA_BOM.match(event) is None) and self._taken_as_sent(event):
                 out.append(event)
                 out.append(b"\n\n")
                 continue
@@ -382,6 +387,8 @@ class SseRelay:
         if event.find(b"\n") < 0:  # one line (nearly every event): data, or a comment
             if event.startswith(b"data:"):
                 payload = event[5:].lstrip(b" ")
+                if payload.startswith(BOM):
+                    return self._failed(BOM_IN_DATA)
                 # empty data is no chunk, and the Python SDK raises on reading it as JSON
                 return self._payload(event, payload) if payload.strip() else None
             if event == b"data":  # a data field with no value: empty data too
@@ -401,6 +408,8 @@ class SseRelay:
             return None if _EVENT_FIELD.search(event) else event
         if not payload.strip():
             return None  # empty data: no chunk, and the Python SDK raises on reading it as JSON
+        if payload.startswith(BOM):
+            return self._failed(BOM_IN_DATA)
         return self._payload(event, payload)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
@@ -609,8 +618,9 @@ def data_of(event: bytes) -> bytes | None:
 
 def parse_json(payload: bytes) -> Any:
     """An event's data as JSON, or None: read as a model server's answer is (kiln.jsonio: no
-    NaN, nested no deeper than a repeated request, a lone surrogate escape kept)."""
+    NaN, nested no deeper than a repeated request, a lone surrogate escape kept), but for a
+    byte order mark, which no client reads in an event's data."""
     try:
-        return loads_answer(payload)
+        return loads_answer(payload, body=False)
     except ValueError:
         return None
