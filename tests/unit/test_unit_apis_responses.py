@@ -586,6 +586,23 @@ def test_a_buffered_answers_text_that_is_no_string_is_counted_as_the_client_gets
         assert RESPONSES.fewest_completion_tokens(answer) >= 1, item
 
 
+BIG = "w" * 8000
+
+
+@pytest.mark.parametrize("shape", [
+    b'"delta":{"delta":"a","pad":"' + BIG.encode() + b'"}',
+    b'"x":{"delta":"a"},"delta":["' + BIG.encode() + b'"]',
+    b'"delta":"a","delta":["' + BIG.encode() + b'"]',
+], ids=["a delta within it", "a delta beside it", "the key twice"])
+def test_a_delta_that_is_no_string_is_counted_beside_any_string_under_that_name(shape):
+    """A delta event read without parsing counted the strings named `delta` it found: one beside
+    or within an array or object delta hid it, and the client's 8 000 characters billed a token."""
+    piece = b'data: {"type":"response.output_text.delta","item_id":"m",' + shape + b"}\n\n"
+    out, relay = relayed(piece)
+    assert out == piece
+    assert relay.relayed_tokens >= RESPONSES.estimate_completion({"output": [{"content": [{"text": BIG}]}]})
+
+
 @pytest.mark.parametrize("data", [
     {"type": "response.output_text.done", "item_id": "m", "text": "Hello"},
     {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},

@@ -607,10 +607,11 @@ class ResponsesRelay(SseRelay):
                     self._delta_value(_item_key(data.get("item_id")), data.get("delta"))
             return event
         if kind_found is not None:  # a delta's text; `"delta"` elsewhere (an echo) is not
-            found = _DELTA.findall(payload)
-            if found:
-                self._delta_of(_raw_item(payload), found)
-            elif _UNSTRUNG_DELTA.search(payload) is not None:  # a delta that is no string: read
+            if _UNSTRUNG_DELTA.search(payload) is None:
+                self._delta_of(_raw_item(payload), _DELTA.findall(payload))
+            else:
+                # a delta that is no string (or one that is, beside or within it): read as the
+                # client reads it, which takes the last `delta` of the event's object
                 data = parse_json(payload)
                 if isinstance(data, dict):
                     self._delta_value(_item_key(data.get("item_id")), data.get("delta"))
