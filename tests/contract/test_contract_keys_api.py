@@ -684,9 +684,17 @@ def test_a_reclaimed_request_admitted_without_the_limit_counts_in_its_figure(sta
 DAY = 86400.0
 
 
+def tomorrow_moment() -> float:
+    """Two hours into the next UTC day: the key's next period, with today's over and past its
+    grace (PERIOD_GRACE_SECONDS), whatever the time of day. A day ahead of now left today's
+    figure in its grace when now was before 01:00 UTC, and the test failed then."""
+    return (time.time() // DAY + 1) * DAY + 2 * 3600
+
+
 def tomorrow(stack, use):
-    """`use(ledger)` on a ledger whose clock is a day ahead: the key's next period."""
-    return with_clocked_ledger(stack.settings, lambda: time.time() + DAY, use)
+    """`use(ledger)` on a ledger whose clock is in the next day (`tomorrow_moment`)."""
+    start, moment = time.time(), tomorrow_moment()
+    return with_clocked_ledger(stack.settings, lambda: moment + (time.time() - start), use)
 
 
 def admitted_tomorrow(stack, org_id: str, key_id: str, limits: KeyLimits, cost: str, tries: int = 6) -> int:
@@ -716,7 +724,7 @@ def test_a_request_in_flight_across_a_change_and_midnight_leaves_the_new_limit_i
     assert tomorrow(stack, lambda ledger: ledger.settle(in_flight, stale_event(in_flight, "0.1"))) == "settled"
     assert tomorrow(stack, lambda ledger: ledger.settle(first, stale_event(first, "2"))) == "settled"
     assert admitted_tomorrow(stack, org_id, key["id"], daily, "2") == 2  # 2 + 2 + 2 reaches the $5
-    next_day = daily.figure(key["id"], time.time() + DAY)
+    next_day = daily.figure(key["id"], tomorrow_moment())
     assert figures_of_key(stack, org_id, key["id"]) == {next_day: Decimal(6)}  # the request of today: in today's
 
 
