@@ -194,3 +194,17 @@ def test_what_is_written_holds_no_more_memory_than_its_bytes():
 ])
 def test_decimal_places_are_read_from_the_digits_exactly(text, places):
     assert decimal_places(Decimal(text)) == places
+
+
+def test_a_model_servers_body_may_open_with_a_byte_order_mark_an_events_data_may_not():
+    from kiln.jsonio import ANSWER_MAX_DEPTH, loads_answer
+
+    assert loads_answer(b'\xef\xbb\xbf{"a":1}') == {"a": 1}
+    with pytest.raises(ValueError):
+        loads_answer(b'\xef\xbb\xbf{"a":1}', body=False)
+    deep = b"[" * ANSWER_MAX_DEPTH + b"]" * ANSWER_MAX_DEPTH
+    assert loads_answer(deep) is not None  # a request at the clients' bound, repeated a few levels down
+    with pytest.raises(ValueError):
+        loads_answer(b"[" + deep + b"]")
+    with pytest.raises(ValueError):
+        loads_strict(deep)

@@ -302,9 +302,9 @@ def test_a_bom_that_starts_the_stream_is_dropped_and_the_first_event_counted(spl
     assert (relay.relayed_texts, relay.relayed_tokens, relay.first_chunk["id"]) == (1, 1, "c1")
 
 
-def test_a_bom_later_in_the_stream_is_data_as_any_other_bytes():
+def test_a_line_opened_by_a_bom_later_in_the_stream_is_no_field_and_not_relayed():
     out, relay = relay_all([HELLO + BOM + HELLO + DONE])
-    assert out == HELLO + BOM + HELLO and relay.relayed_texts == 1
+    assert out == HELLO and relay.relayed_texts == 1 and relay.done and relay.failure is None
 
 
 @pytest.mark.parametrize("done", [b"data: [DONE] \n\n", b"data: [DONE]\t\n\n", b"data:[DONE]x\n\n"],
@@ -314,8 +314,9 @@ def test_data_that_starts_with_done_ends_the_stream_as_the_sdks_read_it(done):
     assert out == HELLO and relay.done  # never relayed: the gateway sends its own [DONE] after the usage
 
 
-@pytest.mark.parametrize("framing", [b"data: ", b"data:   ", b"event: message\ndata: "],
-                         ids=["one line", "spaces before it", "with a name"])
+@pytest.mark.parametrize("framing", [b"data: ", b"data:   ", b"event: message\ndata: ", b"data:\t",
+                                     b"data: \ndata: "],
+                         ids=["one line", "spaces before it", "with a name", "a tab before it", "a line before it"])
 def test_a_chunk_whose_data_opens_with_a_byte_order_mark_ends_the_stream_unrelayed(framing):
     """A mark may open a stream, not an event's data: openai-python's reader raises on it (a
     JSONDecodeError, no APIError) and the Node SDK's too. It is the model server's broken
@@ -326,3 +327,16 @@ def test_a_chunk_whose_data_opens_with_a_byte_order_mark_ends_the_stream_unrelay
     # at the stream's start a mark is the stream's, dropped as the SSE format drops it
     out, relay = relay_all([b"\xef\xbb\xbf" + HELLO, DONE])
     assert out == HELLO and relay.failure is None and relay.done
+
+
+@pytest.mark.parametrize("before", [b"\xef\xbb\xbf", b"\n\n", b"event: ping\n\n", b"id: 1\n\n", b": hi\n\n"],
+                         ids=["a second mark", "blank lines", "a named event", "an id", "a comment"])
+def test_a_line_opened_by_a_byte_order_mark_after_the_streams_start_is_never_relayed(before):
+    """Past the stream's start, a mark makes a line no field a client knows, unless it becomes
+    the first bytes of the gateway's own stream, where the client's reader drops it and reads
+    the line as data: a chunk relayed uncounted. Such a line is never relayed."""
+    chunk = b"\xef\xbb\xbf" + HELLO
+    out, relay = relay_all([b"\xef\xbb\xbf" + before + chunk, HELLO, DONE])
+    assert b"\xef\xbb\xbf" not in out and out.endswith(HELLO) and out.count(b"Hel") == 1
+    assert relay.relayed_texts == 1 and relay.done and relay.failure is None
+

@@ -29,9 +29,17 @@ DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
 # A byte order mark may open a stream (the SSE format drops it) but no event's data: the SDKs'
-# JSON readers refuse it there, raising no APIError, so such an event is never relayed
-BOM_IN_DATA = "it sent an event whose data opens with a byte order mark"
-_DATA_BOM = re.compile(rb"data: *" + BOM)
+# JSON readers refuse it there, raising no APIError, so such an event ends the stream unrelayed
+MISPLACED_BOM = "it sent a byte order mark where no client reads one"
+_DATA_BOM = re.compile(rb"data:[ \t]*" + BOM)
+# what may come before a byte order mark at the start of an event's data (JSON's whitespace)
+_BEFORE_DATA = b" \t\r\n"
+
+
+def _data_opens_with_bom(payload: bytes) -> bool:
+    if payload.startswith(BOM):
+        return True
+    return payload[:1] in _BEFORE_DATA and payload.lstrip(_BEFORE_DATA).startswith(BOM)
 
 # a JSON string's content, not empty, up to its closing quote: a character or an escape, then
 # runs of characters between escapes (one repeat of a character class per run, not an
@@ -384,11 +392,16 @@ class SseRelay:
         """
         if self.done:
             return None  # nothing after the stream's end ([DONE]) is relayed
+        if event.startswith(BOM):
+            # past the stream's start (`_start` drops one there) a line so opened is a field no
+            # client knows, but it would be read as what follows the mark if it opened the
+            # gateway's own stream: never relayed, as a field no client reads is not
+            return None
         if event.find(b"\n") < 0:  # one line (nearly every event): data, or a comment
             if event.startswith(b"data:"):
                 payload = event[5:].lstrip(b" ")
-                if payload.startswith(BOM):
-                    return self._failed(BOM_IN_DATA)
+                if _data_opens_with_bom(payload):
+                    return self._failed(MISPLACED_BOM)
                 # empty data is no chunk, and the Python SDK raises on reading it as JSON
                 return self._payload(event, payload) if payload.strip() else None
             if event == b"data":  # a data field with no value: empty data too
@@ -408,8 +421,8 @@ class SseRelay:
             return None if _EVENT_FIELD.search(event) else event
         if not payload.strip():
             return None  # empty data: no chunk, and the Python SDK raises on reading it as JSON
-        if payload.startswith(BOM):
-            return self._failed(BOM_IN_DATA)
+        if _data_opens_with_bom(payload):
+            return self._failed(MISPLACED_BOM)
         return self._payload(event, payload)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
