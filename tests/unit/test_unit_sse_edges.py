@@ -340,3 +340,11 @@ def test_a_line_opened_by_a_byte_order_mark_after_the_streams_start_is_never_rel
     assert b"\xef\xbb\xbf" not in out and out.endswith(HELLO) and out.count(b"Hel") == 1
     assert relay.relayed_texts == 1 and relay.done and relay.failure is None
 
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity"])
+def test_a_text_that_is_a_number_no_json_reader_takes_is_counted_as_sent(value):
+    """openai-python reads NaN and Infinity as numbers and hands them to the client as text:
+    a chunk of them was relayed and counted as nothing."""
+    chunk = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":' + value + b'},"finish_reason":null}]}\n\n'
+    out, relay = relay_all([HELLO, chunk * 50, DONE])
+    assert out == HELLO + chunk * 50 and relay.relayed_tokens >= 51

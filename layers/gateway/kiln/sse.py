@@ -50,9 +50,9 @@ _USAGE_PRESENT = re.compile(rb'"usage"\s*:(?!\s*null)')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # a non-empty text of a chunk the model wrote (its content, reasoning, refusal, a tool call's
 # arguments, an audio reply's transcript), as sent; b"" where such a field holds no string but
-# an array, an object or a number (`_unstrung_texts` reads it)
+# an array, an object or a number, NaN and Infinity too (`_unstrung_texts` reads it)
 _TEXT_KEYS = rb"content|text|reasoning_content|reasoning|refusal|arguments|transcript"
-_TEXT_DELTA = re.compile(rb'"(?:' + _TEXT_KEYS + rb')"\s*:\s*(?:"(' + NON_EMPTY_STRING + rb')"|(?=[\[{0-9-]))')
+_TEXT_DELTA = re.compile(rb'"(?:' + _TEXT_KEYS + rb')"\s*:\s*(?:"(' + NON_EMPTY_STRING + rb')"|(?=[\[{0-9NI-]))')
 # the most tool calls whose last name is remembered, by a hash (a name sent again for the same
 # call of the same choice, as vLLM 0.6-0.7 does in every chunk for a named tool_choice, counts once)
 MAX_NAMED_CALLS = 10_000

@@ -48,8 +48,7 @@ _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # the request's metadata, whose values may be under a key "delta"
 _DELTA = re.compile(rb'"delta"\s*:\s*"(' + NON_EMPTY_STRING + rb')"')
 _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
-# a delta that is no string (an array, an object, a number), read as JSON (`_text_of`)
-_UNSTRUNG_DELTA = re.compile(rb'"delta"\s*:\s*[\[{0-9-]')
+
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})[\s,}]')
 _ITEM_ID = re.compile(rb'"item_id"\s*:\s*"(' + STRING + rb')"')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
@@ -607,11 +606,12 @@ class ResponsesRelay(SseRelay):
                     self._delta_value(_item_key(data.get("item_id")), data.get("delta"))
             return event
         if kind_found is not None:  # a delta's text; `"delta"` elsewhere (an echo) is not
-            if _UNSTRUNG_DELTA.search(payload) is None:
-                self._delta_of(_raw_item(payload), _DELTA.findall(payload))
+            found = _DELTA.findall(payload)
+            if len(found) == payload.count(b'"delta"'):  # every delta a string (nearly every event)
+                self._delta_of(_raw_item(payload), found)
             else:
-                # a delta that is no string (or one that is, beside or within it): read as the
-                # client reads it, which takes the last `delta` of the event's object
+                # a delta that is no string (an array, an object, a number, NaN), or a string one
+                # beside or within one: read as the client reads it, its object's last `delta`
                 data = parse_json(payload)
                 if isinstance(data, dict):
                     self._delta_value(_item_key(data.get("item_id")), data.get("delta"))
