@@ -329,8 +329,10 @@ def test_a_chunk_whose_data_opens_with_a_byte_order_mark_ends_the_stream_unrelay
     assert out == HELLO and relay.failure is None and relay.done
 
 
-@pytest.mark.parametrize("before", [b"\xef\xbb\xbf", b"\n\n", b"event: ping\n\n", b"id: 1\n\n", b": hi\n\n"],
-                         ids=["a second mark", "blank lines", "a named event", "an id", "a comment"])
+@pytest.mark.parametrize("before", [b"\xef\xbb\xbf", b"\n\n", b"event: ping\n\n", b"id: 1\n\n", b": hi\n\n",
+                                    b"id: 1\n", b"retry: 5\n", b"id: 1\r", b"x: y\n"],
+                         ids=["a second mark", "blank lines", "a named event", "an id", "a comment",
+                              "an id in its event", "a retry in its event", "an id, CR framed", "a field in its event"])
 def test_a_line_opened_by_a_byte_order_mark_after_the_streams_start_is_never_relayed(before):
     """Past the stream's start, a mark makes a line no field a client knows, unless it becomes
     the first bytes of the gateway's own stream, where the client's reader drops it and reads
@@ -348,3 +350,9 @@ def test_a_text_that_is_a_number_no_json_reader_takes_is_counted_as_sent(value):
     chunk = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":' + value + b'},"finish_reason":null}]}\n\n'
     out, relay = relay_all([HELLO, chunk * 50, DONE])
     assert out == HELLO + chunk * 50 and relay.relayed_tokens >= 51
+
+
+def test_only_the_line_a_mark_opens_is_dropped_the_rest_of_its_event_is_read():
+    """A client ignores the line (a field it does not know) and reads the rest of the event."""
+    out, relay = relay_all([HELLO, b"\xef\xbb\xbfx: y\n" + HELLO, DONE])
+    assert out == HELLO + HELLO and relay.relayed_texts == 2 and relay.failure is None

@@ -31,15 +31,11 @@ KEEPALIVE = b": keepalive\n\n"
 # A byte order mark may open a stream (the SSE format drops it) but no event's data: the SDKs'
 # JSON readers refuse it there, raising no APIError, so such an event ends the stream unrelayed
 MISPLACED_BOM = "it sent a byte order mark where no client reads one"
-_DATA_BOM = re.compile(rb"data:[ \t]*" + BOM)
+# a line a byte order mark opens, past the stream's start: a field no client knows, but one a
+# client would read as what follows the mark if it opened the gateway's own stream
+_BOM_LINE = re.compile(rb"^" + BOM + rb"[^\n]*\n?", re.MULTILINE)
 # what may come before a byte order mark at the start of an event's data (JSON's whitespace)
 _BEFORE_DATA = b" \t\r\n"
-
-
-def _data_opens_with_bom(payload: bytes) -> bool:
-    if payload.startswith(BOM):
-        return True
-    return payload[:1] in _BEFORE_DATA and payload.lstrip(_BEFORE_DATA).startswith(BOM)
 
 # a JSON string's content, not empty, up to its closing quote: a character or an escape, then
 # runs of characters between escapes (one repeat of a character class per run, not an
@@ -227,10 +223,14 @@ class SseRelay:
             event = event.strip(b"\n")
             if not event:
                 continue
-            ascii_only = event.isascii()
-            if not ascii_only:  # a whole event: no sequence is cut at its ends; the bound is on what was sent
+            if not event.isascii():  # a whole event: no sequence is cut at its ends; the bound is on what was sent
                 event = as_utf8(event)
-            if plain and (ascii_only or _DATA_BOM.match(event) is None) and self._taken_as_sent(event):
+                if event.find(BOM) >= 0:
+                    unmarked = self._unmarked(event)
+                    if unmarked is None:
+                        continue  # nothing left, or the stream's end (the loop stops at `done`)
+                    event = unmarked
+            if plain and self._taken_as_sent(event):
                 out.append(event)
                 out.append(b"\n\n")
                 continue
@@ -384,6 +384,19 @@ class SseRelay:
         self._pending, self._pending_size = [], 0
         raise EventTooLarge(f"an SSE event over {self._max_event_bytes} bytes", relayed=b"".join(before or ()))
 
+    def _unmarked(self, event: bytes) -> bytes | None:
+        """An event holding a byte order mark (past the stream's start: `_start` drops one there)
+        without the lines one opens, which are never relayed; None if nothing is left, or if its
+        data opens with one, after JSON's whitespace or not, which ends the stream (`_failed`).
+        A mark within a line is text like any other."""
+        event = _BOM_LINE.sub(b"", event).strip(b"\n")
+        if not event:
+            return None
+        payload = data_of(event)
+        if payload is not None and payload.lstrip(_BEFORE_DATA).startswith(BOM):
+            return self._failed(MISPLACED_BOM)
+        return event
+
     def _event(self, event: bytes) -> bytes | None:
         """One upstream event: relayed as it came, unless it is [DONE] or carries usage.
 
@@ -392,16 +405,9 @@ class SseRelay:
         """
         if self.done:
             return None  # nothing after the stream's end ([DONE]) is relayed
-        if event.startswith(BOM):
-            # past the stream's start (`_start` drops one there) a line so opened is a field no
-            # client knows, but it would be read as what follows the mark if it opened the
-            # gateway's own stream: never relayed, as a field no client reads is not
-            return None
         if event.find(b"\n") < 0:  # one line (nearly every event): data, or a comment
             if event.startswith(b"data:"):
                 payload = event[5:].lstrip(b" ")
-                if _data_opens_with_bom(payload):
-                    return self._failed(MISPLACED_BOM)
                 # empty data is no chunk, and the Python SDK raises on reading it as JSON
                 return self._payload(event, payload) if payload.strip() else None
             if event == b"data":  # a data field with no value: empty data too
@@ -421,8 +427,6 @@ class SseRelay:
             return None if _EVENT_FIELD.search(event) else event
         if not payload.strip():
             return None  # empty data: no chunk, and the Python SDK raises on reading it as JSON
-        if _data_opens_with_bom(payload):
-            return self._failed(MISPLACED_BOM)
         return self._payload(event, payload)
 
     def _payload(self, event: bytes, payload: bytes) -> bytes | None:
