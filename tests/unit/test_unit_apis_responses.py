@@ -618,3 +618,14 @@ def test_an_event_whose_data_opens_with_a_byte_order_mark_is_never_relayed(data)
     piece = b"event: " + data["type"].encode() + b"\ndata: \xef\xbb\xbf" + json.dumps(data).encode() + b"\n\n"
     out, relay = relayed(DELTA + piece + COMPLETED)
     assert out == DELTA and relay.failure and relay.final is None
+
+
+@pytest.mark.parametrize("delta", ["", "delta"], ids=["empty", "the word"])
+def test_a_string_delta_beside_an_unreadable_field_counts_as_the_string(delta):
+    """A delta event is read as JSON only when a delta in it is no string: an empty delta, or
+    the word "delta" as the text, beside logprobs no JSON reader here takes (-Infinity), billed
+    the whole event as text (about 90 tokens for one)."""
+    piece = (b'data: {"type":"response.output_text.delta","item_id":"m","delta":' + json.dumps(delta).encode()
+             + b',"logprobs":[{"token":"x","logprob":-Infinity,"top_logprobs":[]}]}\n\n')
+    out, relay = relayed(piece)
+    assert out == piece and relay.relayed_tokens == (1 if delta else 0)

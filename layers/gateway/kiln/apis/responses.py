@@ -48,6 +48,8 @@ _ERROR = re.compile(rb'"type"\s*:\s*"error"')
 # the request's metadata, whose values may be under a key "delta"
 _DELTA = re.compile(rb'"delta"\s*:\s*"(' + NON_EMPTY_STRING + rb')"')
 _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
+# a delta that is no string (an array, an object, a number, NaN), read as JSON (`_text_of`)
+_UNSTRUNG_DELTA = re.compile(rb'"delta"\s*:\s*[^"\s]')
 
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})[\s,}]')
 _ITEM_ID = re.compile(rb'"item_id"\s*:\s*"(' + STRING + rb')"')
@@ -607,7 +609,8 @@ class ResponsesRelay(SseRelay):
             return event
         if kind_found is not None:  # a delta's text; `"delta"` elsewhere (an echo) is not
             found = _DELTA.findall(payload)
-            if len(found) == payload.count(b'"delta"'):  # every delta a string (nearly every event)
+            if len(found) == payload.count(b'"delta"') or _UNSTRUNG_DELTA.search(payload) is None:
+                # every delta a string (nearly every event; an empty one, or the word, is found once)
                 self._delta_of(_raw_item(payload), found)
             else:
                 # a delta that is no string (an array, an object, a number, NaN), or a string one
