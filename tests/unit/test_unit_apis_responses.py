@@ -629,3 +629,14 @@ def test_a_string_delta_beside_an_unreadable_field_counts_as_the_string(delta):
              + b',"logprobs":[{"token":"x","logprob":-Infinity,"top_logprobs":[]}]}\n\n')
     out, relay = relayed(piece)
     assert out == piece and relay.relayed_tokens == (1 if delta else 0)
+
+
+@pytest.mark.parametrize("beside", [b',"meta":{"delta":"' + b"word " * 200 + b'"}', b',"\\"delta":"' + b"word " * 200 + b'"'],
+                         ids=["within another field", "a key that ends in it"])
+def test_an_empty_delta_counts_nothing_whatever_other_strings_are_named_delta(beside):
+    """The client's delta is the event's own: an empty one is no text, though a string under
+    another `delta` key (nested, or a key spelled to end in it) was counted, 250 tokens."""
+    piece = b'data: {"type":"response.output_text.delta","item_id":"m","delta":""' + beside + b"}\n\n"
+    json.loads(piece[len(b"data: "):])  # JSON a client reads
+    out, relay = relayed(piece)
+    assert out == piece and relay.relayed_tokens == 0 and relay.fewest_tokens == 0

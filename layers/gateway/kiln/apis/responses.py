@@ -609,17 +609,20 @@ class ResponsesRelay(SseRelay):
             return event
         if kind_found is not None:  # a delta's text; `"delta"` elsewhere (an echo) is not
             found = _DELTA.findall(payload)
-            if len(found) == payload.count(b'"delta"') or _UNSTRUNG_DELTA.search(payload) is None:
-                # every delta a string (nearly every event; an empty one, or the word, is found once)
+            if len(found) == payload.count(b'"delta"'):  # every delta a non-empty string (nearly every event)
                 self._delta_of(_raw_item(payload), found)
             else:
-                # a delta that is no string (an array, an object, a number, NaN), or a string one
-                # beside or within one: read as the client reads it, its object's last `delta`
+                # an empty delta, one that is no string (an array, an object, a number, NaN), or a
+                # string one beside or within another: read as the client reads it, its object's
+                # last `delta`
                 data = parse_json(payload)
                 if isinstance(data, dict):
                     self._delta_value(_item_key(data.get("item_id")), data.get("delta"))
-                else:  # not JSON the gateway reads, though a client's parser may: its bytes, as a text
+                elif _UNSTRUNG_DELTA.search(payload) is not None:
+                    # not JSON the gateway reads, though a client's parser may: its bytes, as a text
                     self._delta_of(_raw_item(payload), [payload])
+                else:  # unreadable beside its deltas (logprobs of -Infinity), each a string: those
+                    self._delta_of(_raw_item(payload), found)
         number = _SEQUENCE.search(payload)
         self.next_sequence = int(number[1]) + 1 if number else self.next_sequence + 1
         return event
