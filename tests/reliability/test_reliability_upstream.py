@@ -295,7 +295,9 @@ def test_a_backend_refusing_connections_is_skipped_then_comes_back_after_it_reco
     port = free_port()
     pair = model("recovering-model", [{"name": "flaky", "url": f"http://127.0.0.1:{port}/v1"},
                                       {"name": "b", "url": mock.url}])
-    stack, changes = production_health(stack_factory, mock, pair, backend_cooldown_seconds=0.5)
+    # a cooldown the three requests after the third refusal fit in on a loaded machine (at 0.5 s
+    # the sixth once came after it, and probed flaky)
+    stack, changes = production_health(stack_factory, mock, pair, backend_cooldown_seconds=3.0)
     org_id, key = stack.org()
     body = {"model": "recovering-model", "messages": MESSAGES}
     mark = len(TELEMETRY.text())
@@ -307,7 +309,7 @@ def test_a_backend_refusing_connections_is_skipped_then_comes_back_after_it_reco
     assert stack.gateway.upstream.health.out_of_service() == ["flaky"]
     server = ServerThread(MockUpstream(), port=port).start()  # flaky recovers
     try:
-        time.sleep(0.6)
+        time.sleep(3.1)
         served_by = []
         for _ in range(3):
             assert stack.post(CHAT, body, key).status_code == 200
