@@ -50,7 +50,6 @@ _DELTA = re.compile(rb'"delta"\s*:\s*"(' + NON_EMPTY_STRING + rb')"')
 _DELTA_EVENT = re.compile(rb'"type"\s*:\s*"response\.([a-z_.]+)\.delta"')
 # a delta that is no string (an array, an object, a number, NaN), read as JSON (`_text_of`)
 _UNSTRUNG_DELTA = re.compile(rb'"delta"\s*:\s*[^"\s]')
-
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})[\s,}]')
 _ITEM_ID = re.compile(rb'"item_id"\s*:\s*"(' + STRING + rb')"')
 # an event that may end the stream or give texts whole (a text, part or output item when it is
