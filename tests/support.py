@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import botocore.session
@@ -83,6 +84,13 @@ def catalog_for_tests(mock_url: str) -> dict[str, Any]:
         model("renamed-model", [{"name": "b", "url": mock_url, "model": "served-name"}]),
     ]
     return document
+
+
+# the context Lambda hands a function's handler, as the functions' tests invoke them
+LAMBDA_CONTEXT = SimpleNamespace(
+    function_name="kiln-chat", aws_request_id="2f1c9e3a-1111-4c2b-9d8e-5a6b7c8d9e0f", memory_limit_in_mb=1024,
+    invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:kiln-chat", get_remaining_time_in_millis=lambda: 29000,
+)
 
 
 class StorageFaults:

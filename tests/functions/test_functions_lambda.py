@@ -22,13 +22,10 @@ import pytest
 from kiln.web import openapi_path
 from kiln_ops.serve import free_port
 from kiln_ops.template import repo_root
+from support import LAMBDA_CONTEXT as CONTEXT
 from support import data_events
 
 EVENTS = Path(__file__).resolve().parents[1] / "events"
-CONTEXT = SimpleNamespace(
-    function_name="kiln-chat", aws_request_id="2f1c9e3a-1111-4c2b-9d8e-5a6b7c8d9e0f", memory_limit_in_mb=1024,
-    invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:kiln-chat", get_remaining_time_in_millis=lambda: 29000,
-)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import json
 import re
 import time
 from decimal import Decimal
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -824,7 +823,7 @@ def test_a_disabled_orgs_dead_lease_costs_no_call_its_functions_role_refuses(sta
     import kiln.gateway
     from kiln.aws import AwsClient
     from kiln.store.orgs import set_status
-    from support import FaultInjectingHttp, StorageFaults
+    from support import LAMBDA_CONTEXT, FaultInjectingHttp, StorageFaults
 
     stack = stack_factory(lease_ttl_seconds=0.5, lease_renew_seconds=0.2)
     org_id, secret = stack.org(credits="1", concurrency=4)
@@ -843,10 +842,7 @@ def test_a_disabled_orgs_dead_lease_costs_no_call_its_functions_role_refuses(sta
     module.app.state._state.pop("gateway", None)
     try:
         route = next(route for route in endpoint.routes if "{" not in route.path)
-        response = module.handler(_event_for(route, secret), SimpleNamespace(
-            function_name="kiln", aws_request_id="2f1c9e3a-1111-4c2b-9d8e-5a6b7c8d9e0f", memory_limit_in_mb=512,
-            invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:kiln",
-            get_remaining_time_in_millis=lambda: 29000))
+        response = module.handler(_event_for(route, secret), LAMBDA_CONTEXT)
         assert response["statusCode"] == 403, response
         # what the request left to run beside it runs on in the environment's loop (the next invocation)
         asyncio.get_event_loop().run_until_complete(asyncio.sleep(1.0))
